@@ -1,0 +1,26 @@
+# The two commands a fresh machine needs: `make demo` (train + evaluate on the embedded toy target) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specdraft-installed
+
+.PHONY: demo test install clean
+
+# (Re)install when pyproject.toml changes. torch==2.13.0 is pinned in pyproject.toml: on CPU machines pip finds
+# the local CPU wheel; GPU users install their CUDA torch build first (see README).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Extra Hydra overrides: make demo ARGS="trainer.steps=100"
+demo: $(STAMP)
+	$(PY) -m train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs outputs .pytest_cache

@@ -1,0 +1,112 @@
+"""The frozen target model, seen as a teacher: logits plus the hidden states a drafter asks for.
+
+Hidden-state index convention (the one every drafter config uses; engines differ by one here, so it is stated
+once): index ``i`` is Hugging Face's ``output_hidden_states[i]`` — 0 is the embedding output, ``i`` in 1..L is the
+output of decoder layer ``i`` (1-based), and ``L`` (= ``num_layers``) is the last layer's output *after* the final
+norm, i.e. exactly what the lm_head reads. ``-1`` is accepted as an alias for ``L``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TeacherOutput:
+    logits_BTV: Tensor
+    hidden: dict[int, Tensor] = field(default_factory=dict)  # layer index -> [B, T, D]
+
+
+class Teacher:
+    """Wraps a causal LM: eval mode, no grad, parameters frozen, never handed to an optimizer."""
+
+    def __init__(self, model: nn.Module, tokenizer, name: str = "", revision: str | None = None):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.revision = revision
+        config = model.config
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.num_layers: int = config.num_hidden_layers
+        self.max_positions: int = getattr(config, "max_position_embeddings", 0) or 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def resolve_layer(self, index: int) -> int:
+        """Map a configured hidden-state index to HF's ``hidden_states`` index (see the module docstring)."""
+        resolved = self.num_layers if index == -1 else index
+        if not 0 <= resolved <= self.num_layers:
+            raise ValueError(
+                f"hidden-state index {index} is out of range for a target with {self.num_layers} layers; "
+                f"valid: 0..{self.num_layers} (or -1 for the final, normed output)"
+            )
+        return resolved
+
+    def identity(self) -> dict:
+        """What a saved drafter records about the target it was trained for (checked again at load time)."""
+        return {
+            "name": self.name,
+            "revision": self.revision,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+        }
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Sequence[int] = ()) -> TeacherOutput:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=bool(layers),
+            use_cache=False,
+        )
+        hidden = {i: out.hidden_states[self.resolve_layer(i)] for i in layers}
+        return TeacherOutput(logits_BTV=out.logits, hidden=hidden)
+
+
+def load_teacher(target_cfg: Mapping, device: str | torch.device = "cpu") -> Teacher:
+    """Build the frozen target named by ``cfg.target``: the embedded toy model or a hub checkpoint."""
+    source = target_cfg["source"]
+    dtype_name = target_cfg.get("dtype", "float32")
+    if dtype_name not in DTYPES:
+        raise ValueError(f"target.dtype={dtype_name!r} is not supported; valid: {sorted(DTYPES)}")
+    if source == "toy":
+        from distill.toy import load_or_build_toy_target
+
+        model, tokenizer = load_or_build_toy_target(target_cfg["toy"], cache_dir=target_cfg.get("cache_dir"))
+    elif source == "hf":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        name, revision = target_cfg["name"], target_cfg.get("revision")
+        trust = bool(target_cfg.get("trust_remote_code", False))
+        log.info("loading target %s (revision %s, %s)", name, revision, dtype_name)
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(
+            name, revision=revision, dtype=DTYPES[dtype_name], trust_remote_code=trust
+        )
+    else:
+        raise ValueError(f"target.source={source!r} is not known; valid: 'toy' (embedded stdlib model) or 'hf' (hub name or local path)")
+    model = model.to(device=device, dtype=DTYPES[dtype_name])
+    return Teacher(model, tokenizer, name=target_cfg["name"], revision=target_cfg.get("revision"))

@@ -1,0 +1,22 @@
+"""Entry point: ``python -m eval drafter_path=<dir>`` (a trained drafter) or ``python -m eval drafter=lookup``."""
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from train.config import register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from eval.run import run_eval
+
+    hydra_cfg = HydraConfig.get()
+    overrides_target = any(o.split("=")[0].lstrip("+~").startswith("target") for o in hydra_cfg.overrides.task)
+    run_eval(cfg, hydra_cfg.runtime.output_dir, use_saved_target=not overrides_target)
+
+
+if __name__ == "__main__":
+    main()

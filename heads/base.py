@@ -1,0 +1,190 @@
+"""The one interface the training loop and the speculative decoder use for every drafter kind.
+
+Training:  ``drafter(batch, teacher_out) -> DraftOutput`` — per draft position k, the student's logits and the
+           teacher logits they are distilled toward, with a mask and a weight; the loop applies the configured
+           loss to each term, so no drafter hard-codes its divergence.
+Decoding:  ``reset()`` for a new sequence, ``observe(hidden)`` with the target's hidden states of every newly
+           committed position, ``propose(tokens, k)`` for up to k draft tokens continuing ``tokens``.
+Saving:    ``save_drafter`` / ``load_drafter`` write and read a directory of ``model.safetensors`` +
+           ``config.json`` (the drafter's Hydra node, the target dims it was built for, the target identity).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from hydra.utils import instantiate
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+FORMAT = "specdraft-drafter"
+FORMAT_VERSION = 1
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+LossFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class TargetDims:
+    """The target's sizes a drafter is built for (passed at instantiation; checked again at load time)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+
+@dataclass
+class DraftTerm:
+    student_NV: Tensor  # drafter logits at the masked positions
+    teacher_NV: Tensor  # teacher logits for the same future token
+    weight: float = 1.0
+
+
+@dataclass
+class DraftOutput:
+    terms: list[DraftTerm]  # one per draft position (Medusa head k, EAGLE step k, ...)
+    num_valid: Tensor  # positions the loss is normalised by (the first term's count)
+    aux_loss_sum: Tensor | None = None  # non-distillation loss already summed over valid positions
+
+    def loss(self, loss_fn: LossFn) -> tuple[Tensor, Tensor]:
+        """(loss_sum, num_valid): the weighted sum of every term's divergence plus the auxiliary loss."""
+        total = self.aux_loss_sum if self.aux_loss_sum is not None else self.num_valid.new_zeros((), dtype=torch.float32)
+        for term in self.terms:
+            mask = torch.ones(term.student_NV.shape[:-1], dtype=torch.bool, device=term.student_NV.device)
+            total = total + term.weight * loss_fn(term.student_NV, term.teacher_NV, mask)[0]
+        return total, self.num_valid
+
+    @torch.no_grad()
+    def top1_agreement(self) -> list[tuple[Tensor, Tensor]]:
+        """Per term (correct, count): how often the drafter's argmax equals the teacher's."""
+        return [
+            ((t.student_NV.argmax(-1) == t.teacher_NV.argmax(-1)).sum(), torch.tensor(t.student_NV.shape[0]))
+            for t in self.terms
+        ]
+
+
+class Drafter(nn.Module):
+    """Base class. Subclasses set ``teacher_layers`` (hidden-state indices, see ``distill.teacher``)."""
+
+    name: str = "drafter"  # how reports label it
+    teacher_layers: tuple[int, ...] = ()
+
+    def __init__(self, dims: TargetDims | Mapping[str, int]):
+        super().__init__()
+        self.dims = dims if isinstance(dims, TargetDims) else TargetDims(**dims)
+
+    def bind_target(self, teacher, initialize: bool) -> None:
+        """Attach frozen pieces of the target; when ``initialize``, copy initial weights from it."""
+
+    # --- decoding ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the previous sequence."""
+
+    def observe(self, hidden: dict[int, Tensor]) -> None:
+        """Target hidden states ([1, m, D] per requested layer) of the positions just committed."""
+
+    def propose(self, tokens: Tensor, max_tokens: int) -> Tensor:
+        """Up to ``max_tokens`` draft token ids (1-D LongTensor, may be empty) continuing ``tokens`` ([1, n])."""
+        raise NotImplementedError
+
+
+# --- save / load -------------------------------------------------------------------------------------------
+
+
+def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Fill a temporary sibling directory with ``write(tmp)``, then swap it into place.
+
+    A crash mid-write leaves the previous directory (or nothing) at ``path``, never a half-written one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        write(tmp)
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return path
+
+
+def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping[str, Any], target_cfg: Mapping[str, Any],
+                 target_identity: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> Path:
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "drafter": dict(drafter_cfg),
+        "dims": asdict(drafter.dims),
+        "target": dict(target_identity),
+        "target_config": dict(target_cfg),
+        **(dict(extra) if extra else {}),
+    }
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        if tensors:
+            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
+
+    return write_dir_atomically(path, write)
+
+
+def read_drafter_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    cfg_file = path / CONFIG
+    if not cfg_file.is_file():
+        raise FileNotFoundError(
+            f"drafter_path={str(path)!r} has no {CONFIG}; point drafter_path at a directory written by "
+            f"`python -m train` (<run dir>/drafter)"
+        )
+    config = json.loads(cfg_file.read_text())
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{cfg_file} is not a specdraft drafter config (format={config.get('format')!r})")
+    return config
+
+
+def build_drafter(drafter_cfg: Mapping[str, Any], teacher) -> Drafter:
+    dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
+    return instantiate(dict(drafter_cfg), dims=dims, _convert_="all")
+
+
+def load_drafter(path: str | os.PathLike, teacher) -> Drafter:
+    """Rebuild a saved drafter for ``teacher``; refuse a checkpoint made for a target of other sizes."""
+    path = Path(path)
+    config = read_drafter_config(path)
+    saved = TargetDims(**config["dims"])
+    actual = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
+    for name in ("vocab_size", "hidden_size", "num_layers"):
+        if getattr(saved, name) != getattr(actual, name):
+            raise ValueError(
+                f"drafter at {path} was trained for a target with {name}={getattr(saved, name)}, but the target "
+                f"{teacher.name!r} has {name}={getattr(actual, name)}; evaluate it against the target it was trained "
+                f"for (target config saved in {path / CONFIG}) or retrain"
+            )
+    drafter = build_drafter(config["drafter"], teacher)
+    drafter.bind_target(teacher, initialize=False)
+    expected = drafter.state_dict()
+    if expected:
+        weights = path / WEIGHTS
+        if not weights.is_file():
+            raise FileNotFoundError(f"{weights} is missing; the drafter directory {path} is incomplete")
+        state = load_file(str(weights))
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{weights} does not match {config['drafter'].get('_target_')}: missing {missing}, unexpected {unexpected}")
+        drafter.load_state_dict(state, strict=True)
+    return drafter.to(teacher.device).eval()

@@ -1,0 +1,46 @@
+"""Prompt lookup (n-gram) drafting: no weights, no training; the baseline every report shows.
+
+Which token each output predicts: if the last n tokens (n from ``max_ngram`` down to ``min_ngram``) occurred
+earlier in the sequence, the tokens that followed that earlier occurrence are proposed as the next tokens. Of
+several occurrences, the most recent one that is followed by a full draft wins (recent text is the best guess);
+if none is, the earliest (the longest continuation: in a repeating pattern the most recent match is followed
+by only one token).
+
+Shapes: tokens [1, n] -> draft [k] with 0 <= k <= max_tokens (empty when nothing matches: a plain decode step).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from heads.base import DraftOutput, Drafter, TargetDims
+
+
+class PromptLookup(Drafter):
+    name = "lookup"
+
+    def __init__(self, dims: TargetDims | Mapping[str, int], max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__(dims)
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"drafter.min_ngram and drafter.max_ngram need 1 <= min <= max, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def forward(self, batch, teacher_out) -> DraftOutput:
+        raise TypeError("drafter=lookup has nothing to train; run `python -m eval drafter=lookup` instead")
+
+    @torch.no_grad()
+    def propose(self, tokens: Tensor, max_tokens: int) -> Tensor:
+        seq = tokens[0]
+        n_tokens = seq.shape[0]
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            # All windows of length n that end before the final n-gram itself, compared at once.
+            windows = seq[: n_tokens - 1].unfold(0, n, 1)  # [n_tokens - n, n]
+            starts = (windows == seq[-n:]).all(dim=1).nonzero().flatten() + n  # token after each match
+            if starts.numel():
+                full = starts[starts + max_tokens <= n_tokens]
+                start = int(full[-1]) if full.numel() else int(starts[0])
+                return seq[start : start + max_tokens]
+        return seq.new_empty(0)

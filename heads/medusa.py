@@ -1,0 +1,103 @@
+"""Medusa-1 heads: K small residual MLPs on the target's last hidden state, each with its own vocab projection.
+
+Which token each output predicts (heads are numbered k = 1..K; index i = k - 1 in code):
+    the target's own lm_head at position t predicts token t+1; Medusa head k at position t predicts token t+k+1.
+
+Shape legend:  B batch, T sequence, D target hidden size, V vocabulary, K number of heads.
+    hidden_BTD (target hidden state after the final norm, hidden-state index -1)
+      -> head k: [ResBlock] * num_layers (separate weights) -> Linear(D, V) -> logits_BTV
+
+Training target: head k at position t is distilled toward the teacher's distribution for token t+k+1, which is the
+teacher's logits at position t+k; weights decay as ``loss_decay ** (k - 1)`` (Medusa's 0.8^k schedule).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from distill.teacher import TeacherOutput
+from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), with W and b zero-initialised so a fresh head starts as the target's own lm_head."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(Drafter):
+    name = "medusa"
+    teacher_layers = (-1,)
+
+    def __init__(self, dims: TargetDims | Mapping[str, int], num_heads: int = 4, num_layers: int = 1,
+                 loss_decay: float = 0.8):
+        super().__init__(dims)
+        if num_heads < 1:
+            raise ValueError(f"drafter.num_heads must be >= 1, got {num_heads}")
+        if num_layers < 0:
+            raise ValueError(f"drafter.num_layers must be >= 0, got {num_layers}")
+        if not 0 < loss_decay <= 1:
+            raise ValueError(f"drafter.loss_decay must be in (0, 1], got {loss_decay}")
+        D, V = self.dims.hidden_size, self.dims.vocab_size
+        self.num_heads, self.loss_decay = num_heads, loss_decay
+        # Each head and each block is built separately: `[block] * n` would share one set of weights.
+        self.heads = nn.ModuleList(
+            nn.Sequential(*(ResBlock(D) for _ in range(num_layers)), nn.Linear(D, V, bias=False))
+            for _ in range(num_heads)
+        )
+        self._last_hidden_1D: Tensor | None = None
+
+    def bind_target(self, teacher, initialize: bool) -> None:
+        if initialize:
+            # Start every head's projection at the target's lm_head (copied, not shared: heads train it).
+            lm_head = teacher.lm_head.weight.detach()
+            for head in self.heads:
+                head[-1].weight.data.copy_(lm_head.to(head[-1].weight.dtype))
+
+    def head_logits(self, hidden_BTD: Tensor) -> list[Tensor]:
+        return [head(hidden_BTD) for head in self.heads]
+
+    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput) -> DraftOutput:
+        hidden_BTD = teacher_out.hidden[-1]
+        teacher_BTV = teacher_out.logits_BTV
+        valid_BT = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        T = hidden_BTD.shape[1]
+        terms = []
+        for i, head in enumerate(self.heads):
+            shift = i + 1  # head k = i + 1 at t is compared with teacher logits at t + k (predicting t + k + 1)
+            if T <= shift + 1:
+                break
+            # Position t is trained when the token it predicts, t + shift + 1, is a real, loss-bearing token.
+            mask_BT = valid_BT[:, shift + 1:]
+            student_NV = head(hidden_BTD[:, : T - shift - 1][mask_BT])
+            teacher_NV = teacher_BTV[:, shift : T - 1][mask_BT]
+            terms.append(DraftTerm(student_NV, teacher_NV, weight=self.loss_decay**i))
+        num_valid = valid_BT[:, 2:].sum() if T > 2 else valid_BT.new_zeros((), dtype=torch.long)
+        return DraftOutput(terms=terms, num_valid=num_valid)
+
+    # --- decoding ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._last_hidden_1D = None
+
+    def observe(self, hidden: dict[int, Tensor]) -> None:
+        # Only the newest position matters: its lm_head output is the pending (bonus) token, and its heads
+        # predict the tokens after that.
+        self._last_hidden_1D = hidden[-1][:, -1]
+
+    @torch.no_grad()
+    def propose(self, tokens: Tensor, max_tokens: int) -> Tensor:
+        if self._last_hidden_1D is None:
+            raise RuntimeError("MedusaHeads.propose called before observe(); the decoder must prefill first")
+        k = min(max_tokens, self.num_heads)
+        h = self._last_hidden_1D.to(self.heads[0][-1].weight.dtype)
+        return torch.stack([self.heads[i](h).argmax(-1)[0] for i in range(k)])

@@ -1,0 +1,77 @@
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distill.losses import forward_kl
+
+
+def test_zero_when_student_equals_teacher():
+    logits = torch.randn(5, 7, 50)
+    loss, n = forward_kl(logits, logits.clone(), torch.ones(5, 7, dtype=torch.bool))
+    assert n == 35
+    assert loss.abs() < 1e-5
+
+
+def test_matches_kl_div_and_is_positive():
+    torch.manual_seed(0)
+    s, t = torch.randn(4, 6, 30), torch.randn(4, 6, 30)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    loss, n = forward_kl(s, t, mask)
+    p = F.softmax(t, -1)
+    direct = (p * (F.log_softmax(t, -1) - F.log_softmax(s, -1))).sum()
+    torch.testing.assert_close(loss, direct, rtol=1e-5, atol=1e-5)
+    assert loss > 0 and n == 24
+
+
+def test_temperature_scaling():
+    torch.manual_seed(1)
+    s, t = torch.randn(3, 20), torch.randn(3, 20)
+    mask = torch.ones(3, dtype=torch.bool)
+    loss, _ = forward_kl(s, t, mask, temperature=2.0)
+    ref = F.kl_div(F.log_softmax(s / 2, -1), F.log_softmax(t / 2, -1), log_target=True, reduction="sum") * 4
+    torch.testing.assert_close(loss, ref)
+    with pytest.raises(ValueError, match="temperature"):
+        forward_kl(s, t, mask, temperature=0.0)
+
+
+def test_mask_respected():
+    torch.manual_seed(2)
+    s, t = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, :3] = True
+    loss, n = forward_kl(s, t, mask)
+    ref, _ = forward_kl(s[0, :3], t[0, :3], torch.ones(3, dtype=torch.bool))
+    assert n == 3
+    torch.testing.assert_close(loss, ref)
+    # Changing masked-out logits changes nothing.
+    s2 = s.clone()
+    s2[1] += 100
+    torch.testing.assert_close(forward_kl(s2, t, mask)[0], loss)
+
+
+def test_bf16_inputs_computed_in_float32():
+    torch.manual_seed(3)
+    s, t = torch.randn(4, 100), torch.randn(4, 100)
+    mask = torch.ones(4, dtype=torch.bool)
+    loss16, _ = forward_kl(s.bfloat16(), t.bfloat16(), mask)
+    loss32, _ = forward_kl(s.bfloat16().float(), t.bfloat16().float(), mask)
+    assert loss16.dtype == torch.float32
+    torch.testing.assert_close(loss16, loss32)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="mask shape"):
+        forward_kl(torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="differ"):
+        forward_kl(torch.randn(2, 4), torch.randn(2, 5), torch.ones(2, dtype=torch.bool))
+
+
+def test_partial_from_config_matches_direct_call():
+    from hydra.utils import instantiate
+
+    fn = instantiate({"_target_": "distill.losses.forward_kl", "_partial_": True, "temperature": 1.0})
+    assert isinstance(fn, functools.partial)
+    s, t, m = torch.randn(3, 9), torch.randn(3, 9), torch.ones(3, dtype=torch.bool)
+    torch.testing.assert_close(fn(s, t, m)[0], forward_kl(s, t, m)[0])

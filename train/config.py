@@ -1,0 +1,175 @@
+"""Typed schema for the Hydra config, and one ``validate(cfg)`` for the checks that span fields.
+
+The schema is registered in Hydra's ConfigStore as ``base_config``; ``conf/config.yaml`` lists it first in its
+defaults, so a misspelt key (``trainer.lrr=1e-3``) fails at start-up instead of being ignored. ``drafter`` and
+``loss`` are free-form mappings because each plugs in by ``_target_``; ``validate`` checks their keys against the
+signature of the class or function they name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+
+@dataclass
+class ToyTargetConfig:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 4
+    num_heads: int = 4
+    max_seq_len: int = 256
+    steps: int = 2000
+    batch_size: int = 16
+    lr: float = 4e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    seed: int = 0
+    corpus_max_bytes: Optional[int] = None
+    autocast_bf16: bool = True
+
+
+@dataclass
+class TargetConfig:
+    source: str = "toy"  # toy (built here from the stdlib) | hf (hub name or local path)
+    name: str = "specdraft/toy-stdlib"
+    revision: Optional[str] = None
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    cache_dir: Optional[str] = None  # toy targets: default $SPECDRAFT_CACHE or ~/.cache/specdraft
+    toy: ToyTargetConfig = field(default_factory=ToyTargetConfig)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | file | hub
+    path: Optional[str] = None
+    hub_name: Optional[str] = None
+    hub_split: str = "train"
+    text_field: str = "text"
+    format: str = "auto"  # auto | sharegpt | text
+    max_length: int = 256
+    packing: bool = True
+    max_examples: Optional[int] = None
+    chat_template: str = "auto"  # auto | none
+    assistant_only_loss: bool = True
+    corpus_max_bytes: Optional[int] = None
+
+
+@dataclass
+class TrainerConfig:
+    engine: str = "single"
+    device: str = "auto"  # auto | cpu | cuda
+    steps: int = 600
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    bf16: bool = True  # autocast where the device supports it
+    log_every: int = 20
+    ckpt_every: int = 200
+    keep_last: int = 2
+    resume: str = "auto"  # auto: continue from <run dir>/checkpoints/latest if present | never
+    num_threads: Optional[int] = None
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none (metrics.jsonl only) | wandb (metrics.jsonl + W&B)
+    project: str = "specdraft"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    mode: str = "offline"  # online | offline | disabled
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    prompts: Optional[str] = None  # a jsonl file (question.jsonl "turns", "prompt" or "text"); null: held-out stdlib
+    num_prompts: int = 20
+    prompt_tokens: int = 128
+    max_new_tokens: int = 96
+    num_draft: int = 4  # γ: draft tokens proposed per target forward
+    baselines: List[str] = field(default_factory=lambda: ["lookup"])
+    warmup_prompts: int = 1
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: Dict[str, Any] = field(default_factory=dict)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: Dict[str, Any] = field(default_factory=dict)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    drafter_path: Optional[str] = None  # python -m eval: the saved drafter directory to evaluate
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def _resolve_target(path: str, key: str):
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{key}._target_={path!r} cannot be imported ({e}); check the spelling in conf/{key}/") from e
+
+
+def _check_keys(node: DictConfig, key: str, runtime: tuple[str, ...] = ()) -> None:
+    """Keys of a ``_target_`` node must be parameters of what it names (runtime ones are passed in code)."""
+    if "_target_" not in node:
+        raise ValueError(f"{key} has no _target_; pick a preset, e.g. {key}=medusa")
+    params = inspect.signature(_resolve_target(node["_target_"], key)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [name for name in params if name not in runtime and name not in ("self", "student", "teacher", "mask")]
+    for name in node:
+        if not str(name).startswith("_") and name not in params:
+            raise ValueError(f"unknown key {key}.{name}; valid keys for {node['_target_']}: {sorted(valid)}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks, once, before anything is built."""
+    from train.engine import ENGINES
+
+    t = cfg.trainer
+    if t.engine not in ENGINES:
+        raise ValueError(f"trainer.engine={t.engine!r} is not available; valid: {sorted(ENGINES)}")
+    for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "ckpt_every"):
+        if t[name] < 1:
+            raise ValueError(f"trainer.{name} must be >= 1, got {t[name]}")
+    if t.resume not in ("auto", "never"):
+        raise ValueError(f"trainer.resume={t.resume!r}; valid: 'auto', 'never'")
+    if cfg.logger.name not in ("none", "wandb"):
+        raise ValueError(f"logger.name={cfg.logger.name!r}; valid: 'none', 'wandb'")
+    if cfg.eval.num_draft < 1:
+        raise ValueError(f"eval.num_draft must be >= 1, got {cfg.eval.num_draft}")
+    if cfg.drafter:
+        _check_keys(cfg.drafter, "drafter", runtime=("dims",))
+    if cfg.loss:
+        _check_keys(cfg.loss, "loss")
+    if cfg.target.source == "toy" and cfg.data.max_length > cfg.target.toy.max_seq_len:
+        raise ValueError(
+            f"data.max_length={cfg.data.max_length} exceeds the toy target's context "
+            f"target.toy.max_seq_len={cfg.target.toy.max_seq_len}; lower data.max_length"
+        )
+
+
+def to_container(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
