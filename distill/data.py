@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -33,20 +34,25 @@ VALID_SOURCES = ("stdlib", "file", "hub")
 VALID_FORMATS = ("auto", "sharegpt", "text")
 TEXT_SUFFIXES = (".txt", ".py")
 
-DEFAULTS: dict[str, Any] = {
-    "source": "stdlib",
-    "path": None,
-    "hub_name": None,
-    "hub_split": "train",
-    "text_field": "text",
-    "format": "auto",
-    "max_length": 256,
-    "packing": True,
-    "max_examples": None,
-    "chat_template": "auto",
-    "assistant_only_loss": True,
-    "corpus_max_bytes": None,
-}
+@dataclass
+class DataConfig:
+    """``data``: where training text comes from and how it becomes fixed-length rows (see module docstring)."""
+
+    source: str = "stdlib"  # stdlib | file | hub
+    path: Optional[str] = None  # source=file: .jsonl / .json / .txt / .py file, or a directory of .txt/.py
+    hub_name: Optional[str] = None  # source=hub: a datasets hub name
+    hub_split: str = "train"
+    text_field: str = "text"
+    format: str = "auto"  # auto | sharegpt | text
+    max_length: int = 256
+    packing: bool = True  # concatenate into full blocks; false: one example per row, right-padded
+    max_examples: Optional[int] = None
+    chat_template: str = "auto"  # auto: the tokenizer's template when it has one | none: plain "role: content"
+    assistant_only_loss: bool = True
+    corpus_max_bytes: Optional[int] = None  # source=stdlib: cap the corpus (smoke runs)
+
+
+DEFAULTS: dict[str, Any] = asdict(DataConfig())
 
 
 def _opt(data_cfg: Mapping, key: str) -> Any:
@@ -256,7 +262,9 @@ def _encode_texts(records: Sequence[Mapping], kinds: Sequence[str], tokenizer, t
     if not indices:
         return {}
     texts = [_text_of(records[i], i, text_field) for i in indices]
-    return {i: list(ids) for i, ids in zip(indices, tokenizer(texts, add_special_tokens=False)["input_ids"])}
+    # verbose=False: documents longer than the model context are expected here; packing cuts them into blocks.
+    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    return {i: list(ids) for i, ids in zip(indices, encoded)}
 
 
 def _text_of(record: Mapping, index: int, text_field: str) -> str:

@@ -10,14 +10,29 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
+from distill.toy import ToyTargetConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetConfig:
+    """``target``: which frozen model to distill from."""
+
+    source: str = "toy"  # toy (built here from the stdlib) | hf (hub name or local path)
+    name: str = "specdraft/toy-stdlib"
+    revision: Optional[str] = None
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    cache_dir: Optional[str] = None  # toy targets: default $SPECDRAFT_CACHE or ~/.cache/specdraft
+    toy: ToyTargetConfig = field(default_factory=ToyTargetConfig)
 
 
 @dataclass

@@ -29,7 +29,8 @@ import statistics
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from distill.corpus import corpus_fingerprint, stdlib_sources
 
 logger = logging.getLogger(__name__)
+
+Sources = list[tuple[str, str]]  # (relpath, text), as distill.corpus returns them
+PathArg = str | os.PathLike | None
 
 # Bump when the build recipe changes in a way that makes old caches wrong.
 FORMAT_VERSION = "toy-v1"
@@ -52,22 +56,27 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", BUILD_I
 _MAX_EVAL_BLOCKS = 64
 _EVAL_BATCH = 16
 
-DEFAULT_TOY_CFG: dict[str, Any] = {
-    "vocab_size": 4096,
-    "hidden_size": 256,
-    "intermediate_size": 704,
-    "num_layers": 4,
-    "num_heads": 4,
-    "max_seq_len": 256,
-    "steps": 2000,
-    "batch_size": 16,
-    "lr": 4e-3,
-    "warmup_steps": 100,
-    "weight_decay": 0.1,
-    "seed": 0,
-    "corpus_max_bytes": None,
-    "autocast_bf16": True,
-}
+@dataclass
+class ToyTargetConfig:
+    """``target.toy``: the toy target's architecture and pretraining budget (in steps, not minutes)."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 4
+    num_heads: int = 4
+    max_seq_len: int = 256
+    steps: int = 2000
+    batch_size: int = 8
+    lr: float = 4e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    seed: int = 0
+    corpus_max_bytes: Optional[int] = None
+    autocast_bf16: bool = True
+
+
+DEFAULT_TOY_CFG: dict[str, Any] = asdict(ToyTargetConfig())
 
 # key -> (accepted types, whether None is allowed). bool is checked apart
 # because isinstance(True, int) holds and a bool step count is surely a typo.
@@ -159,19 +168,19 @@ def _cache_key(cfg: Mapping[str, Any], fingerprint: str) -> str:
     return hashlib.sha256(material.encode("utf-8")).hexdigest()[:16]
 
 
-def _load_corpus(cfg: Mapping[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str]], str]:
+def _load_corpus(cfg: Mapping[str, Any]) -> tuple[Sources, Sources, str]:
     train = stdlib_sources("train", max_bytes=cfg["corpus_max_bytes"])
     heldout = stdlib_sources("heldout")
     # Heldout is part of the key because build_info records metrics on it.
     return train, heldout, corpus_fingerprint(train + heldout)
 
 
-def _resolve_path(cfg: Mapping[str, Any], fingerprint: str, cache_dir: str | os.PathLike | None) -> pathlib.Path:
+def _resolve_path(cfg: Mapping[str, Any], fingerprint: str, cache_dir: PathArg) -> pathlib.Path:
     root = pathlib.Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     return root.expanduser() / f"toy-{_cache_key(cfg, fingerprint)}"
 
 
-def toy_cache_path(toy_cfg: Mapping[str, Any], cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def toy_cache_path(toy_cfg: Mapping[str, Any], cache_dir: PathArg = None) -> pathlib.Path:
     """Directory the toy target for ``toy_cfg`` lives in (whether built yet or not)."""
     cfg = validate_toy_cfg(toy_cfg)
     _, _, fingerprint = _load_corpus(cfg)
@@ -192,7 +201,9 @@ def _load(path: pathlib.Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast
 # --------------------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(texts: Sequence[str], vocab_size: int, max_seq_len: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Sequence[str], vocab_size: int, max_seq_len: int
+) -> PreTrainedTokenizerFast:
     """Byte-level BPE over ``texts``: every string round-trips, no unknown tokens."""
     tok = Tokenizer(models.BPE())
     # No prefix space: code must decode back byte for byte.
@@ -223,7 +234,9 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, max_seq_len: int) -> 
     )
 
 
-def tokenize_blocks(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], seq_len: int) -> torch.Tensor:
+def tokenize_blocks(
+    tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], seq_len: int
+) -> torch.Tensor:
     """Concatenate ``text + <|endoftext|>`` for every text; cut into ``[N, seq_len]``."""
     encodings = tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)
     eos_id = tokenizer.eos_token_id
@@ -306,7 +319,9 @@ def train_step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, ids_BT
     return loss.item()
 
 
-def pretrain(model: LlamaForCausalLM, blocks_NT: torch.Tensor, cfg: Mapping[str, Any]) -> dict[str, float]:
+def pretrain(
+    model: LlamaForCausalLM, blocks_NT: torch.Tensor, cfg: Mapping[str, Any]
+) -> dict[str, float]:
     """Train for exactly ``cfg["steps"]`` steps on random blocks; returns timing/loss stats."""
     device = next(model.parameters()).device
     optimizer = _make_optimizer(model, cfg)
@@ -363,8 +378,8 @@ def evaluate(model: LlamaForCausalLM, blocks_NT: torch.Tensor) -> tuple[float, f
 # --------------------------------------------------------------------------- build
 
 
-def _build_into(out_dir: pathlib.Path, cfg: Mapping[str, Any], train: list[tuple[str, str]],
-                heldout: list[tuple[str, str]], fingerprint: str) -> dict[str, Any]:
+def _build_into(out_dir: pathlib.Path, cfg: Mapping[str, Any], train: Sources,
+                heldout: Sources, fingerprint: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     tokenizer = train_tokenizer([text for _, text in train], cfg["vocab_size"], cfg["max_seq_len"])
     tokenizer_seconds = time.perf_counter() - t0
@@ -402,8 +417,8 @@ def _build_into(out_dir: pathlib.Path, cfg: Mapping[str, Any], train: list[tuple
     return info
 
 
-def _build_atomically(final: pathlib.Path, cfg: Mapping[str, Any], train: list[tuple[str, str]],
-                      heldout: list[tuple[str, str]], fingerprint: str) -> None:
+def _build_atomically(final: pathlib.Path, cfg: Mapping[str, Any], train: Sources,
+                      heldout: Sources, fingerprint: str) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     # Same parent as the final dir, so os.replace is a rename on one filesystem.
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -422,7 +437,7 @@ def _build_atomically(final: pathlib.Path, cfg: Mapping[str, Any], train: list[t
 
 
 def load_or_build_toy_target(
-    toy_cfg: Mapping[str, Any], cache_dir: str | os.PathLike | None = None
+    toy_cfg: Mapping[str, Any], cache_dir: PathArg = None
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """Load the cached toy target for ``toy_cfg``, building it first if needed.
 
@@ -447,10 +462,13 @@ def load_or_build_toy_target(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build (or load) the default toy target.")
-    parser.add_argument("--cache-dir", default=None, help="default: $SPECDRAFT_CACHE or ~/.cache/specdraft")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="default: $SPECDRAFT_CACHE, else ~/.cache/specdraft")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's own choice)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_or_build_toy_target(DEFAULT_TOY_CFG, args.cache_dir)

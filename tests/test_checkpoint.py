@@ -84,7 +84,15 @@ def test_kill_and_resume_matches_uninterrupted(tiny_teacher, tmp_path):
 def test_keep_last_prunes_old_checkpoints(tiny_teacher, tmp_path):
     run(tiny_teacher, tmp_path, make_cfg(steps=9, ckpt_every=2, keep_last=2))
     kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
-    assert kept == ["step_0000006", "step_0000008"]
+    assert kept == ["step_0000008", "step_0000009"]  # every 2 steps, plus the final one
+
+
+def test_rerunning_a_finished_run_trains_nothing_more(tiny_teacher, tmp_path):
+    cfg = make_cfg()
+    first = run(tiny_teacher, tmp_path, cfg)
+    again = run(tiny_teacher, tmp_path, cfg)
+    for a, b in zip(first.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
 
 
 def test_resume_refuses_another_drafter(tiny_teacher, tmp_path):

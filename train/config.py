@@ -1,8 +1,9 @@
 """Typed schema for the Hydra config, and one ``validate(cfg)`` for the checks that span fields.
 
-The schema is registered in Hydra's ConfigStore as ``base_config``; ``conf/config.yaml`` lists it first in its
-defaults, so a misspelt key (``trainer.lrr=1e-3``) fails at start-up instead of being ignored. ``drafter`` and
-``loss`` are free-form mappings because each plugs in by ``_target_``; ``validate`` checks their keys against the
+Each group's dataclass lives with the code that reads it (``TargetConfig`` in ``distill.teacher``, ``DataConfig``
+in ``distill.data``); this module assembles them into ``Config``, registered in Hydra's ConfigStore as
+``base_config``. ``conf/config.yaml`` lists it first in its defaults, so a misspelt key (``trainer.lrr=1e-3``)
+fails at start-up instead of being ignored. ``drafter`` and ``loss`` are free-form mappings because each plugs in by ``_target_``; ``validate`` checks their keys against the
 signature of the class or function they name.
 """
 
@@ -16,51 +17,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-
-
-@dataclass
-class ToyTargetConfig:
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    intermediate_size: int = 704
-    num_layers: int = 4
-    num_heads: int = 4
-    max_seq_len: int = 256
-    steps: int = 2000
-    batch_size: int = 16
-    lr: float = 4e-3
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    seed: int = 0
-    corpus_max_bytes: Optional[int] = None
-    autocast_bf16: bool = True
-
-
-@dataclass
-class TargetConfig:
-    source: str = "toy"  # toy (built here from the stdlib) | hf (hub name or local path)
-    name: str = "specdraft/toy-stdlib"
-    revision: Optional[str] = None
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-    cache_dir: Optional[str] = None  # toy targets: default $SPECDRAFT_CACHE or ~/.cache/specdraft
-    toy: ToyTargetConfig = field(default_factory=ToyTargetConfig)
-
-
-@dataclass
-class DataConfig:
-    source: str = "stdlib"  # stdlib | file | hub
-    path: Optional[str] = None
-    hub_name: Optional[str] = None
-    hub_split: str = "train"
-    text_field: str = "text"
-    format: str = "auto"  # auto | sharegpt | text
-    max_length: int = 256
-    packing: bool = True
-    max_examples: Optional[int] = None
-    chat_template: str = "auto"  # auto | none
-    assistant_only_loss: bool = True
-    corpus_max_bytes: Optional[int] = None
+from distill.data import DataConfig
+from distill.teacher import TargetConfig
 
 
 @dataclass

@@ -6,6 +6,7 @@ Only the main rank writes. wandb is imported lazily so ``logger=none`` never tou
 from __future__ import annotations
 
 import json
+import uuid
 import logging
 from pathlib import Path
 from typing import Any, Mapping
@@ -62,7 +63,7 @@ def _start_wandb(run_dir, logger_cfg: Mapping, full_cfg: Mapping):
         raise ValueError(f"logger.mode={logger_cfg['mode']!r}; valid: online, offline, disabled")
     # The run id is stable per run dir so a resumed run continues the same W&B run.
     run_id_file = Path(run_dir) / "wandb_run_id"
-    run_id = run_id_file.read_text().strip() if run_id_file.is_file() else wandb.util.generate_id()
+    run_id = run_id_file.read_text().strip() if run_id_file.is_file() else uuid.uuid4().hex[:12]
     run_id_file.write_text(run_id)
     return wandb.init(
         project=logger_cfg["project"], entity=logger_cfg.get("entity"), name=logger_cfg.get("run_name"),

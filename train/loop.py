@@ -107,7 +107,8 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
             last.update({f"train/acc_head{k + 1}": a for k, a in enumerate(accs)})
             logger.log(last, step=step)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
-        if (step + 1) % t["ckpt_every"] == 0 and step + 1 < t["steps"] and engine.is_main:
+        # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
+        if ((step + 1) % t["ckpt_every"] == 0 or step + 1 == t["steps"]) and engine.is_main:
             checkpoint.save_checkpoint(run_dir, step + 1, drafter, optimizer, cfg["drafter"], cfg["target"],
                                        identity, t["keep_last"])
     drafter.eval()
