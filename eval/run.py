@@ -40,12 +40,34 @@ def machine_info() -> dict:
     }
 
 
+def proposal_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype drafters run in while proposing. Verification stays in the target's dtype, so the decoded output
+    does not depend on this; only speed and acceptance do. bf16 halves the memory a draft step reads, which is
+    what bounds it at batch 1 — but only where the hardware computes bf16 natively."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"eval.drafter_dtype={name!r}; valid: auto, float32, bfloat16")
+    return getattr(torch, name)
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # private op: absent from some builds
+        return False
+
+
 def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: Mapping) -> dict:
     """Decode every prompt greedily and with each drafter; return the report (a JSON-able dict)."""
     if not prompts:
         raise ValueError("no evaluation prompts; check eval.prompts / eval.num_prompts")
     decoder = Decoder(teacher, eos_token_id=teacher.tokenizer.eos_token_id)
     max_new, k = eval_cfg["max_new_tokens"], eval_cfg["num_draft"]
+    dtype = proposal_dtype(eval_cfg.get("drafter_dtype", "auto"), teacher.device)
+    drafters = {name: d.to(dtype) for name, d in drafters.items()}
     as_tensor = [torch.tensor([list(p)], dtype=torch.long) for p in prompts]
     for p in as_tensor[: eval_cfg.get("warmup_prompts", 1)]:  # first calls pay one-off allocation costs
         decoder.greedy(p, max_new)
@@ -84,6 +106,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
             "new_tokens": acc["tokens"],
             **acc["stats"].to_dict(),
             "num_draft": k,
+            "drafter_dtype": str(dtype).removeprefix("torch."),
             "tokens_per_s": tps,
             "greedy_tokens_per_s": greedy_tps,
             "speedup": tps / greedy_tps,

@@ -48,11 +48,13 @@ def test_plain_greedy_matches_hf_generate(tiny_teacher):
     assert ours == hf[0, 12:].tolist()
 
 
-@pytest.mark.parametrize("kind", ["medusa", "lookup"])
+@pytest.mark.parametrize("kind", ["medusa", "medusa-bf16", "lookup"])
 def test_speculative_is_token_identical_to_greedy(tiny_teacher, kind):
     dec = Decoder(tiny_teacher)
-    drafter = noisy_medusa(tiny_teacher) if kind == "medusa" else build_drafter(
-        {"_target_": "heads.lookup.PromptLookup"}, tiny_teacher)
+    if kind == "lookup":
+        drafter = build_drafter({"_target_": "heads.lookup.PromptLookup"}, tiny_teacher)
+    else:  # bf16 proposals (eval.drafter_dtype) change what is proposed, never what is output
+        drafter = noisy_medusa(tiny_teacher).to(torch.bfloat16 if kind == "medusa-bf16" else torch.float32)
     gen = torch.Generator().manual_seed(1)
     accepted_some = rejected_some = False
     for i in range(50):

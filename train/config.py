@@ -62,6 +62,7 @@ class EvalConfig:
     num_draft: int = 4  # γ: draft tokens proposed per target forward
     baselines: List[str] = field(default_factory=lambda: ["lookup"])
     warmup_prompts: int = 1
+    drafter_dtype: str = "auto"  # dtype drafters propose in: auto (bf16 where the device runs it fast) | float32 | bfloat16
 
 
 @dataclass
