@@ -127,7 +127,9 @@ def read_jsonl(path: Path) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"data.path: {path} line {line_no} is not valid JSON ({exc.msg}); fix or remove it")
+                raise ValueError(
+                    f"data.path: {path} line {line_no} is not valid JSON ({exc.msg}); fix or remove it"
+                ) from exc
             if not isinstance(record, dict):
                 raise ValueError(
                     f"data.path: {path} line {line_no} is a {type(record).__name__}, expected a JSON object"
@@ -140,7 +142,7 @@ def _read_json(path: Path) -> list[dict]:
     try:
         payload = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"data.path: {path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file")
+        raise ValueError(f"data.path: {path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file") from exc
     # Both a bare list and the {"data": [...]} wrapper used by many dataset dumps.
     records = payload.get("data") if isinstance(payload, dict) else payload
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):

@@ -10,7 +10,6 @@ long as the last dim is V and ``mask`` has the leading shape).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from distill.teacher import Teacher
 from heads.base import Drafter, build_drafter
 from inference.acceptance import greedy_accept
 from inference.decoder import Decoder
