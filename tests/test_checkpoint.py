@@ -122,3 +122,42 @@ def test_batch_order_is_deterministic_and_covers_each_epoch():
     assert BatchOrder(10, 3, seed=1).indices(4) == order.indices(4)
     with pytest.raises(ValueError, match="micro_batch_size"):
         BatchOrder(2, 3, seed=0)
+
+
+class GradSpyEngine(SingleEngine):
+    """Records the gradient the optimizer is about to apply (after the engine's per-token scaling)."""
+
+    def step(self, optimizer, params, grad_scale, grad_clip):
+        params = [p for p in params if p.grad is not None]
+        for p in params:
+            p.grad.mul_(grad_scale)
+        self.grads = [p.grad.clone() for p in params]
+        optimizer.zero_grad(set_to_none=True)
+        return torch.zeros(())
+
+
+def test_accumulated_gradient_is_the_mean_over_all_valid_tokens(tiny_teacher, tmp_path):
+    """Micro-batches with very different valid-token counts weigh each token equally, not each micro-batch."""
+    data = make_dataset(n=2)
+    data[0]["loss_mask"][:12] = False  # 4 learnable tokens vs 16
+    cfg = make_cfg(steps=1, micro_batch_size=1, grad_accum=2, ckpt_every=100, resume="never")
+    torch.manual_seed(0)
+    drafter = build_drafter(MEDUSA, tiny_teacher)
+    drafter.bind_target(tiny_teacher, initialize=True)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    reference = {k: v.clone() for k, v in drafter.state_dict().items()}
+    engine = GradSpyEngine(cfg["trainer"])
+    logger = MetricsLogger(tmp_path, cfg["logger"], cfg)
+    train(cfg, tiny_teacher, drafter, data, collate, forward_kl, engine, tmp_path, logger)
+    logger.close()
+
+    drafter.load_state_dict(reference)  # the spy never stepped, but be explicit
+    batch = collate(data)
+    out = drafter(batch, tiny_teacher(batch["input_ids"], batch["attention_mask"], drafter.teacher_layers))
+    loss_sum, n = out.loss(forward_kl)
+    drafter.zero_grad()
+    (loss_sum / n).backward()
+    for spied, p in zip(engine.grads, [p for p in drafter.parameters() if p.grad is not None]):
+        torch.testing.assert_close(spied, p.grad, rtol=1e-4, atol=1e-6)

@@ -53,7 +53,7 @@ class SingleEngine:
     def all_reduce_sum(self, value: Tensor) -> Tensor:
         return value
 
-    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], grad_scale: float,
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], grad_scale: Tensor | float,
              grad_clip: float) -> Tensor:
         """Scale the accumulated gradient sums into means, clip, step; returns the pre-clip gradient norm."""
         params = [p for p in params if p.grad is not None]

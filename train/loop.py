@@ -81,6 +81,7 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
             group["lr"] = lr
         loss_sum = torch.zeros((), device=engine.device)
         num_valid = torch.zeros((), device=engine.device, dtype=torch.long)
+        logging_step = step % t["log_every"] == 0 or step == t["steps"] - 1
         agree = None
         for micro in range(t["grad_accum"]):
             idx = order.indices(step * t["grad_accum"] + micro)
@@ -92,12 +93,14 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
             engine.backward(micro_loss)
             loss_sum += micro_loss.detach()
             num_valid += micro_valid
-            counts = torch.stack([torch.stack(c) for c in out.top1_agreement()])  # [K, 2]: correct, count
-            agree = counts if agree is None else agree + counts
+            if logging_step:  # argmax over the vocabulary per term: only when it will be reported
+                counts = torch.stack([torch.stack(c) for c in out.top1_agreement()])  # [K, 2]: correct, count
+                agree = counts if agree is None else agree + counts
         total_valid = engine.all_reduce_sum(num_valid)
-        grad_norm = engine.step(optimizer, params, 1.0 / max(1, int(total_valid)), t["grad_clip"])
+        # A tensor scale, not a Python number: no device sync outside logging steps.
+        grad_norm = engine.step(optimizer, params, 1.0 / total_valid.clamp(min=1), t["grad_clip"])
 
-        if step % t["log_every"] == 0 or step == t["steps"] - 1:
+        if logging_step:
             total_loss = engine.all_reduce_sum(loss_sum)
             agree = engine.all_reduce_sum(agree)
             last = {"train/loss": (total_loss / total_valid.clamp(min=1)).item(), "train/lr": lr,
