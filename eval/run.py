@@ -74,14 +74,13 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         for drafter in drafters.values():
             decoder.speculative(drafter, p, max_new, k)
 
-    greedy_s, greedy_tokens, reference = 0.0, 0, []
+    greedy_s, greedy_tokens = 0.0, 0
     per = {name: {"seconds": 0.0, "tokens": 0, "stats": AcceptStats(), "identical": 0, "draft_s": 0.0,
                   "verify_s": 0.0, "first_mismatch": None} for name in drafters}
     for idx, p in enumerate(as_tensor):
         ref = decoder.greedy(p, max_new)
         greedy_s += ref.seconds
         greedy_tokens += len(ref.new_tokens)
-        reference.append(ref.new_tokens)
         for name, drafter in drafters.items():
             gen = decoder.speculative(drafter, p, max_new, k)
             acc = per[name]
@@ -97,25 +96,8 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
                 log.warning("drafter %s: prompt %d differs from plain greedy decoding", name, idx)
 
     greedy_tps = greedy_tokens / greedy_s
-    results = []
-    for name, acc in per.items():
-        tps = acc["tokens"] / acc["seconds"]
-        results.append({
-            "drafter": name,
-            "num_prompts": len(prompts),
-            "new_tokens": acc["tokens"],
-            **acc["stats"].to_dict(),
-            "num_draft": k,
-            "drafter_dtype": str(dtype).removeprefix("torch."),
-            "tokens_per_s": tps,
-            "greedy_tokens_per_s": greedy_tps,
-            "speedup": tps / greedy_tps,
-            "draft_seconds": acc["draft_s"],
-            "verify_seconds": acc["verify_s"],
-            "identical_to_greedy": acc["identical"] == len(prompts),
-            "identical_prompts": acc["identical"],
-            "first_mismatch_prompt": acc["first_mismatch"],
-        })
+    extra = {"num_prompts": len(prompts), "num_draft": k, "drafter_dtype": str(dtype).removeprefix("torch.")}
+    results = [_result(name, acc, greedy_tps, extra) for name, acc in per.items()]
     return {
         "target": teacher.identity(),
         "num_prompts": len(prompts),
@@ -128,6 +110,24 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
             "alpha": "accepted draft tokens / judged draft tokens (a token is judged when all earlier ones were accepted)",
             "speedup": "speculative tokens/s over plain greedy tokens/s through the same KV-cache path, same prompts",
         },
+    }
+
+
+def _result(name: str, acc: Mapping, greedy_tps: float, extra: Mapping) -> dict:
+    tps = acc["tokens"] / acc["seconds"]
+    return {
+        "drafter": name,
+        "new_tokens": acc["tokens"],
+        **extra,
+        **acc["stats"].to_dict(),
+        "tokens_per_s": tps,
+        "greedy_tokens_per_s": greedy_tps,
+        "speedup": tps / greedy_tps,
+        "draft_seconds": acc["draft_s"],
+        "verify_seconds": acc["verify_s"],
+        "identical_to_greedy": acc["identical"] == extra["num_prompts"],
+        "identical_prompts": acc["identical"],
+        "first_mismatch_prompt": acc["first_mismatch"],
     }
 
 
