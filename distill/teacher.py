@@ -15,9 +15,9 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-log = logging.getLogger(__name__)
+from distill.toy import ToyTargetConfig, load_or_build_toy_target
 
-from distill.toy import ToyTargetConfig
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,8 +108,6 @@ def load_teacher(target_cfg: Mapping, device: str | torch.device = "cpu") -> Tea
     if dtype_name not in DTYPES:
         raise ValueError(f"target.dtype={dtype_name!r} is not supported; valid: {sorted(DTYPES)}")
     if source == "toy":
-        from distill.toy import load_or_build_toy_target
-
         model, tokenizer = load_or_build_toy_target(target_cfg["toy"], cache_dir=target_cfg.get("cache_dir"))
     elif source == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer

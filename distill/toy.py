@@ -28,6 +28,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -78,24 +79,22 @@ class ToyTargetConfig:
 
 DEFAULT_TOY_CFG: dict[str, Any] = asdict(ToyTargetConfig())
 
-# key -> (accepted types, whether None is allowed). bool is checked apart
-# because isinstance(True, int) holds and a bool step count is surely a typo.
-_KEY_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
-    "vocab_size": ((int,), False),
-    "hidden_size": ((int,), False),
-    "intermediate_size": ((int,), False),
-    "num_layers": ((int,), False),
-    "num_heads": ((int,), False),
-    "max_seq_len": ((int,), False),
-    "steps": ((int,), False),
-    "batch_size": ((int,), False),
-    "lr": ((int, float), False),
-    "warmup_steps": ((int,), False),
-    "weight_decay": ((int, float), False),
-    "seed": ((int,), False),
-    "corpus_max_bytes": ((int,), True),
-    "autocast_bf16": ((bool,), False),
-}
+
+def _key_types() -> dict[str, tuple[tuple[type, ...], bool]]:
+    """key -> (accepted types, whether None is allowed), read off ``ToyTargetConfig`` so the two cannot drift.
+
+    A float key also takes an int (``lr=1``); bool is checked apart in ``_check_value`` because
+    isinstance(True, int) holds and a bool step count is surely a typo.
+    """
+    out = {}
+    for key, hint in typing.get_type_hints(ToyTargetConfig).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = args[0] if args else hint
+        out[key] = ((int, float) if base is float else (base,), type(None) in typing.get_args(hint))
+    return out
+
+
+_KEY_TYPES = _key_types()
 
 
 # --------------------------------------------------------------------------- config

@@ -1,9 +1,10 @@
 """Typed schema for the Hydra config, and one ``validate(cfg)`` for the checks that span fields.
 
-Each group's dataclass lives with the code that reads it (``TargetConfig`` in ``distill.teacher``, ``DataConfig``
-in ``distill.data``); this module assembles them into ``Config``, registered in Hydra's ConfigStore as
-``base_config``. ``conf/config.yaml`` lists it first in its defaults, so a misspelt key (``trainer.lrr=1e-3``)
-fails at start-up instead of being ignored. ``drafter`` and ``loss`` are free-form mappings because each plugs in by ``_target_``; ``validate`` checks their keys against the
+Each group's dataclass lives with the code that reads it (``TargetConfig`` in ``distill.teacher``, with
+``ToyTargetConfig`` from ``distill.toy``; ``DataConfig`` in ``distill.data``); this module assembles them into
+``Config``, registered in Hydra's ConfigStore as ``base_config``. ``conf/config.yaml`` lists it first in its
+defaults, so a misspelt key (``trainer.lrr=1e-3``) fails at start-up instead of being ignored. ``drafter`` and
+``loss`` are free-form mappings because each plugs in by ``_target_``; ``validate`` checks their keys against the
 signature of the class or function they name.
 """
 
@@ -62,7 +63,8 @@ class EvalConfig:
     num_draft: int = 4  # γ: draft tokens proposed per target forward
     baselines: List[str] = field(default_factory=lambda: ["lookup"])
     warmup_prompts: int = 1
-    drafter_dtype: str = "auto"  # dtype drafters propose in: auto (bf16 where the device runs it fast) | float32 | bfloat16
+    # dtype drafters propose in: auto (bf16 where the device computes it natively) | float32 | bfloat16
+    drafter_dtype: str = "auto"
 
 
 @dataclass

@@ -6,8 +6,8 @@ Only the main rank writes. wandb is imported lazily so ``logger=none`` never tou
 from __future__ import annotations
 
 import json
-import uuid
 import logging
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
