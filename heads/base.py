@@ -4,7 +4,10 @@ Training:  ``drafter(batch, teacher_out) -> DraftOutput`` — per draft position
            teacher logits they are distilled toward, with a mask and a weight; the loop applies the configured
            loss to each term, so no drafter hard-codes its divergence.
 Decoding:  ``reset()`` for a new sequence, ``observe(hidden)`` with the target's hidden states of every newly
-           committed position, ``propose(tokens, k)`` for up to k draft tokens continuing ``tokens``.
+           committed position, ``propose(tokens, max_depth, sampling)`` -> ``inference.tree.DraftTree``: a chain or
+           a tree of candidates continuing ``tokens``, at most ``max_depth`` deep, with the draft distributions
+           they were drawn from (warped by ``inference.sampling.warp`` exactly as the target's) or None when they
+           were chosen deterministically.
 Saving:    ``save_drafter`` / ``load_drafter`` write and read a directory of ``model.safetensors`` +
            ``config.json`` (the drafter's Hydra node, the target dims it was built for, the target identity).
 """
@@ -20,9 +23,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+
+from inference.sampling import GREEDY, SamplingConfig
+from inference.tree import DraftTree
 
 FORMAT = "specdraft-drafter"
 FORMAT_VERSION = 1
@@ -90,9 +97,14 @@ class Drafter(nn.Module):
     def observe(self, hidden: dict[int, Tensor]) -> None:
         """Target hidden states ([1, m, D] per requested layer) of the positions just committed."""
 
-    def propose(self, tokens: Tensor, max_tokens: int) -> Tensor:
-        """Up to ``max_tokens`` draft token ids (1-D LongTensor, may be empty) continuing ``tokens`` ([1, n])."""
+    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
+        """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
         raise NotImplementedError
+
+    def set_tree(self, spec) -> None:
+        """Decode with the static tree ``spec`` (``decoder.tree``); only drafters with top-k candidates have one."""
+        if spec is not None and spec != "chain":
+            raise ValueError(f"decoder.tree={spec!r}: drafter {self.name!r} drafts a chain; set decoder.tree=null")
 
 
 # --- save / load -------------------------------------------------------------------------------------------
@@ -158,7 +170,13 @@ def read_drafter_config(path: str | os.PathLike) -> dict:
 
 def build_drafter(drafter_cfg: Mapping[str, Any], teacher) -> Drafter:
     dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
-    return instantiate(dict(drafter_cfg), dims=dims, _convert_="all")
+    try:
+        return instantiate(dict(drafter_cfg), dims=dims, _convert_="all")
+    except InstantiationException as e:
+        # A drafter's own config error (it names the key and the fix) reads better without Hydra's wrapper.
+        if isinstance(e.__cause__, (ValueError, FileNotFoundError)):
+            raise e.__cause__ from None
+        raise
 
 
 def load_drafter(path: str | os.PathLike, teacher) -> Drafter:

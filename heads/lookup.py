@@ -6,7 +6,7 @@ several occurrences, the most recent one that is followed by a full draft wins (
 if none is, the earliest (the longest continuation: in a repeating pattern the most recent match is followed
 by only one token).
 
-Shapes: tokens [1, n] -> draft [k] with 0 <= k <= max_tokens (empty when nothing matches: a plain decode step).
+Shapes: tokens [1, n] -> a chain of k tokens, 0 <= k <= max_depth (empty when nothing matches: a plain decode step).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from heads.base import DraftOutput, Drafter, TargetDims
+from inference.sampling import GREEDY, SamplingConfig
+from inference.tree import DraftTree
 
 
 class PromptLookup(Drafter):
@@ -32,7 +34,11 @@ class PromptLookup(Drafter):
         raise TypeError("drafter=lookup has nothing to train; run `python -m eval drafter=lookup` instead")
 
     @torch.no_grad()
-    def propose(self, tokens: Tensor, max_tokens: int) -> Tensor:
+    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
+        # Candidates are copied, not drawn: probabilities None (point masses), lossless under sampling too.
+        return DraftTree.chain(self._lookup(tokens, max_depth))
+
+    def _lookup(self, tokens: Tensor, max_tokens: int) -> Tensor:
         seq = tokens[0]
         n_tokens = seq.shape[0]
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):

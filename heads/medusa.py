@@ -7,6 +7,10 @@ Shape legend:  B batch, T sequence, D target hidden size, V vocabulary, K number
     hidden_BTD (target hidden state after the final norm, hidden-state index -1)
       -> head k: [ResBlock] * num_layers (separate weights) -> Linear(D, V) -> logits_BTV
 
+Decoding: ``tree`` null is the top-1 chain (head k's argmax at depth k); a static tree (``inference.tree``: a preset
+name or a list of top-k index paths) verifies several candidates per depth in one target forward. Candidates are
+top-k picks, not draws, so they carry no draft probabilities and sampling acceptance stays lossless.
+
 Training target: head k at position t is distilled toward the teacher's distribution for token t+k+1, which is the
 teacher's logits at position t+k; weights decay as ``loss_decay ** (k - 1)`` (Medusa's 0.8^k schedule).
 """
@@ -20,6 +24,8 @@ from torch import Tensor, nn
 
 from distill.teacher import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
+from inference.sampling import GREEDY, SamplingConfig
+from inference.tree import DraftTree, parse_tree
 
 
 class ResBlock(nn.Module):
@@ -40,7 +46,7 @@ class MedusaHeads(Drafter):
     teacher_layers = (-1,)
 
     def __init__(self, dims: TargetDims | Mapping[str, int], num_heads: int = 4, num_layers: int = 1,
-                 loss_decay: float = 0.8):
+                 loss_decay: float = 0.8, tree: str | list | None = None):
         super().__init__(dims)
         if num_heads < 1:
             raise ValueError(f"drafter.num_heads must be >= 1, got {num_heads}")
@@ -56,6 +62,10 @@ class MedusaHeads(Drafter):
             for _ in range(num_heads)
         )
         self._last_hidden_1D: Tensor | None = None
+        self.set_tree(tree)
+
+    def set_tree(self, spec) -> None:
+        self.tree = parse_tree(spec, max_depth=self.num_heads)
 
     def bind_target(self, teacher, initialize: bool) -> None:
         if initialize:
@@ -95,9 +105,16 @@ class MedusaHeads(Drafter):
         self._last_hidden_1D = hidden[-1][:, -1]
 
     @torch.no_grad()
-    def propose(self, tokens: Tensor, max_tokens: int) -> Tensor:
+    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         if self._last_hidden_1D is None:
             raise RuntimeError("MedusaHeads.propose called before observe(); the decoder must prefill first")
-        k = min(max_tokens, self.num_heads)
+        depth = min(max_depth, self.num_heads)
         h = self._last_hidden_1D.to(self.heads[0][-1].weight.dtype)
-        return torch.stack([self.heads[i](h).argmax(-1)[0] for i in range(k)])
+        if self.tree is None:
+            return DraftTree.chain(torch.stack([self.heads[i](h).argmax(-1)[0] for i in range(depth)]))
+        tree = self.tree.limited(depth)
+        # Head i's candidates, best first, as deep into its ranking as any path at depth i + 1 reaches.
+        ranks = [1 + max((p[-1] for p in tree.paths if len(p) == i + 1), default=-1) for i in range(tree.depth)]
+        top = [self.heads[i](h)[0].topk(r).indices if r else None for i, r in enumerate(ranks)]
+        tokens = torch.stack([top[len(p) - 1][p[-1]] for p in tree.paths])
+        return DraftTree(tokens, torch.tensor(tree.parents, device=tokens.device))

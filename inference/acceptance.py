@@ -1,24 +1,140 @@
-"""Acceptance rules: pure functions of the draft tokens and the target's verdict on them.
+"""Acceptance rules: pure functions of the draft (tokens, tree shape, draft probabilities) and the target's verdict.
 
-Greedy (temperature 0): a draft token is accepted while it equals the target's argmax at its position; the first
-mismatch, or the position after the last draft token, contributes the target's own token (the bonus). The output
-is therefore exactly what plain greedy decoding of the target would produce.
+Every rule returns ``(path, committed)``: the accepted draft nodes, root side first, and the tokens committed this
+step — the accepted drafts plus one token from the target (the bonus, or the correction at the first rejection).
+
+- Greedy (temperature 0): a node is accepted when its token is the target's argmax after its ancestors. The output
+  is exactly plain greedy decoding of the target.
+- Rejection sampling (Leviathan et al. 2023; Chen et al. 2023), for chains: accept draft x with probability
+  min(1, p(x)/q(x)); at the first rejection draw the correction from norm(max(0, p − q)). Each committed token is
+  then distributed exactly as p, the warped target distribution.
+- Recursive rejection for trees (SpecInfer; "recursive speculative decoding" without replacement): at a node, try
+  its children in order; reject child x → p ← norm(max(0, p − q)), q ← q with x removed, renormalised; the first
+  accepted child becomes the next node; if none is accepted the bonus is drawn from the last residual p. A child
+  chosen deterministically (top-k, n-gram) counts as a draw from the point mass on it, so the rule is
+  "accept with p(x), else remove x from p". Both keep the committed token distributed exactly as p.
+- Typical acceptance (Medusa): accept x when p(x) > min(ε, δ·exp(−H(p))). LOSSY: output is not distributed as the
+  target's; it exists to compare with Medusa and is labelled lossy wherever it is reported.
+
+Rows of ``p_N1V`` / ``argmax_N1``: row 0 is the target after the pending token, row 1 + i after draft node i.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+
+from inference.sampling import sample
+from inference.tree import DraftTree
 
 
 def greedy_accept(draft_K: Tensor, target_argmax_K1: Tensor) -> tuple[int, Tensor]:
-    """Return (number of accepted draft tokens a, committed tokens = draft[:a] + [target_argmax[a]]).
-
-    ``target_argmax_K1[j]`` is the target's greedy token after the context plus ``draft_K[:j]``; it has one more
-    entry than the draft, the token that follows a fully accepted draft.
-    """
+    """Chain form: (accepted count a, committed = draft[:a] + [target_argmax[a]])."""
     K = draft_K.shape[0]
     if target_argmax_K1.shape[0] != K + 1:
         raise ValueError(f"target verdict has {target_argmax_K1.shape[0]} tokens for a draft of {K}; expected {K + 1}")
     mismatch = (draft_K != target_argmax_K1[:K]).nonzero()
     accepted = int(mismatch[0]) if mismatch.numel() else K
     return accepted, target_argmax_K1[: accepted + 1]
+
+
+def tree_greedy_accept(tree: DraftTree, target_argmax_N1: Tensor) -> tuple[list[int], Tensor]:
+    if tree.is_chain:
+        a, committed = greedy_accept(tree.tokens, target_argmax_N1)
+        return list(range(a)), committed
+    tokens, argmax = tree.tokens.tolist(), target_argmax_N1.tolist()
+    kids = tree.children()
+    path: list[int] = []
+    node = -1
+    while True:
+        want = argmax[node + 1]
+        match = next((c for c in kids[node + 1] if tokens[c] == want), None)
+        if match is None:
+            break
+        path.append(match)
+        node = match
+    return path, torch.tensor([tokens[i] for i in path] + [argmax[node + 1]], device=target_argmax_N1.device)
+
+
+def chain_rejection_accept(draft_K: Tensor, q_KV: Tensor | None, p_K1V: Tensor,
+                           generator: torch.Generator | None = None) -> tuple[int, Tensor]:
+    """Leviathan/Chen speculative sampling for one chain, vectorised (gpt-fast's ``speculative_decode``)."""
+    K = draft_K.shape[0]
+    if p_K1V.shape[0] != K + 1:
+        raise ValueError(f"target distributions have {p_K1V.shape[0]} rows for a draft of {K}; expected {K + 1}")
+    idx = torch.arange(K, device=draft_K.device)
+    p_x = p_K1V[idx, draft_K]
+    q_x = q_KV[idx, draft_K] if q_KV is not None else torch.ones_like(p_x)
+    u = torch.rand(K, generator=generator, device=p_x.device)
+    rejected = (u >= (p_x / q_x).clamp(max=1)).nonzero()
+    if not rejected.numel():
+        return K, torch.cat([draft_K, sample(p_K1V[K:], generator)])
+    a = int(rejected[0])
+    residual = _residual(p_K1V[a], q_KV[a] if q_KV is not None else None, draft_K[a])
+    return a, torch.cat([draft_K[:a], sample(residual[None], generator)])
+
+
+def _residual(p_V: Tensor, q_V: Tensor | None, rejected: Tensor) -> Tensor:
+    """norm(max(0, p − q)); for a point-mass draft that is p with the rejected token removed."""
+    if q_V is None:
+        r = p_V.clone()
+        r[rejected] = 0
+    else:
+        r = (p_V - q_V).clamp(min=0)
+    total = r.sum()
+    # Zero only when p == q (a rejection of probability 0, reachable only through float rounding): keep p.
+    return r / total if total > 0 else p_V
+
+
+def tree_rejection_accept(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator | None = None) -> tuple[list[int], Tensor]:
+    """Multi-candidate recursive rejection sampling down the tree; a chain reduces to Leviathan/Chen."""
+    if p_N1V.shape[0] != tree.size + 1:
+        raise ValueError(f"target distributions have {p_N1V.shape[0]} rows for a tree of {tree.size}; expected {tree.size + 1}")
+    if tree.is_chain:
+        a, committed = chain_rejection_accept(tree.tokens, tree.probs_NV, p_N1V, generator)
+        return list(range(a)), committed
+    kids = tree.children()
+    tokens = tree.tokens
+    path: list[int] = []
+    node = -1
+    while True:
+        p = p_N1V[node + 1]
+        candidates = kids[node + 1]
+        q = tree.probs_NV[candidates[0]].clone() if candidates and tree.probs_NV is not None else None
+        chosen = None
+        u = torch.rand(len(candidates), generator=generator, device=p.device).tolist()
+        for c, u_c in zip(candidates, u):
+            x = tokens[c]
+            accept = p[x] if q is None else (p[x] / q[x]).clamp(max=1)
+            if u_c < float(accept):
+                chosen = c
+                break
+            p = _residual(p, q, x)
+            if q is not None:  # siblings were drawn without replacement: the next one came from q without x
+                q[x] = 0
+                q = q / q.sum() if q.sum() > 0 else q
+        if chosen is None:
+            committed = [tokens[path]] if path else []
+            return path, torch.cat([*committed, sample(p[None], generator)])
+        path.append(chosen)
+        node = chosen
+
+
+def typical_accept(tree: DraftTree, p_N1V: Tensor, threshold: float = 0.09, alpha: float = 0.3,
+                   generator: torch.Generator | None = None) -> tuple[list[int], Tensor]:
+    """Medusa's typical acceptance (LOSSY): a candidate passes when p(x) > min(threshold, alpha * exp(-H(p)))."""
+    entropy_N1 = -(p_N1V * p_N1V.clamp(min=1e-12).log()).sum(-1)
+    bar_N1 = torch.minimum(torch.full_like(entropy_N1, threshold), alpha * torch.exp(-entropy_N1))
+    kids = tree.children()
+    tokens = tree.tokens.tolist()
+    path: list[int] = []
+    node = -1
+    while True:
+        row = node + 1
+        chosen = next((c for c in kids[row] if float(p_N1V[row, tokens[c]]) > float(bar_N1[row])), None)
+        if chosen is None:
+            break
+        path.append(chosen)
+        node = chosen
+    bonus = sample(p_N1V[node + 1][None], generator)
+    return path, torch.cat([tree.tokens[path], bonus]) if path else bonus

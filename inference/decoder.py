@@ -1,17 +1,19 @@
-"""Greedy chain speculative decoding for any Hugging Face causal LM, plus plain greedy through the same cache path.
+"""One speculative decode loop for every drafter and any Hugging Face causal LM, plus plain decoding through the
+same cache path.
 
-One step: the drafter proposes k tokens continuing the committed sequence; the target runs ONE forward over
-[pending token, draft_1..draft_k] on top of its KV cache; ``greedy_accept`` keeps the agreeing prefix and the
-target's own next token (the bonus); the cache is cropped back to exactly the kept entries, so the next step starts
-from the same state plain greedy decoding would have.
+One step: the drafter proposes a chain or tree of candidates continuing the committed sequence; the target runs ONE
+forward over [pending token, candidates...] on top of its KV cache (tree attention through a 4D mask and explicit
+position ids, ``inference.tree``); the acceptance rule picks the accepted path and one target token; the cache is
+compacted to exactly the committed entries, so the next step starts from the state plain decoding would have.
 
-Shapes: the sequence is a single prompt (batch 1): ``tokens`` [1, n]; the pending token is the last committed
-token, predicted by the target but not yet fed to it.
+Shapes: a single sequence (batch 1): ``tokens`` [1, n]. The pending token is the last committed token, predicted by
+the target but not yet fed to it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +21,11 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from eval.metrics import AcceptStats
-from inference.acceptance import greedy_accept
+from inference.acceptance import tree_greedy_accept, tree_rejection_accept, typical_accept
+from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.tree import DraftTree, compact_cache, verify_inputs
+
+ACCEPTANCE_RULES = ("exact", "typical")  # exact: greedy match / rejection sampling (lossless); typical: Medusa's, lossy
 
 
 @dataclass
@@ -27,8 +33,13 @@ class Generation:
     new_tokens: list[int]
     seconds: float
     stats: AcceptStats = field(default_factory=AcceptStats)
+    prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    nodes_per_forward: Counter = field(default_factory=Counter)  # tree size -> verification forwards
+    # tree size -> node index -> times that node was on the accepted path (static trees: the cost model's input)
+    node_accepts: dict = field(default_factory=lambda: defaultdict(Counter))
+    context_tokens: int = 0  # committed context length summed over verification forwards (mean = / forwards)
 
 
 def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_positions: int) -> None:
@@ -36,6 +47,8 @@ def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_p
         raise ValueError(f"prompt_ids must have shape [1, n], got {tuple(prompt_ids.shape)}")
     if prompt_ids.shape[1] == 0:
         raise ValueError("empty prompt: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     needed = prompt_ids.shape[1] + max_new_tokens + lookahead
     if max_positions and needed > max_positions:
         raise ValueError(
@@ -45,66 +58,127 @@ def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_p
         )
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # timings must cover the kernels, not just their launch
+        torch.cuda.synchronize(device)
+
+
 class Decoder:
     """Decodes with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
 
-    def __init__(self, teacher, eos_token_id: int | None = None):
+    def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY,
+                 acceptance: str = "exact", typical_threshold: float = 0.09, typical_alpha: float = 0.3, seed: int = 0):
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"decoder.acceptance={acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
         self.teacher = teacher
         self.model = teacher.model
         self.eos_token_id = eos_token_id
+        self.sampling = sampling
+        self.acceptance = acceptance
+        self.typical = (typical_threshold, typical_alpha)
+        self.device = teacher.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.mask_dtype = next(self.model.parameters()).dtype
+        window = getattr(self.model.config, "sliding_window", None)
+        self.max_positions = min(p for p in (teacher.max_positions, window) if p) if (teacher.max_positions or window) else 0
 
-    def _forward(self, input_ids: Tensor, cache: DynamicCache, layers: tuple[int, ...]):
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance == "exact"
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def _forward(self, inputs: dict, cache: DynamicCache, layers: tuple[int, ...]):
+        out = self.model(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
-        return out.logits[0].argmax(-1), hidden  # [m], {layer: [1, m, D]}
+        return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
 
-    def _finish(self, committed: list[int]) -> list[int]:
+    def _next_token(self, logits_V: Tensor) -> Tensor:
+        if self.sampling.greedy:
+            return logits_V.argmax(-1, keepdim=True)
+        return sample(warp(logits_V[None], self.sampling), self.generator)
+
+    def _finish(self, committed: list[int], max_new_tokens: int) -> list[int]:
+        committed = committed[:max_new_tokens]
         if self.eos_token_id is not None and self.eos_token_id in committed:
             return committed[: committed.index(self.eos_token_id) + 1]
         return committed
 
     @torch.no_grad()
-    def greedy(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
-        """Plain autoregressive greedy decoding: one target forward per token, same cache path as speculation."""
-        _check_prompt(prompt_ids, max_new_tokens, 0, self.teacher.max_positions)
+    def plain(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
+        """Autoregressive decoding (greedy or sampling, per ``self.sampling``): one target forward per token."""
+        _check_prompt(prompt_ids, max_new_tokens, 0, self.max_positions)
+        _sync(self.device)
         start = time.perf_counter()
-        cache = DynamicCache()
-        next_ids, _ = self._forward(prompt_ids.to(self.teacher.device), cache, ())
-        out = [int(next_ids[-1])]
+        cache = DynamicCache(config=self.model.config)
+        logits, _ = self._forward({"input_ids": prompt_ids.to(self.device)}, cache, ())
+        nxt = self._next_token(logits[-1])
+        out = [int(nxt)]
         while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
-            next_ids, _ = self._forward(next_ids[-1:].view(1, 1), cache, ())
-            out.append(int(next_ids[-1]))
-        return Generation(new_tokens=self._finish(out), seconds=time.perf_counter() - start)
+            logits, _ = self._forward({"input_ids": nxt.view(1, 1)}, cache, ())
+            nxt = self._next_token(logits[-1])
+            out.append(int(nxt))
+        _sync(self.device)
+        return Generation(new_tokens=self._finish(out, max_new_tokens), seconds=time.perf_counter() - start)
+
+    greedy = plain  # the name the greedy-only decoder had
+
+    def _accept(self, tree: DraftTree, logits_N1V: Tensor) -> tuple[list[int], Tensor]:
+        if self.acceptance == "typical":
+            return typical_accept(tree, warp(logits_N1V, self.sampling), *self.typical, generator=self.generator)
+        if self.sampling.greedy:
+            return tree_greedy_accept(tree, logits_N1V.argmax(-1))
+        return tree_rejection_accept(tree, warp(logits_N1V, self.sampling), self.generator)
 
     @torch.no_grad()
     def speculative(self, drafter, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
-        """Greedy speculative decoding; token-identical to ``greedy`` by construction of ``greedy_accept``."""
-        _check_prompt(prompt_ids, max_new_tokens, num_draft, self.teacher.max_positions)
+        """Speculative decoding; with ``acceptance="exact"`` the output is distributed exactly as ``plain``'s (and is
+        token-identical to it when greedy). ``num_draft`` bounds the depth of each proposal."""
+        if drafter.dims.vocab_size != self.teacher.vocab_size:
+            raise ValueError(
+                f"drafter {drafter.name!r} has vocab_size={drafter.dims.vocab_size} but the target has "
+                f"{self.teacher.vocab_size}; a drafter must share the target's tokenizer"
+            )
+        _check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
         layers = tuple(drafter.teacher_layers)
-        device = self.teacher.device
+        device, vocab = self.device, self.teacher.vocab_size
         gen = Generation(new_tokens=[], seconds=0.0)
+        _sync(device)
         start = time.perf_counter()
-        cache = DynamicCache()
+        cache = DynamicCache(config=self.model.config)
         drafter.reset()
-        next_ids, hidden = self._forward(prompt_ids.to(device), cache, layers)
+        logits, hidden = self._forward({"input_ids": prompt_ids.to(device)}, cache, layers)
         drafter.observe(hidden)
-        tokens = torch.cat([prompt_ids.to(device), next_ids[-1:].view(1, 1)], dim=1)
-        committed = [int(next_ids[-1])]
+        nxt = self._next_token(logits[-1])
+        tokens = torch.cat([prompt_ids.to(device), nxt.view(1, 1)], dim=1)
+        committed = [int(nxt)]
+        _sync(device)
+        gen.prefill_seconds = time.perf_counter() - start
         while len(committed) < max_new_tokens and committed[-1] != self.eos_token_id:
             t0 = time.perf_counter()
-            draft = drafter.propose(tokens, min(num_draft, max_new_tokens - len(committed))).to(device)
+            tree = drafter.propose(tokens, min(num_draft, max_new_tokens - len(committed)), self.sampling)
+            tree.check(vocab)
+            _sync(device)
             t1 = time.perf_counter()
-            verify_in = torch.cat([tokens[:, -1], draft]).view(1, -1)
-            target_ids, hidden = self._forward(verify_in, cache, layers)
-            accepted, new = greedy_accept(draft, target_ids)
-            # The forward cached k + 1 entries; keep the pending token's and the accepted drafts' (a + 1).
-            cache.crop(-(draft.shape[0] - accepted))
-            gen.verify_seconds += time.perf_counter() - t1
+            past = tokens.shape[1] - 1
+            inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype)
+            logits, hidden = self._forward(inputs, cache, layers)
+            path, new = self._accept(tree, logits)
+            compact_cache(cache, tree.size, path)
+            _sync(device)
+            t2 = time.perf_counter()
             gen.draft_seconds += t1 - t0
-            gen.stats.update(draft.shape[0], accepted)
-            drafter.observe({i: h[:, : accepted + 1] for i, h in hidden.items()})
+            gen.verify_seconds += t2 - t1
+            gen.stats.update(tree.depth, len(path))
+            gen.nodes_per_forward[tree.size] += 1
+            gen.node_accepts[tree.size].update(path)
+            gen.context_tokens += past + 1
+            keep = torch.tensor([0] + [1 + i for i in path], device=device)
+            drafter.observe({i: h.index_select(1, keep) for i, h in hidden.items()})
             tokens = torch.cat([tokens, new.view(1, -1)], dim=1)
-            committed.extend(int(t) for t in new)
-        gen.new_tokens = self._finish(committed[:max_new_tokens])
+            committed.extend(new.tolist())
+        gen.new_tokens = self._finish(committed, max_new_tokens)
+        _sync(device)
         gen.seconds = time.perf_counter() - start
         return gen

@@ -4,6 +4,7 @@ import torch
 from heads.base import Drafter, build_drafter
 from inference.acceptance import greedy_accept
 from inference.decoder import Decoder
+from inference.tree import DraftTree
 
 
 class OracleDrafter(Drafter):
@@ -13,18 +14,18 @@ class OracleDrafter(Drafter):
         super().__init__({"hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size, "num_layers": 2})
         self.model = teacher.model
 
-    def propose(self, tokens, max_tokens):
-        out = self.model.generate(tokens, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
-        return out[0, tokens.shape[1]:]
+    def propose(self, tokens, max_depth, sampling=None):
+        out = self.model.generate(tokens, max_new_tokens=max_depth, do_sample=False, min_new_tokens=max_depth)
+        return DraftTree.chain(out[0, tokens.shape[1]:])
 
 
-def noisy_medusa(teacher, seed=0):
+def noisy_medusa(teacher, seed=0, scale=0.5):
     drafter = build_drafter({"_target_": "heads.medusa.MedusaHeads", "num_heads": 3}, teacher)
     drafter.bind_target(teacher, initialize=True)
     torch.manual_seed(seed)
     with torch.no_grad():  # perturb so heads disagree with the target some of the time
         for p in drafter.parameters():
-            p.add_(0.5 * torch.randn_like(p))
+            p.add_(scale * torch.randn_like(p))
     return drafter.eval()
 
 

@@ -1,0 +1,223 @@
+"""Draft trees and how any Hugging Face causal LM verifies one in a single forward.
+
+A proposal is a tree of N candidate tokens rooted at the *pending* token (the last committed token, whose KV entry
+is not cached yet). A chain is the tree whose node i has parent i - 1. Nodes are stored in topological order (a
+parent's index is below its children's), siblings in the order the acceptance rule should try them.
+
+Verification feeds [pending, node_0 .. node_{N-1}] through the model's own forward with
+- position ids   past_len + depth (the pending token has depth 0, a root child depth 1, ...), and
+- a 4D additive attention mask [1, 1, 1 + N, past_len + 1 + N]: every row sees the whole cached past, and in the
+  new block only itself and its ancestors (the pending token is everyone's ancestor).
+Row 0 of the output is the target's prediction after the pending token; row 1 + i its prediction after node i.
+Afterwards ``compact_cache`` keeps the cached past, the pending token and the accepted path, in path order, so the
+cache is exactly what plain decoding of the committed tokens would have built.
+
+Shapes: N nodes, V vocabulary. tokens [N], parents [N] (-1 = pending token), probs_NV [N, V].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftTree:
+    """Candidate tokens proposed by a drafter for one verification forward."""
+
+    tokens: Tensor  # [N] long
+    parents: Tensor  # [N] long; -1 for children of the pending token, else the index of an earlier node
+    # probs_NV[i]: the draft distribution node i was drawn from (siblings share one, drawn without replacement in
+    # index order). None: the candidates were chosen deterministically (argmax, top-k, n-gram lookup); sampling
+    # acceptance then treats each as a point mass, which keeps it lossless.
+    probs_NV: Tensor | None = None
+
+    @classmethod
+    def chain(cls, tokens: Tensor, probs_NV: Tensor | None = None) -> "DraftTree":
+        tokens = tokens.reshape(-1).long()
+        parents = torch.arange(-1, tokens.shape[0] - 1, device=tokens.device)
+        return cls(tokens, parents, probs_NV)
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> "DraftTree":
+        return cls.chain(torch.empty(0, dtype=torch.long, device=device))
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def is_chain(self) -> bool:
+        return bool((self.parents == torch.arange(-1, self.size - 1, device=self.parents.device)).all())
+
+    def depths(self) -> list[int]:
+        depth: list[int] = []
+        for p in self.parents.tolist():
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return depth
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths(), default=0)
+
+    def children(self) -> list[list[int]]:
+        """children[0] = root children (of the pending token); children[1 + i] = children of node i."""
+        kids: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
+
+    def check(self, vocab_size: int) -> None:
+        """Reject malformed proposals before they reach the target (a wrong vocab would index out of range)."""
+        if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
+            raise ValueError(f"draft tree tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be equal 1-D shapes")
+        if self.size and not bool(((self.parents >= -1) & (self.parents < torch.arange(self.size, device=self.parents.device))).all()):
+            raise ValueError(f"draft tree parents must precede their children (topological order), got {self.parents.tolist()}")
+        if self.size and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
+            raise ValueError(
+                f"drafter proposed token id {int(self.tokens.max())} outside the target's vocabulary of {vocab_size}; "
+                f"the drafter was built for a different tokenizer — use one trained for this target"
+            )
+        if self.probs_NV is not None and tuple(self.probs_NV.shape) != (self.size, vocab_size):
+            raise ValueError(
+                f"draft probabilities have shape {tuple(self.probs_NV.shape)}, expected ({self.size}, {vocab_size}): "
+                f"the drafter's vocabulary differs from the target's"
+            )
+
+
+def ancestor_mask(parents: Tensor) -> Tensor:
+    """[1 + N, 1 + N] bool: row r may attend to column c (c is r itself or an ancestor; index 0 = pending token)."""
+    n = parents.shape[0] + 1
+    allowed = torch.eye(n, dtype=torch.bool, device=parents.device)
+    allowed[:, 0] = True
+    for i, p in enumerate(parents.tolist()):  # topological order: the parent's row is already complete
+        if p >= 0:
+            allowed[i + 1] |= allowed[p + 1]
+    return allowed
+
+
+def verify_inputs(tree: DraftTree, pending: Tensor, past_len: int, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Keyword arguments for ``model(**inputs, past_key_values=cache)`` that verify ``tree`` in one forward."""
+    device = tree.tokens.device
+    input_ids = torch.cat([pending.reshape(1).to(device), tree.tokens]).view(1, -1)
+    depth = torch.tensor([0, *tree.depths()], device=device)
+    inputs = {"input_ids": input_ids, "position_ids": (past_len + depth).view(1, -1)}
+    if not tree.is_chain:  # a chain is plain causal attention: let the model use its own fast path
+        allowed = ancestor_mask(tree.parents)
+        mask = torch.full((1, 1, 1 + tree.size, past_len + 1 + tree.size), torch.finfo(dtype).min, dtype=dtype, device=device)
+        mask[..., :past_len] = 0
+        mask[0, 0, :, past_len:].masked_fill_(allowed, 0)
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    """Node indices from the root's child down to ``node`` (empty for the pending token, node -1)."""
+    path = []
+    parents = tree.parents.tolist()
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def compact_cache(cache, num_nodes: int, path: Sequence[int]) -> None:
+    """Drop the verified nodes' KV entries except the accepted ``path``, which moves up behind the pending token.
+
+    The last ``num_nodes`` entries of every layer belong to the tree's nodes. A prefix path (a chain's accepted
+    drafts) is a plain crop, which every cache class supports; anything else is a gather along the sequence axis.
+    """
+    path = list(path)
+    rejected = num_nodes - len(path)
+    if path == list(range(len(path))):
+        if rejected:
+            cache.crop(-rejected)
+        return
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or not hasattr(layer, "cumulative_length") and type(layer).__name__ != "DynamicLayer":
+            raise ValueError(
+                f"tree verification cannot compact a {type(layer).__name__} cache layer; decode with a chain "
+                f"(decoder.tree=chain) for this target"
+            )
+        start = keys.shape[-2] - num_nodes
+        keep = torch.cat([torch.arange(start, device=keys.device), start + torch.tensor(path, device=keys.device, dtype=torch.long)])
+        layer.keys = keys.index_select(-2, keep)
+        layer.values = values.index_select(-2, keep)
+        if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they have seen
+            layer.cumulative_length -= rejected
+
+
+# --- static trees (Medusa): a list of top-k index paths --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A tree of top-k index paths: (0,) = the top-1 token of draft position 1; (0, 2) = the top-3 token of
+    position 2 below it. Parents, depths and each node's rank are fixed; only the tokens change per step."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    @property
+    def parents(self) -> list[int]:
+        index = {p: i for i, p in enumerate(self.paths)}
+        return [index[p[:-1]] if len(p) > 1 else -1 for p in self.paths]
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    def truncated(self, num_nodes: int) -> "StaticTree":
+        """The first ``num_nodes`` paths (still a tree: paths are sorted so every prefix comes first)."""
+        return StaticTree(self.paths[:num_nodes])
+
+    def limited(self, max_depth: int) -> "StaticTree":
+        return StaticTree(tuple(p for p in self.paths if len(p) <= max_depth))
+
+
+# A 1-2-4-ish tree for 4 Medusa heads: wide near the root, where acceptance is high and candidates are cheap.
+TREE_PRESETS: dict[str, list[list[int]]] = {
+    "chain": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
+    "small": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]],
+    "default": [
+        [0], [1], [2], [3],
+        [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0],
+        [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 0],
+    ],
+    "wide": [
+        [0], [1], [2], [3], [4], [5],
+        [0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1], [3, 0],
+        [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [1, 0, 0], [1, 0, 1], [2, 0, 0],
+        [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0],
+    ],
+}
+
+
+def parse_tree(spec, max_depth: int | None = None) -> StaticTree | None:
+    """A tree spec from config: null / "chain" (top-1 chain), a preset name, or a list of top-k index paths."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec not in TREE_PRESETS:
+            raise ValueError(f"tree={spec!r} is not a known tree; valid presets: {sorted(TREE_PRESETS)}, or a list of top-k index paths like [[0], [1], [0, 0]]")
+        if spec == "chain":
+            return None
+        spec = TREE_PRESETS[spec]
+    try:
+        paths = [tuple(int(i) for i in p) for p in spec]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tree={spec!r} must be a list of top-k index paths like [[0], [1], [0, 0]] ({e})") from None
+    if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+        raise ValueError(f"tree={spec!r}: every path needs at least one index and indices are ranks >= 0")
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"tree={spec!r} lists a path twice")
+    missing = sorted({p[:-1] for p in paths if len(p) > 1} - set(paths))
+    if missing:
+        raise ValueError(f"tree={spec!r} has paths whose parent path is missing: add {[list(m) for m in missing]}")
+    if max_depth is not None and max(len(p) for p in paths) > max_depth:
+        raise ValueError(f"tree={spec!r} is {max(len(p) for p in paths)} deep, but the drafter predicts only {max_depth} positions")
+    # Breadth-first, then by rank: parents precede children, and truncating keeps the most likely nodes.
+    return StaticTree(tuple(sorted(paths, key=lambda p: (len(p), p))))

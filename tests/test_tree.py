@@ -1,0 +1,179 @@
+"""Tree verification through a model's own forward (4D mask + position ids) and KV-cache compaction, on tiny Llama,
+Qwen2 and Mistral targets; static Medusa trees; the EAGLE-2 dynamic-tree hook."""
+
+import pytest
+import torch
+from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from distill.teacher import Teacher
+from heads.base import Drafter, build_drafter
+from inference.decoder import Decoder
+from inference.dynamic_tree import expand_dynamic_tree
+from inference.tree import DraftTree, ancestor_mask, compact_cache, parse_tree, path_to, verify_inputs
+from tests.test_decoder import noisy_medusa
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    cfg = config_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    cfg._attn_implementation = attn
+    return model_cls(cfg).eval()
+
+
+# node:      0  1  2  3  4  5  6
+# parent:   -1 -1  0  0  1  2  5      (two root children; a depth-4 branch 0 -> 2 -> 5 -> 6)
+TREE = DraftTree(torch.tensor([5, 9, 6, 7, 11, 3, 8]), torch.tensor([-1, -1, 0, 0, 1, 2, 5]))
+
+
+def test_ancestor_mask_and_paths():
+    allowed = ancestor_mask(TREE.parents)
+    assert allowed[0].tolist() == [True] + [False] * 7  # the pending token sees only itself in the block
+    assert allowed[1 + 6].nonzero().flatten().tolist() == [0, 1, 3, 6, 7]  # pending, nodes 0, 2, 5, 6
+    assert path_to(TREE, 6) == [0, 2, 5, 6] and path_to(TREE, -1) == []
+    assert TREE.depths() == [1, 1, 2, 2, 2, 3, 4] and not TREE.is_chain
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_forward_matches_each_path_run_alone(arch, attn):
+    model = tiny_model(arch, attn)
+    prompt = torch.randint(0, 128, (1, 11), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    model(prompt[:, :-1], past_key_values=cache, use_cache=True)
+    inputs = verify_inputs(TREE, prompt[0, -1], prompt.shape[1] - 1, torch.float32)
+    with torch.no_grad():
+        tree_logits = model(**inputs, past_key_values=cache, use_cache=True).logits[0]
+        for node in range(TREE.size):
+            path = path_to(TREE, node)
+            alone = model(torch.cat([prompt, TREE.tokens[path].view(1, -1)], dim=1)).logits[0, -1]
+            torch.testing.assert_close(tree_logits[1 + node], alone, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(tree_logits[0], model(prompt).logits[0, -1], atol=1e-5, rtol=1e-4)
+        # Keep the path to node 6 and continue: the compacted cache must equal one built from scratch.
+        compact_cache(cache, TREE.size, path_to(TREE, 6))
+        assert cache.get_seq_length() == prompt.shape[1] + 4
+        seq = torch.cat([prompt, TREE.tokens[path_to(TREE, 6)].view(1, -1)], dim=1)
+        nxt = torch.tensor([[42]])
+        cont = model(nxt, past_key_values=cache, use_cache=True).logits[0, -1]
+        fresh = model(torch.cat([seq, nxt], dim=1)).logits[0, -1]
+        torch.testing.assert_close(cont, fresh, atol=1e-5, rtol=1e-4)
+
+
+def test_parse_tree_presets_and_errors():
+    assert parse_tree(None) is None and parse_tree("chain") is None
+    tree = parse_tree([[1], [0], [0, 0]])
+    assert tree.paths == ((0,), (1,), (0, 0)) and tree.parents == [-1, -1, 0]
+    assert parse_tree("default").depth == 4
+    with pytest.raises(ValueError, match="valid presets"):
+        parse_tree("bushy")
+    with pytest.raises(ValueError, match="parent path is missing"):
+        parse_tree([[0], [1, 0]])
+    with pytest.raises(ValueError, match="deep"):
+        parse_tree("default", max_depth=3)
+    with pytest.raises(ValueError, match="top-k index paths"):
+        parse_tree([["a"]])
+    with pytest.raises(ValueError, match="twice"):
+        parse_tree([[0], [0]])
+
+
+def test_unknown_tree_is_rejected_by_drafters(tiny_teacher):
+    with pytest.raises(ValueError, match="valid presets"):
+        build_drafter({"_target_": "heads.medusa.MedusaHeads", "num_heads": 3, "tree": "nope"}, tiny_teacher)
+    lookup = build_drafter({"_target_": "heads.lookup.PromptLookup"}, tiny_teacher)
+    with pytest.raises(ValueError, match="drafts a chain"):
+        lookup.set_tree("default")
+
+
+def _prompts(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (1, 3 + i % 17), generator=gen) for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_medusa_tree_is_greedy_identical_and_beats_the_chain(arch):
+    model = tiny_model(arch)
+    teacher = Teacher(model, tokenizer=None, name=f"tiny-{arch}")
+    dec = Decoder(teacher)
+    chain = noisy_medusa(teacher, scale=0.2)
+    tree = noisy_medusa(teacher, scale=0.2)
+    tree.set_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]])
+    tau = {"chain": [], "tree": []}
+    for prompt in _prompts(50):
+        ref = dec.plain(prompt, 24).new_tokens
+        for name, drafter in (("chain", chain), ("tree", tree)):
+            gen = dec.speculative(drafter, prompt, 24, num_draft=3)
+            assert gen.new_tokens == ref, f"{arch} {name} diverged from plain greedy"
+            tau[name].append(gen.stats)
+    chain_tau = sum(s.tau * s.forwards for s in tau["chain"]) / sum(s.forwards for s in tau["chain"])
+    tree_tau = sum(s.tau * s.forwards for s in tau["tree"]) / sum(s.forwards for s in tau["tree"])
+    assert tree_tau > chain_tau > 1.0
+
+
+class DynamicTreeDrafter(Drafter):
+    """The EAGLE-2 hook driven by a small causal LM that scores each frontier path from scratch (test scaffold)."""
+
+    name = "dynamic"
+
+    def __init__(self, teacher, model, top_k=3, depth=3, total_tokens=8):
+        super().__init__({"hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size, "num_layers": 2})
+        self.lm, self.args = model, (top_k, depth, total_tokens)
+
+    def propose(self, tokens, max_depth, sampling=None):
+        paths: dict[int, list[int]] = {-1: []}
+        created: list[tuple[int, int]] = []  # (parent, token) per node, in creation order
+
+        def score(frontier):
+            for node in frontier:
+                if node not in paths:
+                    parent, tok = created[node]
+                    paths[node] = paths[parent] + [tok]
+            batch = torch.stack([torch.cat([tokens[0], torch.tensor(paths[f], dtype=torch.long)]) for f in frontier])
+            logprobs = self.lm(batch).logits[:, -1].log_softmax(-1)
+            top = logprobs.topk(self.args[0], dim=-1).indices
+            for f, row in zip(frontier, top.tolist()):  # mirror expand_dynamic_tree's creation order
+                created.extend((f, t) for t in row)
+            return logprobs
+
+        top_k, depth, total = self.args
+        return expand_dynamic_tree(score, top_k, min(depth, max_depth), total)
+
+
+def test_dynamic_tree_shape():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 16)
+    calls = []
+
+    def score(frontier):
+        calls.append(len(frontier))
+        return logits[: len(frontier)].log_softmax(-1)
+
+    tree = expand_dynamic_tree(score, top_k=3, depth=4, total_tokens=10)
+    assert calls == [1, 3, 3, 3]  # the root, then the top_k nodes of each depth
+    assert tree.size == 10 and tree.depth <= 4
+    assert all(p < i for i, p in enumerate(tree.parents.tolist()))  # topological, closed under ancestors
+    with pytest.raises(ValueError, match="top_k"):
+        expand_dynamic_tree(score, top_k=0, depth=2, total_tokens=4)
+
+
+def test_dynamic_tree_drafter_is_greedy_identical(tiny_teacher):
+    dec = Decoder(tiny_teacher)
+    draft_lm = tiny_model("llama", seed=1)  # a different model: some candidates rejected, some accepted
+    with torch.no_grad():  # pull it toward the target so that acceptance is not vanishing
+        for p_d, p_t in zip(draft_lm.parameters(), tiny_teacher.model.parameters()):
+            if p_d.shape == p_t.shape:
+                p_d.mul_(0.3).add_(0.7 * p_t)
+    drafter = DynamicTreeDrafter(tiny_teacher, draft_lm)
+    accepted = 0
+    for prompt in _prompts(50, seed=3):
+        gen = dec.speculative(drafter, prompt, 16, num_draft=3)
+        assert gen.new_tokens == dec.plain(prompt, 16).new_tokens
+        accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    assert accepted > 0
