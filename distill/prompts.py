@@ -2,7 +2,8 @@
 
 ``heldout_prompts`` cuts fixed-length prompts from the held-out stdlib split
 (``distill.corpus``); ``prompts_from_file`` reads MT-bench / Spec-Bench style
-jsonl files, rendering chat turns as chat training data is (``distill.chat``).
+jsonl files, rendering chat turns as chat training data is (``distill.chat``),
+and ``prompt_records_from_file`` adds each record's category.
 """
 
 from __future__ import annotations
@@ -109,6 +110,18 @@ def prompts_from_file(path: str, tokenizer, num_prompts: int | None, chat_templa
     generation prompt, or the plain template, as chat training data is), or
     ``{"prompt": ...}`` / ``{"text": ...}``, tokenised as raw text.
     """
+    return [ids for ids, _ in prompt_records_from_file(path, tokenizer, num_prompts, chat_template)]
+
+
+def prompt_records_from_file(
+    path: str, tokenizer, num_prompts: int | None, chat_template: str = "auto"
+) -> list[tuple[list[int], str | None]]:
+    """``(prompt ids, category)`` for the first ``num_prompts`` records of a jsonl file (all for None).
+
+    The ids are exactly ``prompts_from_file``'s; the category is the record's
+    ``category`` field (Spec-Bench / MT-bench: "writing", "coding", ...) or None,
+    so the eval can report acceptance per kind of prompt, where drafters differ most.
+    """
     p = Path(path).expanduser()
     if not p.is_file():
         raise ValueError(f"eval.prompts: file {p} does not exist; set eval.prompts=<question.jsonl> or null")
@@ -121,13 +134,22 @@ def prompts_from_file(path: str, tokenizer, num_prompts: int | None, chat_templa
         logger.warning("eval.prompts: %s holds %d prompts, fewer than num_prompts=%d", p, len(records), num_prompts)
     render = chat_renderer(tokenizer, chat_template)
     prefix = default_prefix_ids(tokenizer)
-    prompts = []
+    found = []
     for index, record in enumerate(records):
         ids = _prompt_record_ids(record, index, p, tokenizer, render, prefix)
         if not ids:
             raise ValueError(f"eval.prompts: {p} record {index} tokenises to nothing; remove it")
-        prompts.append(ids)
-    return prompts
+        found.append((ids, _record_category(record, index, p)))
+    return found
+
+
+def _record_category(record: Mapping, index: int, path: Path) -> str | None:
+    category = record.get("category")
+    if category is not None and not isinstance(category, str):
+        raise ValueError(
+            f"eval.prompts: {path} record {index} 'category' must be a string, got {category!r}; fix or drop it"
+        )
+    return category
 
 
 def _prompt_record_ids(record: Mapping, index: int, path: Path, tokenizer, render, prefix: list[int]) -> list[int]:

@@ -1,0 +1,133 @@
+"""A human-readable summary of an evaluation report, as markdown.
+
+``report.json`` is for machines; this is what a reader opens first (or pastes
+into a pull request): the setup in one line, one row per drafter, the
+baselines, per-category figures when the prompts had categories, the metric
+definitions and links to the figures. Every figure is read from the report
+dict, never recomputed, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from eval.plots import result_label
+
+MISSING = "–"  # an en dash: a value the report does not have (never reached, not measured)
+
+RESULT_COLUMNS = [
+    "drafter", "lossless", "τ", "α", "α per position", "tokens/s", "speedup",
+    "identical to plain", "predicted speedup", "overhead ratio",
+]
+
+
+def summary_markdown(report: Mapping) -> str:
+    """The whole summary document for ``report`` (the dict written to ``report.json``)."""
+    results = report["results"]
+    sections = [
+        _header(report),
+        "## Drafters\n\n" + _table(RESULT_COLUMNS, [_result_row(r, report.get("num_prompts")) for r in results]),
+        _baselines_section(report.get("baselines")),
+        *(_category_section(r) for r in results),
+        _definitions_section(report.get("definitions")),
+        _plots_section(report.get("plots")),
+    ]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    """``value`` formatted with ``spec``, or the missing mark for None."""
+    return MISSING if value is None else f"{value:{spec}}{suffix}"
+
+
+def sampling_text(sampling: Mapping | None) -> str:
+    """``temperature=0.7, top_p=0.9`` from the sampling settings; "greedy" when there are none."""
+    if not sampling:
+        return "greedy"
+    return ", ".join(f"{k}={v}" for k, v in sampling.items() if v is not None) or "greedy"
+
+
+def _header(report: Mapping) -> str:
+    greedy = report.get("greedy") or {}
+    return (
+        f"# Evaluation: {report['target']['name']}\n\n"
+        f"{report.get('num_prompts', MISSING)} prompts, up to {report.get('max_new_tokens', MISSING)} new tokens, "
+        f"sampling: {sampling_text(report.get('sampling'))}; "
+        f"plain decoding {fmt(greedy.get('tokens_per_s'), '.1f')} tokens/s"
+    )
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = [_row(columns), _row(["---"] * len(columns))]
+    return "\n".join(lines + [_row(r) for r in rows])
+
+
+def _row(cells: Sequence[str]) -> str:
+    # A "|" inside a cell (a label, a note) would split it into two columns.
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def _yes_no(flag) -> str:
+    return MISSING if flag is None else ("yes" if flag else "no")
+
+
+def _lossless_cell(result: Mapping) -> str:
+    flag = result.get("lossless")
+    return "no (lossy)" if flag is False else _yes_no(flag)
+
+
+def _identical_cell(result: Mapping, num_prompts) -> str:
+    """yes / no, with how many prompts matched plain decoding when some did not."""
+    flag = result.get("identical_to_plain", result.get("identical_to_greedy"))
+    matched = result.get("identical_prompts")
+    if flag is False and matched is not None and num_prompts is not None:
+        return f"no ({matched}/{num_prompts})"
+    return _yes_no(flag)
+
+
+def _result_row(result: Mapping, num_prompts) -> list[str]:
+    cost = result.get("cost") or {}
+    per_position = " ".join(fmt(a) for a in result.get("alpha_per_position") or []) or MISSING
+    return [
+        result_label(result), _lossless_cell(result), fmt(result.get("tau")), fmt(result.get("alpha")), per_position,
+        fmt(result.get("tokens_per_s"), ".1f"), fmt(result.get("speedup"), ".2f", "×"),
+        _identical_cell(result, num_prompts), fmt(cost.get("predicted_speedup"), ".2f", "×"),
+        fmt(cost.get("overhead_ratio")),
+    ]
+
+
+def _baselines_section(baselines: Mapping | None) -> str:
+    if not baselines:
+        return ""
+    rows = [
+        [name, fmt(b.get("tokens_per_s"), ".1f"), fmt(b.get("speedup"), ".2f", "×"), b.get("note") or ""]
+        for name, b in baselines.items()
+    ]
+    return "## Baselines\n\n" + _table(["baseline", "tokens/s", "speedup", "note"], rows)
+
+
+def _category_section(result: Mapping) -> str:
+    """Per-category figures of one drafter; empty when its prompts had no categories."""
+    categories = result.get("categories")
+    if not categories:
+        return ""
+    rows = [
+        [name, fmt(c.get("num_prompts"), ""), fmt(c.get("tau")), fmt(c.get("alpha")),
+         fmt(c.get("tokens_per_s"), ".1f"), fmt(c.get("speedup"), ".2f", "×")]
+        for name, c in categories.items()
+    ]
+    columns = ["category", "prompts", "τ", "α", "tokens/s", "speedup"]
+    return f"## Per category: {result_label(result)}\n\n" + _table(columns, rows)
+
+
+def _definitions_section(definitions: Mapping | None) -> str:
+    if not definitions:
+        return ""
+    return "## Definitions\n\n" + "\n".join(f"- **{name}**: {text}" for name, text in definitions.items())
+
+
+def _plots_section(plots: Sequence[str] | None) -> str:
+    if not plots:
+        return ""
+    # Relative links: the plots sit beside the summary in the run dir.
+    return "## Plots\n\n" + "\n".join(f"- [{name}]({name})" for name in plots)

@@ -1,0 +1,105 @@
+"""Figures of an evaluation report: acceptance per draft position, accepted lengths, speedup.
+
+Everything is drawn from the report dict alone (the content of ``report.json``),
+so a finished run's figures can be redrawn, or several reports compared,
+without decoding again. matplotlib is imported inside ``write_plots``: it is
+only needed when figures are written, and importing it at module level would
+slow every ``import eval`` and pick a display backend on headless machines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ACCEPTANCE_PNG = "acceptance_per_position.png"
+HISTOGRAM_PNG = "accepted_length_histogram.png"
+SPEEDUP_PNG = "speedup.png"
+
+
+def write_plots(report: Mapping, out_dir) -> list[Path]:
+    """Write the three report figures as PNGs under ``out_dir`` (created if missing); return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training / eval machines
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    drawers = {ACCEPTANCE_PNG: _draw_acceptance, HISTOGRAM_PNG: _draw_histogram, SPEEDUP_PNG: _draw_speedup}
+    paths = []
+    for name, draw in drawers.items():
+        # A bare Figure instead of pyplot: no global figure registry to leak or close.
+        fig = Figure(figsize=(7, 4), layout="constrained")
+        draw(fig.subplots(), report)
+        fig.savefig(out / name, dpi=100)
+        paths.append(out / name)
+    return paths
+
+
+def result_label(result: Mapping) -> str:
+    """The name a result is shown under: its ``label``, else its ``drafter`` key."""
+    return str(result.get("label") or result["drafter"])
+
+
+def _draw_acceptance(ax, report: Mapping) -> None:
+    for result in report["results"]:
+        # None marks a position never reached: no evidence, so no point rather than a misleading 0.
+        points = [(i, a) for i, a in enumerate(result.get("alpha_per_position") or [], 1) if a is not None]
+        ax.plot([i for i, _ in points], [a for _, a in points], marker="o", label=result_label(result))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate α_i")
+    ax.set_ylim(0.0, 1.05)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_title("Acceptance per draft position")
+    ax.legend()
+
+
+def accept_fractions(counts: Sequence[int]) -> list[float]:
+    """``counts`` normalised to sum to 1 (all zeros when nothing was counted), so runs of any length compare."""
+    total = sum(counts)
+    return [c / total if total else 0.0 for c in counts]
+
+
+def _draw_histogram(ax, report: Mapping) -> None:
+    results = report["results"]
+    longest = max((len(r.get("accept_counts") or []) for r in results), default=0)
+    width = 0.8 / max(len(results), 1)
+    for j, result in enumerate(results):
+        fractions = accept_fractions(result.get("accept_counts") or [])
+        xs = [a - 0.4 + width * (j + 0.5) for a in range(len(fractions))]
+        ax.bar(xs, fractions, width=width, label=result_label(result))
+    ax.set_xticks(range(longest))
+    ax.set_xlabel("draft tokens accepted per verification forward")
+    ax.set_ylabel("fraction of forwards")
+    ax.set_title("Accepted length")
+    ax.legend()
+
+
+def speedup_entries(report: Mapping) -> list[tuple[str, float, bool]]:
+    """``(label, speedup, is_baseline)`` for each result and each baseline that has a speedup.
+
+    Lossy results (``"lossless": false``) are marked in the label: their speedup
+    buys a different output, so it must not read as a like-for-like figure.
+    """
+    entries = []
+    for result in report["results"]:
+        if result.get("speedup") is not None:
+            lossy = " (lossy)" if result.get("lossless") is False else ""
+            entries.append((result_label(result) + lossy, float(result["speedup"]), False))
+    for name, baseline in (report.get("baselines") or {}).items():
+        if baseline.get("speedup") is not None:
+            entries.append((str(name), float(baseline["speedup"]), True))
+    return entries
+
+
+def _draw_speedup(ax, report: Mapping) -> None:
+    entries = speedup_entries(report)
+    ys = range(len(entries))
+    colors = ["tab:gray" if is_baseline else "tab:blue" for _, _, is_baseline in entries]
+    ax.barh(ys, [s for _, s, _ in entries], color=colors)
+    ax.set_yticks(ys, [label for label, _, _ in entries])
+    ax.invert_yaxis()  # first result on top, in report order
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1)  # plain decoding
+    ax.set_xlabel("speedup over plain decoding (×)")
+    ax.set_title("Speedup")
