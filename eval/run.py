@@ -1,43 +1,37 @@
-"""Evaluate drafters against plain greedy decoding of the same target: α, τ, speedup, identity, report.json.
+"""Evaluate drafters against plain decoding of the same target: α, τ, speedup, identity, cost model, report.json.
 
-Timings are taken side by side: for each prompt, plain greedy and every drafter run back to back, so a machine
-that gets busier mid-run slows all of them alike and the speedup ratio stays honest.
+Timings are taken side by side: for each prompt, plain decoding, every drafter and the HF baselines (``generate()``,
+assisted generation with the same draft model) run back to back, so a machine that gets busier mid-run slows all of
+them alike and the ratios stay honest. Under sampling every method on a prompt starts from the same seed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import platform
-from pathlib import Path
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 
 from eval.metrics import AcceptStats
-from inference.decoder import Decoder
+from eval.report import DEFINITIONS, machine_info, summary_table, write_report
+from inference.cost import auto_tune, chain_tau, measure_parts, overhead_ratio, predict
+from inference.decoder import Decoder, DecoderConfig, Generation
 
 log = logging.getLogger(__name__)
 
 
-def eval_prompts(eval_cfg: Mapping, tokenizer) -> list[list[int]]:
-    from distill.prompts import heldout_prompts, prompts_from_file
+def eval_prompts(eval_cfg: Mapping, tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    """(prompt ids, category per prompt): a question.jsonl's records (Spec-Bench / MT-bench categories) or held-out
+    stdlib excerpts (category None)."""
+    from distill.prompts import heldout_prompts, prompt_records_from_file
 
     if eval_cfg.get("prompts"):
-        return prompts_from_file(eval_cfg["prompts"], tokenizer, eval_cfg["num_prompts"], "auto")
-    return heldout_prompts(tokenizer, eval_cfg["num_prompts"], eval_cfg["prompt_tokens"])
-
-
-def machine_info() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
+        records = prompt_records_from_file(eval_cfg["prompts"], tokenizer, eval_cfg["num_prompts"], "auto")
+        return [ids for ids, _ in records], [cat for _, cat in records]
+    prompts = heldout_prompts(tokenizer, eval_cfg["num_prompts"], eval_cfg["prompt_tokens"])
+    return prompts, [None] * len(prompts)
 
 
 def proposal_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -60,101 +54,217 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
-def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: Mapping) -> dict:
-    """Decode every prompt greedily and with each drafter; return the report (a JSON-able dict)."""
+@dataclass
+class Tally:
+    """Everything one decoding method accumulated over a set of prompts."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    prompts: int = 0
+    identical: int = 0
+    first_mismatch: int | None = None
+    stats: AcceptStats = field(default_factory=AcceptStats)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    nodes_per_forward: Counter = field(default_factory=Counter)
+    node_accepts: dict = field(default_factory=lambda: defaultdict(Counter))
+    shapes: dict = field(default_factory=dict)
+
+    def add(self, gen: Generation, ref: Generation | None, index: int) -> None:
+        self.seconds += gen.seconds
+        self.tokens += len(gen.new_tokens)
+        self.prompts += 1
+        self.stats.merge(gen.stats)
+        self.prefill_s += gen.prefill_seconds
+        self.draft_s += gen.draft_seconds
+        self.verify_s += gen.verify_seconds
+        self.nodes_per_forward.update(gen.nodes_per_forward)
+        for size, row in gen.node_accepts.items():
+            self.node_accepts[size].update(row)
+        for size, parents in gen.shapes.items():
+            self.shapes.setdefault(size, parents)
+        if ref is not None:
+            if gen.new_tokens == ref.new_tokens:
+                self.identical += 1
+            elif self.first_mismatch is None:
+                self.first_mismatch = index
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def build_decoder(teacher, dcfg: DecoderConfig) -> Decoder:
+    return Decoder(teacher, eos_token_id=teacher.tokenizer.eos_token_id if teacher.tokenizer is not None else None,
+                   sampling=dcfg.sampling(), acceptance=dcfg.acceptance, typical_threshold=dcfg.typical_threshold,
+                   typical_alpha=dcfg.typical_alpha, seed=dcfg.seed)
+
+
+def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: Mapping,
+             decoder_cfg: DecoderConfig | None = None, categories: Sequence[str | None] | None = None,
+             tree_override: Sequence[str] = ()) -> dict:
+    """Decode every prompt plainly and with each drafter, back to back; return the report (a JSON-able dict).
+
+    ``tree_override``: names of drafters that take ``decoder.tree`` (the ones under test, not the baselines)."""
     if not prompts:
         raise ValueError("no evaluation prompts; check eval.prompts / eval.num_prompts")
-    decoder = Decoder(teacher, eos_token_id=teacher.tokenizer.eos_token_id)
+    dcfg = decoder_cfg or DecoderConfig()
+    decoder = build_decoder(teacher, dcfg)
+    greedy = decoder.sampling.greedy
     max_new, k = eval_cfg["max_new_tokens"], eval_cfg["num_draft"]
     dtype = proposal_dtype(eval_cfg.get("drafter_dtype", "auto"), teacher.device)
     drafters = {name: d.to(dtype) for name, d in drafters.items()}
+    if dcfg.tree is not None:
+        for name in tree_override:
+            drafters[name].set_tree(dcfg.tree)
     as_tensor = [torch.tensor([list(p)], dtype=torch.long) for p in prompts]
-    for p in as_tensor[: eval_cfg.get("warmup_prompts", 1)]:  # first calls pay one-off allocation costs
-        decoder.greedy(p, max_new)
-        for drafter in drafters.values():
-            decoder.speculative(drafter, p, max_new, k)
-
-    greedy_s, greedy_tokens = 0.0, 0
-    per = {name: {"seconds": 0.0, "tokens": 0, "stats": AcceptStats(), "identical": 0, "draft_s": 0.0,
-                  "verify_s": 0.0, "first_mismatch": None} for name in drafters}
-    for idx, p in enumerate(as_tensor):
-        ref = decoder.greedy(p, max_new)
-        greedy_s += ref.seconds
-        greedy_tokens += len(ref.new_tokens)
+    categories = list(categories) if categories is not None else [None] * len(prompts)
+    depth = {name: k for name in drafters}
+    tuning = {}
+    if dcfg.auto_tune:
+        calibration = as_tensor[: max(1, min(4, len(as_tensor)))]
         for name, drafter in drafters.items():
-            gen = decoder.speculative(drafter, p, max_new, k)
-            acc = per[name]
-            acc["seconds"] += gen.seconds
-            acc["tokens"] += len(gen.new_tokens)
-            acc["stats"].merge(gen.stats)
-            acc["draft_s"] += gen.draft_seconds
-            acc["verify_s"] += gen.verify_seconds
-            if gen.new_tokens == ref.new_tokens:
-                acc["identical"] += 1
-            elif acc["first_mismatch"] is None:
-                acc["first_mismatch"] = idx
-                log.warning("drafter %s: prompt %d differs from plain greedy decoding", name, idx)
+            tuning[name] = auto_tune(decoder, drafter, calibration, max_new, k)
+            depth[name] = tuning[name]["chosen"]["num_draft"]
+            log.info("auto_tune %s: %s", name, tuning[name]["chosen"])
+    hf = _hf_baselines(teacher, drafters, eval_cfg, decoder)
+    for p in as_tensor[: eval_cfg.get("warmup_prompts", 1)]:  # first calls pay one-off allocation costs
+        decoder.plain(p, max_new)
+        for name, drafter in drafters.items():
+            decoder.speculative(drafter, p, max_new, depth[name])
+        for run in hf.values():
+            run(p, 0)
 
-    greedy_tps = greedy_tokens / greedy_s
-    extra = {"num_prompts": len(prompts), "num_draft": k, "drafter_dtype": str(dtype).removeprefix("torch.")}
-    results = [_result(name, acc, greedy_tps, extra) for name, acc in per.items()]
+    plain = Tally()
+    per = {name: Tally() for name in drafters}
+    hf_tally = {name: Tally() for name in hf}
+    by_cat: dict = defaultdict(Tally)
+    for idx, (p, cat) in enumerate(zip(as_tensor, categories)):
+        decoder.reseed(dcfg.seed + idx)  # the same random stream for every method on this prompt
+        ref = decoder.plain(p, max_new)
+        plain.add(ref, None, idx)
+        by_cat[(None, cat)].add(ref, None, idx)
+        for name, drafter in drafters.items():
+            decoder.reseed(dcfg.seed + idx)
+            gen = decoder.speculative(drafter, p, max_new, depth[name])
+            per[name].add(gen, ref if greedy else None, idx)
+            by_cat[(name, cat)].add(gen, None, idx)
+            if greedy and gen.new_tokens != ref.new_tokens and per[name].first_mismatch == idx:
+                log.warning("drafter %s: prompt %d differs from plain greedy decoding", name, idx)
+        for name, run in hf.items():
+            hf_tally[name].add(run(p, dcfg.seed + idx), ref if greedy else None, idx)
+
+    plain_tps = plain.tokens_per_s
+    cost_prompt = as_tensor[0]
+    results = []
+    for name, drafter in drafters.items():
+        row = _result(name, per[name], plain_tps, greedy, decoder, len(prompts), depth[name])
+        row["cost"] = _cost(decoder, drafter, cost_prompt, per[name], depth[name], tuning.get(name), row["tau"])
+        if any(c is not None for c in categories):
+            row["categories"] = _categories(by_cat, name, categories)
+        results.append(row)
     return {
         "target": teacher.identity(),
         "num_prompts": len(prompts),
         "max_new_tokens": max_new,
-        "greedy": {"new_tokens": greedy_tokens, "seconds": greedy_s, "tokens_per_s": greedy_tps},
+        "num_draft": k,
+        "sampling": {"mode": decoder.sampling.describe(), "temperature": dcfg.temperature, "top_p": dcfg.top_p,
+                     "top_k": dcfg.top_k, "seed": dcfg.seed},
+        "acceptance": dcfg.acceptance,
+        "lossless": decoder.lossless,
+        "drafter_dtype": str(dtype).removeprefix("torch."),
+        "greedy": {"new_tokens": plain.tokens, "seconds": plain.seconds, "tokens_per_s": plain_tps},
+        "baselines": {name: _baseline(name, t, plain_tps, per, greedy, len(prompts)) for name, t in hf_tally.items()},
         "results": results,
         "machine": machine_info(),
-        "definitions": {
-            "tau": "tokens committed per target verification forward, bonus token included (prefill excluded)",
-            "alpha": "accepted draft tokens / judged draft tokens (a token is judged when all earlier ones were accepted)",
-            "speedup": "speculative tokens/s over plain greedy tokens/s through the same KV-cache path, same prompts",
-        },
+        "definitions": DEFINITIONS,
     }
 
 
-def _result(name: str, acc: Mapping, greedy_tps: float, extra: Mapping) -> dict:
-    tps = acc["tokens"] / acc["seconds"]
+def _hf_baselines(teacher, drafters: Mapping, eval_cfg: Mapping, decoder: Decoder) -> dict:
+    """Callables (prompt, seed) -> Generation for HF generate() and HF assisted generation with each draft model."""
+    if not eval_cfg.get("hf_baselines", True):
+        return {}
+    from eval.baselines import hf_assisted, hf_generate
+    from heads.draft_model import DraftModel
+
+    max_new, k, eos = eval_cfg["max_new_tokens"], eval_cfg["num_draft"], decoder.eos_token_id
+
+    def wrap(out: dict) -> Generation:
+        return Generation(new_tokens=decoder._finish(out["new_tokens"], max_new), seconds=out["seconds"])
+
+    runs = {"hf_generate": lambda p, seed: wrap(hf_generate(teacher, p, max_new, decoder.sampling, eos, seed=seed))}
+    for name, drafter in drafters.items():
+        if isinstance(drafter, DraftModel) and decoder.lossless:
+            runs[f"hf_assisted[{name}]"] = lambda p, seed, m=drafter.model: wrap(
+                hf_assisted(teacher, m, p, max_new, k, decoder.sampling, eos, seed=seed))
+    return runs
+
+
+def _baseline(name: str, t: Tally, plain_tps: float, per: Mapping[str, Tally], greedy: bool, n: int) -> dict:
+    out = {"tokens_per_s": t.tokens_per_s, "seconds": t.seconds, "new_tokens": t.tokens,
+           "speedup": t.tokens_per_s / plain_tps if plain_tps else None,
+           "identical_to_greedy": t.identical == n if greedy else None}
+    if name.startswith("hf_assisted["):
+        ours = per[name[len("hf_assisted["):-1]]
+        out["ours_over_hf"] = ours.tokens_per_s / t.tokens_per_s if t.tokens_per_s else None
+        out["note"] = f"same draft model, same γ; ours is {out['ours_over_hf']:.2f}x its tokens/s"
+    return out
+
+
+def _result(name: str, t: Tally, plain_tps: float, greedy: bool, decoder: Decoder, n: int, num_draft: int) -> dict:
+    lossy = "" if decoder.lossless else " [typical, LOSSY]"
     return {
         "drafter": name,
-        "new_tokens": acc["tokens"],
-        **extra,
-        **acc["stats"].to_dict(),
-        "tokens_per_s": tps,
-        "greedy_tokens_per_s": greedy_tps,
-        "speedup": tps / greedy_tps,
-        "draft_seconds": acc["draft_s"],
-        "verify_seconds": acc["verify_s"],
-        "identical_to_greedy": acc["identical"] == extra["num_prompts"],
-        "identical_prompts": acc["identical"],
-        "first_mismatch_prompt": acc["first_mismatch"],
+        "label": name + lossy,
+        "lossless": decoder.lossless,
+        "num_draft": num_draft,
+        "tree_size": max(t.nodes_per_forward, default=0),
+        "num_prompts": n,
+        "new_tokens": t.tokens,
+        **t.stats.to_dict(),
+        "tokens_per_s": t.tokens_per_s,
+        "greedy_tokens_per_s": plain_tps,
+        "speedup": t.tokens_per_s / plain_tps if plain_tps else 0.0,
+        "prefill_seconds": t.prefill_s,
+        "draft_seconds": t.draft_s,
+        "verify_seconds": t.verify_s,
+        # Token identity is the greedy guarantee; under sampling losslessness is distributional (tests prove it).
+        "identical_to_greedy": (t.identical == n) if greedy else None,
+        "identical_prompts": t.identical if greedy else None,
+        "first_mismatch_prompt": t.first_mismatch,
     }
 
 
-def summary_table(report: Mapping) -> str:
-    lines = [
-        f"target {report['target']['name']}: {report['num_prompts']} prompts, up to {report['max_new_tokens']} new tokens; "
-        f"plain greedy {report['greedy']['tokens_per_s']:.1f} tok/s",
-        f"{'drafter':<14}{'tau':>7}{'alpha':>8}  {'alpha per position':<30}{'tok/s':>8}{'speedup':>9}  identical",
-    ]
-    for r in report["results"]:
-        per_pos = " ".join("  - " if a is None else f"{a:.2f}" for a in r["alpha_per_position"])
-        lines.append(
-            f"{r['drafter']:<14}{r['tau']:>7.2f}{r['alpha']:>8.2f}  {per_pos:<30}{r['tokens_per_s']:>8.1f}"
-            f"{r['speedup']:>8.2f}x  {r['identical_to_greedy']}"
-        )
-    return "\n".join(lines)
+def _cost(decoder: Decoder, drafter, prompt, t: Tally, num_draft: int, tuning: dict | None, tau: float) -> dict:
+    """Isolated timings of the parts this run used; predicted speedup (from this run's τ, or from the auto-tune
+    calibration when there was one) next to the measured one; the overhead ratio."""
+    parts = measure_parts(decoder, drafter, prompt, [num_draft], t.shapes)
+    full = max(t.nodes_per_forward, key=lambda n: (t.nodes_per_forward[n], n), default=0)
+    t_draft = parts["t_draft"][num_draft]
+    out = {
+        "t_plain_s": parts["t_plain"],
+        "t_draft_s": t_draft,
+        "t_verify_s": {str(n): s for n, s in parts["t_verify"].items()},
+        "predicted_speedup_from_measured_tau": predict(tau, parts["t_plain"], t_draft, parts["t_verify"].get(full, 0.0)),
+        "overhead_ratio": overhead_ratio(t.seconds, t.prefill_s, t.nodes_per_forward, parts["t_verify"], t_draft),
+    }
+    if tuning is not None:
+        out.update(auto_tune=tuning["candidates"], chosen=tuning["chosen"], predicted_speedup=tuning["chosen"]["predicted_speedup"],
+                   predicted_tau=tuning["chosen"]["predicted_tau"])
+    else:
+        out["predicted_speedup"] = out["predicted_speedup_from_measured_tau"]
+    return out
 
 
-def write_report(report: Mapping, run_dir: str | os.PathLike) -> Path:
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "report.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, path)
-    (run_dir / "summary.txt").write_text(summary_table(report) + "\n")
-    return path
+def _categories(by_cat: Mapping, name: str, categories: Sequence[str | None]) -> dict:
+    out = {}
+    for cat in sorted({c for c in categories if c is not None}):
+        t, ref = by_cat[(name, cat)], by_cat[(None, cat)]
+        out[cat] = {"num_prompts": t.prompts, "tau": t.stats.tau, "alpha": t.stats.alpha, "tokens_per_s": t.tokens_per_s,
+                    "speedup": t.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else None}
+    return out
 
 
 # Drafters every report shows beside the one under test (eval.baselines); untrained, built from their defaults.
@@ -173,9 +283,13 @@ def _with_baselines(drafters: dict, teacher, eval_cfg: Mapping) -> dict:
 
 
 def _report(cfg, teacher, drafters: dict, run_dir) -> dict:
-    prompts = eval_prompts(cfg.eval, teacher.tokenizer)
-    report = evaluate(teacher, _with_baselines(drafters, teacher, cfg.eval), prompts, cfg.eval)
-    path = write_report(report, run_dir)
+    from train.config import decoder_config
+
+    prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
+    under_test = list(drafters)
+    report = evaluate(teacher, _with_baselines(drafters, teacher, cfg.eval), prompts, cfg.eval, decoder_config(cfg),
+                      categories, tree_override=under_test)
+    path = write_report(report, run_dir, plots=cfg.eval.plots)
     print(summary_table(report), flush=True)
     log.info("wrote %s", path)
     return report
@@ -205,7 +319,8 @@ def run_eval(cfg, run_dir, use_saved_target: bool = True) -> dict:
         return evaluate_saved(cfg, teacher, cfg.drafter_path, run_dir)
     teacher = load_teacher(cfg.target, device=device)
     drafter = build_drafter(cfg.drafter, teacher)
-    if any(True for _ in drafter.parameters()):
+    drafter.bind_target(teacher, initialize=True)
+    if drafter.needs_training:
         raise ValueError(
             f"drafter={drafter.name} has weights to train; evaluate a trained one with drafter_path=<run dir>/drafter "
             f"(written by `python -m train`), or use drafter=lookup"

@@ -83,6 +83,11 @@ class Drafter(nn.Module):
     name: str = "drafter"  # how reports label it
     teacher_layers: tuple[int, ...] = ()
 
+    @property
+    def needs_training(self) -> bool:
+        """Whether the drafter is useless untrained (heads are; a pretrained draft LM or n-gram lookup is not)."""
+        return any(True for _ in self.parameters())
+
     def __init__(self, dims: TargetDims | Mapping[str, int]):
         super().__init__()
         self.dims = dims if isinstance(dims, TargetDims) else TargetDims(**dims)
@@ -100,6 +105,10 @@ class Drafter(nn.Module):
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
         raise NotImplementedError
+
+    def saved_config(self, drafter_cfg: Mapping[str, Any]) -> dict:
+        """The node ``save_drafter`` records and ``load_drafter`` rebuilds from; most drafters: as configured."""
+        return dict(drafter_cfg)
 
     def set_tree(self, spec) -> None:
         """Decode with the static tree ``spec`` (``decoder.tree``); only drafters with top-k candidates have one."""
@@ -138,7 +147,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "drafter": dict(drafter_cfg),
+        "drafter": drafter.saved_config(drafter_cfg),
         "dims": asdict(drafter.dims),
         "target": dict(target_identity),
         "target_config": dict(target_cfg),

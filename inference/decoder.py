@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +30,24 @@ ACCEPTANCE_RULES = ("exact", "typical")  # exact: greedy match / rejection sampl
 
 
 @dataclass
+class DecoderConfig:
+    """``decoder:`` in the Hydra config: how every drafter is decoded and verified in an evaluation."""
+
+    temperature: float = 0.0  # 0: greedy (output token-identical to plain greedy decoding)
+    top_p: float = 1.0
+    top_k: int = 0
+    acceptance: str = "exact"  # exact (lossless) | typical (Medusa's typical acceptance: LOSSY, labelled so)
+    typical_threshold: float = 0.09  # ε in p(x) > min(ε, δ·exp(-H(p)))
+    typical_alpha: float = 0.3  # δ
+    tree: Any = None  # null: each drafter's own; "chain"; a preset (small, default, wide); or top-k index paths
+    auto_tune: bool = False  # pick the draft length / tree size with the best predicted speedup (inference.cost)
+    seed: int = 0
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
 class Generation:
     new_tokens: list[int]
     seconds: float
@@ -40,6 +59,7 @@ class Generation:
     # tree size -> node index -> times that node was on the accepted path (static trees: the cost model's input)
     node_accepts: dict = field(default_factory=lambda: defaultdict(Counter))
     context_tokens: int = 0  # committed context length summed over verification forwards (mean = / forwards)
+    shapes: dict = field(default_factory=dict)  # tree size -> parents of a tree of that size (to time it alone)
 
 
 def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_positions: int) -> None:
@@ -172,6 +192,7 @@ class Decoder:
             gen.verify_seconds += t2 - t1
             gen.stats.update(tree.depth, len(path))
             gen.nodes_per_forward[tree.size] += 1
+            gen.shapes.setdefault(tree.size, tree.parents.cpu())
             gen.node_accepts[tree.size].update(path)
             gen.context_tokens += past + 1
             keep = torch.tensor([0] + [1 + i for i in path], device=device)

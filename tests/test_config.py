@@ -3,6 +3,8 @@
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import make_tiny_llama
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
@@ -41,7 +43,9 @@ def test_experiment_composes_and_instantiates(experiment):
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_every_drafter_preset_instantiates(drafter):
+def test_every_drafter_preset_instantiates(drafter, monkeypatch):
+    # The draft model preset builds a small toy LM (minutes); a tiny stand-in checks the config plumbing.
+    monkeypatch.setattr("heads.draft_model.load_or_build_toy_target", lambda cfg, cache_dir=None: (make_tiny_llama(), None))
     cfg = load([f"drafter={drafter}"])
     validate(cfg)
     instantiate(cfg.drafter, dims=TargetDims(32, 128, 2))

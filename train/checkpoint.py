@@ -67,7 +67,7 @@ def latest_checkpoint(run_dir) -> Path | None:
 def load_checkpoint(path: Path, drafter, optimizer, drafter_cfg: Mapping, target_identity: Mapping) -> int:
     """Restore drafter weights, optimizer and RNG in place; return the step to continue from."""
     config = read_drafter_config(path / "drafter")
-    for what, saved, now in (("drafter", config["drafter"], dict(drafter_cfg)),
+    for what, saved, now in (("drafter", config["drafter"], drafter.saved_config(drafter_cfg)),
                              ("target", _dims(config["target"]), _dims(target_identity))):
         if saved != now:
             raise ValueError(

@@ -20,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.data import DataConfig
 from distill.teacher import TargetConfig
+from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
+from inference.tree import parse_tree
 
 
 @dataclass
@@ -65,6 +67,8 @@ class EvalConfig:
     warmup_prompts: int = 1
     # dtype drafters propose in: auto (bf16 where the device computes it natively) | float32 | bfloat16
     drafter_dtype: str = "auto"
+    hf_baselines: bool = True  # also time HF generate() and, for a draft model, HF assisted generation
+    plots: bool = True  # PNG figures beside report.json
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
     seed: int = 0
     drafter_path: Optional[str] = None  # python -m eval: the saved drafter directory to evaluate
 
@@ -121,6 +126,10 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"logger.name={cfg.logger.name!r}; valid: 'none', 'wandb'")
     if cfg.eval.num_draft < 1:
         raise ValueError(f"eval.num_draft must be >= 1, got {cfg.eval.num_draft}")
+    decoder_config(cfg).sampling()  # temperature / top_p / top_k ranges
+    if cfg.decoder.acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"decoder.acceptance={cfg.decoder.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
+    parse_tree(to_container(cfg.decoder.tree))
     if cfg.drafter:
         _check_keys(cfg.drafter, "drafter", runtime=("dims",))
     if cfg.loss:
@@ -130,6 +139,10 @@ def validate(cfg: DictConfig) -> None:
             f"data.max_length={cfg.data.max_length} exceeds the toy target's context "
             f"target.toy.max_seq_len={cfg.target.toy.max_seq_len}; lower data.max_length"
         )
+
+
+def decoder_config(cfg: DictConfig) -> DecoderConfig:
+    return DecoderConfig(**to_container(cfg.decoder))
 
 
 def to_container(node: Any) -> Any:

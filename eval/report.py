@@ -1,0 +1,82 @@
+"""Writing an evaluation report: ``report.json`` (atomically), ``summary.txt``, ``summary.md`` and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFINITIONS = {
+    "tau": "tokens committed per target verification forward, bonus token included (prefill excluded)",
+    "alpha": "accepted draft tokens / judged draft tokens (a token is judged when all earlier ones were accepted); "
+             "for trees, per depth along the accepted path",
+    "speedup": "speculative tokens/s over plain decoding tokens/s through the same KV-cache path, same prompts, "
+               "timed back to back",
+    "lossless": "exact acceptance (greedy match or rejection sampling) keeps the target's output distribution; "
+                "typical acceptance does not",
+    "predicted_speedup": "tau * t_plain / (t_draft + t_verify) with each time measured in isolation (inference.cost)",
+    "overhead_ratio": "wall time / (prefill + sum over steps of isolated t_verify(tree size) + t_draft); 1.0 = no "
+                      "loop overhead",
+}
+
+
+def machine_info() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary_table(report: Mapping) -> str:
+    lines = [
+        f"target {report['target']['name']}: {report['num_prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
+        f"{report.get('sampling', {}).get('mode', 'greedy')}; plain decoding {report['greedy']['tokens_per_s']:.1f} tok/s",
+        f"{'drafter':<24}{'tau':>6}{'alpha':>7}  {'alpha per position':<26}{'tok/s':>8}{'speedup':>9}{'pred.':>7}"
+        f"{'overh.':>7}  identical",
+    ]
+    for r in report["results"]:
+        per_pos = " ".join("  - " if a is None else f"{a:.2f}" for a in r["alpha_per_position"][:6])
+        cost = r.get("cost") or {}
+        lines.append(
+            f"{r.get('label', r['drafter']):<24}{r['tau']:>6.2f}{r['alpha']:>7.2f}  {per_pos:<26}{r['tokens_per_s']:>8.1f}"
+            f"{r['speedup']:>8.2f}x{_fmt(cost.get('predicted_speedup'), '>6.2f')}x{_fmt(cost.get('overhead_ratio'), '>7.2f')}"
+            f"  {r['identical_to_greedy']}"
+        )
+    for name, b in (report.get("baselines") or {}).items():
+        lines.append(f"baseline {name:<15} {b['tokens_per_s']:>8.1f} tok/s  speedup {_fmt(b.get('speedup'), '.2f')}x"
+                     + (f"  ({b['note']})" if b.get("note") else ""))
+    return "\n".join(lines)
+
+
+def write_report(report: dict, run_dir: str | os.PathLike, plots: bool = True) -> Path:
+    """report.json (atomically: a reader never sees half a file), summary.txt, summary.md and, optionally, plots."""
+    from eval.markdown import summary_markdown
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if plots:
+        from eval.plots import write_plots
+
+        report["plots"] = [p.name for p in write_plots(report, run_dir)]
+    path = run_dir / "report.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, path)
+    (run_dir / "summary.txt").write_text(summary_table(report) + "\n")
+    (run_dir / "summary.md").write_text(summary_markdown(report))
+    return path

@@ -1,0 +1,137 @@
+"""Cost model: predict the speedup of each draft length / tree size from measured parts, and pick the best.
+
+Parts, each measured in isolation (medians of repeated calls on a fixed context, nothing else running in between):
+    t_plain      one plain decoding step (a 1-token target forward)
+    t_verify(n)  one verification forward of n draft nodes (+ the pending token), acceptance and cache compaction
+    t_draft(d)   one drafter proposal of depth d
+and, from decoding, the acceptance it achieved:
+    chains:       α_i per position  ->  τ(γ) = 1 + Σ_{i=1..γ} Π_{j<=i} α_j
+    static trees: P(node on the accepted path)  ->  τ(first n nodes) = 1 + Σ_{i<n} P(node i)
+(both exact in expectation for greedy decoding; under sampling, acceptance of a node depends on its siblings'
+residuals and the prediction is approximate). Then
+    predicted speedup = τ · t_plain / (t_draft + t_verify)
+and the overhead ratio of a real run = its wall time / (prefill + Σ t_verify + Σ t_draft of the steps it took):
+1.0 means the decode loop adds nothing to the work the models themselves do.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from typing import Mapping, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from inference.decoder import Decoder, _sync
+from inference.tree import DraftTree, compact_cache, verify_inputs
+
+
+def _median_seconds(fn, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_parts(decoder: Decoder, drafter, prompt_ids: torch.Tensor, depths: Sequence[int],
+                  shapes: Mapping[int, torch.Tensor], repeats: int = 7) -> dict:
+    """t_plain, t_verify(n) for each tree shape (n -> parents), t_draft(d) for each depth, on ``prompt_ids``."""
+    device = decoder.device
+    tokens = prompt_ids.to(device)
+    cache = DynamicCache(config=decoder.model.config)
+    layers = tuple(drafter.teacher_layers)
+    _, hidden = decoder._forward({"input_ids": tokens[:, :-1]}, cache, layers)
+    past = tokens.shape[1] - 1
+    vocab = decoder.teacher.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def verify(parents: torch.Tensor):
+        tree = DraftTree(torch.randint(0, vocab, parents.shape, generator=gen).to(device), parents.to(device))
+        inputs = verify_inputs(tree, tokens[0, -1], past, decoder.mask_dtype)
+        logits, _ = decoder._forward(inputs, cache, layers)
+        decoder._accept(tree, logits)
+        compact_cache(cache, tree.size, [])
+        cache.crop(-1)  # the pending token too: back to the same context for the next repeat
+
+    t_verify = {n: _median_seconds(lambda p=parents: verify(p), repeats, device) for n, parents in sorted(shapes.items())}
+    t_plain = _median_seconds(lambda: verify(torch.empty(0, dtype=torch.long)), repeats, device)
+    drafter.reset()
+    drafter.observe(hidden)  # the context minus its last token, as after a step
+    t_draft = {d: _median_seconds(lambda d=d: drafter.propose(tokens, d, decoder.sampling), repeats, device) for d in depths}
+    return {"t_plain": t_plain, "t_verify": t_verify, "t_draft": t_draft}
+
+
+def chain_tau(alpha_per_position: Sequence[float | None], gamma: int) -> float:
+    tau, reach = 1.0, 1.0
+    for a in list(alpha_per_position)[:gamma]:
+        reach *= a or 0.0
+        tau += reach
+    return tau
+
+
+def tree_tau(node_accept_rate: Sequence[float], num_nodes: int) -> float:
+    return 1.0 + sum(node_accept_rate[:num_nodes])
+
+
+def predict(tau: float, t_plain: float, t_draft: float, t_verify: float) -> float:
+    return tau * t_plain / (t_draft + t_verify)
+
+
+def overhead_ratio(wall_seconds: float, prefill_seconds: float, nodes_per_forward: Mapping[int, int],
+                   t_verify: Mapping[int, float], t_draft: float) -> float:
+    isolated = prefill_seconds + sum(c * (t_draft + t_verify[n]) for n, c in nodes_per_forward.items())
+    return wall_seconds / isolated if isolated else float("nan")
+
+
+def choose(candidates: list[dict]) -> dict:
+    """The candidate with the highest predicted speedup (ties: the smaller, cheaper one)."""
+    return max(candidates, key=lambda c: (round(c["predicted_speedup"], 6), -c["size"]))
+
+
+def auto_tune(decoder: Decoder, drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int, max_depth: int,
+              repeats: int = 7) -> dict:
+    """Decode ``prompts`` at the largest setting, predict every smaller one, apply the best to ``drafter``.
+
+    Chains: γ = 1..max_depth. Static trees (a drafter with a ``tree``): the first n nodes, n = 1..size (paths are
+    sorted breadth-first, so every prefix is a tree). Returns {"candidates": [...], "chosen": {...}}."""
+    from eval.metrics import AcceptStats
+
+    stats, forwards, accepts, shapes = AcceptStats(), Counter(), Counter(), {}
+    static = getattr(drafter, "tree", None)
+    full = len(static.paths) if static is not None else None
+    for p in prompts:
+        gen = decoder.speculative(drafter, p, max_new_tokens, max_depth)
+        stats.merge(gen.stats)
+        forwards.update(gen.nodes_per_forward)
+        shapes.update(gen.shapes)
+        if full is not None:
+            accepts.update(gen.node_accepts.get(full, {}))
+    if static is None:
+        sizes = list(range(1, max_depth + 1))
+        depths = {n: n for n in sizes}
+        shapes = {n: torch.arange(-1, n - 1) for n in sizes}
+        taus = {n: chain_tau(stats.alpha_per_position, n) for n in sizes}
+    else:
+        sizes = list(range(1, full + 1))
+        depths = {n: min(static.truncated(n).depth, max_depth) for n in sizes}
+        shapes = {n: torch.tensor(static.truncated(n).parents) for n in sizes}
+        rates = [accepts[i] / forwards[full] if forwards[full] else 0.0 for i in range(full)]
+        taus = {n: tree_tau(rates, n) for n in sizes}
+    parts = measure_parts(decoder, drafter, prompts[0], sorted(set(depths.values())), shapes, repeats)
+    candidates = [
+        {"size": n, "num_draft": depths[n], "tree_nodes": n if static is not None else None, "predicted_tau": taus[n],
+         "t_draft_s": parts["t_draft"][depths[n]], "t_verify_s": parts["t_verify"][n],
+         "predicted_speedup": predict(taus[n], parts["t_plain"], parts["t_draft"][depths[n]], parts["t_verify"][n])}
+        for n in sizes
+    ]
+    best = choose(candidates)
+    if static is not None:
+        drafter.set_tree([list(p) for p in static.paths[: best["size"]]])
+    return {"candidates": candidates, "chosen": best, "t_plain_s": parts["t_plain"]}
