@@ -96,8 +96,10 @@ class Drafter(nn.Module):
         """Attach frozen pieces of the target; when ``initialize``, copy initial weights from it."""
 
     # --- decoding ------------------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget the previous sequence."""
+    def reset(self, seed: int = 0) -> None:
+        """Forget the previous sequence. ``seed``: for drafters that sample their drafts; the decoder passes a fresh
+        one per sequence from its own generator, so drafts are independent draws (the premise of rejection
+        sampling) yet a seeded evaluation is reproducible."""
 
     def observe(self, hidden: dict[int, Tensor]) -> None:
         """Target hidden states ([1, m, D] per requested layer) of the positions just committed."""

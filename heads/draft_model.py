@@ -47,7 +47,6 @@ class DraftModel(Drafter):
 
     name = "draft_model"  # how reports label it; the HF model's name is ``model_name``
     teacher_layers = ()
-    sampling_seed = 0  # reset() reseeds the draft sampler, so a sequence's drafts do not depend on earlier ones
 
     def __init__(self, dims: TargetDims | Mapping[str, int], source: str = "toy", name: str | None = None,
                  revision: str | None = None, toy: dict | None = None, dtype: str = "float32",
@@ -152,7 +151,8 @@ class DraftModel(Drafter):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def reset(self) -> None:
+    def reset(self, seed: int = 0) -> None:
+        self._seed = seed  # the draft sampler's, per sequence (see Drafter.reset)
         self._cache: DynamicCache | None = None
         self._cached_ids: Tensor | None = None  # [m]: the ids whose keys/values the cache holds, in order
         self._floor = 0  # cache length before the last proposal's first forward (see _sync_cache)
@@ -208,7 +208,7 @@ class DraftModel(Drafter):
 
     def _sampler(self) -> torch.Generator:
         if self._generator is None or self._generator.device != self.device:
-            self._generator = torch.Generator(device=self.device).manual_seed(self.sampling_seed)
+            self._generator = torch.Generator(device=self.device).manual_seed(self._seed)
         return self._generator
 
     def _check_positions(self, num_tokens: int, max_depth: int) -> None:

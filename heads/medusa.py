@@ -96,7 +96,7 @@ class MedusaHeads(Drafter):
         return DraftOutput(terms=terms, num_valid=num_valid)
 
     # --- decoding ------------------------------------------------------------------------------------------
-    def reset(self) -> None:
+    def reset(self, seed: int = 0) -> None:
         self._last_hidden_1D = None
 
     def observe(self, hidden: dict[int, Tensor]) -> None:

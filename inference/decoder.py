@@ -167,7 +167,7 @@ class Decoder:
         _sync(device)
         start = time.perf_counter()
         cache = DynamicCache(config=self.model.config)
-        drafter.reset()
+        drafter.reset(seed=int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device)))
         logits, hidden = self._forward({"input_ids": prompt_ids.to(device)}, cache, layers)
         drafter.observe(hidden)
         nxt = self._next_token(logits[-1])

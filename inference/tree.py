@@ -205,7 +205,8 @@ def parse_tree(spec, max_depth: int | None = None) -> StaticTree | None:
             raise ValueError(f"tree={spec!r} is not a known tree; valid presets: {sorted(TREE_PRESETS)}, or a list of top-k index paths like [[0], [1], [0, 0]]")
         if spec == "chain":
             return None
-        spec = TREE_PRESETS[spec]
+        # A preset is a shape, not a promise about depth: trim it to what the drafter predicts.
+        spec = [p for p in TREE_PRESETS[spec] if max_depth is None or len(p) <= max_depth]
     try:
         paths = [tuple(int(i) for i in p) for p in spec]
     except (TypeError, ValueError) as e:

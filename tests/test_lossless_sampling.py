@@ -19,7 +19,7 @@ from inference.acceptance import chain_rejection_accept, tree_rejection_accept, 
 from inference.sampling import SamplingConfig, sample, warp
 from inference.tree import DraftTree
 
-V, LENGTH, N, TOL = 5, 3, 20_000, 0.035
+V, LENGTH, N, TOL = 5, 3, 20_000, 0.035  # V: the Markov tables; LENGTH: tokens compared
 
 
 def tables(seed=0):
@@ -143,3 +143,68 @@ def test_warp_is_shared_and_validated():
     for bad in ({"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -1.0}, {"top_k": -2}):
         with pytest.raises(ValueError, match="decoder\\."):
             SamplingConfig(**bad)
+
+
+# --- the same check through the real decode loop -------------------------------------------------------------------
+
+def _tiny(seed, vocab=4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=32, initializer_range=0.5)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _exact_continuations(model, prompt, length):
+    """P(x_1..x_length | prompt) for every continuation, from one batched forward."""
+    vocab = model.config.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
+    with torch.no_grad():
+        logp = model(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.log_softmax(-1)
+    n = prompt.shape[1]
+    steps = logp[:, n - 1 : n - 1 + length].gather(-1, seqs[..., None]).squeeze(-1)
+    return steps.sum(-1).exp().view((vocab,) * length)
+
+
+def _decoder_setup(kind):
+    from distill.teacher import Teacher
+    from heads.base import TargetDims
+    from heads.draft_model import DraftModel
+    from heads.medusa import MedusaHeads
+
+    teacher = Teacher(_tiny(0), tokenizer=None, name="tiny-v4")
+    dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
+    if kind == "draft_model":  # a chain sampled from a different LM: Leviathan/Chen through the loop
+        return teacher, DraftModel(dims, model=_tiny(1))
+    medusa = MedusaHeads(dims, num_heads=2, tree=[[0], [1], [0, 0], [1, 0], [0, 1]])
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in medusa.parameters():
+            p.normal_(0, 0.5)
+    return teacher, medusa.eval()
+
+
+@pytest.mark.parametrize("samples", [pytest.param(4_000, id="4k"), pytest.param(20_000, id="20k", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind,acceptance", [("draft_model", "exact"), ("medusa_tree", "exact"), ("medusa_tree", "typical")])
+def test_decoder_output_distribution(kind, acceptance, samples):
+    from inference.decoder import Decoder
+
+    teacher, drafter = _decoder_setup(kind)
+    prompt = torch.tensor([[1, 2, 3]])
+    exact = _exact_continuations(teacher.model, prompt, LENGTH)
+    decoder = Decoder(teacher, sampling=SamplingConfig(temperature=1.0), acceptance=acceptance, seed=0)
+    counts = torch.zeros_like(exact)
+    accepted = 0
+    for _ in range(samples):
+        gen = decoder.speculative(drafter, prompt, LENGTH, num_draft=2)
+        counts[tuple(gen.new_tokens)] += 1
+        accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    assert accepted > samples // 10  # drafts are accepted often enough for the check to cover them
+    # Tolerance: twice the expected TV of a perfect sampler at this many samples, E|p̂ - p| ≈ sqrt(2p(1-p)/(πn)).
+    tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
+    distance = tv(counts / samples, exact)
+    if acceptance == "typical":
+        assert distance > 2 * tol, f"typical acceptance (lossy) should be caught: TV {distance:.4f} vs tol {tol:.4f}"
+    else:
+        assert distance < tol, f"TV {distance:.4f} exceeds {tol:.4f}"

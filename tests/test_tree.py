@@ -77,7 +77,8 @@ def test_parse_tree_presets_and_errors():
     with pytest.raises(ValueError, match="parent path is missing"):
         parse_tree([[0], [1, 0]])
     with pytest.raises(ValueError, match="deep"):
-        parse_tree("default", max_depth=3)
+        parse_tree([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], max_depth=3)
+    assert parse_tree("default", max_depth=3).depth == 3  # presets are trimmed to the drafter's depth
     with pytest.raises(ValueError, match="top-k index paths"):
         parse_tree([["a"]])
     with pytest.raises(ValueError, match="twice"):
