@@ -70,6 +70,7 @@ class Tally:
     nodes_per_forward: Counter = field(default_factory=Counter)
     node_accepts: dict = field(default_factory=lambda: defaultdict(Counter))
     shapes: dict = field(default_factory=dict)
+    context_tokens: int = 0
 
     def add(self, gen: Generation, ref: Generation | None, index: int) -> None:
         self.seconds += gen.seconds
@@ -79,6 +80,7 @@ class Tally:
         self.prefill_s += gen.prefill_seconds
         self.draft_s += gen.draft_seconds
         self.verify_s += gen.verify_seconds
+        self.context_tokens += gen.context_tokens
         self.nodes_per_forward.update(gen.nodes_per_forward)
         for size, row in gen.node_accepts.items():
             self.node_accepts[size].update(row)
@@ -113,12 +115,13 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
     decoder = build_decoder(teacher, dcfg)
     greedy = decoder.sampling.greedy
     max_new, k = eval_cfg["max_new_tokens"], eval_cfg["num_draft"]
-    dtype = proposal_dtype(eval_cfg.get("drafter_dtype", "auto"), teacher.device)
-    drafters = {name: d.to(dtype) for name, d in drafters.items()}
     if dcfg.tree is not None:
         for name in tree_override:
             drafters[name].set_tree(dcfg.tree)
     as_tensor = [torch.tensor([list(p)], dtype=torch.long) for p in prompts]
+    policy = eval_cfg.get("drafter_dtype", "auto")
+    dtype = proposal_dtype(policy, teacher.device)
+    dtypes = {name: _cast(decoder, d, dtype, policy == "auto", as_tensor[0], k) for name, d in drafters.items()}
     categories = list(categories) if categories is not None else [None] * len(prompts)
     depth = {name: k for name in drafters}
     tuning = {}
@@ -143,6 +146,8 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
     for idx, (p, cat) in enumerate(zip(as_tensor, categories)):
         decoder.reseed(dcfg.seed + idx)  # the same random stream for every method on this prompt
         ref = decoder.plain(p, max_new)
+        if idx == 0:
+            first_text = torch.cat([p, torch.tensor([ref.new_tokens], dtype=torch.long)], dim=1)
         plain.add(ref, None, idx)
         by_cat[(None, cat)].add(ref, None, idx)
         for name, drafter in drafters.items():
@@ -156,10 +161,13 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
             hf_tally[name].add(run(p, dcfg.seed + idx), ref if greedy else None, idx)
 
     plain_tps = plain.tokens_per_s
-    cost_prompt = as_tensor[0]
     results = []
     for name, drafter in drafters.items():
         row = _result(name, per[name], plain_tps, greedy, decoder, len(prompts), depth[name])
+        row["drafter_dtype"] = str(dtypes[name]).removeprefix("torch.")
+        # Time the parts at the run's mean context length: the first prompt continued by its own plain decoding.
+        mean_context = per[name].stats.forwards and per[name].context_tokens // per[name].stats.forwards
+        cost_prompt = first_text[:, : max(as_tensor[0].shape[1], mean_context)]
         row["cost"] = _cost(decoder, drafter, cost_prompt, per[name], depth[name], tuning.get(name), row["tau"])
         if any(c is not None for c in categories):
             row["categories"] = _categories(by_cat, name, categories)
@@ -173,13 +181,28 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
                      "top_k": dcfg.top_k, "seed": dcfg.seed},
         "acceptance": dcfg.acceptance,
         "lossless": decoder.lossless,
-        "drafter_dtype": str(dtype).removeprefix("torch."),
+        "drafter_dtype": policy,
         "greedy": {"new_tokens": plain.tokens, "seconds": plain.seconds, "tokens_per_s": plain_tps},
         "baselines": {name: _baseline(name, t, plain_tps, per, greedy, len(prompts)) for name, t in hf_tally.items()},
         "results": results,
         "machine": machine_info(),
         "definitions": DEFINITIONS,
     }
+
+
+def _cast(decoder: Decoder, drafter, dtype: torch.dtype, auto: bool, prompt, depth: int) -> torch.dtype:
+    """Cast the drafter for proposing. ``auto`` with native bf16: time both dtypes and keep the faster — bf16 wins
+    for wide, memory-bound heads (Medusa's vocab projections), loses for a small LM whose step is overhead-bound."""
+    if not (auto and dtype == torch.bfloat16 and any(True for _ in drafter.parameters())):
+        drafter.to(dtype)
+        return dtype
+    times = {}
+    for candidate in (torch.float32, torch.bfloat16):
+        drafter.to(candidate)
+        times[candidate] = measure_parts(decoder, drafter, prompt, [depth], {}, repeats=7)["t_draft"][depth]
+    best = min(times, key=times.get)
+    drafter.to(best)
+    return best
 
 
 def _hf_baselines(teacher, drafters: Mapping, eval_cfg: Mapping, decoder: Decoder) -> dict:
@@ -240,14 +263,17 @@ def _result(name: str, t: Tally, plain_tps: float, greedy: bool, decoder: Decode
 def _cost(decoder: Decoder, drafter, prompt, t: Tally, num_draft: int, tuning: dict | None, tau: float) -> dict:
     """Isolated timings of the parts this run used; predicted speedup (from this run's τ, or from the auto-tune
     calibration when there was one) next to the measured one; the overhead ratio."""
-    parts = measure_parts(decoder, drafter, prompt, [num_draft], t.shapes)
+    parts = measure_parts(decoder, drafter, prompt, [num_draft], t.shapes, catch_up=max(1, round(tau)))
     full = max(t.nodes_per_forward, key=lambda n: (t.nodes_per_forward[n], n), default=0)
     t_draft = parts["t_draft"][num_draft]
     out = {
+        "t_prefill_s": parts["t_prefill"],
         "t_plain_s": parts["t_plain"],
         "t_draft_s": t_draft,
-        "t_verify_s": {str(n): s for n, s in parts["t_verify"].items()},
-        "predicted_speedup_from_measured_tau": predict(tau, parts["t_plain"], t_draft, parts["t_verify"].get(full, 0.0)),
+        "t_verify_s": {str(n): s for n, s in parts["t_verify"].items()},  # linear fit over n >= 1
+        "t_verify_measured_s": {str(n): s for n, s in parts["t_verify_measured"].items()},
+        "predicted_speedup_from_measured_tau": predict(tau, parts["t_plain"], t_draft, parts["t_verify"].get(full, 0.0),
+                                                       t.tokens // max(t.prompts, 1), parts["t_prefill"]),
         "overhead_ratio": overhead_ratio(t.seconds, t.prefill_s, t.nodes_per_forward, parts["t_verify"], t_draft),
     }
     if tuning is not None:

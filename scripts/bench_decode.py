@@ -83,10 +83,14 @@ def load_cfg(preset: dict, extra: list[str], medusa_steps: int):
 
 
 def train_medusa(cfg, run_dir: Path, teacher):
+    """Train into ``run_dir`` (or reuse the drafter a previous run left there: same target, same config)."""
     from heads.base import load_drafter
     from train.run import run_training
 
     t0 = time.perf_counter()
+    if (run_dir / "drafter" / "config.json").is_file():
+        log.info("medusa: reusing %s", run_dir / "drafter")
+        return load_drafter(run_dir / "drafter", teacher), 0.0
     run_training(cfg, run_dir)
     log.info("medusa: %d steps in %.0fs", cfg.trainer.steps, time.perf_counter() - t0)
     return load_drafter(run_dir / "drafter", teacher), time.perf_counter() - t0
@@ -116,6 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tree", default="default", help="Medusa tree preset or paths (inference.tree)")
     ap.add_argument("--sample", action="store_true", help="also evaluate at temperature 1")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--medusa-dir", default=None, help="train Medusa into this run dir, or reuse the drafter there")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. eval.num_prompts=10")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -138,8 +143,12 @@ def main(argv=None) -> None:
     draft.bind_target(teacher, initialize=False)
     draft = draft.to(device)
     draft_s = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        medusa, medusa_s = train_medusa(cfg, Path(tmp) / "medusa", teacher)
+    if args.medusa_dir:
+        medusa, medusa_s = train_medusa(cfg, Path(args.medusa_dir), teacher)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            medusa, medusa_s = train_medusa(cfg, Path(tmp) / "medusa", teacher)
+    medusa.set_tree("chain")
     medusa_tree = copy.deepcopy(medusa)
     medusa_tree.set_tree(args.tree)
     lookup = build_drafter({"_target_": "heads.lookup.PromptLookup"}, teacher)
