@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdraft-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-all install clean
 
 # (Re)install when pyproject.toml changes. torch==2.13.0 is pinned in pyproject.toml: on CPU machines pip finds
 # the local CPU wheel; GPU users install their CUDA torch build first (see README).
@@ -19,8 +19,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m train $(ARGS)
 
+# CI runs `make test`: everything but the tests marked slow (minutes each); `make test-all` runs those too.
+PYTEST_ARGS ?= -m "not slow"
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache
