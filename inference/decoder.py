@@ -192,11 +192,14 @@ class Decoder:
             gen.verify_seconds += t2 - t1
             gen.stats.update(tree.depth, len(path))
             gen.nodes_per_forward[tree.size] += 1
-            gen.shapes.setdefault(tree.size, tree.parents.cpu())
+            if tree.size not in gen.shapes:
+                gen.shapes[tree.size] = tree.parents.cpu()
             gen.node_accepts[tree.size].update(path)
             gen.context_tokens += past + 1
-            keep = torch.tensor([0] + [1 + i for i in path], device=device)
-            drafter.observe({i: h.index_select(1, keep) for i, h in hidden.items()})
+            if hidden:  # the pending token's and the accepted nodes' hidden states, in path order
+                keep = torch.tensor([0] + [1 + i for i in path], device=device)
+                hidden = {i: h.index_select(1, keep) for i, h in hidden.items()}
+            drafter.observe(hidden)
             tokens = torch.cat([tokens, new.view(1, -1)], dim=1)
             committed.extend(new.tolist())
         gen.new_tokens = self._finish(committed, max_new_tokens)

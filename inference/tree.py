@@ -18,6 +18,7 @@ Shapes: N nodes, V vocabulary. tokens [N], parents [N] (-1 = pending token), pro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -49,19 +50,24 @@ class DraftTree:
     def size(self) -> int:
         return int(self.tokens.shape[0])
 
-    @property
+    # Shape facts are read several times per decode step; tokens and parents never change after proposal.
+    @cached_property
     def is_chain(self) -> bool:
-        return bool((self.parents == torch.arange(-1, self.size - 1, device=self.parents.device)).all())
+        return self.parents.tolist() == list(range(-1, self.size - 1))
 
-    def depths(self) -> list[int]:
+    @cached_property
+    def _depths(self) -> list[int]:
         depth: list[int] = []
         for p in self.parents.tolist():
             depth.append(1 if p < 0 else depth[p] + 1)
         return depth
 
+    def depths(self) -> list[int]:
+        return self._depths
+
     @property
     def depth(self) -> int:
-        return max(self.depths(), default=0)
+        return max(self._depths, default=0)
 
     def children(self) -> list[list[int]]:
         """children[0] = root children (of the pending token); children[1 + i] = children of node i."""
