@@ -16,7 +16,7 @@ import torch
 
 from eval.metrics import AcceptStats
 from eval.report import DEFINITIONS, machine_info, summary_table, write_report
-from inference.cost import auto_tune, chain_tau, measure_parts, overhead_ratio, predict
+from inference.cost import auto_tune, measure_parts, overhead_ratio, predict
 from inference.decoder import Decoder, DecoderConfig, Generation
 
 log = logging.getLogger(__name__)

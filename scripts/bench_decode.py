@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     cfg, draft_cfg = load_cfg(preset, args.overrides, args.medusa_steps or preset["medusa_steps"])
 
     from distill.teacher import load_teacher
-    from eval.run import build_decoder, eval_prompts, evaluate  # noqa: F401
+    from eval.run import eval_prompts, evaluate
     from heads.base import build_drafter
     from train.engine import resolve_device
 
