@@ -131,6 +131,7 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], None])
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         write(tmp)
+        _usual_permissions(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
@@ -142,6 +143,15 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], None])
         if tmp.exists():
             shutil.rmtree(tmp)
     return path
+
+
+def _usual_permissions(root: Path) -> None:
+    """mkdtemp makes a private (0700) directory and safetensors writes 0600 files; a saved drafter or an export is
+    meant to be read by a serving process, so give it the modes a plain mkdir / open would (umask applied)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [root, *root.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping[str, Any], target_cfg: Mapping[str, Any],
@@ -180,7 +190,10 @@ def read_drafter_config(path: str | os.PathLike) -> dict:
 
 
 def build_drafter(drafter_cfg: Mapping[str, Any], teacher) -> Drafter:
-    dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
+    return instantiate_drafter(drafter_cfg, TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers))
+
+
+def instantiate_drafter(drafter_cfg: Mapping[str, Any], dims: TargetDims) -> Drafter:
     try:
         return instantiate(dict(drafter_cfg), dims=dims, _convert_="all")
     except InstantiationException as e:
@@ -190,21 +203,12 @@ def build_drafter(drafter_cfg: Mapping[str, Any], teacher) -> Drafter:
         raise
 
 
-def load_drafter(path: str | os.PathLike, teacher) -> Drafter:
-    """Rebuild a saved drafter for ``teacher``; refuse a checkpoint made for a target of other sizes."""
+def load_saved_drafter(path: str | os.PathLike) -> tuple[Drafter, dict]:
+    """(drafter with its trained weights, its config.json), rebuilt for the dims it was saved with — no target
+    needed (exporting must not load an 8B model). Missing or unexpected tensors are an error, never skipped."""
     path = Path(path)
     config = read_drafter_config(path)
-    saved = TargetDims(**config["dims"])
-    actual = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
-    for name in ("vocab_size", "hidden_size", "num_layers"):
-        if getattr(saved, name) != getattr(actual, name):
-            raise ValueError(
-                f"drafter at {path} was trained for a target with {name}={getattr(saved, name)}, but the target "
-                f"{teacher.name!r} has {name}={getattr(actual, name)}; evaluate it against the target it was trained "
-                f"for (target config saved in {path / CONFIG}) or retrain"
-            )
-    drafter = build_drafter(config["drafter"], teacher)
-    drafter.bind_target(teacher, initialize=False)
+    drafter = instantiate_drafter(config["drafter"], TargetDims(**config["dims"]))
     expected = drafter.state_dict()
     if expected:
         weights = path / WEIGHTS
@@ -216,4 +220,21 @@ def load_drafter(path: str | os.PathLike, teacher) -> Drafter:
         if missing or unexpected:
             raise ValueError(f"{weights} does not match {config['drafter'].get('_target_')}: missing {missing}, unexpected {unexpected}")
         drafter.load_state_dict(state, strict=True)
+    return drafter.eval(), config
+
+
+def load_drafter(path: str | os.PathLike, teacher) -> Drafter:
+    """Rebuild a saved drafter for ``teacher``; refuse a checkpoint made for a target of other sizes."""
+    path = Path(path)
+    saved = TargetDims(**read_drafter_config(path)["dims"])
+    actual = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
+    for name in ("vocab_size", "hidden_size", "num_layers"):
+        if getattr(saved, name) != getattr(actual, name):
+            raise ValueError(
+                f"drafter at {path} was trained for a target with {name}={getattr(saved, name)}, but the target "
+                f"{teacher.name!r} has {name}={getattr(actual, name)}; evaluate it against the target it was trained "
+                f"for (target config saved in {path / CONFIG}) or retrain"
+            )
+    drafter, _ = load_saved_drafter(path)
+    drafter.bind_target(teacher, initialize=False)
     return drafter.to(teacher.device).eval()

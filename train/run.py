@@ -50,7 +50,8 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
 
     if engine.is_main:
         path = save_drafter(drafter, run_dir / "drafter", plain["drafter"], plain["target"], teacher.identity(),
-                            extra={"training": {"steps": cfg.trainer.steps, "loss": plain["loss"], "final": summary}})
+                            extra={"training": {"steps": cfg.trainer.steps, "loss": plain["loss"], "data": plain["data"],
+                                              "final": summary}})
         log.info("saved drafter to %s", path)
     if not cfg.eval.enabled or not engine.is_main:
         return None

@@ -1,0 +1,284 @@
+"""Export a trained drafter directory to the layout a serving engine loads, check it, and load it back.
+
+Engines load drafters by tensor *name*, and most skip names they do not know without a word — an export with one
+wrong name serves a silently broken drafter. So every (engine, drafter kind) pair has a ``Spec``: the config keys
+and values its loader reads and the tensor names and shapes it accepts, each written down from the loader's source
+(file named in ``Spec.loader``). ``check_export`` holds a directory to its spec; ``load_export`` reads it back the
+way the engine would (by those names) so the decoder can prove the export decodes exactly like the checkpoint.
+
+Kinds and engines:
+    medusa       vllm (MedusaModel: ``blocks.{k}.layers.{j}``, ``lm_heads.{k}``), hf (FasterDecoding/Medusa's
+                 ``medusa_lm_head.safetensors``); SGLang has no Medusa: refused
+    draft_model  a plain Hugging Face model directory for every engine (vLLM and SGLang load it as a normal LM)
+    lookup       nothing to export (the engines have n-gram drafting built in): refused
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from heads.base import TargetDims, load_saved_drafter, write_dir_atomically
+
+ENGINES = ("vllm", "sglang", "hf")
+SIDECAR = "specdraft_export.json"  # target identity and provenance, beside the engine's own files
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one engine's loader reads for one drafter kind. Shapes use symbols resolved from the export's sizes:
+    D hidden size, V vocabulary, K heads, L residual layers per head."""
+
+    engine: str
+    kind: str
+    loader: str  # the source file(s) the names and keys below were read from
+    weights: str  # the safetensors file name the loader opens
+    config: dict[str, Any]  # key -> required value, or a size symbol ("D", "V", "K", "L")
+    tensors: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (name regex, shape symbols)
+
+
+MEDUSA_VLLM = Spec(
+    engine="vllm", kind="medusa",
+    loader="vllm/model_executor/models/medusa.py (Medusa, ResidualBlock, load_weights); "
+           "vllm/transformers_utils/configs/medusa.py (MedusaConfig)",
+    weights="model.safetensors",
+    # medusa_fc_bias defaults to False in vLLM: without it the blocks are built bias-free and our biases are
+    # skipped silently. original_lm_head=False: one lm_head per head, as trained.
+    config={"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": "D", "vocab_size": "V",
+            "truncated_vocab_size": "V", "num_heads": "K", "num_hidden_layers": "L", "medusa_fc_bias": True,
+            "original_lm_head": False},
+    tensors=[(r"blocks\.(\d+)\.layers\.(\d+)\.weight", ("D", "D")), (r"blocks\.(\d+)\.layers\.(\d+)\.bias", ("D",)),
+             (r"lm_heads\.(\d+)\.weight", ("V", "D"))],
+)
+MEDUSA_HF = Spec(
+    engine="hf", kind="medusa",
+    loader="FasterDecoding/Medusa medusa/model/medusa_model.py (MedusaModel.medusa_head, MedusaConfig)",
+    weights="medusa_lm_head.safetensors",
+    # FasterDecoding reads medusa_num_heads, medusa_num_layers and base_model_name_or_path; hidden_size and
+    # vocab_size are ours (it ignores them) so the shapes can be checked without the target.
+    config={"medusa_num_heads": "K", "medusa_num_layers": "L", "hidden_size": "D", "vocab_size": "V"},
+    tensors=[(r"(\d+)\.(\d+)\.linear\.weight", ("D", "D")), (r"(\d+)\.(\d+)\.linear\.bias", ("D",)),
+             (r"(\d+)\.(\d+)\.weight", ("V", "D"))],
+)
+SPECS = {("vllm", "medusa"): MEDUSA_VLLM, ("hf", "medusa"): MEDUSA_HF}
+REFUSED = {
+    ("sglang", "medusa"): "SGLang has no Medusa drafter (its --speculative-algorithm choices are EAGLE, EAGLE3, "
+                          "NEXTN, STANDALONE, NGRAM); serve Medusa with vLLM (format=vllm)",
+    ("*", "lookup"): "prompt lookup has no weights: vLLM serves it with --speculative-config "
+                     "'{\"method\": \"ngram\", ...}' and SGLang with --speculative-algorithm NGRAM",
+}
+
+
+# --- medusa: our names <-> the engines' names ------------------------------------------------------------------
+
+
+def _medusa_sizes(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    K = 1 + max(int(k.split(".")[1]) for k in state)
+    L = sum(1 for k in state if k.startswith("heads.0.") and k.endswith("linear.weight"))
+    D, V = state["heads.0.%d.weight" % L].shape[1], state["heads.0.%d.weight" % L].shape[0]
+    return {"K": K, "L": L, "D": D, "V": V}
+
+
+def _medusa_names(engine: str, L: int) -> Callable[[str], str]:
+    """heads.{k}.{j}.linear.{weight,bias} (ResBlock j) and heads.{k}.{L}.weight (the head's lm_head) -> engine."""
+    def rename(name: str) -> str:
+        _, k, j, *rest = name.split(".")
+        if engine == "hf":  # FasterDecoding saves medusa_head.state_dict(): the same Sequential layout, no prefix
+            return ".".join([k, j, *rest])
+        if int(j) == L:
+            return f"lm_heads.{k}.weight"
+        return f"blocks.{k}.layers.{j}.{rest[-1]}"
+    return rename
+
+
+def _medusa_config(spec: Spec, sizes: dict[str, int], target: dict) -> dict:
+    config = {key: sizes[value] if _is_size(value) else value for key, value in spec.config.items()}
+    if spec.engine == "hf":
+        config["base_model_name_or_path"] = target.get("name")
+    return config
+
+
+# --- export ----------------------------------------------------------------------------------------------------
+
+
+def _check_exportable(kind: str, config: dict, path: Path, engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"format={engine!r} is not supported; valid: {list(ENGINES)}")
+    reason = REFUSED.get((engine, kind)) or REFUSED.get(("*", kind))
+    if reason:
+        raise ValueError(f"cannot export drafter kind {kind!r} to format={engine}: {reason}")
+    trained = config.get("training", {}).get("steps") or config.get("step")
+    if kind != "draft_model" and not trained:
+        raise ValueError(
+            f"{path} holds an untrained {kind} (no training steps recorded in its config.json); export the "
+            f"<run dir>/drafter written by `python -m train`, or a checkpoints/step_*/drafter"
+        )
+
+
+def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path, overwrite: bool = False,
+                   report: dict | None = None) -> Path:
+    """Write ``output_dir`` for ``engine`` from the trained drafter at ``drafter_path``; returns the directory.
+
+    The directory is filled beside the destination and swapped in at the end, so a failure never leaves half an
+    export, and an existing non-empty ``output_dir`` is only replaced with ``overwrite``."""
+    from heads.model_card import model_card
+
+    drafter_path, output_dir = Path(drafter_path), Path(output_dir)
+    drafter, config = load_saved_drafter(drafter_path)  # refuses non-specdraft dirs, missing/extra tensors
+    kind = drafter.name
+    _check_exportable(kind, config, drafter_path, engine)
+    if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"output_dir={str(output_dir)!r} exists and is not empty; pass --overwrite to replace it")
+    target = config.get("target", {})
+
+    def write(tmp: Path) -> None:
+        if kind == "medusa":
+            spec = SPECS[(engine, kind)]
+            state = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
+            sizes = _medusa_sizes(state)
+            if engine == "hf" and sizes["L"] > 1:
+                # FasterDecoding builds each head as [ResBlock] * L: one block shared L times. Distinct trained
+                # blocks cannot be expressed in that layout.
+                raise ValueError(f"format=hf (FasterDecoding/Medusa) shares one ResBlock per head, but this drafter "
+                                 f"has num_layers={sizes['L']} distinct blocks; export with format=vllm instead")
+            rename = _medusa_names(engine, sizes["L"])
+            save_file({rename(k): v for k, v in state.items()}, str(tmp / spec.weights), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(_medusa_config(spec, sizes, target), indent=2))
+        else:  # a draft LM: the same plain HF directory serves vLLM, SGLang and transformers
+            drafter.model.save_pretrained(tmp, safe_serialization=True)
+            _copy_tokenizer(config.get("target_config", {}), tmp)
+        sidecar = {"engine": engine, "kind": kind, "target": target, "source": str(drafter_path.resolve()),
+                   "training": config.get("training"), "drafter": config.get("drafter")}
+        (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str))
+        (tmp / "README.md").write_text(model_card(engine, kind, config, output_dir, report))
+        problems = check_export(tmp, engine, kind, target)
+        if problems:
+            raise RuntimeError("export failed its own conformance check:\n- " + "\n- ".join(problems))
+
+    return write_dir_atomically(output_dir, write)
+
+
+def _copy_tokenizer(target_cfg: dict, out: Path) -> None:
+    """The target's tokenizer files, when they are on this machine (the toy target's cache); else the model card
+    says to use the target's."""
+    if target_cfg.get("source") != "toy":
+        return
+    from distill.toy import toy_cache_path
+
+    src = toy_cache_path(target_cfg["toy"], target_cfg.get("cache_dir"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+
+
+# --- conformance -----------------------------------------------------------------------------------------------
+
+
+def check_export(path: str | Path, engine: str, kind: str, target: dict | None = None) -> list[str]:
+    """Every way ``path`` departs from what the engine's loader reads; empty when it conforms."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return [f"{config_file} is missing"]
+    config = json.loads(config_file.read_text())
+    if kind == "draft_model":
+        return _check_hf_model(path, config, target or {})
+    spec = SPECS[(engine, kind)]
+    weights = path / spec.weights
+    if not weights.is_file():
+        return [f"{weights} is missing ({spec.loader} opens it)"]
+    sizes = {sym: config.get(key) for key, sym in spec.config.items() if _is_size(sym)}
+    problems = [f"config.json {key}={config.get(key)!r}, expected {want!r}" for key, want in spec.config.items()
+                if not _is_size(want) and config.get(key) != want]
+    problems += [f"config.json lacks {key}" for key, sym in spec.config.items() if _is_size(sym) and sizes[sym] is None]
+    if target and sizes.get("V") not in (None, target.get("vocab_size")):
+        problems.append(f"vocab_size={sizes['V']} differs from the target's {target.get('vocab_size')}")
+    if problems:
+        return problems
+    return problems + _check_tensors(load_file(str(weights)), spec, sizes)
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, str) and value in ("D", "V", "K", "L")
+
+
+def _check_tensors(state: dict[str, torch.Tensor], spec: Spec, sizes: dict[str, int]) -> list[str]:
+    problems, seen = [], []
+    for name, tensor in state.items():
+        match = next(((rx, shape) for rx, shape in spec.tensors if re.fullmatch(rx, name)), None)
+        if match is None:
+            problems.append(f"tensor {name!r} matches no name {spec.loader} loads: it would be skipped")
+            continue
+        want = tuple(sizes[s] for s in match[1])
+        if tuple(tensor.shape) != want:
+            problems.append(f"tensor {name!r} has shape {tuple(tensor.shape)}, the loader expects {want}")
+        if not tensor.dtype.is_floating_point:
+            problems.append(f"tensor {name!r} has dtype {tensor.dtype}; expected a float type")
+        seen.append(match[0])
+    K, L = sizes["K"], sizes["L"]
+    expected = {spec.tensors[0][0]: K * L, spec.tensors[1][0]: K * L, spec.tensors[2][0]: K}
+    for rx, count in expected.items():
+        if seen.count(rx) != count:
+            problems.append(f"{seen.count(rx)} tensors match {rx}, expected {count} (K={K} heads, L={L} layers)")
+    return problems
+
+
+def _check_hf_model(path: Path, config: dict, target: dict) -> list[str]:
+    """A plain HF causal LM: the tensors must be exactly what ``from_config`` builds (tied aliases aside)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    problems = [f"config.json lacks {key}" for key in ("architectures", "model_type", "vocab_size") if key not in config]
+    if target and config.get("vocab_size") != target.get("vocab_size"):
+        problems.append(f"vocab_size={config.get('vocab_size')} differs from the target's {target.get('vocab_size')}")
+    files = sorted(path.glob("*.safetensors"))
+    if problems or not files:
+        return problems + ([] if files else [f"{path} has no *.safetensors weights"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    problems += [f"tensor {k!r} is not part of {config['architectures'][0]}" for k in sorted(set(state) - set(expected))]
+    problems += [f"tensor {k!r} is missing" for k in sorted(set(expected) - set(state) - tied)]
+    problems += [f"tensor {k!r} has shape {tuple(state[k].shape)}, expected {expected[k]}"
+                 for k in sorted(set(state) & set(expected)) if tuple(state[k].shape) != expected[k]]
+    return problems
+
+
+# --- round trip: read an export the way the engine does --------------------------------------------------------
+
+
+def load_export(path: str | Path, teacher):
+    """A specdraft drafter rebuilt from an export's engine-facing files only (not from the sidecar's weights)."""
+    from heads.draft_model import DraftModel
+    from heads.medusa import MedusaHeads
+
+    path = Path(path)
+    sidecar = json.loads((path / SIDECAR).read_text())
+    engine, kind = sidecar["engine"], sidecar["kind"]
+    dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
+    if kind == "draft_model":
+        from transformers import AutoModelForCausalLM
+
+        drafter = DraftModel(dims, model=AutoModelForCausalLM.from_pretrained(path))
+    else:
+        spec = SPECS[(engine, kind)]
+        config = json.loads((path / "config.json").read_text())
+        K, L = config[_key(spec, "K")], config[_key(spec, "L")]
+        drafter = MedusaHeads(dims, num_heads=K, num_layers=L, tree=sidecar["drafter"].get("tree"))
+        rename = _medusa_names(engine, L)
+        state = load_file(str(path / spec.weights))
+        drafter.load_state_dict({k: state[rename(k)] for k in drafter.state_dict()}, strict=True)
+    drafter.bind_target(teacher, initialize=False)
+    return drafter.to(teacher.device).eval()
+
+
+def _key(spec: Spec, symbol: str) -> str:
+    return next(key for key, sym in spec.config.items() if sym == symbol)
