@@ -18,7 +18,7 @@ TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forwar
 MEDUSA_CFG = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 3, "num_layers": 1, "tree": "small"}
 
 
-def saved_medusa(teacher, tmp_path, extra=TRAINED, num_layers=1):
+def saved_medusa(teacher, tmp_path, extra=TRAINED, num_layers=1):  # noqa: F811
     drafter = noisy_medusa(teacher, scale=0.2) if num_layers == 1 else None
     cfg = dict(MEDUSA_CFG, num_layers=num_layers)
     if drafter is None:
@@ -28,14 +28,14 @@ def saved_medusa(teacher, tmp_path, extra=TRAINED, num_layers=1):
     return drafter, save_drafter(drafter, tmp_path / "run" / "drafter", cfg, TARGET_CFG, teacher.identity(), extra)
 
 
-def saved_draft_model(teacher, tmp_path):
+def saved_draft_model(teacher, tmp_path):  # noqa: F811
     drafter = DraftModel(DIMS, model=truncated(teacher.model))
     drafter.bind_target(teacher, initialize=False)
     cfg = drafter.saved_config({"_target_": "heads.draft_model.DraftModel", "source": "hf", "name": "tiny-draft"})
     return drafter, save_drafter(drafter, tmp_path / "run" / "drafter", cfg, TARGET_CFG, teacher.identity(), TRAINED)
 
 
-def decode_all(teacher, drafter, n=12):
+def decode_all(teacher, drafter, n=12):  # noqa: F811
     dec = Decoder(teacher)
     g = torch.Generator().manual_seed(0)
     outs, forwards, tokens = [], 0, 0
