@@ -80,3 +80,23 @@ def test_cross_field_checks():
         validate(load(["trainer.steps=0"]))
     with pytest.raises(ValueError, match="trainer.engine='ddpp'.*single"):
         validate(load(["trainer.engine=ddpp"]))
+
+
+LOSSES = sorted(p.stem for p in (Path(CONF) / "loss").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_every_loss_preset_validates_and_instantiates(loss):
+    cfg = load([f"loss={loss}"])
+    validate(cfg)
+    fn = instantiate(cfg.loss)
+    import torch
+
+    s = torch.randn(3, 8)
+    value, n = fn(s, torch.randn(3, 8), torch.ones(3, dtype=torch.bool))
+    assert value >= 0 and n == 3
+
+
+def test_unknown_loss_lists_the_valid_ones():
+    with pytest.raises(ConfigCompositionException, match="(?s)Available options.*fkl.*jsd.*rkl.*topk_fkl.*tvd"):
+        load(["loss=kld"])
