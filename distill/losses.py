@@ -33,19 +33,16 @@ def forward_kl(student: Tensor, teacher: Tensor, mask: Tensor, temperature: floa
     Computed in float32 whatever the logits' dtype: bf16 log-softmax over a large vocabulary loses the small
     differences the loss is about.
     """
-    _check(student, teacher, mask, temperature)
-    mask = mask.bool()
-    # Select first: the softmax over V is the expensive part and padded / unmasked positions need none of it.
-    s = student[mask].float() / temperature
-    t = teacher[mask].float() / temperature
+    log_q, log_p, n = _select(student, teacher, mask, temperature)
     # F.kl_div(input, target) computes KL(target || input) with input = log q (student) and target = log p
     # (teacher, log_target=True): sum p * (log p - log q).
-    kl = F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), log_target=True, reduction="sum")
-    return kl * temperature**2, mask.sum()
+    kl = F.kl_div(log_q, log_p, log_target=True, reduction="sum")
+    return kl * temperature**2, n
 
 
 def _select(student: Tensor, teacher: Tensor, mask: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Masked rows in float32 at temperature T: (student log-probs, teacher log-probs, count)."""
+    """Masked rows in float32 at temperature T: (student log-probs, teacher log-probs, count). Selecting first: the
+    softmax over V is the expensive part and padded / unmasked positions need none of it."""
     _check(student, teacher, mask, temperature)
     mask = mask.bool()
     log_q = F.log_softmax(student[mask].float() / temperature, dim=-1)
@@ -69,7 +66,7 @@ def jsd(student: Tensor, teacher: Tensor, mask: Tensor, temperature: float = 1.0
         raise ValueError(f"loss.beta must lie in [0, 1], got {beta}")
     log_q, log_p, n = _select(student, teacher, mask, temperature)
     if beta in (0, 1):  # m equals one side: that side's term is 0 and the other is weighted 0
-        return log_q.new_zeros(()) + 0 * log_q.sum(), n
+        return 0 * log_q.sum(), n  # (still attached to the graph, so backward works)
     log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
     kl_pm = F.kl_div(log_m, log_p, log_target=True, reduction="sum")
     kl_qm = F.kl_div(log_m, log_q, log_target=True, reduction="sum")

@@ -138,14 +138,13 @@ def auto_tune(decoder: Decoder, drafter, prompts: Sequence[torch.Tensor], max_ne
     sorted breadth-first, so every prefix is a tree). Returns {"candidates": [...], "chosen": {...}}."""
     from eval.metrics import AcceptStats
 
-    stats, forwards, accepts, shapes = AcceptStats(), Counter(), Counter(), {}
+    stats, forwards, accepts = AcceptStats(), Counter(), Counter()
     static = getattr(drafter, "tree", None)
     full = len(static.paths) if static is not None else None
     for p in prompts:
         gen = decoder.speculative(drafter, p, max_new_tokens, max_depth)
         stats.merge(gen.stats)
         forwards.update(gen.nodes_per_forward)
-        shapes.update(gen.shapes)
         if full is not None:
             accepts.update(gen.node_accepts.get(full, {}))
     if static is None:

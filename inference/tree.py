@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -143,12 +144,13 @@ def compact_cache(cache, num_nodes: int, path: Sequence[int]) -> None:
             cache.crop(-rejected)
         return
     for layer in cache.layers:
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if keys is None or not hasattr(layer, "cumulative_length") and type(layer).__name__ != "DynamicLayer":
+        # DynamicLayer and its sliding-window subclass keep plain growing tensors; static / quantised layers do not.
+        if not isinstance(layer, DynamicLayer):
             raise ValueError(
                 f"tree verification cannot compact a {type(layer).__name__} cache layer; decode with a chain "
                 f"(decoder.tree=chain) for this target"
             )
+        keys, values = layer.keys, layer.values
         start = keys.shape[-2] - num_nodes
         keep = torch.cat([torch.arange(start, device=keys.device), start + torch.tensor(path, device=keys.device, dtype=torch.long)])
         layer.keys = keys.index_select(-2, keep)
