@@ -89,6 +89,11 @@ class Teacher:
             "num_layers": self.num_layers,
         }
 
+    def signals(self, batch: Mapping[str, Tensor], layers: Sequence[int] = ()) -> TeacherOutput:
+        """What the training loop asks for: the teacher's outputs for a collated batch. Online: one forward here;
+        ``distill.cache.OfflineTeacher`` answers the same call from precomputed shards."""
+        return self(batch["input_ids"], batch["attention_mask"], layers)
+
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Sequence[int] = ()) -> TeacherOutput:
         out = self.model(

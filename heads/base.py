@@ -52,6 +52,9 @@ class DraftTerm:
     student_NV: Tensor  # drafter logits at the masked positions
     teacher_NV: Tensor  # teacher logits for the same future token
     weight: float = 1.0
+    # The index the student's argmax must equal to count as agreeing (-1: never); default the teacher's argmax.
+    # A drafter over a reduced vocabulary sets it, since the target's top token may lie outside that vocabulary.
+    label_N: Tensor | None = None
 
 
 @dataclass
@@ -72,7 +75,8 @@ class DraftOutput:
     def top1_agreement(self) -> list[tuple[Tensor, Tensor]]:
         """Per term (correct, count): how often the drafter's argmax equals the teacher's."""
         return [
-            ((t.student_NV.argmax(-1) == t.teacher_NV.argmax(-1)).sum(), torch.tensor(t.student_NV.shape[0]))
+            ((t.student_NV.argmax(-1) == (t.teacher_NV.argmax(-1) if t.label_N is None else t.label_N)).sum(),
+             torch.tensor(t.student_NV.shape[0], device=t.student_NV.device))
             for t in self.terms
         ]
 
@@ -94,6 +98,9 @@ class Drafter(nn.Module):
 
     def bind_target(self, teacher, initialize: bool) -> None:
         """Attach frozen pieces of the target; when ``initialize``, copy initial weights from it."""
+
+    def prepare(self, dataset) -> None:
+        """Before training: fit whatever comes from training-data statistics (EAGLE-3's reduced vocabulary)."""
 
     # --- decoding ------------------------------------------------------------------------------------------
     def reset(self, seed: int = 0) -> None:

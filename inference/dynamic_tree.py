@@ -3,7 +3,9 @@
 The hook a feature drafter (EAGLE, ``heads/eagle.py``) calls from ``propose``. It only needs a function that scores
 the children of a set of frontier nodes:
 
-    score_children(frontier) -> logprobs [len(frontier), V]   (frontier: node indices, -1 = the pending token)
+    score_children(frontier, tokens, parents) -> logprobs [len(frontier), V]
+        frontier: node indices to score (-1 = the pending token); tokens / parents: every node created so far
+        (node i is token ``tokens[i]`` under node ``parents[i]``), so the drafter can run the frontier nodes.
 
 Expansion (Li et al. 2024, EAGLE-2): a node's value is its cumulative draft log-probability (the product of the
 confidences along its path approximates its chance of acceptance). Depth 1 takes the root's ``top_k`` children;
@@ -22,7 +24,7 @@ from torch import Tensor
 
 from inference.tree import DraftTree
 
-ScoreFn = Callable[[Sequence[int]], Tensor]
+ScoreFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], Tensor]
 
 
 def check_dynamic_tree_args(top_k: int, depth: int, total_tokens: int) -> None:
@@ -39,7 +41,7 @@ def expand_dynamic_tree(score_children: ScoreFn, top_k: int, depth: int, total_t
     values: list[float] = []
     frontier, frontier_values = [-1], [0.0]
     for _ in range(depth):
-        logprobs_FV = score_children(frontier).float()
+        logprobs_FV = score_children(frontier, tokens, parents).float()
         top = logprobs_FV.topk(min(top_k, logprobs_FV.shape[-1]), dim=-1)
         level_start = len(tokens)
         for f, (node, base) in enumerate(zip(frontier, frontier_values)):

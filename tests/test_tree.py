@@ -131,7 +131,7 @@ class DynamicTreeDrafter(Drafter):
         paths: dict[int, list[int]] = {-1: []}
         created: list[tuple[int, int]] = []  # (parent, token) per node, in creation order
 
-        def score(frontier):
+        def score(frontier, *_):
             for node in frontier:
                 if node not in paths:
                     parent, tok = created[node]
@@ -152,7 +152,7 @@ def test_dynamic_tree_shape():
     logits = torch.randn(64, 16)
     calls = []
 
-    def score(frontier):
+    def score(frontier, *_):
         calls.append(len(frontier))
         return logits[: len(frontier)].log_softmax(-1)
 

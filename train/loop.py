@@ -58,6 +58,17 @@ class BatchOrder:
         return self._perm[j * self.batch_size : (j + 1) * self.batch_size].tolist()
 
 
+def simulated_tau(accs: list[float]) -> float:
+    """τ a chain drafter would reach if depth k were accepted independently with its training top-1 accuracy:
+    1 + Σ_k Π_{j≤k} acc_j (the bonus token included, as in ``eval.metrics``). For Medusa head k and EAGLE step k the
+    accuracy is already conditioned on the right context, so this is an estimate, reported beside the measured τ."""
+    tau, prod = 1.0, 1.0
+    for a in accs:
+        prod *= a
+        tau += prod
+    return tau
+
+
 def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
           run_dir, logger) -> dict:
     t = cfg["trainer"]
@@ -87,7 +98,7 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
             idx = order.indices(step * t["grad_accum"] + micro)
             batch = {k: v.to(engine.device) for k, v in collate([dataset[i] for i in idx]).items()}
             with engine.autocast():
-                teacher_out = teacher(batch["input_ids"], batch["attention_mask"], layers)
+                teacher_out = teacher.signals(batch, layers)
                 out = drafter(batch, teacher_out)
                 micro_loss, micro_valid = out.loss(loss_fn)
             engine.backward(micro_loss)
@@ -108,6 +119,7 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
                     "train/elapsed_s": time.perf_counter() - t_start}
             accs = (agree[:, 0].float() / agree[:, 1].clamp(min=1)).tolist()
             last.update({f"train/acc_head{k + 1}": a for k, a in enumerate(accs)})
+            last["train/sim_tau"] = simulated_tau(accs)
             logger.log(last, step=step)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
         # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.

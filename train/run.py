@@ -38,6 +38,7 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
         from train.loop import train
 
         dataset = build_train_dataset(cfg.data, teacher.tokenizer)
+        drafter.prepare(dataset)
         log.info("training %s on %d blocks of %d tokens", type(drafter).__name__, len(dataset), cfg.data.max_length)
         resumed = cfg.trainer.resume == "auto" and checkpoint.latest_checkpoint(run_dir) is not None
         logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=resumed)
