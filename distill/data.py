@@ -50,6 +50,7 @@ class DataConfig:
     chat_template: str = "auto"  # auto: the tokenizer's template when it has one | none: plain "role: content"
     assistant_only_loss: bool = True
     corpus_max_bytes: Optional[int] = None  # source=stdlib: cap the corpus (smoke runs)
+    teacher_cache: Optional[str] = None  # a `python -m distill.cache` directory: train from it, not online
 
 
 DEFAULTS: dict[str, Any] = asdict(DataConfig())

@@ -95,6 +95,19 @@ class Teacher:
         return self(batch["input_ids"], batch["attention_mask"], layers)
 
     @torch.no_grad()
+    def weights_digest(self) -> str:
+        """A short hash of a strided sample of the output and input embeddings: tells apart two targets that share a
+        name and sizes but not weights (e.g. toy targets built with other settings), without hashing gigabytes."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for module in (self.lm_head, self.embed_tokens):
+            w = module.weight.detach().reshape(-1)
+            sample = w[:: max(1, w.numel() // 65_536)].float().cpu().contiguous()
+            h.update(sample.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    @torch.no_grad()
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Sequence[int] = ()) -> TeacherOutput:
         out = self.model(
             input_ids=input_ids,

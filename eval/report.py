@@ -6,8 +6,8 @@ import json
 import logging
 import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -22,6 +22,9 @@ DEFINITIONS = {
     "lossless": "exact acceptance (greedy match or rejection sampling) keeps the target's output distribution; "
                 "typical acceptance does not",
     "predicted_speedup": "tau * t_plain / (t_draft + t_verify) with each time measured in isolation (inference.cost)",
+    "sim_tau": "training-time estimate, 1 + sum_k prod_{j<=k} acc_j over the last logged top-1 accuracies of draft "
+               "steps 1..gamma (Medusa head k, EAGLE TTT step k) on training data; a chain estimate, shown beside the "
+               "measured tau",
     "overhead_ratio": "wall time / (prefill + sum over steps of isolated t_verify(tree size) + t_draft); 1.0 = no "
                       "loop overhead",
 }
@@ -57,6 +60,10 @@ def summary_table(report: Mapping) -> str:
             f"{r['speedup']:>8.2f}x{_fmt(cost.get('predicted_speedup'), '>6.2f')}x{_fmt(cost.get('overhead_ratio'), '>7.2f')}"
             f"  {r['identical_to_greedy']}"
         )
+    for r in report["results"]:
+        if r.get("sim_tau") is not None:
+            lines.append(f"{r['drafter']}: training-time sim tau {r['sim_tau']:.2f} (chain estimate over "
+                         f"{r['sim_tau_steps']} steps) vs measured tau {r['tau']:.2f}")
     for name, b in (report.get("baselines") or {}).items():
         lines.append(f"baseline {name:<15} {b['tokens_per_s']:>8.1f} tok/s  speedup {_fmt(b.get('speedup'), '.2f')}x"
                      + (f"  ({b['note']})" if b.get("note") else ""))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 
@@ -308,25 +308,40 @@ def _with_baselines(drafters: dict, teacher, eval_cfg: Mapping) -> dict:
     return drafters
 
 
-def _report(cfg, teacher, drafters: dict, run_dir) -> dict:
+def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mapping] | None = None) -> dict:
     from train.config import decoder_config
 
     prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
     under_test = list(drafters)
     report = evaluate(teacher, _with_baselines(drafters, teacher, cfg.eval), prompts, cfg.eval, decoder_config(cfg),
                       categories, tree_override=under_test)
+    for result in report["results"]:
+        if (final := (training or {}).get(result["drafter"])) is not None:
+            result.update(_simulated(final, result["num_draft"]))
     path = write_report(report, run_dir, plots=cfg.eval.plots)
     print(summary_table(report), flush=True)
     log.info("wrote %s", path)
     return report
 
 
+def _simulated(final: Mapping, num_draft: int) -> dict:
+    """The training-time estimate beside the measured τ: ``train.loop.simulated_tau`` over the last logged per-step
+    top-1 accuracies (training data), cut to the γ decoded here."""
+    from train.loop import simulated_tau
+
+    accs = [final[f"train/acc_head{k}"] for k in range(1, num_draft + 1) if f"train/acc_head{k}" in final]
+    if not accs:
+        return {}
+    return {"sim_tau": simulated_tau(accs), "sim_tau_steps": len(accs)}
+
+
 def evaluate_saved(cfg, teacher, drafter_path, run_dir) -> dict:
     """Evaluate the drafter saved at ``drafter_path`` (reloaded from disk, as a user would) against ``teacher``."""
-    from heads.base import load_drafter
+    from heads.base import load_drafter, read_drafter_config
 
     drafter = load_drafter(drafter_path, teacher)
-    return _report(cfg, teacher, {drafter.name: drafter}, run_dir)
+    final = read_drafter_config(drafter_path).get("training", {}).get("final") or None
+    return _report(cfg, teacher, {drafter.name: drafter}, run_dir, training={drafter.name: final} if final else None)
 
 
 def run_eval(cfg, run_dir, use_saved_target: bool = True) -> dict:

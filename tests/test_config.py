@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import make_tiny_llama
 from hydra import compose, initialize_config_dir
@@ -17,6 +18,11 @@ EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))
 DRAFTERS = sorted(p.stem for p in (Path(CONF) / "drafter").glob("*.yaml"))
 
 register_configs()
+
+HUB_DIMS = {  # config.json of each hub target the experiments name
+    "meta-llama/Llama-3.1-8B-Instruct": TargetDims(hidden_size=4096, vocab_size=128256, num_layers=32),
+    "Qwen/Qwen2.5-7B-Instruct": TargetDims(hidden_size=3584, vocab_size=152064, num_layers=28),
+}
 
 
 def load(overrides=()):
@@ -36,8 +42,11 @@ def test_experiment_composes_and_instantiates(experiment):
     if cfg.data.source == "file":
         cfg.data.path = "/data/chat.jsonl"  # the user supplies it; everything else must already be there
     validate(cfg)
-    dims = TargetDims(hidden_size=64, vocab_size=512, num_layers=2)
-    drafter = instantiate(cfg.drafter, dims=dims)
+    # Hub targets get their real sizes (drafters check layer ids and vocab sizes against them); built on the meta
+    # device, so an 8B-sized drafter costs nothing.
+    dims = HUB_DIMS.get(cfg.target.name, TargetDims(hidden_size=64, vocab_size=512, num_layers=2))
+    with torch.device("meta"):
+        drafter = instantiate(cfg.drafter, dims=dims)
     assert drafter.dims == dims
     assert callable(instantiate(cfg.loss))
 
@@ -48,7 +57,7 @@ def test_every_drafter_preset_instantiates(drafter, monkeypatch):
     monkeypatch.setattr("heads.draft_model.load_or_build_toy_target", lambda cfg, cache_dir=None: (make_tiny_llama(), None))
     cfg = load([f"drafter={drafter}"])
     validate(cfg)
-    instantiate(cfg.drafter, dims=TargetDims(32, 128, 2))
+    instantiate(cfg.drafter, dims=TargetDims(32, 4096, 4))  # the toy target's vocabulary and depth
 
 
 def test_smoke_uses_a_tiny_target():

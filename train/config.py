@@ -72,6 +72,19 @@ class EvalConfig:
 
 
 @dataclass
+class CacheConfig:
+    """``python -m distill.cache``: offline teacher signals (``distill.cache``); train on them with
+    ``data.teacher_cache=<dir>``."""
+
+    dir: Optional[str] = None  # required: where shards + manifest.json go
+    layers: Optional[List[int]] = None  # hidden-state indices; null: the configured drafter's teacher_layers
+    topk: int = 64  # teacher top-k kept per position (1..V)
+    dtype: str = "bfloat16"  # hidden states on disk: bfloat16 | float32
+    shard_rows: int = 256  # rows per shard file
+    batch_size: int = 8  # rows per target forward while writing
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Dict[str, Any] = field(default_factory=dict)
@@ -81,6 +94,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     seed: int = 0
     drafter_path: Optional[str] = None  # python -m eval: the saved drafter directory to evaluate
 

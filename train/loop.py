@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.utils.data import Dataset

@@ -37,13 +37,20 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
         from train import checkpoint
         from train.loop import train
 
-        dataset = build_train_dataset(cfg.data, teacher.tokenizer)
+        signals = teacher  # what the loop calls teacher.signals on: the live target, or the offline cache
+        if cfg.data.teacher_cache:
+            from distill.cache import open_teacher_cache
+
+            dataset, signals = open_teacher_cache(cfg.data.teacher_cache, teacher, cfg.data, drafter.teacher_layers,
+                                                  cfg.loss)
+        else:
+            dataset = build_train_dataset(cfg.data, teacher.tokenizer)
         drafter.prepare(dataset)
         log.info("training %s on %d blocks of %d tokens", type(drafter).__name__, len(dataset), cfg.data.max_length)
         resumed = cfg.trainer.resume == "auto" and checkpoint.latest_checkpoint(run_dir) is not None
         logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=resumed)
         try:
-            summary = train(plain, teacher, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger)
+            summary = train(plain, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger)
         finally:
             logger.close()
     else:

@@ -1,0 +1,466 @@
+"""Offline teacher signals: run the frozen target over the training rows once, train from disk many times.
+
+``python -m distill.cache cache.dir=<dir> [hydra overrides]`` composes the training config, builds the training rows
+exactly as ``python -m train`` does (row i of the cache is row i of ``distill.data.build_train_dataset``), runs the
+target over them and writes shards; ``python -m train data.teacher_cache=<dir>`` then answers the loop's
+``teacher.signals(batch, layers)`` from them (``OfflineTeacher``). The real target is still loaded for the
+drafter's initialisation and for evaluation.
+
+Shape legend: N rows, T = data.max_length, D target hidden size, V vocabulary, K = cache.topk, n rows of one shard.
+
+``shard-00000.safetensors`` ... (``cache.shard_rows`` rows each; metadata: the fingerprint and row range):
+    input_ids       [n, T]     int32    (read back as int64)
+    attention_mask  [n, T]     bool     (read back as int64)
+    loss_mask       [n, T]     bool
+    hidden.<i>      [n, T, D]  cache.dtype (bfloat16 | float32); i = the configured hidden-state index, e.g. -1
+    topk_ids        [n, T, K]  int32    the teacher's K most likely next tokens, best first
+    topk_logprobs   [n, T, K]  float32  their log-probabilities under the full-vocabulary softmax; float32 whatever
+                                        cache.dtype: they are small next to the hidden states
+``manifest.json`` is written last, atomically: a cache without one is unfinished (rerun to resume). The target runs
+in its own dtype (no autocast); ``OfflineTeacher`` hands hidden states back in that dtype, as the online teacher does.
+
+Offline teacher logits ``[B, T, V]`` are the top-K log-probs scattered into a tensor filled with a finite floor (per
+position: the smallest top-K log-prob - 1e4), so softmax(logits) is the teacher renormalised on its top K: what
+``distill.losses.topk_forward_kl`` with the same k computes online. Finite, not -inf: the losses call
+``F.kl_div(..., log_target=True)``, where -inf gives NaN. Forward KL, top-k FKL, JSD and TV therefore train against
+that truncated teacher; reverse KL, which weighs the teacher's tail, is refused.
+
+The manifest's fingerprint (sha256 of the target identity, tokenizer vocabulary, data config, layers, K and dtype)
+keeps its components, so a cache opened for another target or data names what differs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from distill.data import DEFAULTS as DATA_DEFAULTS
+from distill.data import collate
+from distill.teacher import TeacherOutput
+
+log = logging.getLogger(__name__)
+
+FORMAT, FORMAT_VERSION = "specdraft-teacher-cache", 1
+MANIFEST = "manifest.json"
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+COLUMN_BYTES = 4 + 1 + 1  # input_ids int32, attention_mask bool, loss_mask bool
+TOPK_BYTES = 4 + 4  # topk_ids int32, topk_logprobs float32
+FLOOR_MARGIN = 1e4  # exp(-1e4) is exactly 0 in float32 and bfloat16
+OPEN_SHARDS = 2  # shard handles kept open by a CachedDataset
+WRITE_CMD = "python -m distill.cache"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, topk: int, dtype: str) -> int:
+    """Payload bytes one token costs on disk (safetensors headers and the manifest add a few KB in all)."""
+    return num_layers * hidden_size * STORE_DTYPES[dtype].itemsize + topk * TOPK_BYTES + COLUMN_BYTES
+
+
+def _normalise(value: Any) -> Any:
+    """Plain JSON types, so what is compared now equals what was stored then (DictConfig, tuples, ...)."""
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def fingerprint_components(teacher, data_cfg: Mapping, layers: Sequence[int] = (), topk: int = 0,
+                           dtype: str = "") -> dict:
+    """What a cache depends on. ``target``, ``tokenizer`` and ``data`` must match when training reads the cache;
+    ``layers`` / ``topk`` / ``dtype`` only when resuming a write (training may read a subset)."""
+    data = {**DATA_DEFAULTS, **_normalise(data_cfg)}
+    data.pop("teacher_cache", None)  # where the cache lives is not what it holds
+    tokenizer = getattr(teacher, "tokenizer", None)
+    vocab = None
+    if tokenizer is not None:
+        items = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        vocab = hashlib.sha256(items.encode()).hexdigest()
+    return _normalise({"format_version": FORMAT_VERSION, "target": teacher.identity(),
+                       "target_weights": teacher.weights_digest(), "tokenizer": vocab,
+                       "data": data, "layers": list(layers), "topk": topk, "dtype": dtype})
+
+
+def fingerprint(components: Mapping) -> str:
+    return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()
+
+
+def _differences(stored: Mapping, current: Mapping, names: Sequence[str]) -> list[str]:
+    """Human-readable differences, e.g. ``data (max_length: cached 64, now 128)``."""
+    out = []
+    for name in names:
+        a, b = stored.get(name), current.get(name)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            out.append(f"{name} ({', '.join(f'{k}: cached {a.get(k)!r}, now {b.get(k)!r}' for k in keys)})")
+        else:
+            out.append(f"{name} (cached {a!r}, now {b!r})" if name != "tokenizer" else f"{name} (differs)")
+    return out
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _check_write_args(teacher, layers, topk: int, dtype: str, shard_rows: int, batch_size: int) -> list[int]:
+    if dtype not in STORE_DTYPES:
+        raise ValueError(f"cache.dtype={dtype!r} is not supported; valid: {sorted(STORE_DTYPES)}")
+    if not 1 <= topk <= teacher.vocab_size:
+        raise ValueError(f"cache.topk must be in 1..{teacher.vocab_size} (the target's vocabulary size), got {topk}")
+    for key, value in (("shard_rows", shard_rows), ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"cache.{key} must be >= 1, got {value}")
+    layers = list(dict.fromkeys(int(i) for i in layers))  # order kept, repeats dropped
+    for i in layers:
+        teacher.resolve_layer(i)  # raises with the valid range
+    return layers
+
+
+def _topk_logprobs(logits_BTV: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """([B, T, K] float32 log-probs, [B, T, K] ids), one row at a time: the float32 log-softmax over V is the big
+    temporary."""
+    values, ids = [], []
+    for row_TV in logits_BTV:
+        top = torch.log_softmax(row_TV.float(), dim=-1).topk(k, dim=-1)
+        values.append(top.values)
+        ids.append(top.indices)
+    return torch.stack(values), torch.stack(ids)
+
+
+@torch.no_grad()
+def _teacher_rows(teacher, dataset, rows: range, layers, topk: int, dtype: str, batch_size: int) -> dict:
+    """Every tensor of one shard (see the module docstring), on the CPU."""
+    parts = []
+    for start in range(rows.start, rows.stop, batch_size):
+        batch = collate([dataset[i] for i in range(start, min(start + batch_size, rows.stop))])
+        out = teacher.signals({k: v.to(teacher.device) for k, v in batch.items()}, layers)
+        logprobs, ids = _topk_logprobs(out.logits_BTV, topk)
+        part = {"input_ids": batch["input_ids"].to(torch.int32), "attention_mask": batch["attention_mask"].bool(),
+                "loss_mask": batch["loss_mask"].bool()}
+        part.update({f"hidden.{i}": out.hidden[i].to(STORE_DTYPES[dtype]).cpu() for i in layers})
+        part.update(topk_ids=ids.to(torch.int32).cpu(), topk_logprobs=logprobs.cpu())
+        parts.append(part)
+    return {key: torch.cat([p[key] for p in parts]).contiguous() for key in parts[0]}
+
+
+def _shard_is_complete(path: Path, fp: str, rows: range) -> bool:
+    """A shard from this config with exactly ``rows``; anything else (cut short, other config) is rewritten."""
+    if not path.exists():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            ok = ((f.metadata() or {}).get(FORMAT) == _shard_metadata(fp, rows)
+                  and f.get_slice("input_ids").get_shape()[0] == len(rows))
+    except (SafetensorError, OSError) as e:
+        log.warning("%s cannot be read (%s); rewriting it", path, e)
+        return False
+    if not ok:
+        log.warning("%s was written for another config or row range; rewriting it", path)
+    return ok
+
+
+def _shard_metadata(fp: str, rows: range) -> str:
+    # One metadata key: safetensors keeps metadata in a hash map, so several keys come out in varying order and a
+    # rewritten shard would not be byte-identical.
+    return json.dumps({"fingerprint": fp, "rows": [rows.start, rows.stop]}, sort_keys=True)
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """``write(tmp)`` into a temporary name in the same directory, then rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_manifest(cache_dir: str | os.PathLike) -> dict:
+    path = Path(cache_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: {Path(cache_dir)} is not a finished teacher cache. Write it with "
+            f"`{WRITE_CMD} cache.dir={cache_dir} <the training run's target/data overrides>` "
+            f"(an interrupted write resumes where it stopped)"
+        )
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} manifest; rebuild the cache with `{WRITE_CMD}`")
+    return manifest
+
+
+def _prepare_dir(cache_dir: Path, fp: str, components: Mapping) -> None:
+    """Refuse to mix two configs' caches in one directory; drop temp files an interrupted write left."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if (cache_dir / MANIFEST).is_file():
+        old = read_manifest(cache_dir)
+        if old["fingerprint"] != fp:
+            diff = _differences(old["components"], components, list(components))
+            raise ValueError(f"cache.dir={str(cache_dir)!r} holds a finished cache for another config (differs: "
+                             f"{'; '.join(diff)}); choose another cache.dir or delete that directory")
+    for tmp in cache_dir.glob(".*.tmp-*"):
+        log.info("removing %s, left by an interrupted write", tmp)
+        tmp.unlink()
+
+
+def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: Mapping, layers: Sequence[int],
+                topk: int = 64, dtype: str = "bfloat16", shard_rows: int = 256, batch_size: int = 8,
+                max_shards: int | None = None) -> dict | None:
+    """Write (or finish) the cache of ``dataset`` under ``cache_dir``; returns the manifest. Shards already complete
+    for this config are kept. ``max_shards``: stop after writing that many new shards, returning None without a
+    manifest (an interruption, for tests)."""
+    layers = _check_write_args(teacher, layers, topk, dtype, shard_rows, batch_size)
+    cache_dir = Path(cache_dir)
+    components = fingerprint_components(teacher, data_cfg, layers, topk, dtype)
+    fp = fingerprint(components)
+    _prepare_dir(cache_dir, fp, components)
+    if len(dataset) == 0:
+        raise ValueError("the training dataset is empty; nothing to cache")
+    num_rows, max_length = len(dataset), int(dataset[0]["input_ids"].shape[-1])
+    per_token = bytes_per_token(len(layers), teacher.hidden_size, topk, dtype)
+    total = num_rows * max_length * per_token
+    size = f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**20:.2f} MiB"
+    message = (f"teacher cache: {num_rows} rows x {max_length} tokens, layers {layers} (D={teacher.hidden_size}, "
+               f"{dtype}), top-{topk} (int32 ids + float32 log-probs): {per_token} bytes/token, expected {size} "
+               f"in {cache_dir}")
+    log.info(message)
+    print(message, flush=True)
+    shards, written = [], 0
+    for index, start in enumerate(range(0, num_rows, shard_rows)):
+        rows, path = range(start, min(start + shard_rows, num_rows)), cache_dir / shard_name(index)
+        if not _shard_is_complete(path, fp, rows):
+            if max_shards is not None and written >= max_shards:
+                log.info("stopping after %d new shard(s) (max_shards); rerun to resume", written)
+                return None
+            tensors = _teacher_rows(teacher, dataset, rows, layers, topk, dtype, batch_size)
+            meta = {FORMAT: _shard_metadata(fp, rows)}
+            _replace_atomically(path, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
+            written += 1
+            log.info("wrote %s (rows %d..%d)", path.name, rows.start, rows.stop - 1)
+        shards.append({"file": path.name, "start": rows.start, "end": rows.stop, "bytes": path.stat().st_size})
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fp, "components": components,
+                "layers": layers, "topk": topk, "dtype": dtype, "logprob_dtype": "float32",
+                "hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size, "num_rows": num_rows,
+                "max_length": max_length, "bytes_per_token": per_token,
+                "total_bytes": sum(s["bytes"] for s in shards), "shards": shards}
+    _replace_atomically(cache_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2)))
+    log.info("teacher cache complete: %s (%d shards, %d new)", cache_dir, len(shards), written)
+    return manifest
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _corrupt(path: Path, reason: str) -> ValueError:
+    return ValueError(f"teacher cache shard {path} is truncated or corrupt ({reason}); delete it and rerun "
+                      f"`{WRITE_CMD} cache.dir={path.parent} <same overrides>`, which resumes and rewrites only it")
+
+
+class CachedDataset(Dataset):
+    """Rows of a teacher cache, read lazily: ``__getitem__(i)`` gives row i's tensors (module docstring) with
+    ``input_ids`` / ``attention_mask`` as int64, as ``distill.data.TokenBlockDataset`` does. ``.input_ids``,
+    ``.attention_mask``, ``.loss_mask`` are the full ``[N, T]`` columns (read on first use) for token statistics."""
+
+    def __init__(self, cache_dir: str | os.PathLike):
+        self.dir = Path(cache_dir)
+        self.manifest = read_manifest(self.dir)
+        self.shards = self.manifest["shards"]
+        self._starts = [s["start"] for s in self.shards]
+        for s in self.shards:
+            path = self.dir / s["file"]
+            if not path.is_file():
+                raise _corrupt(path, "missing")
+            if path.stat().st_size != s["bytes"]:
+                raise _corrupt(path, f"{path.stat().st_size} bytes, the manifest says {s['bytes']}")
+        self._open: OrderedDict[int, Any] = OrderedDict()
+        self._columns: dict[str, Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.manifest["num_rows"]
+
+    def __getstate__(self) -> dict:  # DataLoader workers: open handles do not pickle
+        return {**self.__dict__, "_open": OrderedDict()}
+
+    def _handle(self, index: int):
+        """An open shard, least recently used closed beyond ``OPEN_SHARDS``."""
+        if index in self._open:
+            self._open.move_to_end(index)
+            return self._open[index]
+        path = self.dir / self.shards[index]["file"]
+        try:
+            handle = safe_open(str(path), "pt")
+        except (SafetensorError, OSError) as e:
+            raise _corrupt(path, str(e)) from e
+        self._open[index] = handle
+        while len(self._open) > OPEN_SHARDS:
+            self._open.popitem(last=False)
+        return handle
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} is out of range for a cache of {len(self)} rows")
+        shard = bisect.bisect_right(self._starts, index) - 1
+        handle, j = self._handle(shard), index - self._starts[shard]
+        try:
+            names = handle.keys()  # a safe_open handle is not iterable
+            item = {name: handle.get_slice(name)[j : j + 1][0] for name in names}
+        except (SafetensorError, OSError) as e:
+            raise _corrupt(self.dir / self.shards[shard]["file"], str(e)) from e
+        item["input_ids"], item["attention_mask"] = item["input_ids"].long(), item["attention_mask"].long()
+        return item
+
+    def _column(self, name: str) -> Tensor:
+        if name not in self._columns:
+            parts = [self._handle(k).get_tensor(name) for k in range(len(self.shards))]
+            column = torch.cat(parts)
+            self._columns[name] = column.long() if name != "loss_mask" else column
+        return self._columns[name]
+
+    input_ids = property(lambda self: self._column("input_ids"))
+    attention_mask = property(lambda self: self._column("attention_mask"))
+    loss_mask = property(lambda self: self._column("loss_mask"))
+
+
+def dense_logits(topk_ids: Tensor, topk_logprobs: Tensor, vocab_size: int, dtype: torch.dtype) -> Tensor:
+    """[..., V] logits whose softmax is the top-K distribution renormalised: log-probs at their ids, a finite floor
+    (smallest top-K log-prob - 1e4 per position) elsewhere."""
+    floor = topk_logprobs.float().min(dim=-1, keepdim=True).values - FLOOR_MARGIN
+    dense = floor.to(dtype).expand(*topk_ids.shape[:-1], vocab_size).clone()
+    return dense.scatter_(-1, topk_ids.long(), topk_logprobs.to(dtype))
+
+
+class OfflineTeacher:
+    """The frozen ``Teacher`` with ``signals`` answered from the cached tensors in the batch (``CachedDataset`` rows);
+    everything else (``lm_head``, ``identity()``, ``__call__``, ...) is the real teacher's. Construction checks the
+    cache was built for this target, tokenizer and data, and holds ``layers``."""
+
+    def __init__(self, cache_dir: str | os.PathLike, teacher, data_cfg: Mapping, layers: Sequence[int] = ()):
+        self._teacher = teacher
+        self.cache_dir = Path(cache_dir)
+        self.manifest = read_manifest(self.cache_dir)
+        current = fingerprint_components(teacher, data_cfg)
+        diff = _differences(self.manifest["components"], current, ("target", "target_weights", "tokenizer", "data"))
+        if diff:
+            raise ValueError(
+                f"teacher cache {self.cache_dir} was built for a different {'; '.join(diff)}. Rebuild it for this "
+                f"target/data with `{WRITE_CMD} cache.dir=<new dir> <this run's target/data overrides>`, or point "
+                f"data.teacher_cache at a cache built for them"
+            )
+        self.dtype = teacher.lm_head.weight.dtype  # what the online teacher returns
+        # Configured indices may differ but name the same state (-1 and L): match them resolved.
+        self._keys = {teacher.resolve_layer(i): f"hidden.{i}" for i in self.manifest["layers"]}
+        for i in layers:
+            self._key(i)
+
+    def __getattr__(self, name: str):
+        if name == "_teacher":  # not yet set (unpickling): no delegation loop
+            raise AttributeError(name)
+        return getattr(self._teacher, name)
+
+    def __call__(self, *args, **kwargs) -> TeacherOutput:
+        return self._teacher(*args, **kwargs)
+
+    def _key(self, index: int) -> str:
+        resolved = self._teacher.resolve_layer(index)
+        if resolved not in self._keys:
+            raise ValueError(
+                f"the drafter needs hidden-state layer [{index}] but teacher cache {self.cache_dir} holds only "
+                f"layers {self.manifest['layers']}; rebuild it with `{WRITE_CMD} cache.dir=<new dir> "
+                f"cache.layers=[...]` listing every layer the drafter's teacher_layers names"
+            )
+        return self._keys[resolved]
+
+    def signals(self, batch: Mapping[str, Tensor], layers: Sequence[int] = ()) -> TeacherOutput:
+        if "topk_ids" not in batch:
+            raise KeyError("OfflineTeacher.signals needs a batch of CachedDataset rows (no 'topk_ids' in it); "
+                           "train on CachedDataset(data.teacher_cache)")
+        device = batch["input_ids"].device
+        hidden = {i: batch[self._key(i)].to(device=device, dtype=self.dtype) for i in layers}
+        logits = dense_logits(batch["topk_ids"].to(device), batch["topk_logprobs"].to(device),
+                              self._teacher.vocab_size, self.dtype)
+        return TeacherOutput(logits_BTV=logits, hidden=hidden)
+
+
+def check_loss(loss_cfg: Mapping | None, topk: int) -> None:
+    """The cache keeps the teacher's top K only: refuse losses that need more."""
+    if not loss_cfg or "_target_" not in loss_cfg:
+        return
+    name = str(loss_cfg["_target_"]).rpartition(".")[2]
+    if name == "reverse_kl":
+        raise ValueError("loss=rkl weighs the teacher's whole tail, but a teacher cache keeps only its top-k "
+                         "(the rest sits at a -1e4 floor); use loss=fkl, topk_fkl, jsd or tvd with data.teacher_cache")
+    k = int(loss_cfg.get("k", 32))  # topk_forward_kl's default
+    if name == "topk_forward_kl" and k > topk:
+        raise ValueError(f"loss.k={k} exceeds the teacher cache's top-{topk}; set loss.k<={topk} or rebuild the "
+                         f"cache with cache.topk={k}")
+
+
+def open_teacher_cache(cache_dir: str | os.PathLike, teacher, data_cfg: Mapping, layers: Sequence[int],
+                       loss_cfg: Mapping | None = None) -> tuple[CachedDataset, OfflineTeacher]:
+    """(training rows, teacher answering ``signals`` from them), every check done up front."""
+    offline = OfflineTeacher(cache_dir, teacher, data_cfg, layers)
+    check_loss(loss_cfg, offline.manifest["topk"])
+    dataset = CachedDataset(cache_dir)
+    log.info("training from teacher cache %s: %d rows, layers %s, top-%d", cache_dir, len(dataset),
+             offline.manifest["layers"], offline.manifest["topk"])
+    return dataset, offline
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def build_cache(cfg) -> dict:
+    """``python -m distill.cache``: the cache of the configured target over the configured training rows."""
+    from distill.data import build_train_dataset
+    from distill.teacher import load_teacher
+    from heads.base import build_drafter
+    from train.config import validate
+    from train.engine import resolve_device
+
+    c = cfg.cache
+    if not c.dir:
+        raise ValueError("cache.dir is null; set cache.dir=<directory to write the teacher cache to>, then train "
+                         "with data.teacher_cache=<that directory>")
+    validate(cfg)
+    if c.dtype not in STORE_DTYPES:
+        raise ValueError(f"cache.dtype={c.dtype!r} is not supported; valid: {sorted(STORE_DTYPES)}")
+    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
+    dataset = build_train_dataset(cfg.data, teacher.tokenizer)
+    if c.layers is not None:
+        layers = list(c.layers)
+    else:
+        layers = list(build_drafter(cfg.drafter, teacher).teacher_layers)
+        log.info("cache.layers is null: caching the drafter's teacher_layers %s", layers)
+    return write_cache(c.dir, teacher, dataset, cfg.data, layers, topk=c.topk, dtype=c.dtype,
+                       shard_rows=c.shard_rows, batch_size=c.batch_size)
+
+
+def main() -> None:
+    import hydra
+
+    from train.config import register_configs
+
+    register_configs()
+    hydra.main(version_base="1.3", config_path="../conf", config_name="config")(build_cache)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""EAGLE-1 and EAGLE-3 feature drafters: one small decoder layer that runs on the target's hidden states.
+
+Which token each output predicts: at position t the drafter reads the target's feature(s) at t and the embedding of
+token t+1, and predicts token t+2 (one beyond the target's own lm_head at t). Training-time test step j feeds its own
+step j-1 output back in place of the feature, with the embedding of token t+1+j, and predicts token t+2+j.
+
+Shape legend:  B batch, T sequence, D target hidden size, V target vocabulary, Vd draft vocabulary (EAGLE-3's
+reduced vocabulary; = V for EAGLE-1), F number of feature layers (EAGLE-1: 1; EAGLE-3: 3), S TTT steps, h heads.
+    EAGLE-1:  x = fc([feat_BTD ; emb_BTD])  (2D -> D)              -> layer(x, residual x) -> out_BTD (a predicted
+              feature)  -> the target's frozen lm_head -> logits_BTV
+    EAGLE-3:  hid = fc([low ; mid ; high])  (3D -> D)  or step j-1's out
+              x = [norm(emb) ; norm(hid)]   (2D)                    -> layer(x, residual hid) -> out_BTD
+              -> norm -> own lm_head (D -> Vd) -> logits over the draft vocabulary; ``d2t`` maps them to target ids
+
+Feature layers use ``distill.teacher``'s hidden-state index: index i is HF ``hidden_states[i]``, the output of
+decoder layer i (1-based) = the *input* of 0-based layer i, which is also the number vLLM's and SGLang's
+``eagle_aux_hidden_state_layer_ids`` use; -1 (EAGLE-1's default) is the final, normed output the lm_head reads.
+
+Training-time test (EAGLE-3; also available to EAGLE-1 via ``ttt_steps``): step j at position t attends to the
+step-0 keys of positions <= t plus the keys of steps 1..j at position t itself, which is exactly what a depth-(j+1)
+draft node sees when decoding (the committed context plus its own ancestors); its loss weight is ``decay ** j``.
+
+Decoding: context pairs (target feature at t, token t+1) only ever come from committed tokens, so the drafter's
+context KV cache only grows (cropped to the common prefix if asked to re-propose an earlier context); draft nodes
+keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.dynamic_tree``) or a top-1 chain
+(``tree: chain``); candidates are top-k picks, so they carry no draft probabilities and sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distill.teacher import TeacherOutput
+from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
+from inference.dynamic_tree import check_dynamic_tree_args, expand_dynamic_tree
+from inference.sampling import GREEDY, SamplingConfig
+from inference.tree import DraftTree
+
+VARIANTS = ("eagle1", "eagle3")
+TREE_MODES = ("dynamic", "chain")
+
+
+def default_feature_layers(variant: str, num_layers: int) -> tuple[int, ...]:
+    """EAGLE-1: the final normed output. EAGLE-3: (2, L//2, L-3) as in the EAGLE-3 reference and vLLM / SGLang for
+    deep targets; a shallow target (L < 8, e.g. the toy) gets (1, L//2, L-1) so the three stay low / middle / high."""
+    if variant == "eagle1":
+        return (-1,)
+    if num_layers >= 8:
+        return (2, num_layers // 2, num_layers - 3)
+    return (1, max(1, num_layers // 2), max(1, num_layers - 1))
+
+
+def vocab_maps(token_counts_V: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
+    """(d2t [Vd], t2d [V]): the ``draft_vocab_size`` most frequent target ids (ties: lower id), in increasing id
+    order; ``d2t[i]`` is draft index i's target id (absolute, not EAGLE's offset form; an exporter converts) and
+    ``t2d[j]`` target id j's draft index, or -1 when it is outside the draft vocabulary."""
+    V = token_counts_V.shape[0]
+    order = sorted(range(V), key=lambda j: (-int(token_counts_V[j]), j))[:draft_vocab_size]
+    d2t = torch.tensor(sorted(order), dtype=torch.long)
+    t2d = torch.full((V,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(draft_vocab_size)
+    return d2t, t2d
+
+
+def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotary embedding (rotate-half form) of x [..., n, hd] at ``positions`` [n]."""
+    hd = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None]  # [n, hd/2]
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(x.dtype), torch.cat([angles.sin()] * 2, -1).to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32 (bf16 inputs under autocast would otherwise miss the fused kernel and lose
+    precision), returned in the input's dtype."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+class DraftLayer(nn.Module):
+    """A Llama-style decoder layer whose attention input may be wider than its hidden size (EAGLE-3: 2D). The
+    caller does the attention itself (``qkv`` then ``finish``), since the TTT and tree masks are its business."""
+
+    def __init__(self, in_size: int, hidden_size: int, num_heads: int, intermediate_size: int, theta: float):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"drafter.num_heads={num_heads} must divide the target's hidden size {hidden_size}")
+        self.num_heads, self.head_dim, self.theta = num_heads, hidden_size // num_heads, theta
+        self.q_proj = nn.Linear(in_size, hidden_size, bias=False)
+        self.k_proj = nn.Linear(in_size, hidden_size, bias=False)
+        self.v_proj = nn.Linear(in_size, hidden_size, bias=False)
+        self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps=1e-6)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def qkv(self, x_BTI: Tensor, positions_T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = x_BTI.shape
+        split = lambda y: y.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        q, k, v = split(self.q_proj(x_BTI)), split(self.k_proj(x_BTI)), split(self.v_proj(x_BTI))
+        return _rope(q, positions_T, self.theta), _rope(k, positions_T, self.theta), v
+
+    def finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
+        B, _, T, _ = attn_BhTd.shape
+        h = residual_BTD + self.o_proj(attn_BhTd.transpose(1, 2).reshape(B, T, -1))
+        y = self.post_attention_layernorm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+class EagleDrafter(Drafter):
+    def __init__(self, dims: TargetDims | Mapping[str, int], variant: str = "eagle3", layers: Sequence[int] | None = None,
+                 num_heads: int | None = None, intermediate_size: int | None = None, rope_theta: float = 10000.0,
+                 ttt_steps: int | None = None, loss_decay: float = 0.8, feature_loss_weight: float | None = None,
+                 kl_weight: float | None = None, feature_noise: float = 0.0, draft_vocab_size: int | None = None,
+                 tree: str = "dynamic", top_k: int = 4, depth: int | None = None, total_tokens: int = 16):
+        super().__init__(dims)
+        D, V, L = self.dims.hidden_size, self.dims.vocab_size, self.dims.num_layers
+        if variant not in VARIANTS:
+            raise ValueError(f"drafter.variant={variant!r} is not known; valid: {list(VARIANTS)}")
+        self.variant, self.name = variant, variant
+        eagle3 = variant == "eagle3"
+        layers = tuple(default_feature_layers(variant, L) if layers is None else layers)
+        for i in layers:
+            if not (-1 <= i <= L):
+                raise ValueError(
+                    f"drafter.layers contains {i}, out of range for a target with {L} layers; valid hidden-state "
+                    f"indices are 0..{L} (i = output of decoder layer i, {L} = final normed output) or -1 (= {L})")
+        if len(layers) != (3 if eagle3 else 1):
+            raise ValueError(f"drafter.layers={list(layers)}: {variant} reads {3 if eagle3 else 1} feature layer(s)")
+        self.teacher_layers = layers
+        self.ttt_steps = ttt_steps if ttt_steps is not None else (7 if eagle3 else 1)
+        self.feature_loss_weight = feature_loss_weight if feature_loss_weight is not None else (0.0 if eagle3 else 1.0)
+        self.kl_weight = kl_weight if kl_weight is not None else (1.0 if eagle3 else 0.1)
+        for key, value in (("ttt_steps", self.ttt_steps), ("top_k", top_k), ("total_tokens", total_tokens)):
+            if value < 1:
+                raise ValueError(f"drafter.{key} must be >= 1, got {value}")
+        if not 0 < loss_decay <= 1:
+            raise ValueError(f"drafter.loss_decay must be in (0, 1], got {loss_decay}")
+        if feature_noise < 0:
+            raise ValueError(f"drafter.feature_noise must be >= 0, got {feature_noise}")
+        Vd = V if draft_vocab_size is None else draft_vocab_size
+        if not 1 <= Vd <= V:
+            raise ValueError(f"drafter.draft_vocab_size={draft_vocab_size} must lie in 1..{V} (the target's vocab_size); "
+                             f"null uses the full vocabulary")
+        if not eagle3 and Vd != V:
+            raise ValueError("drafter.draft_vocab_size is an EAGLE-3 feature; eagle1 drafts over the target's lm_head")
+        self.loss_decay, self.feature_noise, self.draft_vocab_size = loss_decay, feature_noise, Vd
+        heads = num_heads or max(1, D // 64)
+        inter = intermediate_size or 64 * math.ceil(8 * D / 3 / 64)
+        self.fc = nn.Linear(len(layers) * D if eagle3 else 2 * D, D, bias=not eagle3)
+        self.layer = DraftLayer(2 * D if eagle3 else D, D, heads, inter, rope_theta)
+        self.input_layernorm = RMSNorm(D, eps=1e-6)  # EAGLE-3: the embedding half; EAGLE-1: fc's output
+        if eagle3:
+            self.hidden_norm = RMSNorm(D, eps=1e-6)
+            self.norm = RMSNorm(D, eps=1e-6)
+            self.lm_head = nn.Linear(D, Vd, bias=False)
+        # Vocabulary maps are buffers: they are part of the trained drafter and saved with it.
+        self.register_buffer("d2t", torch.arange(Vd), persistent=True)
+        self.register_buffer("t2d", torch.arange(V) if Vd == V else torch.full((V,), -1), persistent=True)
+        self.tree_mode = "dynamic"
+        self.set_tree(tree)
+        self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
+        check_dynamic_tree_args(top_k, depth or 1, total_tokens)
+        self._frozen: dict[str, nn.Module] = {}  # the target's embedding / lm_head: used, never owned or saved
+        self.reset()
+
+    # --- binding to the target ----------------------------------------------------------------------------
+    def bind_target(self, teacher, initialize: bool) -> None:
+        for i in self.teacher_layers:
+            teacher.resolve_layer(i)
+        self._frozen = {"embed": teacher.embed_tokens, "lm_head": teacher.lm_head}
+        if initialize and self.variant == "eagle3":
+            self._init_lm_head()
+
+    def prepare(self, dataset) -> None:
+        """EAGLE-3 with a reduced vocabulary: keep the most frequent predicted tokens of the training data."""
+        if self.draft_vocab_size == self.dims.vocab_size:
+            return
+        ids, mask = dataset.input_ids, dataset.loss_mask.bool() & dataset.attention_mask.bool()
+        counts = torch.bincount(ids[mask].reshape(-1), minlength=self.dims.vocab_size)[: self.dims.vocab_size]
+        d2t, t2d = vocab_maps(counts, self.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        covered = counts[d2t].sum().item() / max(1, counts.sum().item())
+        self.vocab_coverage = covered
+        self._init_lm_head()
+
+    def _init_lm_head(self) -> None:
+        if "lm_head" in self._frozen:  # start from the target's rows of the draft vocabulary
+            weight = self._frozen["lm_head"].weight.detach()
+            self.lm_head.weight.data.copy_(weight[self.d2t.to(weight.device)].to(self.lm_head.weight))
+
+    def saved_config(self, drafter_cfg: Mapping[str, Any]) -> dict:
+        node = dict(drafter_cfg)
+        node["layers"] = list(self.teacher_layers)  # resolved defaults, so a load never re-derives them
+        return node
+
+    def set_tree(self, spec) -> None:
+        if spec is None:
+            return
+        if spec not in TREE_MODES:
+            raise ValueError(f"tree={spec!r} for {self.name}: valid: {list(TREE_MODES)} (dynamic: EAGLE-2 dynamic "
+                             f"tree sized by drafter.top_k / depth / total_tokens; chain: top-1 chain)")
+        self.tree_mode = spec
+
+    def _embed(self, ids: Tensor, like: Tensor) -> Tensor:
+        if "embed" not in self._frozen:
+            raise RuntimeError(f"{self.name} is not bound to a target; call bind_target(teacher, ...) first")
+        return self._frozen["embed"](ids.to(self._frozen["embed"].weight.device)).to(like.device, like.dtype)
+
+    def _logits(self, out_BTD: Tensor) -> Tensor:
+        """Logits over the draft vocabulary (EAGLE-1: the target's lm_head, frozen)."""
+        if self.variant == "eagle3":
+            return self.lm_head(self.norm(out_BTD))
+        w = self._frozen["lm_head"].weight
+        return F.linear(out_BTD.to(w.dtype), w).to(out_BTD.dtype)
+
+    def _layer_input(self, emb_BTD: Tensor, hid_BTD: Tensor) -> tuple[Tensor, Tensor]:
+        """(attention input, residual) for one step."""
+        if self.variant == "eagle3":
+            return torch.cat([self.input_layernorm(emb_BTD), self.hidden_norm(hid_BTD)], -1), hid_BTD
+        x = self.fc(torch.cat([hid_BTD, emb_BTD], -1))
+        return self.input_layernorm(x), x
+
+    def _first_hidden(self, feats_BTX: Tensor) -> Tensor:
+        """Step 0's hidden input from the concatenated target features (EAGLE-3: fc; EAGLE-1: the feature itself)."""
+        return self.fc(feats_BTX) if self.variant == "eagle3" else feats_BTX
+
+    # --- training ------------------------------------------------------------------------------------------
+    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput) -> DraftOutput:
+        ids_BT, attn_BT = batch["input_ids"], batch["attention_mask"].bool()
+        valid_BT = batch["loss_mask"].bool() & attn_BT
+        feats = torch.cat([teacher_out.hidden[i] for i in self.teacher_layers], -1)
+        dtype = self.fc.weight.dtype if not torch.is_autocast_enabled(feats.device.type) else feats.dtype
+        feats = feats.to(dtype)
+        noisy = feats
+        if self.training and self.feature_noise > 0:  # EAGLE-1: robustness to its own imperfect features
+            noisy = feats + (torch.rand_like(feats) * 2 - 1) * self.feature_noise
+        T = ids_BT.shape[1]
+        pos = torch.arange(T, device=ids_BT.device)
+        hid = self._first_hidden(noisy)
+        keys: list[tuple[Tensor, Tensor]] = []  # per step: (k, v) [B, h, T, hd]
+        causal = (pos[None, :] <= pos[:, None])[None, None] & attn_BT[:, None, None, :]  # [B, 1, T, T]
+        terms, aux, first_count = [], None, None
+        for j in range(self.ttt_steps):
+            n = T - 2 - j  # positions t with a predicted token t+2+j inside the row
+            if n <= 0:
+                break
+            emb = self._embed(torch.roll(ids_BT, -(1 + j), dims=1), hid)  # token t+1+j at position t
+            x, residual = self._layer_input(emb, hid)
+            q, k, v = self.layer.qkv(x, pos + j)
+            keys.append((k, v))
+            out = self.layer.finish(self._ttt_attention(q, keys, causal), residual)
+            mask_BT = torch.zeros_like(valid_BT)
+            mask_BT[:, :n] = valid_BT[:, 2 + j:] & attn_BT[:, 1 + j: T - 1]
+            term, feat_loss = self._step_loss(out, teacher_out, feats, mask_BT, j)
+            terms.append(term)
+            if feat_loss is not None:
+                aux = feat_loss if aux is None else aux + feat_loss
+            first_count = mask_BT.sum() if first_count is None else first_count
+            hid = out
+        if not terms:
+            raise ValueError(f"data.max_length={T} is too short for {self.name}; it needs at least 3 tokens per row")
+        return DraftOutput(terms=terms, num_valid=first_count, aux_loss_sum=aux)
+
+    def _ttt_attention(self, q: Tensor, keys: list[tuple[Tensor, Tensor]], causal: Tensor) -> Tensor:
+        """Step j's queries over step 0's keys (causal, padding masked) and steps 1..j's keys at the same position."""
+        k0, v0 = keys[0]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [(q * k).sum(-1, keepdim=True) * scale for k, _ in keys[1:]]  # each [B, h, T, 1]
+        weights = torch.cat([scores, *diag], -1).softmax(-1)
+        T = k0.shape[2]
+        out = weights[..., :T] @ v0
+        for i, (_, v) in enumerate(keys[1:]):
+            out = out + weights[..., T + i: T + i + 1] * v
+        return out
+
+    def _step_loss(self, out_BTD: Tensor, teacher_out: TeacherOutput, feats_BTX: Tensor, mask_BT: Tensor,
+                   j: int) -> tuple[DraftTerm, Tensor | None]:
+        """Step j at t is compared with the teacher at t+1+j (its logits predict token t+2+j)."""
+        shifted = lambda x: torch.roll(x, -(1 + j), dims=1)[mask_BT]
+        student_NV = self._logits(out_BTD[mask_BT])
+        teacher_NV = shifted(teacher_out.logits_BTV)
+        label = None
+        if self.draft_vocab_size != self.dims.vocab_size:
+            label = self.t2d[teacher_NV.argmax(-1)]  # -1 (never matched) when the target's top token is not drafted
+            teacher_NV = teacher_NV[:, self.d2t]
+        weight = self.loss_decay ** j
+        term = DraftTerm(student_NV, teacher_NV, weight=self.kl_weight * weight, label_N=label)
+        if not self.feature_loss_weight:
+            return term, None
+        target_ND = shifted(feats_BTX).float()  # EAGLE-1's one feature: the target's feature at t+1+j
+        feat = F.smooth_l1_loss(out_BTD[mask_BT].float(), target_ND, reduction="none").mean(-1).sum()
+        return term, self.feature_loss_weight * weight * feat
+
+    # --- decoding ------------------------------------------------------------------------------------------
+    def reset(self, seed: int = 0) -> None:
+        self._feats: list[Tensor] = []  # [m, F*D] chunks: target features of the fed tokens, in order
+        self._ctx_ids: Tensor | None = None  # [c]: token t+1 of each processed context pair t
+        self._ctx_kv: tuple[Tensor, Tensor] | None = None  # [1, h, c, hd] keys / values of the context pairs
+        self._ctx_out: Tensor | None = None  # [c, D]: each context pair's output
+
+    def observe(self, hidden: dict[int, Tensor]) -> None:
+        if hidden:
+            self._feats.append(torch.cat([hidden[i][0] for i in self.teacher_layers], -1))
+
+    @torch.no_grad()
+    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
+        if max_depth < 1:
+            return DraftTree.empty(tokens.device)
+        root_out = self._advance(tokens[0])
+        depth = min(self.depth or max_depth, max_depth)
+        chain = self.tree_mode == "chain"
+        nodes = _NodeStore()
+
+        def score(frontier: Sequence[int], toks: Sequence[int], parents: Sequence[int]) -> Tensor:
+            if list(frontier) == [-1]:
+                return self._logits(root_out[None])[0].float().log_softmax(-1)[None]
+            return self._score_nodes(frontier, toks, parents, root_out, nodes, tokens.shape[1] - 1)
+
+        tree = expand_dynamic_tree(score, 1 if chain else self.top_k, depth, depth if chain else self.total_tokens,
+                                   device=tokens.device)
+        return DraftTree(self.d2t[tree.tokens.to(self.d2t.device)].to(tokens.device), tree.parents)
+
+    def _advance(self, seq: Tensor) -> Tensor:
+        """Run the context pairs not yet processed; return the last pair's output [D] (the root of the tree)."""
+        need = seq.shape[0] - 1  # pairs (feature of token t, token t+1) for t = 0 .. n-2: every fed token
+        feats = torch.cat(self._feats) if self._feats else None
+        if feats is None or feats.shape[0] < need:
+            have = 0 if feats is None else feats.shape[0]
+            raise RuntimeError(f"{self.name}.propose needs target features for {need} tokens, observed {have}; "
+                               f"the decoder must observe() the prefill and every step")
+        self._feats = [feats]
+        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
+        seq = seq.to(dev)
+        keep = self._common_prefix(seq[1: need + 1])
+        if keep < need:
+            x_feats = feats[keep:need].to(dev, dtype)[None]
+            hid = self._first_hidden(x_feats)
+            emb = self._embed(seq[keep + 1: need + 1][None], hid)
+            x, residual = self._layer_input(emb, hid)
+            q, k, v = self.layer.qkv(x, torch.arange(keep, need, device=dev))
+            if self._ctx_kv is not None:
+                k = torch.cat([self._ctx_kv[0][:, :, :keep], k], 2)
+                v = torch.cat([self._ctx_kv[1][:, :, :keep], v], 2)
+            new = need - keep
+            mask = torch.ones(new, need, dtype=torch.bool, device=dev).tril(keep)  # row r sees keys <= keep + r
+            out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)[0]
+            self._ctx_kv = (k, v)
+            self._ctx_ids = seq[1: need + 1].clone()
+            prev = self._ctx_out[:keep] if self._ctx_out is not None else out[:0]
+            self._ctx_out = torch.cat([prev, out])
+        return self._ctx_out[need - 1]
+
+    def _common_prefix(self, ids: Tensor) -> int:
+        """Context pairs still valid for ``ids`` (token t+1 of each pair); a shorter context crops the cache."""
+        if self._ctx_ids is None:
+            return 0
+        n = min(self._ctx_ids.shape[0], ids.shape[0])
+        differs = (self._ctx_ids[:n] != ids[:n]).nonzero()
+        keep = int(differs[0]) if differs.numel() else n
+        if keep < self._ctx_ids.shape[0]:
+            self._ctx_kv = (self._ctx_kv[0][:, :, :keep], self._ctx_kv[1][:, :, :keep])
+            self._ctx_ids, self._ctx_out = self._ctx_ids[:keep], self._ctx_out[:keep]
+        return keep
+
+    def _score_nodes(self, frontier: Sequence[int], toks: Sequence[int], parents: Sequence[int], root_out: Tensor,
+                     nodes: _NodeStore, context: int) -> Tensor:
+        """Run the frontier nodes (each: its parent's output + its own token) over the context and its ancestors."""
+        dev = root_out.device
+        parent_out = torch.stack([root_out if parents[f] < 0 else nodes.out[parents[f]] for f in frontier])[None]
+        ids = self.d2t[torch.tensor([toks[f] for f in frontier], device=dev)]
+        emb = self._embed(ids[None], parent_out)
+        x, residual = self._layer_input(emb, parent_out)
+        depths = [nodes.depth_of(f, parents) for f in frontier]
+        q, k, v = self.layer.qkv(x, torch.tensor([context - 1 + d for d in depths], device=dev))
+        start = len(nodes.order)
+        nodes.add(frontier, k, v)
+        # Each frontier node sees the whole context and, among scored nodes, its ancestors and itself.
+        anc = torch.tensor([[nodes.is_ancestor_or_self(a, f, parents) for a in nodes.order] for f in frontier],
+                           dtype=torch.bool, device=dev)
+        ctx_k, ctx_v = self._ctx_kv
+        keys, values = torch.cat([ctx_k, nodes.k], 2), torch.cat([ctx_v, nodes.v], 2)
+        mask = torch.cat([torch.ones(len(frontier), ctx_k.shape[2], dtype=torch.bool, device=dev), anc], 1)
+        out = self.layer.finish(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask), residual)[0]
+        for r, f in enumerate(frontier):
+            nodes.out[f] = out[r]
+        assert nodes.order[start:] == list(frontier)
+        return self._logits(out).float().log_softmax(-1)
+
+
+class _NodeStore:
+    """Keys, values and outputs of the draft nodes scored so far in one proposal."""
+
+    def __init__(self):
+        self.order: list[int] = []
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.out: dict[int, Tensor] = {}
+
+    def add(self, frontier: Sequence[int], k: Tensor, v: Tensor) -> None:
+        self.order.extend(frontier)
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+
+    @staticmethod
+    def depth_of(node: int, parents: Sequence[int]) -> int:
+        d = 0
+        while node >= 0:
+            node, d = parents[node], d + 1
+        return d
+
+    @staticmethod
+    def is_ancestor_or_self(a: int, node: int, parents: Sequence[int]) -> bool:
+        while node >= 0:
+            if node == a:
+                return True
+            node = parents[node]
+        return False
