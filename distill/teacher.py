@@ -69,6 +69,17 @@ class Teacher:
     def embed_tokens(self) -> nn.Module:
         return self.model.get_input_embeddings()
 
+    @property
+    def final_norm(self) -> nn.Module | None:
+        """The norm between the last decoder layer and the lm_head (hidden-state index -1 is its output), found by
+        the attribute names HF decoders use; None when this architecture names it otherwise."""
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        for name in ("norm", "final_layernorm", "ln_f", "norm_f"):
+            module = getattr(decoder, name, None)
+            if isinstance(module, nn.Module) and getattr(module, "weight", None) is not None:
+                return module
+        return None
+
     def resolve_layer(self, index: int) -> int:
         """Map a configured hidden-state index to HF's ``hidden_states`` index (see the module docstring)."""
         resolved = self.num_layers if index == -1 else index

@@ -29,6 +29,7 @@ def summary_markdown(report: Mapping) -> str:
         "## Drafters\n\n" + _table(RESULT_COLUMNS, [_result_row(r, report.get("num_prompts")) for r in results]),
         _baselines_section(report.get("baselines")),
         *(_category_section(r) for r in results),
+        _batch_sweep_section(report.get("batch_sweep")),
         _definitions_section(report.get("definitions")),
         _plots_section(report.get("plots")),
     ]
@@ -118,6 +119,14 @@ def _category_section(result: Mapping) -> str:
     ]
     columns = ["category", "prompts", "τ", "α", "tokens/s", "speedup"]
     return f"## Per category: {result_label(result)}\n\n" + _table(columns, rows)
+
+
+def _batch_sweep_section(sweep: Mapping | None) -> str:
+    if not sweep:
+        return ""
+    from eval.batch_sweep import sweep_markdown
+
+    return sweep_markdown(sweep)
 
 
 def _definitions_section(definitions: Mapping | None) -> str:

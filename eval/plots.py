@@ -18,7 +18,8 @@ SPEEDUP_PNG = "speedup.png"
 
 
 def write_plots(report: Mapping, out_dir) -> list[Path]:
-    """Write the three report figures as PNGs under ``out_dir`` (created if missing); return their paths."""
+    """Write the three report figures as PNGs under ``out_dir`` (created if missing), and the batch sweep's when the
+    report has one; return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training / eval machines
@@ -34,6 +35,13 @@ def write_plots(report: Mapping, out_dir) -> list[Path]:
         draw(fig.subplots(), report)
         fig.savefig(out / name, dpi=100)
         paths.append(out / name)
+    if report.get("batch_sweep"):  # throughput and latency vs batch size (eval.batch_sweep)
+        from eval.batch_sweep import SWEEP_PNG, draw_sweep
+
+        fig = Figure(figsize=(11, 4), layout="constrained")
+        draw_sweep(fig, report["batch_sweep"])
+        fig.savefig(out / SWEEP_PNG, dpi=100)
+        paths.append(out / SWEEP_PNG)
     return paths
 
 

@@ -27,6 +27,8 @@ DEFINITIONS = {
                "measured tau",
     "overhead_ratio": "wall time / (prefill + sum over steps of isolated t_verify(tree size) + t_draft); 1.0 = no "
                       "loop overhead",
+    "crossover_batch_size": "batch sweep: the first measured batch size at which speculative decoding (fixed gamma) "
+                            "is no faster than plain batched decoding",
 }
 
 
@@ -67,6 +69,10 @@ def summary_table(report: Mapping) -> str:
     for name, b in (report.get("baselines") or {}).items():
         lines.append(f"baseline {name:<15} {b['tokens_per_s']:>8.1f} tok/s  speedup {_fmt(b.get('speedup'), '.2f')}x"
                      + (f"  ({b['note']})" if b.get("note") else ""))
+    if report.get("batch_sweep"):
+        from eval.batch_sweep import sweep_lines
+
+        lines += sweep_lines(report["batch_sweep"])
     return "\n".join(lines)
 
 

@@ -313,8 +313,13 @@ def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mappin
 
     prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
     under_test = list(drafters)
-    report = evaluate(teacher, _with_baselines(drafters, teacher, cfg.eval), prompts, cfg.eval, decoder_config(cfg),
+    dcfg = decoder_config(cfg)
+    report = evaluate(teacher, _with_baselines(drafters, teacher, cfg.eval), prompts, cfg.eval, dcfg,
                       categories, tree_override=under_test)
+    if dcfg.batch_sizes:  # throughput / latency vs batch size, crossover, load-aware policy (eval.batch_sweep)
+        from eval.batch_sweep import batch_sweep
+
+        report["batch_sweep"] = batch_sweep(teacher, drafters, prompts, cfg.eval, dcfg)
     for result in report["results"]:
         if (final := (training or {}).get(result["drafter"])) is not None:
             result.update(_simulated(final, result["num_draft"]))

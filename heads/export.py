@@ -71,6 +71,12 @@ SPECS = {("vllm", "medusa"): MEDUSA_VLLM, ("hf", "medusa"): MEDUSA_HF}
 REFUSED = {
     ("sglang", "medusa"): "SGLang has no Medusa drafter (its --speculative-algorithm choices are EAGLE, EAGLE3, "
                           "NEXTN, STANDALONE, NGRAM); serve Medusa with vLLM (format=vllm)",
+    ("*", "eagle1"): "EAGLE export is not built yet: the engines' EAGLE loaders need their own layout (vLLM/SGLang "
+                     "'LlamaForCausalLMEagle(3)': fused qkv over [embedding ; hidden], grouped KV heads, d2t as "
+                     "offsets); evaluate EAGLE drafters with `python -m eval drafter_path=...` meanwhile",
+    ("*", "eagle3"): "EAGLE export is not built yet: the engines' EAGLE loaders need their own layout (vLLM/SGLang "
+                     "'LlamaForCausalLMEagle(3)': fused qkv over [embedding ; hidden], grouped KV heads, d2t as "
+                     "offsets); evaluate EAGLE drafters with `python -m eval drafter_path=...` meanwhile",
     ("*", "lookup"): "prompt lookup has no weights: vLLM serves it with --speculative-config "
                      "'{\"method\": \"ngram\", ...}' and SGLang with --speculative-algorithm NGRAM",
 }

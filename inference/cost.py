@@ -138,6 +138,11 @@ def auto_tune(decoder: Decoder, drafter, prompts: Sequence[torch.Tensor], max_ne
     sorted breadth-first, so every prefix is a tree). Returns {"candidates": [...], "chosen": {...}}."""
     from eval.metrics import AcceptStats
 
+    if getattr(drafter, "dynamic_tree", False):
+        raise ValueError(
+            f"decoder.auto_tune models chains and static trees, not {drafter.name}'s EAGLE-2 dynamic tree (its shape "
+            f"changes every step); tune it as a chain (decoder.tree=chain decoder.auto_tune=true) or size the tree by "
+            f"hand (drafter top_k / total_tokens, eval.num_draft)")
     stats, forwards, accepts = AcceptStats(), Counter(), Counter()
     static = getattr(drafter, "tree", None)
     full = len(static.paths) if static is not None else None

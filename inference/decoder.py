@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
@@ -42,6 +42,10 @@ class DecoderConfig:
     tree: Any = None  # null: each drafter's own; "chain"; a preset (small, default, wide); or top-k index paths
     auto_tune: bool = False  # pick the draft length / tree size with the best predicted speedup (inference.cost)
     seed: int = 0
+    # python -m eval: also decode in batches of these sizes (inference.batched) and report throughput, latency and
+    # the crossover batch size where speculation stops paying (eval.batch_sweep); null: batch 1 only
+    batch_sizes: Optional[List[int]] = None
+    policy: str = "always"  # batched decoding: always (γ = eval.num_draft every step) | auto (inference.policy)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.top_k)

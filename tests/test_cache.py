@@ -36,6 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 N, T, K = 10, 16, 16
 DATA_CFG = {"source": "file", "path": "rows.jsonl", "max_length": T}
 MEDUSA = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 2, "num_layers": 1, "loss_decay": 0.8}
+# EAGLE-3 over the full vocabulary (a reduced one would take the top k inside the draft vocabulary online but of the
+# whole vocabulary offline), three feature layers, a 3-step training-time test.
+EAGLE3 = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "layers": [0, 1, 2], "ttt_steps": 3,
+          "draft_vocab_size": None}
 
 
 def make_rows(n=N):
@@ -78,14 +82,15 @@ def test_round_trip_matches_the_online_teacher(tiny_teacher, tmp_path, dtype):
         torch.testing.assert_close(cached.logits_BTV.softmax(-1), expected, rtol=0, atol=1e-6)
 
 
-def run_training(teacher, dataset, run_dir, steps=10):
+def run_training(teacher, dataset, run_dir, steps=10, drafter_cfg=MEDUSA):
     cfg = {"trainer": {"engine": "single", "device": "cpu", "steps": steps, "micro_batch_size": 2, "grad_accum": 1,
                        "lr": 1e-2, "min_lr_ratio": 0.1, "warmup_steps": 2, "weight_decay": 0.0, "grad_clip": 1.0,
                        "bf16": False, "log_every": 1, "ckpt_every": 100, "keep_last": 1, "resume": "never",
                        "num_threads": None},
-           "drafter": MEDUSA, "target": {"source": "toy", "name": "tiny-llama"}, "seed": 0, "logger": {"name": "none"}}
+           "drafter": drafter_cfg, "target": {"source": "toy", "name": "tiny-llama"}, "seed": 0,
+           "logger": {"name": "none"}}
     torch.manual_seed(0)
-    drafter = build_drafter(MEDUSA, teacher)
+    drafter = build_drafter(drafter_cfg, teacher)
     drafter.bind_target(teacher, initialize=True)
     logger = MetricsLogger(run_dir, cfg["logger"], cfg)
     try:
@@ -96,14 +101,15 @@ def run_training(teacher, dataset, run_dir, steps=10):
     return [json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_offline_training_follows_the_online_loss_curve(tiny_teacher, tmp_path):
+@pytest.mark.parametrize("drafter_cfg,layers", [(MEDUSA, (-1,)), (EAGLE3, (0, 1, 2))], ids=["medusa", "eagle3"])
+def test_offline_training_follows_the_online_loss_curve(tiny_teacher, tmp_path, drafter_cfg, layers):
     rows = make_rows()
-    online = run_training(tiny_teacher, rows, tmp_path / "online")
+    online = run_training(tiny_teacher, rows, tmp_path / "online", drafter_cfg=drafter_cfg)
     curves = {}
     for dtype in ("float32", "bfloat16"):
-        write(tiny_teacher, tmp_path / dtype, rows, dtype=dtype)
-        dataset, offline = open_teacher_cache(tmp_path / dtype, tiny_teacher, DATA_CFG, (-1,))
-        curves[dtype] = run_training(offline, dataset, tmp_path / f"run-{dtype}")
+        write(tiny_teacher, tmp_path / dtype, rows, dtype=dtype, layers=layers)
+        dataset, offline = open_teacher_cache(tmp_path / dtype, tiny_teacher, DATA_CFG, layers)
+        curves[dtype] = run_training(offline, dataset, tmp_path / f"run-{dtype}", drafter_cfg=drafter_cfg)
     assert len(online) == 10 and online[-1] < online[0]
     torch.testing.assert_close(torch.tensor(curves["float32"]), torch.tensor(online), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(torch.tensor(curves["bfloat16"]), torch.tensor(online), rtol=1e-3, atol=1e-5)

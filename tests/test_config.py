@@ -33,7 +33,8 @@ def load(overrides=()):
 def test_default_composes():
     cfg = load()
     validate(cfg)
-    assert cfg.target.source == "toy" and cfg.drafter._target_ == "heads.medusa.MedusaHeads"
+    assert cfg.target.source == "toy" and cfg.drafter._target_ == "heads.eagle.EagleDrafter"
+    assert cfg.drafter.variant == "eagle1"
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -116,7 +116,7 @@ def test_prepare_builds_the_draft_vocab_from_data(tiny_teacher):
 def test_layer_selection_and_index_convention(tiny_teacher):
     assert default_feature_layers("eagle3", 32) == (2, 16, 29)  # the reference / vLLM / SGLang default
     assert default_feature_layers("eagle3", 28) == (2, 14, 25)
-    assert default_feature_layers("eagle3", 4) == (1, 2, 3)  # shallow (toy) targets: low, middle, high
+    assert default_feature_layers("eagle3", 4) == (1, 2, 4)  # shallow (toy) targets: low, middle, final
     assert default_feature_layers("eagle1", 32) == (-1,)
     drafter = EagleDrafter(DIMS, variant="eagle3", layers=[0, 1, 2])
     ids = torch.randint(0, 128, (1, 10))
@@ -221,3 +221,15 @@ def test_simulated_tau():
     assert simulated_tau([]) == 1.0
     assert simulated_tau([0.5, 0.5]) == pytest.approx(1.75)
     assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
+
+
+def test_auto_tune_refuses_dynamic_trees_but_tunes_chains(tiny_teacher):
+    from inference.cost import auto_tune
+
+    drafter = make(tiny_teacher, "eagle1")
+    dec = Decoder(tiny_teacher)
+    prompts = [torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(6))]
+    with pytest.raises(ValueError, match="dynamic tree.*decoder.tree=chain"):
+        auto_tune(dec, drafter, prompts, 12, 3, repeats=2)
+    drafter.set_tree("chain")
+    assert auto_tune(dec, drafter, prompts, 12, 3, repeats=2)["chosen"]["num_draft"] in (1, 2, 3)

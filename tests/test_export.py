@@ -108,6 +108,16 @@ def test_refusals_are_clear_and_write_nothing(teacher, tmp_path):  # noqa: F811
     _, deep = saved_medusa(teacher, tmp_path / "deep", num_layers=2)
     with pytest.raises(ValueError, match="shares one ResBlock"):
         export_drafter(deep, "hf", tmp_path / "x")
+    from heads.base import save_drafter
+    from heads.eagle import EagleDrafter
+
+    eagle = EagleDrafter({"hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size,
+                          "num_layers": teacher.num_layers}, variant="eagle3")
+    save_drafter(eagle, tmp_path / "eagle", {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3"}, {},
+                 teacher.identity(), extra={"training": {"steps": 5}})
+    for engine in ("vllm", "sglang", "hf"):
+        with pytest.raises(ValueError, match="EAGLE export is not built yet"):
+            export_drafter(tmp_path / "eagle", engine, tmp_path / "x")
 
 
 def test_partial_checkpoint_is_refused(teacher, tmp_path):  # noqa: F811

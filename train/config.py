@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from distill.data import DataConfig
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
+from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
 
 
@@ -144,6 +145,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.decoder.acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"decoder.acceptance={cfg.decoder.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
     parse_tree(to_container(cfg.decoder.tree))
+    _check_batched(cfg.decoder)
     if cfg.drafter:
         _check_keys(cfg.drafter, "drafter", runtime=("dims",))
     if cfg.loss:
@@ -153,6 +155,20 @@ def validate(cfg: DictConfig) -> None:
             f"data.max_length={cfg.data.max_length} exceeds the toy target's context "
             f"target.toy.max_seq_len={cfg.target.toy.max_seq_len}; lower data.max_length"
         )
+
+
+def _check_batched(decoder: DictConfig) -> None:
+    if decoder.policy not in POLICIES:
+        raise ValueError(f"decoder.policy={decoder.policy!r} is not a policy; valid: {list(POLICIES)}")
+    if decoder.batch_sizes is None:
+        if decoder.policy != "always":
+            raise ValueError(f"decoder.policy={decoder.policy} applies to batched decoding; set decoder.batch_sizes, "
+                             f"e.g. decoder.batch_sizes=[1,2,4,8,16,32]")
+        return
+    check_batch_sizes(to_container(decoder.batch_sizes))
+    if decoder.acceptance != "exact":
+        raise ValueError(f"decoder.acceptance={decoder.acceptance} with decoder.batch_sizes: batched decoding is exact "
+                         f"(lossless) only; set decoder.acceptance=exact or decoder.batch_sizes=null")
 
 
 def decoder_config(cfg: DictConfig) -> DecoderConfig:

@@ -1,0 +1,226 @@
+"""The batch sweep: when does a drafter stop paying? Throughput and latency of batched decoding vs batch size.
+
+For each batch size B in ``decoder.batch_sizes`` the same prompts are decoded in batches of B (``inference.batched``)
+three ways, back to back per batch (in an order rotated from batch to batch) so a machine that gets busier mid-run
+slows all of them alike:
+    off     plain batched decoding (one token per sequence per step)
+    always  speculative, γ = ``eval.num_draft`` every step
+    auto    speculative, γ chosen per step by the load-aware policy (``inference.policy``; only when
+            ``decoder.policy=auto``), from a cost table calibrated once per drafter before the sweep
+            (``inference.policy.calibrate``: decodes at every B and γ, ``repeats`` rounds, as long as the sweep's,
+            since acceptance changes along a generation)
+The prompt pool is the evaluation prompts, repeated to a multiple of the largest B so every batch is full; a B with
+fewer than ``min_batches`` batches in the pool goes over it again.
+
+Reported per B: tokens/s (all new tokens / wall time of all batches), latency (per sequence: time until it leaves the
+batch / its new tokens, mean, ms per token), τ, speedup = always / off, and auto / max(always, off) (goal >= 0.95).
+The crossover batch size is the first measured B where speculation no longer beats plain decoding (speedup < 1),
+with a log2-linear interpolation between the last B where it paid and that one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from eval.metrics import AcceptStats
+from inference.batched import BatchedDecoder, BatchGeneration
+from inference.policy import calibrate, check_batch_sizes, make_policy
+
+log = logging.getLogger(__name__)
+
+SWEEP_PNG = "batch_sweep.png"
+POLICY_GOAL = 0.95  # auto's throughput over the better of always-on / always-off
+
+
+@dataclass
+class _Tally:
+    seconds: float = 0.0
+    tokens: int = 0
+    latency_ms: list = field(default_factory=list)  # per sequence: ms per new token until it left its batch
+    stats: AcceptStats = field(default_factory=AcceptStats)
+    gammas: dict = field(default_factory=dict)  # γ -> steps
+    identical: bool = True
+
+    def add(self, gen: BatchGeneration, ref: BatchGeneration | None) -> None:
+        self.seconds += gen.seconds
+        self.tokens += gen.new_tokens
+        self.latency_ms += [1000 * g.seconds / len(g.new_tokens) for g in gen.generations if g.new_tokens]
+        self.stats.merge(gen.stats)
+        for g, steps in gen.gamma_steps.items():
+            self.gammas[g] = self.gammas.get(g, 0) + steps
+        if ref is not None:
+            self.identical &= all(a.new_tokens == b.new_tokens for a, b in zip(gen.generations, ref.generations))
+
+    def row(self, greedy: bool) -> dict:
+        steps = sum(self.gammas.values())
+        return {"tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0, "seconds": self.seconds,
+                "new_tokens": self.tokens, "latency_ms_per_token": sum(self.latency_ms) / max(1, len(self.latency_ms)),
+                "tau": self.stats.tau, "alpha": self.stats.alpha,
+                "gamma_steps": {str(g): c for g, c in sorted(self.gammas.items())},
+                "mean_gamma": sum(g * c for g, c in self.gammas.items()) / steps if steps else 0.0,
+                "identical_to_plain": self.identical if greedy else None}
+
+
+def sweep_prompts(prompts: Sequence, batch_sizes: Sequence[int]) -> list:
+    """The prompts repeated (in order) to a multiple of the largest batch size."""
+    if not prompts:
+        raise ValueError("no prompts for the batch sweep; check eval.prompts / eval.num_prompts")
+    largest = max(batch_sizes)
+    n = math.ceil(max(len(prompts), largest) / largest) * largest
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval_cfg: Mapping, dcfg,
+                repeats: int = 2, min_batches: int = 2) -> dict:
+    """Decode ``prompts`` at every batch size of ``dcfg.batch_sizes``: plain, always-on and (``dcfg.policy=auto``)
+    the load-aware policy, for each drafter. Returns the JSON-able ``report["batch_sweep"]``."""
+    batch_sizes = check_batch_sizes(dcfg.batch_sizes)
+    max_new, gamma = int(eval_cfg["max_new_tokens"]), int(eval_cfg["num_draft"])
+    eos = teacher.tokenizer.eos_token_id if getattr(teacher, "tokenizer", None) is not None else None
+    decoder = BatchedDecoder(teacher, eos_token_id=eos, sampling=dcfg.sampling(), seed=dcfg.seed)
+    greedy = decoder.sampling.greedy
+    pool = sweep_prompts(list(prompts), batch_sizes)
+    policies = {name: {"always": None} for name in drafters}
+    tables = {}
+    if dcfg.policy == "auto":
+        for name, drafter in drafters.items():
+            tables[name] = calibrate(decoder, drafter, pool, gamma, batch_sizes, max_new, repeats)
+            policies[name]["auto"] = make_policy("auto", tables[name], gamma)
+            log.info("batch sweep %s: policy γ by batch size %s", name, policies[name]["auto"].plan(batch_sizes))
+    decoder.plain(pool[:2], min(4, max_new))  # first calls pay one-off allocation costs
+    for drafter in drafters.values():
+        decoder.speculative(drafter, pool[:2], min(4, max_new), gamma)
+    methods = [None] + [(name, p) for name, pols in policies.items() for p in pols]  # None: plain decoding
+    rows = []
+    for B in batch_sizes:
+        tallies = {m: _Tally() for m in methods}
+        chunks = [pool[s: s + B] for s in range(0, len(pool), B)]
+        chunks *= math.ceil(min_batches / len(chunks))  # a large B still gets a few batches' worth of timing
+        for k, chunk in enumerate(chunks):
+            gens = {}
+            for m in methods[k % len(methods):] + methods[: k % len(methods)]:  # rotated: no method always goes first
+                decoder.reseed(dcfg.seed + k)  # the same random stream for every method on this batch
+                gens[m] = (decoder.plain(chunk, max_new) if m is None else
+                           decoder.speculative(drafters[m[0]], chunk, max_new, gamma, policy=policies[m[0]][m[1]]))
+            for m, gen in gens.items():
+                tallies[m].add(gen, gens[None] if greedy and m is not None else None)
+        per_drafter = {name: {p: tallies[(name, p)].row(greedy) for p in pols} for name, pols in policies.items()}
+        rows.append({"batch_size": B, "plain": tallies[None].row(greedy=False), "drafters": per_drafter})
+        log.info("batch sweep B=%d: %s", B, {m or "plain": round(t.tokens / t.seconds, 1) for m, t in tallies.items()})
+    return _summarise(rows, drafters, tables, policies, batch_sizes, len(pool), max_new, gamma, dcfg)
+
+
+def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_new, gamma, dcfg) -> dict:
+    summary = {}
+    for name in drafters:
+        off = [r["plain"]["tokens_per_s"] for r in rows]
+        on = [r["drafters"][name]["always"]["tokens_per_s"] for r in rows]
+        for r, o, p in zip(rows, on, off):
+            cell = r["drafters"][name]
+            cell["always"]["speedup"] = o / p if p else None
+            if "auto" in cell:
+                best = max(o, p)
+                cell["auto"]["vs_best"] = cell["auto"]["tokens_per_s"] / best if best else None
+        entry = {**crossover(batch_sizes, on, off)}
+        if name in tables:
+            ratios = [r["drafters"][name]["auto"]["vs_best"] for r in rows]
+            entry.update(policy_min_vs_best=min(ratios), policy_goal=POLICY_GOAL,
+                         policy_goal_met=min(ratios) >= POLICY_GOAL,
+                         policy_plan={str(b): g for b, g in policies[name]["auto"].plan(batch_sizes).items()},
+                         cost_table=tables[name].to_dict())
+        summary[name] = entry
+    return {"batch_sizes": batch_sizes, "num_prompts": num_prompts, "max_new_tokens": max_new, "num_draft": gamma,
+            "policy": dcfg.policy,
+            "sampling": {"temperature": dcfg.temperature, "top_p": dcfg.top_p, "top_k": dcfg.top_k},
+            "rows": rows, "drafters": summary}
+
+
+def crossover(batch_sizes: Sequence[int], on_tps: Sequence[float], off_tps: Sequence[float]) -> dict:
+    """Where speculation stops paying: the first B with on <= off after one where it paid (None: it pays at every
+    measured B; the first B: it never pays), and a log2-linear interpolation of speedup = 1 between the two."""
+    speedups = [on / off if off else 0.0 for on, off in zip(on_tps, off_tps)]
+    first = next((i for i, s in enumerate(speedups) if s <= 1.0), None)
+    if first is None:
+        return {"crossover_batch_size": None, "crossover_interpolated": None,
+                "crossover_note": f"speculation pays at every measured batch size (up to {batch_sizes[-1]})"}
+    if first == 0:
+        return {"crossover_batch_size": batch_sizes[0], "crossover_interpolated": None,
+                "crossover_note": f"speculation does not pay even at batch size {batch_sizes[0]}"}
+    (b0, s0), (b1, s1) = (batch_sizes[first - 1], speedups[first - 1]), (batch_sizes[first], speedups[first])
+    x = math.log2(b0) + (s0 - 1.0) / (s0 - s1) * (math.log2(b1) - math.log2(b0))
+    return {"crossover_batch_size": b1, "crossover_interpolated": 2 ** x,
+            "crossover_note": f"speculation stops paying between batch sizes {b0} and {b1} (about {2 ** x:.1f})"}
+
+
+# --- rendering: summary lines, markdown, figure ------------------------------------------------------------------
+
+
+def sweep_lines(sweep: Mapping) -> list[str]:
+    lines = [f"batch sweep ({sweep['num_prompts']} prompts, γ={sweep['num_draft']}, policy={sweep['policy']}):"]
+    for name, entry in sweep["drafters"].items():
+        cells = []
+        for r in sweep["rows"]:
+            d = r["drafters"][name]
+            cell = f"B={r['batch_size']}: {d['always']['speedup']:.2f}x"
+            if "auto" in d:
+                cell += f" (auto {d['auto']['vs_best']:.2f} of best)"
+            cells.append(cell)
+        lines.append(f"  {name}: " + ", ".join(cells) + f"; {entry['crossover_note']}")
+    return lines
+
+
+def sweep_markdown(sweep: Mapping) -> str:
+    from eval.markdown import _table, fmt
+
+    intro = (
+        f"{sweep['num_prompts']} prompts decoded in batches of each size, up to {sweep['max_new_tokens']} new tokens, "
+        f"γ = {sweep['num_draft']}, policy = {sweep['policy']}. Tokens/s over all sequences; latency = time until a "
+        f"sequence leaves its batch / its new tokens (mean, ms per token). `auto / best`: the load-aware policy over "
+        f"the better of always-on and plain (goal ≥ {POLICY_GOAL})."
+    )
+    parts = ["## Batch sweep\n\n" + intro]
+    columns = ["batch", "plain tok/s", "spec tok/s", "speedup", "τ", "auto tok/s", "auto mean γ", "auto / best",
+               "plain ms/tok", "spec ms/tok", "auto ms/tok", "identical"]
+    for name, entry in sweep["drafters"].items():
+        body = []
+        for r in sweep["rows"]:
+            d, p = r["drafters"][name], r["plain"]
+            on, auto = d["always"], d.get("auto") or {}
+            same = [x.get("identical_to_plain") for x in (on, auto) if x]
+            body.append([r["batch_size"], fmt(p["tokens_per_s"], ".1f"), fmt(on["tokens_per_s"], ".1f"),
+                         fmt(on.get("speedup"), ".2f", "×"), fmt(on["tau"]), fmt(auto.get("tokens_per_s"), ".1f"),
+                         fmt(auto.get("mean_gamma")), fmt(auto.get("vs_best")), fmt(p["latency_ms_per_token"], ".2f"),
+                         fmt(on["latency_ms_per_token"], ".2f"), fmt(auto.get("latency_ms_per_token"), ".2f"),
+                         "–" if None in same else ("yes" if all(same) else "no")])
+        note = entry["crossover_note"]
+        if "policy_min_vs_best" in entry:
+            note += (f"; policy=auto reaches at least {entry['policy_min_vs_best']:.2f} of the better of always-on / "
+                     f"plain at every batch size (goal {entry['policy_goal']}: "
+                     f"{'met' if entry['policy_goal_met'] else 'NOT met'})")
+        parts.append(f"### {name}\n\n{note}.\n\n" + _table(columns, body))
+    return "\n\n".join(parts)
+
+
+def draw_sweep(fig, sweep: Mapping) -> None:
+    """Throughput and latency vs batch size (log2 axis): plain, and each drafter always-on (solid) / auto (dashed)."""
+    ax_tps, ax_lat = fig.subplots(1, 2)
+    sizes = [r["batch_size"] for r in sweep["rows"]]
+    for ax, key in ((ax_tps, "tokens_per_s"), (ax_lat, "latency_ms_per_token")):
+        ax.plot(sizes, [r["plain"][key] for r in sweep["rows"]], marker="o", color="black", label="plain")
+        for name in sweep["drafters"]:
+            line = ax.plot(sizes, [r["drafters"][name]["always"][key] for r in sweep["rows"]], marker="o",
+                           label=f"{name} γ={sweep['num_draft']}")[0]
+            if all("auto" in r["drafters"][name] for r in sweep["rows"]):
+                ax.plot(sizes, [r["drafters"][name]["auto"][key] for r in sweep["rows"]], marker="s", linestyle="--",
+                        color=line.get_color(), label=f"{name} auto")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("batch size")
+    ax_tps.set_ylabel("tokens/s (all sequences)")
+    ax_tps.set_title("Throughput")
+    ax_lat.set_ylabel("ms per token (per sequence)")
+    ax_lat.set_title("Latency")
+    ax_tps.legend(fontsize="small")

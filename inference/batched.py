@@ -1,0 +1,379 @@
+"""Batched decoding, plain and speculative: B sequences share one target forward per step, each accepts its own
+number of tokens.
+
+Why: speculation buys single-stream latency with spare compute. Under a large batch the target forward is already
+busy, so the wider verification block competes with other sequences' tokens; ``inference.policy`` decides per step
+whether speculating still pays. This module is the mechanism; the sweep is ``eval.batch_sweep``.
+
+The ragged KV cache. B live rows share one Hugging Face ``DynamicCache`` of S columns ([B, heads, S, head_dim] per
+layer) and a bool ``valid_BS``: column s of row b holds one of row b's committed tokens. Rows differ in which
+columns are valid, never in S, and the model's own forward runs with
+- position ids per row: row b's pending token sits at position ``pos[b]`` (its count of cached real tokens), a draft
+  node at ``pos[b] + depth``, so every row's RoPE positions are exactly what batch-1 decoding gives it;
+- a 4D additive mask [B, 1, n, S + n]: each new token sees its row's valid columns and, in the new block, itself and
+  its ancestors (a chain: the tokens before it; a tree: ``inference.tree.ancestor_mask``).
+Prompts are left-padded (the padding columns are invalid). A step appends n = 1 + (largest proposal) columns; row b
+keeps the pending token's column and its accepted nodes' columns, everything else becomes a *hole* (an invalid
+column). Key order is irrelevant to attention once the mask decides visibility, so a tree's accepted path needs no
+gather. Trailing columns no row kept are cropped at once (``Cache.crop(-n)``); when holes exceed
+``compact_slack - 1`` of the longest row, one gather right-aligns every row's valid columns (compaction), bounding
+the waste. Finished rows (``max_new_tokens`` or EOS) leave the batch (``Cache.batch_select_indices``).
+Holes need plain ``DynamicLayer``s: sliding-window layers would count holes toward their window, so such targets
+are refused here (decode them at batch 1 with ``inference.decoder.Decoder``).
+
+Drafting loops over rows: each row has its own drafter state, a shallow copy of the drafter (``fork_drafter``) that
+shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance``) runs per
+row on that row's logits, so every row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
+decoding, sampled rows are distributed as the target (tests/test_batched.py). Rows may differ in sampling settings.
+
+Shapes: B live rows, S cache columns, n tokens fed per row this step, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from eval.metrics import AcceptStats
+from inference.acceptance import tree_greedy_accept, tree_rejection_accept
+from inference.decoder import Generation, _check_prompt, _sync
+from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.tree import DraftTree, ancestor_mask
+
+PAD_ID = 0  # fed in padding slots; always masked, so any id would do
+Policy = Callable[[int], int]  # live batch size -> draft tokens (γ) for this step; 0 = a plain step
+
+
+def check_batch(prompts: Sequence, max_new_tokens: int, lookahead: int, max_positions: int) -> list[Tensor]:
+    """Prompts as 1-D long tensors; errors name the prompt and the fix."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts: a batch needs at least one")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = torch.as_tensor(p, dtype=torch.long).reshape(1, -1)
+        try:
+            _check_prompt(ids, max_new_tokens, lookahead, max_positions)
+        except ValueError as e:
+            raise ValueError(f"prompt {i} of the batch of {len(prompts)}: {e}") from None
+        out.append(ids[0])
+    return out
+
+
+def fork_drafter(drafter, seed: int):
+    """A per-sequence drafter: a shallow copy (same modules and weights, own attributes), reset with ``seed``.
+
+    Every drafter keeps its decoding state in plain attributes that ``reset`` (re)creates, so after the reset the
+    copy's state is its own; weights live in the shared ``_modules`` / ``_parameters``."""
+    fork = copy.copy(drafter)
+    fork.reset(seed=seed)
+    return fork
+
+
+@dataclass
+class BatchGeneration:
+    """One batched decode. ``generations[i]`` is prompt i's (input order); its ``seconds`` is the time from the start
+    of the batch to that sequence leaving it (its latency)."""
+
+    generations: list[Generation]
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    steps: int = 0
+    stats: AcceptStats = field(default_factory=AcceptStats)
+    gamma_steps: Counter = field(default_factory=Counter)  # γ chosen -> steps
+    live_steps: Counter = field(default_factory=Counter)  # live batch size -> steps
+    max_columns: int = 0  # widest the cache got (holes included)
+    compactions: int = 0
+    step_log: list = field(default_factory=list)  # per step: (live rows, γ, draft seconds, verify seconds)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(g.new_tokens) for g in self.generations)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def latency_ms_per_token(self) -> float:
+        """Mean over sequences of (time to leave the batch) / (its new tokens), in ms."""
+        per = [1000 * g.seconds / len(g.new_tokens) for g in self.generations if g.new_tokens]
+        return sum(per) / len(per) if per else 0.0
+
+
+@dataclass
+class _Rows:
+    """The live rows of a batch (row order = cache batch order)."""
+
+    ids: list[int]  # prompt index of each row
+    tokens: list[Tensor]  # [1, m]: prompt + committed tokens (what a drafter proposes from)
+    new: list[list[int]]  # committed new tokens
+    pos: list[int]  # position of the pending token = real tokens cached
+    sampling: list[SamplingConfig]
+    drafters: list
+    stats: list[AcceptStats]
+    valid: Tensor  # [B, S] bool
+    cache: DynamicCache
+
+    def keep(self, rows: list[int]) -> None:
+        for name in ("ids", "tokens", "new", "pos", "sampling", "drafters", "stats"):
+            values = getattr(self, name)
+            if values:  # drafters is empty in plain decoding
+                setattr(self, name, [values[r] for r in rows])
+        index = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
+        self.valid = self.valid.index_select(0, index)
+        self.cache.batch_select_indices(index)
+
+
+class BatchedDecoder:
+    """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
+
+    def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
+                 compact_slack: float = 1.5):
+        if compact_slack < 1:
+            raise ValueError(f"compact_slack must be >= 1 (cache columns per valid column before compaction), "
+                             f"got {compact_slack}")
+        self.teacher = teacher
+        self.model = teacher.model
+        self.eos_token_id = eos_token_id
+        self.sampling = sampling
+        self.compact_slack = compact_slack
+        self.device = teacher.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.mask_dtype = next(self.model.parameters()).dtype
+        self.max_positions = teacher.max_positions
+        self._empty = DraftTree.empty(self.device)  # a plain step's "proposal", shared by every row (never mutated)
+        # The prefill needs logits at each row's last column only; B x prompt x vocab logits would cost more than the
+        # rest of a short decode. Models without ``logits_to_keep`` compute them all.
+        keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._prefill_kw = {"logits_to_keep": 1} if keeps else {}
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def plain(self, prompts: Sequence, max_new_tokens: int, sampling=None) -> BatchGeneration:
+        """Autoregressive decoding of every prompt: one batched target forward per token."""
+        return self._run(None, prompts, max_new_tokens, 0, None, sampling)
+
+    @torch.no_grad()
+    def speculative(self, drafter, prompts: Sequence, max_new_tokens: int, num_draft: int, policy: Policy | None = None,
+                    sampling=None) -> BatchGeneration:
+        """Speculative decoding of every prompt; lossless per row. ``policy(live rows) -> γ`` picks each step's draft
+        length (0: a plain step); None drafts ``num_draft`` every step. ``sampling``: one ``SamplingConfig`` for all
+        rows, a list with one per prompt (mixed settings), or None for the decoder's."""
+        if drafter.dims.vocab_size != self.teacher.vocab_size:
+            raise ValueError(
+                f"drafter {drafter.name!r} has vocab_size={drafter.dims.vocab_size} but the target has "
+                f"{self.teacher.vocab_size}; a drafter must share the target's tokenizer"
+            )
+        if num_draft < 0:
+            raise ValueError(f"num_draft must be >= 0, got {num_draft}")
+        return self._run(drafter, prompts, max_new_tokens, num_draft, policy, sampling)
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+    def _run(self, drafter, prompts, max_new: int, num_draft: int, policy: Policy | None, sampling) -> BatchGeneration:
+        prompts = check_batch(prompts, max_new, num_draft, self.max_positions)
+        samplings = self._samplings(sampling, len(prompts))
+        layers = tuple(drafter.teacher_layers) if drafter is not None else ()
+        result = BatchGeneration(generations=[None] * len(prompts))
+        _sync(self.device)
+        start = time.perf_counter()
+        rows = self._prefill(prompts, samplings, drafter, layers)
+        _sync(self.device)
+        result.prefill_seconds = time.perf_counter() - start
+        self._retire(rows, result, max_new, start)
+        while rows.ids:
+            live = len(rows.ids)
+            gamma = num_draft if policy is None else max(0, min(int(policy(live)), num_draft))
+            gamma = 0 if drafter is None else gamma
+            t0 = time.perf_counter()
+            trees = self._draft(rows, gamma, max_new)
+            _sync(self.device)
+            t1 = time.perf_counter()
+            results, hidden = self._verify(rows, trees, layers)
+            self._commit(rows, trees, results, hidden)
+            result.max_columns = max(result.max_columns, rows.valid.shape[1])
+            self._retire(rows, result, max_new, start)
+            result.compactions += self._maybe_compact(rows)
+            _sync(self.device)
+            t2 = time.perf_counter()
+            result.draft_seconds += t1 - t0
+            result.verify_seconds += t2 - t1
+            result.steps += 1
+            result.gamma_steps[gamma] += 1
+            result.live_steps[live] += 1
+            result.step_log.append((live, gamma, t1 - t0, t2 - t1))
+        result.seconds = time.perf_counter() - start
+        for g in result.generations:
+            result.stats.merge(g.stats)
+        return result
+
+    def _samplings(self, sampling, n: int) -> list[SamplingConfig]:
+        if sampling is None or isinstance(sampling, SamplingConfig):
+            return [sampling or self.sampling] * n
+        sampling = list(sampling)
+        if len(sampling) != n or not all(isinstance(s, SamplingConfig) for s in sampling):
+            raise ValueError(f"sampling has {len(sampling)} settings for {n} prompts; give one SamplingConfig per "
+                             f"prompt, or a single one for the whole batch")
+        return sampling
+
+    def _new_cache(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:  # sliding / quantised / static layers: see the module docstring
+                raise ValueError(
+                    f"batched decoding keeps rejected drafts as masked holes in a plain DynamicCache, but this "
+                    f"target's cache has {type(layer).__name__} layers (sliding window or other); decode it at batch 1 "
+                    f"(inference.decoder.Decoder, decoder.batch_sizes=null)"
+                )
+        return cache
+
+    def _forward(self, ids_BN: Tensor, pos_BN: Tensor, mask: Tensor, cache: DynamicCache, layers: tuple[int, ...],
+                 **kw):
+        out = self.model(input_ids=ids_BN, position_ids=pos_BN, attention_mask=mask, past_key_values=cache,
+                         use_cache=True, output_hidden_states=bool(layers), **kw)
+        hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
+        return out.logits, hidden  # [B, n, V], {layer: [B, n, D]}
+
+    def _mask(self, valid_BS: Tensor, block_BNN: Tensor) -> Tensor:
+        """[B, 1, n, S + n] additive: a new token sees its row's valid past columns and what ``block`` allows."""
+        B, n = block_BNN.shape[:2]
+        allowed = torch.cat([valid_BS[:, None, :].expand(B, n, valid_BS.shape[1]), block_BNN], dim=2)
+        mask = torch.zeros(allowed.shape, dtype=self.mask_dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)[:, None]
+
+    def _next_token(self, logits_V: Tensor, sampling: SamplingConfig) -> Tensor:
+        if sampling.greedy:
+            return logits_V.argmax(-1, keepdim=True)
+        return sample(warp(logits_V[None], sampling), self.generator)
+
+    def _prefill(self, prompts: list[Tensor], samplings: list[SamplingConfig], drafter, layers) -> _Rows:
+        B, P = len(prompts), max(p.shape[0] for p in prompts)
+        ids = torch.full((B, P), PAD_ID, dtype=torch.long, device=self.device)
+        valid = torch.zeros(B, P, dtype=torch.bool, device=self.device)
+        for b, p in enumerate(prompts):  # left padding: every row's last column is its last prompt token
+            ids[b, P - p.shape[0]:] = p.to(self.device)
+            valid[b, P - p.shape[0]:] = True
+        pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
+        block = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)  # padding sees itself
+        drafters = []
+        if drafter is not None:
+            for _ in range(B):
+                seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
+                drafters.append(fork_drafter(drafter, seed))
+        cache = self._new_cache()
+        logits, hidden = self._forward(ids, pos, self._mask(valid[:, :0], block), cache, layers, **self._prefill_kw)
+        rows = _Rows(ids=list(range(B)), tokens=[], new=[], pos=[p.shape[0] for p in prompts], sampling=samplings,
+                     drafters=drafters, stats=[AcceptStats() for _ in range(B)], valid=valid, cache=cache)
+        for b, p in enumerate(prompts):
+            nxt = self._next_token(logits[b, -1], samplings[b])
+            rows.tokens.append(torch.cat([p.to(self.device), nxt]).view(1, -1))
+            rows.new.append([int(nxt)])
+            if drafters:
+                drafters[b].observe({i: h[b:b + 1, P - p.shape[0]:] for i, h in hidden.items()})
+        return rows
+
+    def _draft(self, rows: _Rows, gamma: int, max_new: int) -> list[DraftTree]:
+        if gamma == 0 or not rows.drafters:
+            return [self._empty] * len(rows.ids)
+        trees = []
+        for b, drafter in enumerate(rows.drafters):
+            depth = min(gamma, max_new - len(rows.new[b]))
+            if depth < 1:
+                trees.append(self._empty)
+                continue
+            tree = drafter.propose(rows.tokens[b], depth, rows.sampling[b])
+            tree.check(self.teacher.vocab_size)
+            trees.append(tree)
+        return trees
+
+    def _verify(self, rows: _Rows, trees: list[DraftTree], layers) -> tuple[list, dict]:
+        """One target forward over every row's [pending, nodes...]; per-row acceptance; holes for what was rejected.
+        Returns per row (path, committed tokens) and the forward's hidden states."""
+        B, n = len(trees), 1 + max(t.size for t in trees)
+        dev = self.device
+        # Per row: the pending token (its last committed one), its nodes, padding.
+        ids = [[new[-1], *t.tokens.tolist()] + [PAD_ID] * (n - 1 - t.size) for new, t in zip(rows.new, trees)]
+        ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        offsets = torch.arange(n, device=dev).expand(B, n).clone()  # chains: depth = index
+        chains = all(t.is_chain for t in trees)
+        block = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
+        if not chains:
+            block = torch.eye(n, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # padding slots see only themselves
+        for b, t in enumerate(trees if not chains else []):
+            offsets[b, 1:1 + t.size] = torch.tensor(t.depths(), device=dev)
+            block[b, :1 + t.size, :1 + t.size] = ancestor_mask(t.parents.to(dev))
+        pos = torch.tensor(rows.pos, device=dev)[:, None] + offsets
+        logits, hidden = self._forward(ids, pos, self._mask(rows.valid, block), rows.cache, layers)
+        argmax = logits.argmax(-1) if any(s.greedy for s in rows.sampling) else None
+        keep = torch.zeros(B, n, dtype=torch.bool, device=dev)
+        keep[:, 0] = True
+        results = []
+        for b, t in enumerate(trees):
+            if rows.sampling[b].greedy:
+                path, new = tree_greedy_accept(t, argmax[b, :1 + t.size])
+            else:
+                path, new = tree_rejection_accept(t, warp(logits[b, :1 + t.size], rows.sampling[b]), self.generator)
+            keep[b, [1 + i for i in path]] = True
+            results.append((path, new))
+        used = int(keep.any(0).nonzero().max()) + 1  # columns past the last one any row kept are dropped now
+        if used < n:
+            rows.cache.crop(-(n - used))
+        rows.valid = torch.cat([rows.valid, keep[:, :used]], dim=1)
+        return results, hidden
+
+    def _commit(self, rows: _Rows, trees: list[DraftTree], results: list, hidden: dict) -> None:
+        for b, (tree, (path, new)) in enumerate(zip(trees, results)):
+            rows.stats[b].update(tree.depth, len(path))
+            if rows.drafters:  # the pending token's and the accepted nodes' hidden states, in path order
+                keep = [0] + [1 + i for i in path]
+                rows.drafters[b].observe({i: h[b:b + 1, keep] for i, h in hidden.items()})
+            rows.tokens[b] = torch.cat([rows.tokens[b], new.view(1, -1).to(self.device)], dim=1)
+            rows.new[b].extend(new.tolist())
+            rows.pos[b] += 1 + len(path)
+
+    def _retire(self, rows: _Rows, result: BatchGeneration, max_new: int, start: float) -> None:
+        """Finished rows (max_new_tokens reached, or EOS committed) leave the batch and its cache."""
+        eos = self.eos_token_id
+        done = [b for b, new in enumerate(rows.new) if len(new) >= max_new or (eos is not None and eos in new)]
+        if not done:
+            return
+        now = time.perf_counter() - start
+        for b in done:
+            result.generations[rows.ids[b]] = Generation(new_tokens=self._finish(rows.new[b], max_new), seconds=now,
+                                                         stats=rows.stats[b])
+        rows.keep([b for b in range(len(rows.ids)) if b not in done])
+
+    def _finish(self, committed: list[int], max_new: int) -> list[int]:
+        committed = committed[:max_new]
+        if self.eos_token_id is not None and self.eos_token_id in committed:
+            return committed[: committed.index(self.eos_token_id) + 1]
+        return committed
+
+    def _maybe_compact(self, rows: _Rows) -> int:
+        """Right-align every row's valid columns when holes cost more than ``compact_slack`` allows (1 if done)."""
+        if not rows.ids:
+            return 0
+        S, M = rows.valid.shape[1], int(rows.valid.sum(1).max())
+        if S - M == 0 or S - M < max(8, (self.compact_slack - 1) * M):  # few holes: cheaper to keep than to move
+            return 0
+        # A stable sort puts each row's invalid columns first and keeps its valid ones in order.
+        order = torch.sort(rows.valid.to(torch.int8), dim=1, stable=True).indices[:, S - M:]  # [B, M]
+        rows.valid = rows.valid.gather(1, order)
+        for layer in rows.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        return 1
