@@ -127,12 +127,13 @@ def tau_by_gamma(stats: AcceptStats, max_gamma: int) -> dict[int, float]:
 
 @torch.no_grad()
 def measure_steps(decoder: BatchedDecoder, drafter, prompts: Sequence, batch_sizes: Sequence[int], max_gamma: int,
-                  tokens: int = 16, repeats: int = 2) -> tuple[dict, dict, AcceptStats]:
+                  tokens: int = 16, repeats: int = 2, min_rows: int = 16) -> tuple[dict, dict, AcceptStats]:
     """Step costs measured in the decode loop itself, so they include everything a real step pays (the drafter's
     catch-up on accepted tokens, cache bookkeeping, a cache warmed by the other model's last call).
 
     For every B and γ = 0..``max_gamma`` (interleaved, ``repeats`` rounds, each on the next B prompts): decode B
-    prompts for ``tokens`` new tokens at fixed γ. t_verify(B, 1 + γ) = mean verification time of the steps where all
+    prompts for ``tokens`` new tokens at fixed γ (small B gets more rounds, at least ``min_rows`` rows per γ: a single
+    prompt's step times and acceptance are too noisy to decide on, and small batches are cheap to repeat). t_verify(B, 1 + γ) = mean verification time of the steps where all
     B rows were live, fitted linearly in γ >= 1 per B (``inference.cost._fit_linear``: one noisy size must not steer
     a decision); t_draft(γ) = mean draft time per row over those steps at every B. Means, not medians: throughput is
     set by the mean, and step times are skewed. Returns them and the acceptance of the γ = max runs."""
@@ -142,7 +143,7 @@ def measure_steps(decoder: BatchedDecoder, drafter, prompts: Sequence, batch_siz
     for B in sorted(set(batch_sizes)):
         decoder.speculative(drafter, prompts[:B], min(tokens, 3), max_gamma)  # first calls of a shape pay allocations
         times: dict[int, list[float]] = {g: [] for g in range(max_gamma + 1)}
-        for r in range(repeats):
+        for r in range(max(repeats, -(-min_rows // B))):
             batch = [prompts[(r * B + i) % len(prompts)] for i in range(B)]
             for g in times:
                 gen = decoder.speculative(drafter, batch, tokens, g)
