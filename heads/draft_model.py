@@ -222,6 +222,18 @@ class DraftModel(Drafter):
             )
 
 
+# What fixes the toy BPE tokenizer: a toy draft model must share these with the toy target.
+TOY_TOKENIZER_KEYS = ("vocab_size", "max_seq_len", "corpus_max_bytes", "seed")
+
+
+def toy_draft_node(draft_node: Mapping[str, Any], target_toy: Mapping[str, Any], **sizes) -> dict:
+    """A ``drafter=draft_model`` node for a toy target: its ``toy`` build takes ``sizes`` (hidden_size, steps, ...)
+    and the target's tokenizer-defining keys, so the two tokenizers are identical (``bind_target`` checks it)."""
+    node = dict(draft_node)
+    node["toy"] = {**dict(node.get("toy") or {}), **sizes, **{k: target_toy[k] for k in TOY_TOKENIZER_KEYS}}
+    return node
+
+
 def _from_config(model_config: Mapping[str, Any]) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 

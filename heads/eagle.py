@@ -42,6 +42,8 @@ from inference.dynamic_tree import check_dynamic_tree_args, expand_dynamic_tree
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 
+log = logging.getLogger(__name__)
+
 VARIANTS = ("eagle1", "eagle3")
 TREE_MODES = ("dynamic", "chain")
 
@@ -196,7 +198,8 @@ class EagleDrafter(Drafter):
         """Start EAGLE-3 where the target ends: ``fc`` passes the highest feature layer through (the others start at
         zero), the output norm is the target's final norm and the draft lm_head its rows of the draft vocabulary, so
         step 0 begins as "the target's own prediction from its layer-``high`` state" instead of noise. (The EAGLE-3
-        reference initialises fc at random; on a small budget this start trains markedly faster.)"""
+        reference initialises fc at random. On the toy target the two starts measured alike: top-1 0.33 vs 0.33 after
+        60 equal steps; this one is kept because it makes an untrained drafter's proposals meaningful.)"""
         D = self.dims.hidden_size
         self.fc.weight.zero_()
         self.fc.weight[:, -D:].copy_(torch.eye(D))
@@ -215,7 +218,8 @@ class EagleDrafter(Drafter):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
         covered = counts[d2t].sum().item() / max(1, counts.sum().item())
-        self.vocab_coverage = covered
+        log.info("draft vocabulary: %d of %d tokens, covering %.1f%% of the training tokens",
+                 self.draft_vocab_size, self.dims.vocab_size, 100 * covered)
         self._init_lm_head()
 
     def _init_lm_head(self) -> None:
@@ -414,7 +418,6 @@ class EagleDrafter(Drafter):
         x, residual = self._layer_input(emb, parent_out)
         depths = [nodes.depth_of(f, parents) for f in frontier]
         q, k, v = self.layer.qkv(x, torch.tensor([context - 1 + d for d in depths], device=dev))
-        start = len(nodes.order)
         nodes.add(frontier, k, v)
         # Each frontier node sees the whole context and, among scored nodes, its ancestors and itself.
         anc = torch.tensor([[nodes.is_ancestor_or_self(a, f, parents) for a in nodes.order] for f in frontier],
@@ -425,7 +428,6 @@ class EagleDrafter(Drafter):
         out = self.layer.finish(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask), residual)[0]
         for r, f in enumerate(frontier):
             nodes.out[f] = out[r]
-        assert nodes.order[start:] == list(frontier)
         return self._logits(out).float().log_softmax(-1)
 
 

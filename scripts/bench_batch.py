@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 from hydra import compose, initialize_config_dir
 
+from heads.draft_model import toy_draft_node
 from train.config import decoder_config, register_configs, to_container, validate
 
 log = logging.getLogger("bench_batch")
@@ -60,9 +61,7 @@ def load_cfg(preset: dict, extra: list[str]):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
         draft = compose(config_name="config", overrides=["drafter=draft_model"]).drafter
-    draft = to_container(draft)
-    shared = {k: cfg.target.toy[k] for k in ("vocab_size", "max_seq_len", "corpus_max_bytes", "seed")}
-    draft["toy"].update({**preset["draft_toy"], **shared})
+    draft = toy_draft_node(to_container(draft), cfg.target.toy, **preset["draft_toy"])
     validate(cfg)
     return cfg, draft
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from heads.draft_model import toy_draft_node  # noqa: E402
 from train.config import decoder_config, register_configs, to_container, validate  # noqa: E402
 
 log = logging.getLogger("bench_decode")
@@ -75,9 +76,7 @@ def load_cfg(preset: dict, extra: list[str], medusa_steps: int):
         draft = compose(config_name="config", overrides=["drafter=draft_model"]).drafter
     for key, value in preset.get("target_toy", {}).items():
         cfg.target.toy[key] = value
-    draft = to_container(draft)
-    shared = {k: cfg.target.toy[k] for k in ("vocab_size", "max_seq_len", "corpus_max_bytes", "seed")}
-    draft["toy"].update({**preset["draft_toy"], **shared})
+    draft = toy_draft_node(to_container(draft), cfg.target.toy, **preset["draft_toy"])
     validate(cfg)
     return cfg, draft
 
