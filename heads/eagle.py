@@ -28,6 +28,7 @@ keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
