@@ -153,9 +153,9 @@ class EagleDrafter(Drafter):
         self.ttt_steps = ttt_steps if ttt_steps is not None else (7 if eagle3 else 1)
         self.feature_loss_weight = feature_loss_weight if feature_loss_weight is not None else (0.0 if eagle3 else 1.0)
         self.kl_weight = kl_weight if kl_weight is not None else (1.0 if eagle3 else 0.1)
-        for key, value in (("ttt_steps", self.ttt_steps), ("top_k", top_k), ("total_tokens", total_tokens)):
-            if value < 1:
-                raise ValueError(f"drafter.{key} must be >= 1, got {value}")
+        if self.ttt_steps < 1:
+            raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        check_dynamic_tree_args(top_k, depth or 1, total_tokens)
         if not 0 < loss_decay <= 1:
             raise ValueError(f"drafter.loss_decay must be in (0, 1], got {loss_decay}")
         if feature_noise < 0:
@@ -182,7 +182,6 @@ class EagleDrafter(Drafter):
         self.tree_mode = "dynamic"
         self.set_tree(tree)
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
-        check_dynamic_tree_args(top_k, depth or 1, total_tokens)
         self._frozen: dict[str, nn.Module] = {}  # the target's embedding / lm_head: used, never owned or saved
         self.reset()
 
@@ -323,7 +322,8 @@ class EagleDrafter(Drafter):
     def _step_loss(self, out_BTD: Tensor, teacher_out: TeacherOutput, feats_BTX: Tensor, mask_BT: Tensor,
                    j: int) -> tuple[DraftTerm, Tensor | None]:
         """Step j at t is compared with the teacher at t+1+j (its logits predict token t+2+j)."""
-        shifted = lambda x: torch.roll(x, -(1 + j), dims=1)[mask_BT]
+        rows = mask_BT[:, : mask_BT.shape[1] - 1 - j]  # mask_BT is False past position T-2-j anyway
+        shifted = lambda x: x[:, 1 + j:][rows]  # position t+1+j's values at position t, without copying x
         student_NV = self._logits(out_BTD[mask_BT])
         teacher_NV = shifted(teacher_out.logits_BTV)
         label = None
@@ -340,14 +340,24 @@ class EagleDrafter(Drafter):
 
     # --- decoding ------------------------------------------------------------------------------------------
     def reset(self, seed: int = 0) -> None:
-        self._feats: list[Tensor] = []  # [m, F*D] chunks: target features of the fed tokens, in order
+        self._feats: Tensor | None = None  # [capacity, F*D]: target features of the fed tokens, in order
+        self._num_feats = 0
         self._ctx_ids: Tensor | None = None  # [c]: token t+1 of each processed context pair t
         self._ctx_kv: tuple[Tensor, Tensor] | None = None  # [1, h, c, hd] keys / values of the context pairs
         self._ctx_out: Tensor | None = None  # [c, D]: each context pair's output
 
     def observe(self, hidden: dict[int, Tensor]) -> None:
-        if hidden:
-            self._feats.append(torch.cat([hidden[i][0] for i in self.teacher_layers], -1))
+        if not hidden:
+            return
+        new = torch.cat([hidden[i][0] for i in self.teacher_layers], -1)
+        end = self._num_feats + new.shape[0]
+        if self._feats is None or end > self._feats.shape[0]:  # grow geometrically: amortised O(1) per token
+            grown = new.new_empty((max(2 * end, 64), new.shape[1]))
+            if self._feats is not None:
+                grown[: self._num_feats] = self._feats[: self._num_feats]
+            self._feats = grown
+        self._feats[self._num_feats: end] = new
+        self._num_feats = end
 
     @torch.no_grad()
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
@@ -370,12 +380,10 @@ class EagleDrafter(Drafter):
     def _advance(self, seq: Tensor) -> Tensor:
         """Run the context pairs not yet processed; return the last pair's output [D] (the root of the tree)."""
         need = seq.shape[0] - 1  # pairs (feature of token t, token t+1) for t = 0 .. n-2: every fed token
-        feats = torch.cat(self._feats) if self._feats else None
-        if feats is None or feats.shape[0] < need:
-            have = 0 if feats is None else feats.shape[0]
-            raise RuntimeError(f"{self.name}.propose needs target features for {need} tokens, observed {have}; "
-                               f"the decoder must observe() the prefill and every step")
-        self._feats = [feats]
+        if self._num_feats < need:
+            raise RuntimeError(f"{self.name}.propose needs target features for {need} tokens, observed "
+                               f"{self._num_feats}; the decoder must observe() the prefill and every step")
+        feats = self._feats
         dev, dtype = self.fc.weight.device, self.fc.weight.dtype
         seq = seq.to(dev)
         keep = self._common_prefix(seq[1: need + 1])
@@ -417,12 +425,11 @@ class EagleDrafter(Drafter):
         ids = self.d2t[torch.tensor([toks[f] for f in frontier], device=dev)]
         emb = self._embed(ids[None], parent_out)
         x, residual = self._layer_input(emb, parent_out)
-        depths = [nodes.depth_of(f, parents) for f in frontier]
-        q, k, v = self.layer.qkv(x, torch.tensor([context - 1 + d for d in depths], device=dev))
-        nodes.add(frontier, k, v)
+        nodes.add(frontier, parents)
+        q, k, v = self.layer.qkv(x, torch.tensor([context - 1 + len(nodes.path[f]) for f in frontier], device=dev))
+        nodes.add_keys(k, v)
         # Each frontier node sees the whole context and, among scored nodes, its ancestors and itself.
-        anc = torch.tensor([[nodes.is_ancestor_or_self(a, f, parents) for a in nodes.order] for f in frontier],
-                           dtype=torch.bool, device=dev)
+        anc = torch.tensor([[a in nodes.path[f] for a in nodes.order] for f in frontier], dtype=torch.bool, device=dev)
         ctx_k, ctx_v = self._ctx_kv
         keys, values = torch.cat([ctx_k, nodes.k], 2), torch.cat([ctx_v, nodes.v], 2)
         mask = torch.cat([torch.ones(len(frontier), ctx_k.shape[2], dtype=torch.bool, device=dev), anc], 1)
@@ -436,27 +443,18 @@ class _NodeStore:
     """Keys, values and outputs of the draft nodes scored so far in one proposal."""
 
     def __init__(self):
-        self.order: list[int] = []
+        self.order: list[int] = []  # scored nodes, in the order their keys were stored
+        self.path: dict[int, frozenset[int]] = {-1: frozenset()}  # node -> itself and its ancestors (len = depth)
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.out: dict[int, Tensor] = {}
 
-    def add(self, frontier: Sequence[int], k: Tensor, v: Tensor) -> None:
+    def add(self, frontier: Sequence[int], parents: Sequence[int]) -> None:
+        # A frontier node's parent was scored before it (or is the root), so its path is already known.
+        for f in frontier:
+            self.path[f] = self.path[parents[f]] | {f}
         self.order.extend(frontier)
+
+    def add_keys(self, k: Tensor, v: Tensor) -> None:
         self.k = k if self.k is None else torch.cat([self.k, k], 2)
         self.v = v if self.v is None else torch.cat([self.v, v], 2)
-
-    @staticmethod
-    def depth_of(node: int, parents: Sequence[int]) -> int:
-        d = 0
-        while node >= 0:
-            node, d = parents[node], d + 1
-        return d
-
-    @staticmethod
-    def is_ancestor_or_self(a: int, node: int, parents: Sequence[int]) -> bool:
-        while node >= 0:
-            if node == a:
-                return True
-            node = parents[node]
-        return False

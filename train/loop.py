@@ -62,11 +62,10 @@ def simulated_tau(accs: list[float]) -> float:
     """τ a chain drafter would reach if depth k were accepted independently with its training top-1 accuracy:
     1 + Σ_k Π_{j≤k} acc_j (the bonus token included, as in ``eval.metrics``). For Medusa head k and EAGLE step k the
     accuracy is already conditioned on the right context, so this is an estimate, reported beside the measured τ."""
-    tau, prod = 1.0, 1.0
-    for a in accs:
-        prod *= a
-        tau += prod
-    return tau
+    # The decode-time formula (inference.cost), so the two cannot drift.
+    from inference.cost import chain_tau
+
+    return chain_tau(accs, len(accs))
 
 
 def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
