@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 VALID_SOURCES = ("stdlib", "file", "hub")
 VALID_FORMATS = ("auto", "sharegpt", "text")
 TEXT_SUFFIXES = (".txt", ".py")
+DATA_MODES = ("fixed", "regenerated", "on_policy", "mixed")
 
 @dataclass
 class DataConfig:
@@ -51,6 +52,14 @@ class DataConfig:
     assistant_only_loss: bool = True
     corpus_max_bytes: Optional[int] = None  # source=stdlib: cap the corpus (smoke runs)
     teacher_cache: Optional[str] = None  # a `python -m distill.cache` directory: train from it, not online
+    # Where the training tokens come from (distill.onpolicy, distill.regenerate):
+    # fixed: the data as it is | regenerated: the target's own answers to the data's prompts (data.regenerated) |
+    # on_policy: the draft samples each row's continuation, the teacher scores it | mixed: a fraction on-policy.
+    mode: str = "fixed"
+    regenerated: Optional[str] = None  # a `python -m distill.regenerate` jsonl (mode=regenerated; mixed: the base)
+    on_policy_fraction: float = 0.5  # mode=mixed: share of micro-batches whose continuations the draft samples
+    on_policy_prompt_tokens: int = 64  # on-policy rows keep their first P tokens; the draft writes the rest
+    on_policy_temperature: float = 1.0  # the draft's sampling temperature for on-policy continuations
 
 
 DEFAULTS: dict[str, Any] = asdict(DataConfig())

@@ -102,6 +102,28 @@ class Drafter(nn.Module):
     def prepare(self, dataset) -> None:
         """Before training: fit whatever comes from training-data statistics (EAGLE-3's reduced vocabulary)."""
 
+    def param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups; ``lr_scale`` multiplies the scheduled learning rate (Medusa-2 trains the
+        target's LoRA slower than its heads)."""
+        return [{"params": [p for p in self.parameters() if p.requires_grad], "lr_scale": 1.0}]
+
+    def begin_step(self, step: int) -> None:
+        """Called by the training loop before optimizer step ``step`` (0-based; also after a resume): drafters with a
+        schedule (Medusa-2: heads first, then joint) switch on it."""
+
+    def after_training(self, teacher) -> dict:
+        """Called once training ends, before saving: extra figures for the training summary (Medusa-2: the adapted
+        target's held-out loss beside the original's). Most drafters: none."""
+        return {}
+
+    # --- on-policy data (distill.onpolicy) -------------------------------------------------------------------
+    can_sample: bool = False  # whether ``sample_continuations`` is implemented
+
+    def sample_continuations(self, prompt_ids_BP: Tensor, num_new: int, temperature: float,
+                             generator: torch.Generator) -> Tensor:
+        """[B, num_new] tokens drawn from the drafter's own distribution after each prompt row (no gradient)."""
+        raise NotImplementedError(f"drafter {self.name!r} cannot sample continuations")
+
     # --- decoding ------------------------------------------------------------------------------------------
     def reset(self, seed: int = 0) -> None:
         """Forget the previous sequence. ``seed``: for drafters that sample their drafts; the decoder passes a fresh

@@ -17,6 +17,7 @@ t+1), wherever token t+1 is a real, loss-bearing token (``distill.data``'s ``los
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from dataclasses import asdict
@@ -32,7 +33,8 @@ from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
 
-SOURCES = ("toy", "hf")
+SOURCES = ("config", "toy", "hf")
+INITS = ("embeddings", "truncated", "none")
 
 
 class DraftModel(Drafter):
@@ -40,54 +42,102 @@ class DraftModel(Drafter):
 
     Where the model comes from, first match wins: ``model`` (a ready ``PreTrainedModel``, runtime only, never in
     yaml); ``model_config`` (a saved draft model's HF config: the architecture is rebuilt with fresh weights, which
-    ``load_drafter`` then overwrites, so loading never rebuilds the toy or downloads anything); ``source="toy"``
-    (a small Llama built from the stdlib like the toy target and cached the same way); ``source="hf"`` (``name``:
-    a hub id or a local directory).
+    ``load_drafter`` then overwrites, so loading never rebuilds the toy or downloads anything); ``source="config"``
+    (the target's own config with ``config_overrides`` — by default one layer at the target's hidden size — built
+    when the target is bound, its embeddings, final norm and lm_head copied from the target's per ``init``);
+    ``source="toy"`` (a small Llama pretrained on the stdlib like the toy target and cached the same way);
+    ``source="hf"`` (``name``: a hub id or a local directory).
+
+    ``lora`` (a ``heads.lora`` spec) wraps the model with ``peft`` LoRA adapters: only they train, the base weights
+    stay as loaded. Saved drafters keep the adapters; ``bind_target(initialize=False)`` (loading for decoding) merges
+    them into the base weights, so proposing costs what the plain model costs.
     """
 
     name = "draft_model"  # how reports label it; the HF model's name is ``model_name``
     teacher_layers = ()
+    can_sample = True
 
-    def __init__(self, dims: TargetDims | Mapping[str, int], source: str = "toy", name: str | None = None,
+    def __init__(self, dims: TargetDims | Mapping[str, int], source: str = "config", name: str | None = None,
                  revision: str | None = None, toy: dict | None = None, dtype: str = "float32",
-                 trust_remote_code: bool = False, model_config: dict | None = None, model=None):
+                 trust_remote_code: bool = False, config_overrides: dict | None = None, init: str = "embeddings",
+                 lora: dict | None = None, model_config: dict | None = None, model=None):
         super().__init__(dims)
         if dtype not in DTYPES:
             raise ValueError(f"drafter.dtype={dtype!r} is not supported; valid: {sorted(DTYPES)}")
+        if source not in SOURCES:
+            raise ValueError(
+                f"drafter.source={source!r} is not known; valid: {list(SOURCES)} ('config': the target's config with "
+                f"drafter.config_overrides, initialised from the target; 'toy': a small model built from the stdlib "
+                f"like the toy target; 'hf': drafter.name is a hub id or local path)"
+            )
+        if init not in INITS:
+            raise ValueError(f"drafter.init={init!r} is not known; valid: {list(INITS)} (embeddings: copy the "
+                             f"target's embeddings, final norm and lm_head; truncated: also its first layers)")
+        unknown = sorted(set(toy or {}) - set(asdict(ToyTargetConfig())))
+        if unknown:
+            raise ValueError(f"drafter.toy has unknown keys {unknown}; valid: {sorted(asdict(ToyTargetConfig()))}")
         self.source, self.model_name, self.revision = source, name, revision
         self.toy, self.dtype_name, self.trust_remote_code = dict(toy or {}), dtype, trust_remote_code
-        tokenizer = None
+        self.config_overrides = {"num_hidden_layers": 1, **dict(config_overrides or {})}
+        self.init = init
+        self.lora = None
+        if lora is not None:
+            from heads.lora import check_lora_spec
+
+            self.lora = check_lora_spec(lora, "drafter.lora")
+        self.model = None
+        self.tokenizer = None
         if model is None and model_config is not None:
             model = _from_config(model_config).to(DTYPES[dtype])
-        elif model is None:
-            model, tokenizer = self._load(source)
-        # A submodule, so state_dict(), save_drafter and load_drafter carry its weights.
-        self.model = model
-        self.tokenizer = tokenizer
-        # What saved_config() records to rebuild the architecture; in its JSON form (to_dict keeps int keys in
-        # id2label), so a saved node compares equal to a fresh one when a training run resumes.
-        self.model_config = json.loads(model.config.to_json_string(use_diff=False))
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        elif model is None and source != "config":  # source=config is built from the target in bind_target
+            model, self.tokenizer = self._load(source)
+        if model is not None:
+            self._attach(model)
         # Tied embeddings are one tensor under two names; safetensors refuses to save shared tensors, so the
         # alias is left out of state_dict() and restored from its source on load (as HF's save_pretrained does).
         self.register_state_dict_post_hook(_drop_tied_aliases)
         self.register_load_state_dict_pre_hook(_restore_tied_aliases)
         self.reset()
 
+    def _attach(self, model: nn.Module) -> None:
+        """Make ``model`` the draft LM: record its config, then wrap it with LoRA adapters if asked."""
+        # What saved_config() records to rebuild the architecture; in its JSON form (to_dict keeps int keys in
+        # id2label), so a saved node compares equal to a fresh one when a training run resumes.
+        self.model_config = json.loads(model.config.to_json_string(use_diff=False))
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        if self.lora is not None:
+            from peft import get_peft_model
+
+            from heads.lora import check_targets_exist, lora_config
+
+            check_targets_exist(model, self.lora, "drafter.lora")
+            model = get_peft_model(model, lora_config(self.lora, "drafter.lora"))
+        self.model = model
+
     @property
     def needs_training(self) -> bool:
-        """A draft LM is pretrained: useful as it is, and distillation only improves it."""
-        return False
+        """A pretrained draft LM is useful as it is (distillation only improves it); one built from the target's
+        config has fresh layers."""
+        return self.source == "config"
+
+    def merge_lora(self) -> None:
+        """Fold the LoRA adapters into the base weights (``peft`` merge_and_unload); a no-op without them."""
+        if self.lora is not None and self.model is not None:
+            self.model = self.model.merge_and_unload()
+            self.lora = None
+
+    def save_adapter(self, path) -> None:
+        """The LoRA adapters in PEFT's own format (``adapter_config.json`` + weights): ``PeftModel.from_pretrained``
+        loads them onto the base draft model."""
+        if self.lora is None:
+            raise ValueError("drafter.lora is null: this draft model has no LoRA adapters to save")
+        self.model.save_pretrained(str(path))
 
     def _load(self, source: str):
         """(model, tokenizer) from ``source``; the tokenizer is kept so bind_target can compare it with the target's."""
         if source == "toy":
-            defaults = asdict(ToyTargetConfig())
-            unknown = sorted(set(self.toy) - set(defaults))
-            if unknown:
-                raise ValueError(f"drafter.toy has unknown keys {unknown}; valid: {sorted(defaults)}")
-            model, tokenizer = load_or_build_toy_target({**defaults, **self.toy}, cache_dir=None)
-        elif source == "hf":
+            model, tokenizer = load_or_build_toy_target({**asdict(ToyTargetConfig()), **self.toy}, cache_dir=None)
+        else:
             if not self.model_name:
                 raise ValueError("drafter.source=hf needs drafter.name: a hub id or a local directory with the draft model")
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,28 +145,47 @@ class DraftModel(Drafter):
             kw = {"revision": self.revision, "trust_remote_code": self.trust_remote_code}
             tokenizer = AutoTokenizer.from_pretrained(self.model_name, **kw)
             model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=DTYPES[self.dtype_name], **kw)
-        else:
-            raise ValueError(
-                f"drafter.source={source!r} is not known; valid: {list(SOURCES)} ('toy': a small model built from "
-                f"the stdlib like the toy target, 'hf': drafter.name is a hub id or local path)"
-            )
         return model.to(DTYPES[self.dtype_name]).eval(), tokenizer
+
+    def _build_from_target(self, teacher) -> nn.Module:
+        """The target's config with ``config_overrides`` (fresh weights; ``_init_from_target`` fills some in)."""
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(teacher.model.config)
+        for key, value in self.config_overrides.items():
+            if not hasattr(config, key):
+                raise ValueError(f"drafter.config_overrides.{key}: the target's {type(config).__name__} has no such "
+                                 f"field; valid fields include num_hidden_layers, intermediate_size, num_attention_heads")
+            setattr(config, key, value)
+        return AutoModelForCausalLM.from_config(config).to(DTYPES[self.dtype_name]).eval()
 
     def saved_config(self, drafter_cfg: Mapping[str, Any] | None = None) -> dict:
         """The drafter node to save: ``drafter_cfg`` (or this drafter's own arguments) plus ``model_config``, so that
         ``load_drafter`` rebuilds the architecture without the runtime-only ``model`` or a toy build / download."""
+        if self.model is None:
+            raise RuntimeError("drafter.source=config builds the draft model from the target: bind_target first")
         node = dict(drafter_cfg) if drafter_cfg is not None else {
             "_target_": f"{type(self).__module__}.{type(self).__qualname__}", "source": self.source,
             "name": self.model_name, "revision": self.revision, "toy": dict(self.toy), "dtype": self.dtype_name,
-            "trust_remote_code": self.trust_remote_code,
+            "trust_remote_code": self.trust_remote_code, "config_overrides": dict(self.config_overrides),
+            "init": self.init, "lora": self.lora,
         }
         node.pop("model", None)
         node["model_config"] = self.model_config
+        node["lora"] = self.lora  # None once merged
         return node
 
     def bind_target(self, teacher, initialize: bool) -> None:
-        """Refuse a draft model whose vocabulary differs from the target's: its token ids would mean other text.
-        Nothing to initialise: the draft model brings its own (pretrained) weights."""
+        """Refuse a draft model whose vocabulary or special tokens differ from the target's: its token ids would mean
+        other text. ``source=config`` builds the draft here (and, when ``initialize``, copies the target's tensors);
+        a pretrained draft brings its own weights. Loading for decoding (``initialize=False``) merges LoRA."""
+        if self.model is None:
+            model = self._build_from_target(teacher)
+            if initialize:
+                _init_from_target(model, teacher.model, self.init)
+            self._attach(model)
+        elif not initialize:
+            self.merge_lora()
         what = f"draft model {self.model_name or type(self.model).__name__!r}"
         sizes = {
             "output embedding rows": self.model.get_output_embeddings().weight.shape[0],
@@ -130,11 +199,20 @@ class DraftModel(Drafter):
                     f"a draft model must share the target's tokenizer — pick one from the target's model family"
                 )
         mine, theirs = self.tokenizer, getattr(teacher, "tokenizer", None)
-        if mine is not None and theirs is not None and mine.get_vocab() != theirs.get_vocab():
-            raise ValueError(
-                f"{what}'s tokenizer ({len(mine.get_vocab())} tokens) differs from the target {teacher.name!r}'s "
-                f"({len(theirs.get_vocab())} tokens); a draft model must share the target's tokenizer"
-            )
+        if mine is not None and theirs is not None:
+            if mine.get_vocab() != theirs.get_vocab():
+                raise ValueError(
+                    f"{what}'s tokenizer ({len(mine.get_vocab())} tokens) differs from the target {teacher.name!r}'s "
+                    f"({len(theirs.get_vocab())} tokens); a draft model must share the target's tokenizer"
+                )
+            for special in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+                a, b = getattr(mine, special, None), getattr(theirs, special, None)
+                if a != b:
+                    raise ValueError(
+                        f"{what}'s tokenizer has {special}={a}, the target {teacher.name!r}'s has {b}; a draft model "
+                        f"must share the target's special tokens (set the draft tokenizer's {special.removesuffix('_id')} "
+                        f"to the target's, or pick a draft model from the target's family)"
+                    )
 
     # --- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput) -> DraftOutput:
@@ -145,6 +223,25 @@ class DraftModel(Drafter):
         student_NV = logits_BTV[:, :-1][mask_BT]
         teacher_NV = teacher_out.logits_BTV[:, :-1][mask_BT]
         return DraftOutput(terms=[DraftTerm(student_NV, teacher_NV)], num_valid=mask_BT.sum())
+
+    @torch.no_grad()
+    def sample_continuations(self, prompt_ids_BP: Tensor, num_new: int, temperature: float,
+                             generator: torch.Generator) -> Tensor:
+        """[B, num_new] tokens drawn from the draft's own distribution at ``temperature`` (0: argmax) after each
+        prompt row, with a KV cache; in eval mode (no dropout), restoring the training mode after."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            cache = DynamicCache(config=self.model.config)
+            ids, drawn = prompt_ids_BP, []
+            cfg = SamplingConfig(temperature=temperature)
+            for _ in range(num_new):
+                logits_BV = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].float()
+                ids = logits_BV.argmax(-1, keepdim=True) if cfg.greedy else sample(warp(logits_BV, cfg), generator)[:, None]
+                drawn.append(ids)
+        finally:
+            self.model.train(was_training)
+        return torch.cat(drawn, dim=1)
 
     # --- decoding ------------------------------------------------------------------------------------------
     @property
@@ -230,8 +327,25 @@ def toy_draft_node(draft_node: Mapping[str, Any], target_toy: Mapping[str, Any],
     """A ``drafter=draft_model`` node for a toy target: its ``toy`` build takes ``sizes`` (hidden_size, steps, ...)
     and the target's tokenizer-defining keys, so the two tokenizers are identical (``bind_target`` checks it)."""
     node = dict(draft_node)
+    node["source"] = "toy"
     node["toy"] = {**dict(node.get("toy") or {}), **sizes, **{k: target_toy[k] for k in TOY_TOKENIZER_KEYS}}
     return node
+
+
+@torch.no_grad()
+def _init_from_target(model: nn.Module, target: nn.Module, init: str) -> None:
+    """Copy the target's tensors into a fresh draft built from its config: embeddings, final norm and lm_head
+    (``init=embeddings``), plus every layer the draft has (``truncated``: the target's first layers)."""
+    if init == "none":
+        return
+    mine, theirs = model.state_dict(), target.state_dict()
+    shared = [k for k in mine if k in theirs and mine[k].shape == theirs[k].shape]
+    if init == "embeddings":
+        shared = [k for k in shared if ".layers." not in k]
+    if not shared:
+        raise ValueError("drafter.init: no tensor of the draft model matches the target's by name and shape; "
+                         "use drafter.init=none")
+    model.load_state_dict({k: theirs[k].to(mine[k].dtype) for k in shared}, strict=False)
 
 
 def _from_config(model_config: Mapping[str, Any]) -> nn.Module:

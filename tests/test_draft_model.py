@@ -1,5 +1,6 @@
 """DraftModel (a standalone draft LM) and the Hugging Face generate baselines, on tiny in-process Llamas only."""
 
+import copy
 import functools
 import json
 from dataclasses import asdict
@@ -16,7 +17,7 @@ from distill.losses import forward_kl
 from distill.teacher import Teacher
 from distill.toy import ToyTargetConfig
 from eval.baselines import hf_assisted, hf_generate
-from heads.base import TargetDims, build_drafter, load_drafter, save_drafter
+from heads.base import TargetDims, build_drafter, load_drafter, load_saved_drafter, save_drafter
 from heads.draft_model import DraftModel
 from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig
@@ -153,7 +154,7 @@ def test_toy_source_merges_overrides_into_the_toy_defaults(tiny_teacher, monkeyp
         return tiny_llama(num_hidden_layers=1), None
 
     monkeypatch.setattr("heads.draft_model.load_or_build_toy_target", fake_build)
-    node = OmegaConf.to_container(OmegaConf.load(CONF / "drafter" / "draft_model.yaml"))
+    node = {**OmegaConf.to_container(OmegaConf.load(CONF / "drafter" / "draft_model.yaml")), "source": "toy"}
     drafter = build_drafter(node, tiny_teacher)
     assert isinstance(drafter, DraftModel) and seen == {**asdict(ToyTargetConfig()), **node["toy"]}
     with pytest.raises(ValueError, match=r"drafter.toy has unknown keys \['hiden_size'\]"):
@@ -197,7 +198,7 @@ def test_tokenizer_vocab_mismatch_is_refused(tiny_teacher):
 
 
 def test_unknown_source_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"drafter.source='gguf'.*\['toy', 'hf'\]"):
+    with pytest.raises(ValueError, match=r"drafter.source='gguf'.*\['config', 'toy', 'hf'\]"):
         DraftModel(DIMS, source="gguf")
 
 
@@ -299,3 +300,124 @@ def test_hf_generate_samples_reproducibly(teacher):
     cfg = SamplingConfig(temperature=1.5, top_p=0.95)
     runs = [hf_generate(teacher, prompt, 16, cfg, None, seed=s)["new_tokens"] for s in (0, 0, 1)]
     assert runs[0] == runs[1] != runs[2]
+
+
+# --- built from the target's config (DistillSpec-style draft), LoRA, on-policy sampling ---------------------------
+
+
+def test_config_source_builds_one_layer_at_the_target_width_with_its_embeddings(teacher):
+    drafter = build_drafter(OmegaConf.to_container(OmegaConf.load(CONF / "drafter" / "draft_model.yaml")), teacher)
+    assert drafter.model is None and drafter.needs_training  # built when the target is bound
+    drafter.bind_target(teacher, initialize=True)
+    cfg = drafter.model.config
+    assert cfg.num_hidden_layers == 1 and cfg.hidden_size == teacher.hidden_size and cfg.vocab_size == 128
+    target = teacher.model.state_dict()
+    mine = drafter.model.state_dict()
+    torch.testing.assert_close(mine["model.embed_tokens.weight"], target["model.embed_tokens.weight"])
+    torch.testing.assert_close(mine["model.norm.weight"], target["model.norm.weight"])
+    # init=embeddings leaves the layer fresh; init=truncated copies the target's first layer too
+    layer = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(mine[layer], target[layer])
+    truncated_draft = DraftModel(DIMS, init="truncated")
+    truncated_draft.bind_target(teacher, initialize=True)
+    torch.testing.assert_close(truncated_draft.model.state_dict()[layer], target[layer])
+    with pytest.raises(ValueError, match="drafter.config_overrides.num_layerz"):
+        DraftModel(DIMS, config_overrides={"num_layerz": 1}).bind_target(teacher, initialize=True)
+    with pytest.raises(ValueError, match=r"drafter.init='copy'.*\['embeddings', 'truncated', 'none'\]"):
+        DraftModel(DIMS, init="copy")
+
+
+def test_config_source_saves_loads_and_decodes_losslessly(teacher, tmp_path):
+    drafter = DraftModel(DIMS)
+    drafter.bind_target(teacher, initialize=True)
+    save_drafter(drafter, tmp_path / "d", drafter.saved_config({"_target_": "heads.draft_model.DraftModel"}),
+                 TARGET_CFG, teacher.identity())
+    loaded = load_drafter(tmp_path / "d", teacher)
+    assert loaded.model.config.num_hidden_layers == 1
+    prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    dec = Decoder(teacher)
+    assert dec.speculative(loaded, prompt, 20, 4).new_tokens == dec.plain(prompt, 20).new_tokens
+
+
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def _nonzero_lora(drafter, seed=0):
+    """LoRA B starts at zero (the adapters change nothing); give them weights so save/load/merge are tested."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+def test_lora_adapters_train_alone_and_save_load_merge(teacher, tmp_path):
+    base = truncated(teacher.model)
+    drafter = DraftModel(DIMS, model=copy_of(base), lora=LORA)
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)  # the base weights stay as loaded
+    _nonzero_lora(drafter)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    adapted = drafter.model(input_ids=ids).logits
+    assert not torch.allclose(adapted, base(input_ids=ids).logits, atol=1e-4)
+
+    save_drafter(drafter, tmp_path / "d", drafter.saved_config({"_target_": "heads.draft_model.DraftModel",
+                                                                "source": "toy", "lora": LORA}),
+                 TARGET_CFG, teacher.identity())
+    loaded, config = load_saved_drafter(tmp_path / "d")
+    assert config["drafter"]["lora"]["r"] == 4 and loaded.lora is not None
+    torch.testing.assert_close(loaded.model(input_ids=ids).logits, adapted)
+
+    drafter.save_adapter(tmp_path / "adapter")  # PEFT's own format
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(copy_of(base), str(tmp_path / "adapter"))
+    torch.testing.assert_close(peft_model(input_ids=ids).logits, adapted)
+
+    bound = load_drafter(tmp_path / "d", teacher)  # loading for decoding merges the adapters
+    assert bound.lora is None and not any("lora_" in n for n, _ in bound.model.named_parameters())
+    torch.testing.assert_close(bound.model(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+
+
+def copy_of(model):
+    return copy.deepcopy(model)
+
+
+def test_lora_spec_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"drafter.lora has unknown keys \['rank'\]"):
+        DraftModel(DIMS, model=tiny_llama(num_hidden_layers=1), lora={"rank": 4})
+    with pytest.raises(ValueError, match="drafter.lora.r=0"):
+        DraftModel(DIMS, model=tiny_llama(num_hidden_layers=1), lora={"r": 0})
+    with pytest.raises(ValueError, match=r"drafter.lora.target_modules=\['c_attn'\] matches no layer"):
+        DraftModel(DIMS, model=tiny_llama(num_hidden_layers=1), lora={"target_modules": ["c_attn"]})
+
+
+def test_special_token_mismatch_is_refused(tiny_teacher):
+    class Tok:
+        def __init__(self, eos):
+            self.eos_token_id = eos
+
+        def get_vocab(self):
+            return {"a": 0}
+
+    drafter = draft(truncated(tiny_teacher.model))
+    tiny_teacher.tokenizer, drafter.tokenizer = Tok(2), Tok(3)
+    with pytest.raises(ValueError, match="eos_token_id=3.*has 2"):
+        drafter.bind_target(tiny_teacher, initialize=True)
+
+
+def test_sample_continuations_draws_from_the_draft(teacher):
+    drafter = draft(truncated(teacher.model), teacher)
+    prompt = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(2))
+    drafter.train()
+    drawn = drafter.sample_continuations(prompt, 5, 1.0, torch.Generator().manual_seed(9))
+    assert drawn.shape == (3, 5) and drafter.model.training  # the training mode is restored
+    # The same draws, one token at a time from the draft's full-sequence softmax with the same generator.
+    gen, ids = torch.Generator().manual_seed(9), prompt
+    with torch.no_grad():
+        for k in range(5):
+            probs = torch.softmax(drafter.model.eval()(input_ids=ids).logits[:, -1].float(), -1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], 1)
+    assert torch.equal(ids[:, 7:], drawn)
+    greedy = drafter.sample_continuations(prompt, 4, 0.0, torch.Generator())
+    assert torch.equal(greedy[:, 0], drafter.model(input_ids=prompt).logits[:, -1].argmax(-1))

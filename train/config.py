@@ -86,6 +86,21 @@ class CacheConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """``python -m distill.regenerate``: the target answers the data's prompts (jsonl out); train on the answers with
+    ``data.mode=regenerated data.regenerated=<out>``."""
+
+    out: Optional[str] = None  # required: the jsonl to write (rerun the same command to resume)
+    prompt_tokens: int = 64  # text data: each training row's first P tokens are the prompt
+    max_new_tokens: Optional[int] = None  # null: data.max_length - prompt length (rows as long as the fixed data's)
+    batch_size: int = 16  # prompts per batched target decode
+    temperature: float = 0.0  # 0: greedy answers; > 0 samples
+    top_p: float = 1.0
+    seed: int = 0
+    num_prompts: Optional[int] = None  # null: every prompt of the data
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Dict[str, Any] = field(default_factory=dict)
@@ -96,6 +111,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     seed: int = 0
     drafter_path: Optional[str] = None  # python -m eval: the saved drafter directory to evaluate
 
@@ -150,11 +166,53 @@ def validate(cfg: DictConfig) -> None:
         _check_keys(cfg.drafter, "drafter", runtime=("dims",))
     if cfg.loss:
         _check_keys(cfg.loss, "loss")
+    _check_data_mode(cfg.data)
+    _check_loss_values(cfg.loss)
     if cfg.target.source == "toy" and cfg.data.max_length > cfg.target.toy.max_seq_len:
         raise ValueError(
             f"data.max_length={cfg.data.max_length} exceeds the toy target's context "
             f"target.toy.max_seq_len={cfg.target.toy.max_seq_len}; lower data.max_length"
         )
+
+
+def _check_data_mode(data: DictConfig) -> None:
+    from distill.data import DATA_MODES
+
+    if data.mode not in DATA_MODES:
+        raise ValueError(f"data.mode={data.mode!r} is not a data mode; valid: {list(DATA_MODES)}")
+    if data.mode == "regenerated" and not data.regenerated:
+        raise ValueError("data.mode=regenerated needs data.regenerated=<file.jsonl>, written by "
+                         "`python -m distill.regenerate regenerate.out=<file.jsonl>`")
+    if data.mode == "fixed" and data.regenerated:
+        raise ValueError(f"data.regenerated={data.regenerated} is set but data.mode=fixed ignores it; set "
+                         f"data.mode=regenerated (or mixed), or data.regenerated=null")
+    if data.mode in ("on_policy", "mixed"):
+        if data.teacher_cache:
+            raise ValueError(f"data.mode={data.mode} scores the draft's own samples with the live target; it cannot "
+                             f"use data.teacher_cache={data.teacher_cache} (set data.teacher_cache=null)")
+        if not data.packing:
+            raise ValueError(f"data.mode={data.mode} continues each row's first data.on_policy_prompt_tokens tokens; it "
+                             f"needs packed rows (data.packing=true)")
+        if not 1 <= data.on_policy_prompt_tokens < data.max_length:
+            raise ValueError(f"data.on_policy_prompt_tokens={data.on_policy_prompt_tokens} must lie in "
+                             f"[1, data.max_length={data.max_length}) so the draft writes at least one token")
+        if data.on_policy_temperature < 0:
+            raise ValueError(f"data.on_policy_temperature={data.on_policy_temperature} must be >= 0 (0: argmax)")
+    if not 0 <= data.on_policy_fraction <= 1:
+        raise ValueError(f"data.on_policy_fraction={data.on_policy_fraction} must lie in [0, 1]")
+
+
+def _check_loss_values(loss: DictConfig) -> None:
+    """The loss presets' numeric arguments, before anything is built (the functions check again when called)."""
+    if not loss:
+        return
+    if "temperature" in loss and not loss.temperature > 0:
+        raise ValueError(f"loss.temperature={loss.temperature} must be > 0")
+    if "beta" in loss and not 0 <= loss.beta <= 1:
+        raise ValueError(f"loss.beta={loss.beta} must lie in [0, 1] (generalised JSD: 0 and 1 are the two KL "
+                         f"limits, 0.5 the symmetric JSD)")
+    if "k" in loss and not loss.k >= 1:
+        raise ValueError(f"loss.k={loss.k} must be >= 1 (teacher top-k tokens kept)")
 
 
 def _check_batched(decoder: DictConfig) -> None:

@@ -69,11 +69,14 @@ def simulated_tau(accs: list[float]) -> float:
 
 
 def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
-          run_dir, logger) -> dict:
+          run_dir, logger, batch_source: Callable | None = None) -> dict:
+    """``batch_source(batch, micro_batch_number)``: what replaces a collated batch before the teacher sees it
+    (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is."""
     t = cfg["trainer"]
     drafter = engine.wrap(drafter)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t["lr"], betas=(0.9, 0.95), weight_decay=t["weight_decay"])
+    groups = [g for g in drafter.param_groups() if g["params"]]
+    params = [p for g in groups for p in g["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=t["lr"], betas=(0.9, 0.95), weight_decay=t["weight_decay"])
     identity = teacher.identity()
     start = 0
     if t["resume"] == "auto" and (ckpt := checkpoint.latest_checkpoint(run_dir)) is not None:
@@ -88,14 +91,17 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
     for step in bar:
         lr = lr_at(step, t)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        drafter.begin_step(step)
         loss_sum = torch.zeros((), device=engine.device)
         num_valid = torch.zeros((), device=engine.device, dtype=torch.long)
         logging_step = step % t["log_every"] == 0 or step == t["steps"] - 1
         agree = None
         for micro in range(t["grad_accum"]):
-            idx = order.indices(step * t["grad_accum"] + micro)
-            batch = {k: v.to(engine.device) for k, v in collate([dataset[i] for i in idx]).items()}
+            number = step * t["grad_accum"] + micro
+            batch = {k: v.to(engine.device) for k, v in collate([dataset[i] for i in order.indices(number)]).items()}
+            if batch_source is not None:
+                batch = batch_source(batch, number)
             with engine.autocast():
                 teacher_out = teacher.signals(batch, layers)
                 out = drafter(batch, teacher_out)

@@ -18,6 +18,30 @@ from train.logger import MetricsLogger
 log = logging.getLogger(__name__)
 
 
+def training_data(cfg: DictConfig, teacher, drafter):
+    """(dataset, what the loop asks for teacher signals, batch_source) for ``data.mode`` (see ``distill.data``):
+    fixed rows, the target's regenerated answers, the offline teacher cache, or on-policy rows the draft writes."""
+    from distill.data import build_train_dataset
+
+    signals = teacher  # the live target, or the offline cache
+    if cfg.data.teacher_cache:
+        from distill.cache import open_teacher_cache
+
+        dataset, signals = open_teacher_cache(cfg.data.teacher_cache, teacher, cfg.data, drafter.teacher_layers, cfg.loss)
+    elif cfg.data.regenerated and cfg.data.mode != "fixed":
+        from distill.regenerate import load_regenerated
+
+        dataset = load_regenerated(cfg.data.regenerated, teacher.tokenizer, cfg.data, teacher)
+    else:
+        dataset = build_train_dataset(cfg.data, teacher.tokenizer)
+    batch_source = None
+    if cfg.data.mode in ("on_policy", "mixed"):
+        from distill.onpolicy import OnPolicyBatches
+
+        batch_source = OnPolicyBatches(drafter, cfg.data, cfg.seed)
+    return dataset, signals, batch_source
+
+
 def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
     """Train the configured drafter into ``<run dir>/drafter/`` and, unless ``eval.enabled=false``, evaluate it."""
     validate(cfg)
@@ -33,26 +57,22 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
 
     summary = {}
     if any(p.requires_grad for p in drafter.parameters()):
-        from distill.data import build_train_dataset, collate
+        from distill.data import collate
         from train import checkpoint
         from train.loop import train
 
-        signals = teacher  # what the loop calls teacher.signals on: the live target, or the offline cache
-        if cfg.data.teacher_cache:
-            from distill.cache import open_teacher_cache
-
-            dataset, signals = open_teacher_cache(cfg.data.teacher_cache, teacher, cfg.data, drafter.teacher_layers,
-                                                  cfg.loss)
-        else:
-            dataset = build_train_dataset(cfg.data, teacher.tokenizer)
+        dataset, signals, batch_source = training_data(cfg, teacher, drafter)
         drafter.prepare(dataset)
-        log.info("training %s on %d blocks of %d tokens", type(drafter).__name__, len(dataset), cfg.data.max_length)
+        log.info("training %s on %d blocks of %d tokens (data.mode=%s)", type(drafter).__name__, len(dataset),
+                 cfg.data.max_length, cfg.data.mode)
         resumed = cfg.trainer.resume == "auto" and checkpoint.latest_checkpoint(run_dir) is not None
         logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=resumed)
         try:
-            summary = train(plain, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger)
+            summary = train(plain, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger,
+                            batch_source=batch_source)
         finally:
             logger.close()
+        summary.update(drafter.after_training(teacher))
     else:
         log.info("%s has no trainable parameters; skipping training", type(drafter).__name__)
 
