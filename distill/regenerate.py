@@ -1,0 +1,426 @@
+"""Regenerated data (DistillSpec): the target answers the training data's prompts; the drafter trains on its answers.
+
+``python -m distill.regenerate regenerate.out=<file.jsonl> [hydra overrides]`` builds the fixed training rows exactly
+as ``python -m train`` does (``distill.data.build_train_dataset``), cuts a prompt from each row, lets the target
+answer every prompt (``inference.batched.BatchedDecoder``, greedy or sampled) and writes one jsonl line per prompt;
+``python -m train data.mode=regenerated data.regenerated=<file.jsonl>`` then trains on ``load_regenerated``'s rows.
+
+The prompt of a row: for chat rows (loss_mask False before its first True: a user turn) the tokens before the first
+loss-bearing token; otherwise (text: every token loss-bearing) the first ``regenerate.prompt_tokens`` tokens. A row
+whose prompt would be all of it (no answer to replace) is skipped. Answers get at most ``regenerate.max_new_tokens``
+tokens; null: ``data.max_length`` - the batch's longest prompt, so no regenerated row outgrows the fixed data's.
+
+``<out>``, one line per prompt, in prompt order (``id`` = 0, 1, ...)::
+
+    {"id": 0, "prompt_ids": [...], "prompt_loss_mask": [...], "completion_ids": [...], "finish": "eos" | "length",
+     "prompt": "<decoded prompt>", "completion": "<decoded completion>"}
+
+``prompt_loss_mask`` is the prompt tokens' loss mask in the original data; ``completion_ids`` ends with EOS when
+``finish`` is "eos". ``<out>.meta.json`` is written (atomically) before the first line: the target's identity and
+weights digest (``target``, ``target_weights``), the tokenizer's vocabulary size and hash (``tokenizer_vocab_size``,
+``tokenizer_sha256``), the data config (``data``) and the regenerate settings but ``out`` (``regenerate``).
+
+Training rows (``load_regenerated``): record ``prompt_ids + completion_ids`` with the loss mask ``prompt_loss_mask +
+[True] * len(completion_ids)``, packed or padded like the fixed data (``data.packing``, ``data.max_length``). Packing
+puts an EOS after an answer that does not end in one; it carries no loss (the target did not choose to stop there).
+
+Resuming: every batch is appended and fsynced whole. A rerun with the same config checks the sidecar (another target,
+tokenizer, data or setting is refused, naming it), drops a cut-off batch and continues with the next one. Batch ``k``
+is always the same prompts, decoded with the seed ``regenerate.seed + k``, so an interrupted and resumed run writes
+the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from distill.data import DEFAULTS as DATA_DEFAULTS
+from distill.data import (
+    TokenBlockDataset,
+    _drop_rows_without_loss,
+    _pad_id,
+    build_train_dataset,
+    pack_examples,
+    pad_examples,
+)
+from distill.teacher import load_teacher
+from inference.batched import BatchedDecoder
+from inference.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT, FORMAT_VERSION = "specdraft-regenerated", 1
+WRITE_CMD = "python -m distill.regenerate"
+FINISH_REASONS = ("eos", "length")
+RECORD_KEYS = ("id", "prompt_ids", "prompt_loss_mask", "completion_ids", "finish")
+# Data settings that choose the training mode or where outputs live, not which prompts the rows give.
+NON_PROMPT_DATA_KEYS = ("teacher_cache", "mode", "regenerated", "on_policy_fraction", "on_policy_prompt_tokens",
+                        "on_policy_temperature")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt cut from a training row: its ids and their loss mask in the original data."""
+
+    ids: list[int]
+    loss_mask: list[bool]
+
+
+def meta_path(out: str | os.PathLike) -> Path:
+    return Path(f"{out}.meta.json")
+
+
+def _plain(value: Any) -> Any:
+    """Plain JSON types (DictConfig, tuples, ...), so what is compared now equals what was stored then."""
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def prompts_from_data(data_cfg: Mapping, tokenizer, prompt_tokens: int, num_prompts: int | None = None) -> list[Prompt]:
+    """The prompt of every fixed training row, in row order (rule: module docstring); the first ``num_prompts``."""
+    if prompt_tokens < 1:
+        raise ValueError(f"regenerate.prompt_tokens must be >= 1, got {prompt_tokens}")
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"regenerate.num_prompts must be >= 1 or null (all), got {num_prompts}")
+    dataset = build_train_dataset(data_cfg, tokenizer)
+    prompts, skipped = [], 0
+    for ids_T, attention_T, mask_T in zip(dataset.input_ids, dataset.attention_mask, dataset.loss_mask):
+        length = int(attention_T.sum())
+        mask = mask_T[:length].tolist()
+        first = mask.index(True) if True in mask else length
+        cut = first if first > 0 else prompt_tokens  # chat: up to the first answer token; text: P tokens
+        if cut >= length:  # nothing after the prompt: no answer to regenerate
+            skipped += 1
+            continue
+        prompts.append(Prompt(ids=ids_T[:cut].tolist(), loss_mask=mask[:cut]))
+        if num_prompts is not None and len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"data: none of the {len(dataset)} training rows leaves room for an answer after its prompt "
+                         f"(regenerate.prompt_tokens={prompt_tokens}, data.max_length={dataset.input_ids.shape[1]}); "
+                         f"lower regenerate.prompt_tokens or raise data.max_length")
+    mean = sum(len(p.ids) for p in prompts) / len(prompts)
+    log.info("regenerate: %d prompts (mean %.1f tokens) from %d rows, %d skipped without room for an answer",
+             len(prompts), mean, len(dataset), skipped)
+    return prompts
+
+
+# --------------------------------------------------------------------------- the sidecar
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of the sorted vocabulary items: tells apart tokenizers that map ids to other tokens."""
+    items = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(items.encode()).hexdigest()
+
+
+def _tokenizer_fields(tokenizer) -> dict:
+    if tokenizer is None:
+        return {"tokenizer_vocab_size": None, "tokenizer_sha256": None}
+    return {"tokenizer_vocab_size": len(tokenizer), "tokenizer_sha256": tokenizer_digest(tokenizer)}
+
+
+def build_meta(teacher, data_cfg: Mapping, settings: Mapping) -> dict:
+    """What a regenerated file depends on (module docstring); ``settings`` are ``cfg.regenerate``'s."""
+    data = {**DATA_DEFAULTS, **_plain(data_cfg)}
+    for key in NON_PROMPT_DATA_KEYS:
+        data.pop(key, None)
+    regenerate = {k: v for k, v in _plain(settings).items() if k != "out"}
+    return _plain({"format": FORMAT, "format_version": FORMAT_VERSION, "target": teacher.identity(),
+                   "target_weights": teacher.weights_digest(), **_tokenizer_fields(teacher.tokenizer),
+                   "data": data, "regenerate": regenerate})
+
+
+def _differences(stored: Mapping, current: Mapping, names: Sequence[str]) -> list[str]:
+    """Which fields differ, as ``data.max_length (file 64, now 128)``; hashes are only named."""
+    out = []
+    for name in names:
+        a, b = stored.get(name), current.get(name)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)):
+                out.append(f"{name}.{key} (file {a.get(key)!r}, now {b.get(key)!r})")
+        elif name.endswith("sha256"):
+            out.append(f"{name} (differs)")
+        else:
+            out.append(f"{name} (file {a!r}, now {b!r})")
+    return out
+
+
+def read_meta(out: str | os.PathLike) -> dict | None:
+    """``<out>.meta.json``, or None when there is none."""
+    path = meta_path(out)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg}); delete it and {out}, then rerun "
+                         f"`{WRITE_CMD}`") from exc
+
+
+def _write_meta(out: Path, meta: Mapping) -> None:
+    path = meta_path(out)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _check_settings(settings: Mapping) -> None:
+    if int(settings["batch_size"]) < 1:
+        raise ValueError(f"regenerate.batch_size must be >= 1, got {settings['batch_size']}")
+    if settings.get("max_new_tokens") is not None and int(settings["max_new_tokens"]) < 1:
+        raise ValueError(f"regenerate.max_new_tokens must be >= 1 or null, got {settings['max_new_tokens']}")
+    if not float(settings["temperature"]) >= 0:
+        raise ValueError(f"regenerate.temperature must be >= 0 (0 = greedy), got {settings['temperature']}")
+    if not 0 < float(settings["top_p"]) <= 1:
+        raise ValueError(f"regenerate.top_p must lie in (0, 1], got {settings['top_p']}; 1.0 disables it")
+
+
+def _lines_to_keep(out: Path, total: int, batch_size: int) -> tuple[int, int]:
+    """(records to keep, their bytes) of an existing ``out``: whole batches of valid lines, or every prompt."""
+    data = out.read_bytes()
+    lines = data.splitlines(keepends=True)
+    kept, size = 0, 0
+    for number, line in enumerate(lines, start=1):
+        last = number == len(lines)
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            record = None
+        if record is None and last:  # cut off mid-write
+            log.info("regenerate: dropping the unfinished last line of %s", out)
+            break
+        if not isinstance(record, dict) or record.get("id") != kept:
+            raise ValueError(f"regenerate.out={out} line {number} is not the record with id {kept} this command "
+                             f"writes there; delete the file or choose another regenerate.out")
+        kept, size = kept + 1, size + len(line)
+    if kept > total:
+        raise ValueError(f"regenerate.out={out} holds {kept} records but the config gives {total} prompts; delete "
+                         f"the file or choose another regenerate.out")
+    if kept < total:  # a batch cut short is decoded again whole: its seed and max_new_tokens cover the whole batch
+        whole = kept - kept % batch_size
+        size = sum(len(line) for line in lines[:whole])
+        kept = whole
+    return kept, size
+
+
+def _prepare_out(out: Path, meta: Mapping, total: int, batch_size: int) -> int:
+    """Write the sidecar or check it against an existing ``out``; returns the first prompt id still to decode."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists():
+        _write_meta(out, meta)
+        out.touch()
+        return 0
+    stored = read_meta(out)
+    if stored is None:
+        raise ValueError(f"regenerate.out={out} exists without its {meta_path(out).name}, so what wrote it is unknown; "
+                         f"delete the file or choose another regenerate.out")
+    diff = _differences(stored, meta, list(meta))
+    if diff:
+        raise ValueError(f"regenerate.out={out} was started with another config (differs: {'; '.join(diff)}); delete "
+                         f"{out} and {meta_path(out).name} or choose another regenerate.out")
+    kept, size = _lines_to_keep(out, total, batch_size)
+    if size < out.stat().st_size:
+        log.info("regenerate: keeping %d complete records of %s, rewriting the rest", kept, out)
+        with out.open("r+b") as f:
+            f.truncate(size)
+            f.flush()
+            os.fsync(f.fileno())
+    return kept
+
+
+def _record(index: int, prompt: Prompt, completion: list[int], eos: int | None, tokenizer) -> dict:
+    finish = "eos" if eos is not None and completion and completion[-1] == eos else "length"
+    record = {"id": index, "prompt_ids": prompt.ids, "prompt_loss_mask": prompt.loss_mask,
+              "completion_ids": completion, "finish": finish}
+    if tokenizer is not None:
+        record.update(prompt=tokenizer.decode(prompt.ids), completion=tokenizer.decode(completion))
+    return record
+
+
+def _max_new_tokens(settings: Mapping, data_cfg: Mapping, max_positions: int, prompt_len: int) -> int:
+    """This batch's answer budget: the setting, else what fills ``data.max_length``; within the target's context."""
+    requested = settings.get("max_new_tokens")
+    if requested is None:
+        n = int(data_cfg.get("max_length", DATA_DEFAULTS["max_length"])) - prompt_len
+    else:
+        n = int(requested)
+    if max_positions:
+        n = min(n, max_positions - prompt_len)
+    if n < 1:
+        raise ValueError(f"a prompt of {prompt_len} tokens leaves no room to answer within data.max_length / the "
+                         f"target's max_position_embeddings={max_positions}; lower regenerate.prompt_tokens")
+    return n
+
+
+def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt], data_cfg: Mapping,
+                      settings: Mapping) -> Path:
+    """Decode every prompt with ``teacher`` into ``out`` (format: module docstring), resuming a started file."""
+    _check_settings(settings)
+    out, batch_size, tokenizer = Path(out), int(settings["batch_size"]), teacher.tokenizer
+    start_id = _prepare_out(out, build_meta(teacher, data_cfg, settings), len(prompts), batch_size)
+    if start_id == len(prompts):
+        log.info("regenerate: %s already holds all %d prompts", out, len(prompts))
+        return out
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    sampling = SamplingConfig(temperature=float(settings["temperature"]), top_p=float(settings["top_p"]))
+    decoder = BatchedDecoder(teacher, eos_token_id=eos, sampling=sampling, seed=int(settings["seed"]))
+    log.info("regenerate: %d prompts (%s) into %s, starting at %d", len(prompts), sampling.describe(), out, start_id)
+    started, new_tokens = time.perf_counter(), 0
+    with out.open("ab") as f:
+        for first in range(start_id, len(prompts), batch_size):
+            batch = prompts[first : first + batch_size]
+            decoder.reseed(int(settings["seed"]) + first // batch_size)
+            max_new = _max_new_tokens(settings, data_cfg, teacher.max_positions, max(len(p.ids) for p in batch))
+            ids = [torch.tensor(p.ids, dtype=torch.long) for p in batch]
+            generations = decoder.plain(ids, max_new).generations
+            lines = [_record(first + i, p, list(g.new_tokens), eos, tokenizer) for i, (p, g)
+                     in enumerate(zip(batch, generations))]
+            f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in lines))
+            f.flush()
+            os.fsync(f.fileno())
+            new_tokens += sum(len(g.new_tokens) for g in generations)
+            done = first + len(batch)
+            elapsed = time.perf_counter() - started
+            log.info("regenerate: %d/%d prompts, %.0f tokens/s", done, len(prompts), new_tokens / max(elapsed, 1e-9))
+    log.info("regenerate: wrote %s (%d prompts)", out, len(prompts))
+    return out
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _check_against(path: Path, meta: Mapping, tokenizer, teacher) -> None:
+    current = _tokenizer_fields(tokenizer)
+    names = ["tokenizer_vocab_size", "tokenizer_sha256"]
+    if teacher is not None:
+        current["target_weights"] = teacher.weights_digest()
+        names.append("target_weights")
+    diff = _differences(meta, current, names)
+    if diff:
+        raise ValueError(f"data.regenerated={path} was generated with a different {'; '.join(diff)}; regenerate it "
+                         f"for this target with `{WRITE_CMD} regenerate.out=<new file>` or point data.regenerated at "
+                         f"a file generated by it")
+
+
+def _read_records(path: Path) -> list[dict]:
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"data.regenerated: {path} line {number} is not valid JSON ({exc.msg}); an unfinished "
+                                 f"file is completed by rerunning `{WRITE_CMD} regenerate.out={path}`") from exc
+            missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
+            if missing:
+                raise ValueError(f"data.regenerated: {path} line {number} lacks {missing}; write the file with "
+                                 f"`{WRITE_CMD}`")
+            if len(record["prompt_ids"]) != len(record["prompt_loss_mask"]) or record["finish"] not in FINISH_REASONS:
+                raise ValueError(f"data.regenerated: {path} line {number} has prompt_ids and prompt_loss_mask of "
+                                 f"different lengths or a finish not in {FINISH_REASONS}; write the file with "
+                                 f"`{WRITE_CMD}`")
+            records.append(record)
+    return records
+
+
+def load_regenerated(path: str | os.PathLike | None, tokenizer, data_cfg: Mapping, teacher=None) -> TokenBlockDataset:
+    """Training rows from a regenerated jsonl: prompt + the target's answer per record, packed or padded like the
+    fixed data (``data.packing``, ``data.max_length``); loss on the prompt as in the original data, on every answer
+    token. Checked against the sidecar (tokenizer; with ``teacher``, the target's weights) when there is one."""
+    if not path:
+        raise ValueError(f"data.regenerated is null; set it to a jsonl written by `{WRITE_CMD} regenerate.out=<file>`")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.regenerated={path} does not exist; write it with `{WRITE_CMD} "
+                                f"regenerate.out={path}` (with this run's target/data overrides)")
+    meta = read_meta(path)
+    if meta is not None:
+        _check_against(path, meta, tokenizer, teacher)
+    records = _read_records(path)
+    if not records:
+        raise ValueError(f"data.regenerated={path} holds no records; rerun `{WRITE_CMD} regenerate.out={path}`")
+    max_length = int(data_cfg.get("max_length", DATA_DEFAULTS["max_length"]))
+    packing = bool(data_cfg.get("packing", DATA_DEFAULTS["packing"]))
+    eos = tokenizer.eos_token_id
+    if packing and eos is None:
+        raise ValueError("tokenizer: has no eos_token, needed to separate packed examples; set data.packing=false")
+    examples = []
+    for r in records:
+        ids, mask = r["prompt_ids"] + r["completion_ids"], r["prompt_loss_mask"] + [True] * len(r["completion_ids"])
+        if packing and not (r["completion_ids"] and r["completion_ids"][-1] == eos):
+            # A separator only: the target did not choose to stop here, so the drafter is not taught to.
+            ids, mask = ids + [eos], mask + [False]
+        examples.append((ids, [bool(m) for m in mask]))
+    if packing:
+        dataset = pack_examples(examples, max_length)
+    else:
+        truncated = sum(len(ids) > max_length for ids, _ in examples)
+        if truncated:
+            log.info("regenerated: %d of %d examples truncated to data.max_length=%d", truncated, len(examples),
+                     max_length)
+        dataset = pad_examples(examples, max_length, _pad_id(tokenizer))
+    dataset = _drop_rows_without_loss(dataset)
+    if len(dataset) == 0:
+        raise ValueError(f"data.regenerated={path}: {len(records)} records give no full row with loss tokens at "
+                         f"data.max_length={max_length}; regenerate more prompts or lower data.max_length")
+    log.info("regenerated rows: %d x %d tokens from %d records (%s), %.1f%% loss tokens", len(dataset), max_length,
+             len(records), path, 100.0 * dataset.loss_mask.float().mean().item())
+    return dataset
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def regenerate(cfg) -> Path:
+    """``python -m distill.regenerate``: the configured target's answers to the configured data's prompts."""
+    from train.config import validate
+    from train.engine import resolve_device
+
+    r = cfg.regenerate
+    if not r.out:
+        raise ValueError(f"regenerate.out is required: {WRITE_CMD} regenerate.out=<file.jsonl>")
+    validate(cfg)
+    settings = _plain(r)
+    _check_settings(settings)
+    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
+    prompts = prompts_from_data(cfg.data, teacher.tokenizer, int(r.prompt_tokens), r.num_prompts)
+    return write_regenerated(r.out, teacher, prompts, cfg.data, settings)
+
+
+def main() -> None:
+    import hydra
+
+    from train.config import register_configs
+
+    register_configs()
+    hydra.main(version_base="1.3", config_path="../conf", config_name="config")(regenerate)()
+
+
+if __name__ == "__main__":
+    main()
