@@ -8,7 +8,9 @@ norm, i.e. exactly what the lm_head reads. ``-1`` is accepted as an alias for ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -41,8 +43,35 @@ class TeacherOutput:
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer index -> [B, T, D]
 
 
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Run ``model`` as it was before any peft adapter was injected into it (Medusa-2 trains a LoRA inside the
+    target, yet the teacher must keep answering as the original). Free when peft was never imported or the model has
+    no active adapter. peft's toggle also flips the adapters' ``requires_grad``: those flags are put back as found."""
+    if "peft" not in sys.modules:  # no adapter can exist
+        yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    active = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    flags = [(p, p.requires_grad) for m in active for name in m.adapter_layer_names
+             for p in getattr(m, name).parameters()]
+    for m in active:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in active:
+            m.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
 class Teacher:
-    """Wraps a causal LM: eval mode, no grad, parameters frozen, never handed to an optimizer."""
+    """Wraps a causal LM: eval mode, no grad, parameters frozen, never handed to an optimizer. Its answers are the
+    original target's even while LoRA adapters sit in ``model`` (see ``adapters_disabled``); once a drafter has merged
+    an adapter into the weights (Medusa-2 decoding), ``merged_adapter`` says which and the teacher *is* the merged
+    target from then on."""
 
     def __init__(self, model: nn.Module, tokenizer, name: str = "", revision: str | None = None):
         self.model = model.eval()
@@ -56,6 +85,7 @@ class Teacher:
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
         self.num_layers: int = config.num_hidden_layers
         self.max_positions: int = getattr(config, "max_position_embeddings", 0) or 0
+        self.merged_adapter: str | None = None  # set by a drafter that merged its LoRA into ``model``'s weights
 
     @property
     def device(self) -> torch.device:
@@ -120,12 +150,13 @@ class Teacher:
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Sequence[int] = ()) -> TeacherOutput:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            output_hidden_states=bool(layers),
-            use_cache=False,
-        )
+        with adapters_disabled(self.model):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                output_hidden_states=bool(layers),
+                use_cache=False,
+            )
         hidden = {i: out.hidden_states[self.resolve_layer(i)] for i in layers}
         return TeacherOutput(logits_BTV=out.logits, hidden=hidden)
 

@@ -323,8 +323,14 @@ def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mappin
     for result in report["results"]:
         if (final := (training or {}).get(result["drafter"])) is not None:
             result.update(_simulated(final, result["num_draft"]))
+            result.update(_heldout(final))
+        # Medusa-2 merged its LoRA into the target: every method in this report decoded with the merged target.
+        if merged := getattr(drafters.get(result["drafter"]), "verifies_against", None):
+            result["target"] = merged
     path = write_report(report, run_dir, plots=cfg.eval.plots)
     print(summary_table(report), flush=True)
+    for line in _target_lines(report["results"]):
+        print(line, flush=True)
     log.info("wrote %s", path)
     return report
 
@@ -338,6 +344,24 @@ def _simulated(final: Mapping, num_draft: int) -> dict:
     if not accs:
         return {}
     return {"sim_tau": simulated_tau(accs), "sim_tau_steps": len(accs)}
+
+
+def _heldout(final: Mapping) -> dict:
+    """Medusa-2's training summary: held-out next-token loss of the original and of the adapted (served) target."""
+    if "heldout/original_loss" not in final:
+        return {}
+    return {"heldout_loss": {"original": final["heldout/original_loss"], "adapted": final["heldout/adapted_loss"]}}
+
+
+def _target_lines(results: Sequence[Mapping]) -> list[str]:
+    lines = []
+    for r in results:
+        if r.get("target"):
+            lines.append(f"{r['drafter']}: verified against the {r['target']} (plain decoding too)")
+        if r.get("heldout_loss"):
+            lines.append(f"{r['drafter']}: held-out next-token loss original {r['heldout_loss']['original']:.4f}, "
+                         f"adapted {r['heldout_loss']['adapted']:.4f}")
+    return lines
 
 
 def evaluate_saved(cfg, teacher, drafter_path, run_dir) -> dict:

@@ -9,6 +9,10 @@ way the engine would (by those names) so the decoder can prove the export decode
 Kinds and engines:
     medusa       vllm (MedusaModel: ``blocks.{k}.layers.{j}``, ``lm_heads.{k}``), hf (FasterDecoding/Medusa's
                  ``medusa_lm_head.safetensors``); SGLang has no Medusa: refused
+    medusa2      the heads exactly as medusa (vllm, hf) + ``merged_target/`` (the target with the LoRA merged in: a
+                 plain HF directory with the target's tokenizer; serve THIS, not the original) + ``adapter/`` (the LoRA
+                 alone, PEFT format). Writing it loads the target (on CPU), merges, and checks that the reloaded
+                 merged directory reproduces the adapted target's logits
     draft_model  a plain Hugging Face model directory for every engine (vLLM and SGLang load it as a normal LM)
     lookup       nothing to export (the engines have n-gram drafting built in): refused
 """
@@ -29,6 +33,8 @@ from heads.base import TargetDims, load_saved_drafter, write_dir_atomically
 
 ENGINES = ("vllm", "sglang", "hf")
 SIDECAR = "specdraft_export.json"  # target identity and provenance, beside the engine's own files
+MEDUSA_KINDS = ("medusa", "medusa2")  # kinds whose heads use the Medusa specs below
+MERGED, ADAPTER_DIR = "merged_target", "adapter"  # medusa2: the merged target and the PEFT adapter, inside the export
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,8 @@ SPECS = {("vllm", "medusa"): MEDUSA_VLLM, ("hf", "medusa"): MEDUSA_HF}
 REFUSED = {
     ("sglang", "medusa"): "SGLang has no Medusa drafter (its --speculative-algorithm choices are EAGLE, EAGLE3, "
                           "NEXTN, STANDALONE, NGRAM); serve Medusa with vLLM (format=vllm)",
+    ("sglang", "medusa2"): "SGLang has no Medusa drafter (its --speculative-algorithm choices are EAGLE, EAGLE3, "
+                           "NEXTN, STANDALONE, NGRAM); serve Medusa-2 with vLLM (format=vllm)",
     ("*", "eagle1"): "EAGLE export is not built yet: the engines' EAGLE loaders need their own layout (vLLM/SGLang "
                      "'LlamaForCausalLMEagle(3)': fused qkv over [embedding ; hidden], grouped KV heads, d2t as "
                      "offsets); evaluate EAGLE drafters with `python -m eval drafter_path=...` meanwhile",
@@ -145,9 +153,11 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
     target = config.get("target", {})
 
     def write(tmp: Path) -> None:
-        if kind == "medusa":
-            spec = SPECS[(engine, kind)]
-            state = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
+        if kind in MEDUSA_KINDS:
+            spec = SPECS[(engine, "medusa")]
+            # medusa2's state also holds its LoRA (lora.*): that goes into merged_target/ and adapter/ below.
+            state = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()
+                     if k.startswith("heads.")}
             sizes = _medusa_sizes(state)
             if engine == "hf" and sizes["L"] > 1:
                 # FasterDecoding builds each head as [ResBlock] * L: one block shared L times. Distinct trained
@@ -156,19 +166,95 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
                                  f"has num_layers={sizes['L']} distinct blocks; export with format=vllm instead")
             rename = _medusa_names(engine, sizes["L"])
             save_file({rename(k): v for k, v in state.items()}, str(tmp / spec.weights), metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(_medusa_config(spec, sizes, target), indent=2))
+            engine_config = _medusa_config(spec, sizes, target)
+            if kind == "medusa2":
+                _write_merged_target(drafter, config, tmp)
+                if engine == "hf":  # FasterDecoding loads its base model from here: the merged target
+                    engine_config["base_model_name_or_path"] = str(output_dir.resolve() / MERGED)
+            (tmp / "config.json").write_text(json.dumps(engine_config, indent=2))
         else:  # a draft LM: the same plain HF directory serves vLLM, SGLang and transformers
             drafter.model.save_pretrained(tmp, safe_serialization=True)
             _copy_tokenizer(config.get("target_config", {}), tmp)
         sidecar = {"engine": engine, "kind": kind, "target": target, "source": str(drafter_path.resolve()),
                    "training": config.get("training"), "drafter": config.get("drafter")}
+        if kind == "medusa2":
+            sidecar.update(merged_target=MERGED, adapter=ADAPTER_DIR, verifies_against=drafter.verifies_against)
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str))
-        (tmp / "README.md").write_text(model_card(engine, kind, config, output_dir, report))
+        card = (_medusa2_card(engine, config, output_dir, report) if kind == "medusa2"
+                else model_card(engine, kind, config, output_dir, report))
+        (tmp / "README.md").write_text(card)
         problems = check_export(tmp, engine, kind, target)
         if problems:
             raise RuntimeError("export failed its own conformance check:\n- " + "\n- ".join(problems))
 
     return write_dir_atomically(output_dir, write)
+
+
+def _write_merged_target(drafter, config: dict, out: Path) -> None:
+    """medusa2: ``adapter/`` (the LoRA in PEFT's format) and ``merged_target/`` (the target with the LoRA merged in,
+    ``save_pretrained`` + the target's tokenizer), then proof that the reloaded directory computes what the adapted
+    target computed. Loads the target named in the drafter's config (on CPU, in its configured dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    from distill.teacher import load_teacher
+    from heads.lora import save_peft_adapter
+
+    target_cfg = config.get("target_config") or {}
+    teacher = load_teacher(target_cfg)
+    drafter.attach(teacher)
+    n = min(32, teacher.max_positions or 32)
+    probe = torch.randint(0, teacher.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = teacher.model(input_ids=probe, use_cache=False).logits
+    save_peft_adapter(out / ADAPTER_DIR, drafter.lora_spec, "drafter.lora", drafter.lora_weights(),
+                      target_cfg.get("name"))
+    drafter.merge_into_target(teacher)
+    teacher.model.save_pretrained(out / MERGED, safe_serialization=True)
+    if teacher.tokenizer is not None:
+        teacher.tokenizer.save_pretrained(out / MERGED)
+    del teacher  # one copy of the target in memory at a time
+    reloaded = AutoModelForCausalLM.from_pretrained(out / MERGED, dtype=adapted.dtype).eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=probe, use_cache=False).logits
+    problem = _logits_mismatch(got, adapted)
+    if problem:
+        raise RuntimeError(f"{MERGED}/ does not reproduce the adapted target it was merged from: {problem}")
+
+
+def _logits_mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None when ``got`` matches ``want`` up to the rounding merging causes: 1e-4 (relative to the largest logit) in
+    float32; 2e-2 in 16-bit dtypes, where W + B·A is rounded once more than W x + B(A x)."""
+    diff = (got.float() - want.float()).abs().max().item()
+    scale = max(1.0, want.float().abs().max().item())
+    tol = 1e-4 if want.dtype == torch.float32 else 2e-2
+    return None if diff <= tol * scale else f"max |logit difference| {diff:.3g} > {tol:g} x {scale:.3g}"
+
+
+def _medusa2_card(engine: str, config: dict, output_dir: Path, report: dict | None) -> str:
+    """The Medusa card, serving the merged target in place of the original, plus what Medusa-2 changes."""
+    from heads.model_card import model_card, serve_command
+
+    row = next((r for r in (report or {}).get("results", []) if r.get("drafter") == "medusa2"), None)
+    as_medusa = {**report, "results": [{**row, "drafter": "medusa"}]} if row else None  # the card finds rows by kind
+    drafter = {k: v for k, v in config.get("drafter", {}).items() if k != "lora_modules"}  # hundreds of paths on an 8B
+    card = model_card(engine, "medusa", {**config, "drafter": drafter}, output_dir, as_medusa)
+    num_tokens = drafter.get("num_heads", 4)
+    original, merged = str(config.get("target", {}).get("name")), str(output_dir / MERGED)
+    card = card.replace(serve_command(engine, "medusa", original, str(output_dir), num_tokens),
+                        serve_command(engine, "medusa", merged, str(output_dir), num_tokens))
+    card = card.replace("# medusa drafter", "# medusa2 drafter").replace(", medusa, specdraft", ", medusa2, specdraft")
+    lora = drafter.get("lora", {})
+    final = (config.get("training") or {}).get("final") or {}
+    losses = (f" Held-out next-token loss: original {final['heldout/original_loss']:.4f}, adapted "
+              f"{final['heldout/adapted_loss']:.4f}." if "heldout/original_loss" in final else "")
+    return card + (
+        f"\n## Medusa-2: serve the merged target, not the original\n"
+        f"The heads were trained jointly with a LoRA (r={lora.get('r')}, alpha={lora.get('alpha')}) on the target, and "
+        f"they read the ADAPTED target's hidden states: `{MERGED}/` is `{original}` with that LoRA merged into its "
+        f"weights (a plain Hugging Face directory with the target's tokenizer). Serve it as the model (specdraft's "
+        f"evaluation verifies against it too): served output is the merged target's, and on the original target the "
+        f"heads would read states they were not trained on. `{ADAPTER_DIR}/` holds the LoRA alone "
+        f"(`PeftModel.from_pretrained(base, '{ADAPTER_DIR}')`).{losses}\n")
 
 
 def _copy_tokenizer(target_cfg: dict, out: Path) -> None:
@@ -196,6 +282,8 @@ def check_export(path: str | Path, engine: str, kind: str, target: dict | None =
     config = json.loads(config_file.read_text())
     if kind == "draft_model":
         return _check_hf_model(path, config, target or {})
+    if kind == "medusa2":
+        return _check_medusa2(path, engine, target)
     spec = SPECS[(engine, kind)]
     weights = path / spec.weights
     if not weights.is_file():
@@ -209,6 +297,21 @@ def check_export(path: str | Path, engine: str, kind: str, target: dict | None =
     if problems:
         return problems
     return problems + _check_tensors(load_file(str(weights)), spec, sizes)
+
+
+def _check_medusa2(path: Path, engine: str, target: dict | None) -> list[str]:
+    """The heads as medusa, plus a loadable merged target and a complete PEFT adapter directory."""
+    problems = check_export(path, engine, "medusa", target)
+    merged = path / MERGED
+    if not (merged / "config.json").is_file():
+        problems.append(f"{merged / 'config.json'} is missing (the merged target to serve)")
+    else:
+        config = json.loads((merged / "config.json").read_text())
+        problems += [f"{MERGED}/: {p}" for p in _check_hf_model(merged, config, target or {})]
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / ADAPTER_DIR / name).is_file():
+            problems.append(f"{path / ADAPTER_DIR / name} is missing (the LoRA in PEFT's format)")
+    return problems
 
 
 def _is_size(value: Any) -> bool:
@@ -262,7 +365,8 @@ def _check_hf_model(path: Path, config: dict, target: dict) -> list[str]:
 
 
 def load_export(path: str | Path, teacher):
-    """A specdraft drafter rebuilt from an export's engine-facing files only (not from the sidecar's weights)."""
+    """A specdraft drafter rebuilt from an export's engine-facing files only (not from the sidecar's weights). For
+    medusa2 these are the heads, to be decoded with the exported ``merged_target/`` as ``teacher``."""
     from heads.draft_model import DraftModel
     from heads.medusa import MedusaHeads
 
@@ -275,7 +379,7 @@ def load_export(path: str | Path, teacher):
 
         drafter = DraftModel(dims, model=AutoModelForCausalLM.from_pretrained(path))
     else:
-        spec = SPECS[(engine, kind)]
+        spec = SPECS[(engine, "medusa")]
         config = json.loads((path / "config.json").read_text())
         K, L = config[_key(spec, "K")], config[_key(spec, "L")]
         drafter = MedusaHeads(dims, num_heads=K, num_layers=L, tree=sidecar["drafter"].get("tree"))
