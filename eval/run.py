@@ -322,7 +322,8 @@ def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mappin
         report["batch_sweep"] = batch_sweep(teacher, drafters, prompts, cfg.eval, dcfg)
     for result in report["results"]:
         if (final := (training or {}).get(result["drafter"])) is not None:
-            result.update(_simulated(final, result["num_draft"]))
+            autoregressive = getattr(drafters.get(result["drafter"]), "drafts_autoregressively", False)
+            result.update(_simulated(final, result["num_draft"], autoregressive))
             result.update(_heldout(final))
         # Medusa-2 merged its LoRA into the target: every method in this report decoded with the merged target.
         if merged := getattr(drafters.get(result["drafter"]), "verifies_against", None):
@@ -335,7 +336,7 @@ def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mappin
     return report
 
 
-def _simulated(final: Mapping, num_draft: int) -> dict:
+def _simulated(final: Mapping, num_draft: int, autoregressive: bool = False) -> dict:
     """The training-time estimate beside the measured τ: ``train.loop.simulated_tau`` over the last logged per-step
     top-1 accuracies (training data), cut to the γ decoded here."""
     from train.loop import simulated_tau
@@ -343,7 +344,8 @@ def _simulated(final: Mapping, num_draft: int) -> dict:
     accs = [final[f"train/acc_head{k}"] for k in range(1, num_draft + 1) if f"train/acc_head{k}" in final]
     if not accs:
         return {}
-    return {"sim_tau": simulated_tau(accs), "sim_tau_steps": len(accs)}
+    return {"sim_tau": simulated_tau(accs, num_draft if autoregressive else None),
+            "sim_tau_steps": num_draft if autoregressive else len(accs)}
 
 
 def _heldout(final: Mapping) -> dict:

@@ -86,6 +86,9 @@ class Drafter(nn.Module):
 
     name: str = "drafter"  # how reports label it
     teacher_layers: tuple[int, ...] = ()
+    # True when the drafter trains one next-token term yet drafts autoregressively to any depth (a draft LM): the
+    # simulated τ then applies that term's accuracy at every depth instead of stopping after one.
+    drafts_autoregressively: bool = False
 
     @property
     def needs_training(self) -> bool:

@@ -56,6 +56,7 @@ class DraftModel(Drafter):
     name = "draft_model"  # how reports label it; the HF model's name is ``model_name``
     teacher_layers = ()
     can_sample = True
+    drafts_autoregressively = True
 
     def __init__(self, dims: TargetDims | Mapping[str, int], source: str = "config", name: str | None = None,
                  revision: str | None = None, toy: dict | None = None, dtype: str = "float32",

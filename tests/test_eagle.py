@@ -221,6 +221,8 @@ def test_simulated_tau():
     assert simulated_tau([]) == 1.0
     assert simulated_tau([0.5, 0.5]) == pytest.approx(1.75)
     assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
+    # a draft LM's one next-token accuracy, applied at each of 4 depths: 1 + .5 + .25 + .125 + .0625
+    assert simulated_tau([0.5], depth=4) == pytest.approx(1.9375)
 
 
 def test_auto_tune_refuses_dynamic_trees_but_tunes_chains(tiny_teacher):

@@ -75,3 +75,23 @@ def test_missing_data_file_is_a_clear_error(smoke_run, env, tmp_path):
 def test_unknown_key_is_a_clear_error(env, tmp_path):
     proc = run_module("train", ["experiment=smoke", "trainer.lrr=1", f"hydra.run.dir={tmp_path}"], env, check=False)
     assert proc.returncode != 0 and "lrr" in proc.stderr
+
+
+def test_draft_model_on_regenerated_and_mixed_data(env, tmp_path):
+    """DistillSpec end to end: the target answers the data's prompts, then a draft model built from the target's config
+    trains on those answers with half its micro-batches written by the draft itself, and decodes losslessly."""
+    regen = tmp_path / "regen.jsonl"
+    run_module("distill.regenerate", ["experiment=smoke", f"regenerate.out={regen}", "regenerate.num_prompts=16",
+                                      "regenerate.temperature=1.0", f"hydra.run.dir={tmp_path / 'r'}"], env)
+    assert len(regen.read_text().splitlines()) == 16
+    run_dir = tmp_path / "train"
+    run_module("train", ["experiment=smoke", "drafter=draft_model", "loss=jsd", "data.mode=mixed",
+                         f"data.regenerated={regen}", "trainer.steps=6", "trainer.micro_batch_size=2",
+                         "eval.hf_baselines=false", "eval.num_prompts=2", f"hydra.run.dir={run_dir}"], env)
+    saved = json.loads((run_dir / "drafter" / "config.json").read_text())
+    assert saved["training"]["data"]["mode"] == "mixed" and saved["drafter"]["model_config"]["num_hidden_layers"] == 1
+    draft = next(r for r in json.loads((run_dir / "report.json").read_text())["results"] if r["drafter"] == "draft_model")
+    assert draft["identical_to_greedy"] is True and draft["tau"] >= 1.0
+    proc = run_module("train", ["experiment=smoke", "drafter=medusa", "data.mode=on_policy",
+                                f"hydra.run.dir={tmp_path / 'bad'}"], env, check=False)
+    assert proc.returncode != 0 and "drafter=medusa cannot" in proc.stderr

@@ -58,13 +58,16 @@ class BatchOrder:
         return self._perm[j * self.batch_size : (j + 1) * self.batch_size].tolist()
 
 
-def simulated_tau(accs: list[float]) -> float:
+def simulated_tau(accs: list[float], depth: int | None = None) -> float:
     """τ a chain drafter would reach if depth k were accepted independently with its training top-1 accuracy:
     1 + Σ_k Π_{j≤k} acc_j (the bonus token included, as in ``eval.metrics``). For Medusa head k and EAGLE step k the
-    accuracy is already conditioned on the right context, so this is an estimate, reported beside the measured τ."""
+    accuracy is already conditioned on the right context, so this is an estimate, reported beside the measured τ.
+    ``depth``: extend to that many draft tokens with the last accuracy (a draft LM's one next-token term)."""
     # The decode-time formula (inference.cost), so the two cannot drift.
     from inference.cost import chain_tau
 
+    if depth is not None and accs:
+        accs = list(accs) + [accs[-1]] * (depth - len(accs))
     return chain_tau(accs, len(accs))
 
 
@@ -83,6 +86,7 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
         start = checkpoint.load_checkpoint(ckpt, drafter, optimizer, cfg["drafter"], identity)
     order = BatchOrder(len(dataset), t["micro_batch_size"], cfg["seed"])
     layers = tuple(drafter.teacher_layers)
+    sim_depth = cfg.get("eval", {}).get("num_draft") if drafter.drafts_autoregressively else None
 
     drafter.train()
     last: dict = {}
@@ -124,7 +128,7 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
                     "train/elapsed_s": time.perf_counter() - t_start}
             accs = (agree[:, 0].float() / agree[:, 1].clamp(min=1)).tolist()
             last.update({f"train/acc_head{k + 1}": a for k, a in enumerate(accs)})
-            last["train/sim_tau"] = simulated_tau(accs)
+            last["train/sim_tau"] = simulated_tau(accs, sim_depth)
             logger.log(last, step=step)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
         # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
