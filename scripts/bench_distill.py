@@ -40,6 +40,7 @@ RUNS = {  # name -> overrides; {regenerated} is filled with the regenerated json
     "mixed": [*DRAFT, "loss=fkl", "data.mode=mixed", "data.on_policy_fraction=0.5"],
     "medusa": ["drafter=medusa", "decoder.tree=chain"],
     "medusa2": ["drafter=medusa2", "decoder.tree=chain"],
+    "medusa2_lora_lr1": ["drafter=medusa2", "decoder.tree=chain", "drafter.lora_lr_scale=1.0"],
 }
 PRESETS = {
     "toy": {"common": ["eval.num_prompts=20", "eval.max_new_tokens=96"], "steps": 800, "regen_prompts": 2048},
