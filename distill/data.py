@@ -34,6 +34,7 @@ VALID_SOURCES = ("stdlib", "file", "hub")
 VALID_FORMATS = ("auto", "sharegpt", "text")
 TEXT_SUFFIXES = (".txt", ".py")
 DATA_MODES = ("fixed", "regenerated", "on_policy", "mixed")
+ON_POLICY_MODES = ("on_policy", "mixed")  # the modes whose rows the draft writes (distill.onpolicy)
 
 @dataclass
 class DataConfig:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-ON_POLICY_MODES = ("on_policy", "mixed")
+from distill.data import ON_POLICY_MODES
 
 
 class OnPolicyBatches:

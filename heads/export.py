@@ -74,11 +74,11 @@ MEDUSA_HF = Spec(
              (r"(\d+)\.(\d+)\.weight", ("V", "D"))],
 )
 SPECS = {("vllm", "medusa"): MEDUSA_VLLM, ("hf", "medusa"): MEDUSA_HF}
+_NO_SGLANG_MEDUSA = ("SGLang has no Medusa drafter (its --speculative-algorithm choices are EAGLE, EAGLE3, NEXTN, "
+                     "STANDALONE, NGRAM); serve {} with vLLM (format=vllm)")
 REFUSED = {
-    ("sglang", "medusa"): "SGLang has no Medusa drafter (its --speculative-algorithm choices are EAGLE, EAGLE3, "
-                          "NEXTN, STANDALONE, NGRAM); serve Medusa with vLLM (format=vllm)",
-    ("sglang", "medusa2"): "SGLang has no Medusa drafter (its --speculative-algorithm choices are EAGLE, EAGLE3, "
-                           "NEXTN, STANDALONE, NGRAM); serve Medusa-2 with vLLM (format=vllm)",
+    ("sglang", "medusa"): _NO_SGLANG_MEDUSA.format("Medusa"),
+    ("sglang", "medusa2"): _NO_SGLANG_MEDUSA.format("Medusa-2"),
     ("*", "eagle1"): "EAGLE export is not built yet: the engines' EAGLE loaders need their own layout (vLLM/SGLang "
                      "'LlamaForCausalLMEagle(3)': fused qkv over [embedding ; hidden], grouped KV heads, d2t as "
                      "offsets); evaluate EAGLE drafters with `python -m eval drafter_path=...` meanwhile",

@@ -176,7 +176,7 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _check_data_mode(data: DictConfig) -> None:
-    from distill.data import DATA_MODES
+    from distill.data import DATA_MODES, ON_POLICY_MODES
 
     if data.mode not in DATA_MODES:
         raise ValueError(f"data.mode={data.mode!r} is not a data mode; valid: {list(DATA_MODES)}")
@@ -186,7 +186,7 @@ def _check_data_mode(data: DictConfig) -> None:
     if data.mode == "fixed" and data.regenerated:
         raise ValueError(f"data.regenerated={data.regenerated} is set but data.mode=fixed ignores it; set "
                          f"data.mode=regenerated (or mixed), or data.regenerated=null")
-    if data.mode in ("on_policy", "mixed"):
+    if data.mode in ON_POLICY_MODES:
         if data.teacher_cache:
             raise ValueError(f"data.mode={data.mode} scores the draft's own samples with the live target; it cannot "
                              f"use data.teacher_cache={data.teacher_cache} (set data.teacher_cache=null)")

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def training_data(cfg: DictConfig, teacher, drafter):
     """(dataset, what the loop asks for teacher signals, batch_source) for ``data.mode`` (see ``distill.data``):
     fixed rows, the target's regenerated answers, the offline teacher cache, or on-policy rows the draft writes."""
-    from distill.data import build_train_dataset
+    from distill.data import ON_POLICY_MODES, build_train_dataset
 
     signals = teacher  # the live target, or the offline cache
     if cfg.data.teacher_cache:
@@ -35,7 +35,7 @@ def training_data(cfg: DictConfig, teacher, drafter):
     else:
         dataset = build_train_dataset(cfg.data, teacher.tokenizer)
     batch_source = None
-    if cfg.data.mode in ("on_policy", "mixed"):
+    if cfg.data.mode in ON_POLICY_MODES:
         from distill.onpolicy import OnPolicyBatches
 
         batch_source = OnPolicyBatches(drafter, cfg.data, cfg.seed)
