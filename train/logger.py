@@ -5,6 +5,7 @@ Only the main rank writes. wandb is imported lazily so ``logger=none`` never tou
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import uuid
@@ -34,17 +35,30 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(dict(metrics), step=step)
 
-    def log_report(self, report: Mapping[str, Any]) -> None:
+    def log_report(self, report: Mapping[str, Any], run_dir=None) -> None:
+        """Log an evaluation report (the dict eval writes to ``report.json``) to W&B: an ``eval/results`` table,
+        ``eval/<drafter>/{tau,alpha,speedup}`` summary keys, an ``eval/alpha_per_position`` chart and, from ``run_dir``,
+        eval's PNGs (``eval/plots/<stem>``) and ``summary.md`` (``eval/summary``). A no-op without W&B."""
         if not self.is_main or self.wandb_run is None:
             return
         import wandb
 
-        keys = ["drafter", "tau", "alpha", "speedup", "tokens_per_s", "identical_to_greedy"]
-        table = wandb.Table(columns=keys, data=[[r[k] for k in keys] for r in report["results"]])
-        self.wandb_run.log({"eval/results": table})
-        for r in report["results"]:
-            self.wandb_run.summary[f"eval/{r['drafter']}/tau"] = r["tau"]
-            self.wandb_run.summary[f"eval/{r['drafter']}/speedup"] = r["speedup"]
+        results = list(report.get("results") or [])
+        names = [str(r.get("drafter") or f"result{i}") for i, r in enumerate(results)]  # a key even if drafter is absent
+        payload: dict[str, Any] = {"eval/results": _results_table(wandb, results)}
+        points = [[name, i, a] for name, r in zip(names, results)
+                  for i, a in enumerate(r.get("alpha_per_position") or [], 1) if a is not None]
+        if points:  # None marks a position never reached: no evidence, so no point (as eval/plots.py draws it)
+            table = wandb.Table(columns=["drafter", "position", "alpha"], data=points)
+            payload["eval/alpha_per_position"] = wandb.plot.line(
+                table, "position", "alpha", stroke="drafter", title="Acceptance per draft position")
+        if run_dir is not None:
+            payload.update(_report_files(wandb, report, Path(run_dir)))
+        self.wandb_run.log(payload)
+        for name, r in zip(names, results):
+            for key in ("tau", "alpha", "speedup"):
+                if r.get(key) is not None:
+                    self.wandb_run.summary[f"eval/{name}/{key}"] = r[key]
 
     def close(self) -> None:
         if not self.is_main:
@@ -70,3 +84,36 @@ def _start_wandb(run_dir, logger_cfg: Mapping, full_cfg: Mapping):
         group=logger_cfg.get("group"), tags=list(logger_cfg.get("tags") or []), mode=logger_cfg["mode"],
         dir=str(run_dir), config=dict(full_cfg), id=run_id, resume="allow",
     )
+
+
+_LEADING_COLUMNS = ("drafter", "tau", "alpha", "speedup", "identical_to_greedy")
+_SCALAR = (int, float, str, bool, type(None))
+
+
+def _results_table(wandb, results: list[Mapping[str, Any]]):
+    """One row per result: the leading columns, every other scalar key any result has (missing -> None), and
+    ``alpha_per_position`` as JSON. Nested values (``cost``, ``categories``) stay in report.json."""
+    extra: list[str] = []
+    for r in results:
+        extra += [k for k, v in r.items()
+                  if isinstance(v, _SCALAR) and k not in (*_LEADING_COLUMNS, "alpha_per_position", *extra)]
+    keys = [*_LEADING_COLUMNS, *extra]
+
+    def cell(value):  # a key scalar in one result may be nested in another: keep the row loggable
+        return value if isinstance(value, _SCALAR) else json.dumps(value)
+
+    rows = [[cell(r.get(k)) for k in keys]
+            + [None if r.get("alpha_per_position") is None else json.dumps(r["alpha_per_position"])] for r in results]
+    # Mixed types: a column may be None in one row and a number (or a JSON string) in another.
+    return wandb.Table(columns=[*keys, "alpha_per_position"], data=rows, allow_mixed_types=True)
+
+
+def _report_files(wandb, report: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
+    # report["plots"] names the figures this evaluation wrote; a glob could pick up stale ones from an earlier eval.
+    names = report["plots"] if "plots" in report else sorted(p.name for p in run_dir.glob("*.png"))
+    out: dict[str, Any] = {f"eval/plots/{Path(n).stem}": wandb.Image(str(run_dir / n))
+                           for n in names if (run_dir / n).is_file()}
+    summary = run_dir / "summary.md"
+    if summary.is_file():  # W&B renders HTML, not Markdown: a <pre> block keeps the tables aligned
+        out["eval/summary"] = wandb.Html(f"<pre>{html.escape(summary.read_text())}</pre>")
+    return out
