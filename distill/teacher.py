@@ -34,6 +34,9 @@ class TargetConfig:
     dtype: str = "float32"
     trust_remote_code: bool = False
     cache_dir: Optional[str] = None  # toy targets: default $SPECDRAFT_CACHE or ~/.cache/specdraft
+    # Multi-rank training: replicate (a full copy per rank) | fsdp | zero3 (decoder layers sharded over the ranks,
+    # for targets that do not fit one device; train.engine.shard_target)
+    shard: str = "replicate"
     toy: ToyTargetConfig = field(default_factory=ToyTargetConfig)
 
 

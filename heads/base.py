@@ -105,6 +105,17 @@ class Drafter(nn.Module):
     def prepare(self, dataset) -> None:
         """Before training: fit whatever comes from training-data statistics (EAGLE-3's reduced vocabulary)."""
 
+    def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """The count ``forward(batch, ...)`` reports as ``DraftOutput.num_valid`` (what its loss is normalised by),
+        from the batch alone. The loop sums it over a step's micro-batches and all ranks *before* any forward, so
+        each micro-batch's backward already carries the global per-token normalisation (any engine, any split)."""
+        raise NotImplementedError(f"drafter {self.name!r} does not implement count_valid")
+
+    # Engines read these two: DDP must look for parameters a step leaves without gradient (Medusa-2's LoRA in its
+    # heads-only stage); sharding engines must not shard modules that live inside the target.
+    may_skip_parameters: bool = False
+    shares_target_modules: bool = False
+
     def param_groups(self) -> list[dict]:
         """The optimizer's parameter groups; ``lr_scale`` multiplies the scheduled learning rate (Medusa-2 trains the
         target's LoRA slower than its heads)."""
@@ -187,7 +198,9 @@ def _usual_permissions(root: Path) -> None:
 
 
 def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping[str, Any], target_cfg: Mapping[str, Any],
-                 target_identity: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> Path:
+                 target_identity: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
+                 state_dict: Mapping[str, Tensor] | None = None) -> Path:
+    """``state_dict``: the drafter's full weights when ``drafter`` itself holds only a shard (FSDP / ZeRO-3)."""
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -197,7 +210,8 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping
         "target_config": dict(target_cfg),
         **(dict(extra) if extra else {}),
     }
-    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    weights = drafter.state_dict() if state_dict is None else state_dict
+    tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
 
     def write(tmp: Path) -> None:
         if tensors:

@@ -223,7 +223,10 @@ class DraftModel(Drafter):
         mask_BT = valid_BT[:, 1:]
         student_NV = logits_BTV[:, :-1][mask_BT]
         teacher_NV = teacher_out.logits_BTV[:, :-1][mask_BT]
-        return DraftOutput(terms=[DraftTerm(student_NV, teacher_NV)], num_valid=mask_BT.sum())
+        return DraftOutput(terms=[DraftTerm(student_NV, teacher_NV)], num_valid=self.count_valid(batch))
+
+    def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
+        return (batch["loss_mask"].bool() & batch["attention_mask"].bool())[:, 1:].sum()
 
     @torch.no_grad()
     def sample_continuations(self, prompt_ids_BP: Tensor, num_new: int, temperature: float,

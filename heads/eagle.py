@@ -283,7 +283,7 @@ class EagleDrafter(Drafter):
         hid = self._first_hidden(noisy)
         keys: list[tuple[Tensor, Tensor]] = []  # per step: (k, v) [B, h, T, hd]
         causal = (pos[None, :] <= pos[:, None])[None, None] & attn_BT[:, None, None, :]  # [B, 1, T, T]
-        terms, aux, first_count = [], None, None
+        terms, aux = [], None
         for j in range(self.ttt_steps):
             n = T - 2 - j  # positions t with a predicted token t+2+j inside the row
             if n <= 0:
@@ -299,11 +299,15 @@ class EagleDrafter(Drafter):
             terms.append(term)
             if feat_loss is not None:
                 aux = feat_loss if aux is None else aux + feat_loss
-            first_count = mask_BT.sum() if first_count is None else first_count
             hid = out
         if not terms:
             raise ValueError(f"data.max_length={T} is too short for {self.name}; it needs at least 3 tokens per row")
-        return DraftOutput(terms=terms, num_valid=first_count, aux_loss_sum=aux)
+        return DraftOutput(terms=terms, num_valid=self.count_valid(batch), aux_loss_sum=aux)
+
+    def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
+        # Step 0's positions (the first mask of ``forward``): t where token t + 2 is loss-bearing and t + 1 is real.
+        attn_BT = batch["attention_mask"].bool()
+        return ((batch["loss_mask"].bool() & attn_BT)[:, 2:] & attn_BT[:, 1:-1]).sum()
 
     def _ttt_attention(self, q: Tensor, keys: list[tuple[Tensor, Tensor]], causal: Tensor) -> Tensor:
         """Step j's queries over step 0's keys (causal, padding masked) and steps 1..j's keys at the same position."""

@@ -92,8 +92,12 @@ class MedusaHeads(Drafter):
             student_NV = head(hidden_BTD[:, : T - shift - 1][mask_BT])
             teacher_NV = teacher_BTV[:, shift : T - 1][mask_BT]
             terms.append(DraftTerm(student_NV, teacher_NV, weight=self.loss_decay**i))
-        num_valid = valid_BT[:, 2:].sum() if T > 2 else valid_BT.new_zeros((), dtype=torch.long)
-        return DraftOutput(terms=terms, num_valid=num_valid)
+        return DraftOutput(terms=terms, num_valid=self.count_valid(batch))
+
+    def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
+        # Head 1's positions: t where token t + 2 is a real, loss-bearing one.
+        valid_BT = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        return valid_BT[:, 2:].sum()
 
     # --- decoding ------------------------------------------------------------------------------------------
     def reset(self, seed: int = 0) -> None:

@@ -58,6 +58,8 @@ def _lora_pair(in_features: int, out_features: int, r: int) -> nn.ModuleDict:
 
 class Medusa2(MedusaHeads):
     name = "medusa2"
+    may_skip_parameters = True  # stage 1 leaves the LoRA without gradient (DDP must not wait for it)
+    shares_target_modules = True  # the LoRA lives in the target's own layers: FSDP / ZeRO-3 must not shard it
 
     def __init__(self, dims: TargetDims | Mapping[str, int], num_heads: int = 4, num_layers: int = 1,
                  loss_decay: float = 0.8, tree: str | list | None = None, lora: Mapping[str, Any] | None = None,

@@ -125,12 +125,10 @@ def test_batch_order_is_deterministic_and_covers_each_epoch():
 
 
 class GradSpyEngine(SingleEngine):
-    """Records the gradient the optimizer is about to apply (after the engine's per-token scaling)."""
+    """Records the gradient the optimizer is about to apply (after the loop's per-token normalisation)."""
 
-    def step(self, optimizer, params, grad_scale, grad_clip):
-        params = [p for p in params if p.grad is not None]
-        for p in params:
-            p.grad.mul_(grad_scale)
+    def step(self, optimizer, grad_clip):
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.grads = [p.grad.clone() for p in params]
         optimizer.zero_grad(set_to_none=True)
         return torch.zeros(())

@@ -27,17 +27,26 @@ from inference.tree import parse_tree
 
 @dataclass
 class TrainerConfig:
-    engine: str = "single"
-    device: str = "auto"  # auto | cpu | cuda
+    """``trainer``: the presets in conf/trainer/ (single, ddp, fsdp, zero1, zero2, zero3) set ``engine``
+    (``train.engine``) and its options; everything else is shared."""
+
+    engine: str = "single"  # single | ddp | fsdp | deepspeed
+    device: str = "auto"  # auto (cuda:LOCAL_RANK if there is a GPU) | cpu | cuda
     steps: int = 600
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # rows per forward on each rank
     grad_accum: int = 1
+    # Rows per optimizer step over all ranks; when set, grad_accum = global_batch_size / (micro_batch_size x ranks),
+    # so one config trains on the same batches on any number of ranks.
+    global_batch_size: Optional[int] = None
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     bf16: bool = True  # autocast where the device supports it
+    fp16: bool = False  # fp16 autocast with dynamic loss scaling (GPUs without bf16); excludes bf16
+    zero_stage: int = 2  # engine=deepspeed: ZeRO stage 1, 2 or 3
+    deepspeed: Dict[str, Any] = field(default_factory=dict)  # merged over the generated DeepSpeed JSON
     log_every: int = 20
     ckpt_every: int = 200
     keep_last: int = 2
@@ -151,6 +160,16 @@ def validate(cfg: DictConfig) -> None:
     for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "ckpt_every"):
         if t[name] < 1:
             raise ValueError(f"trainer.{name} must be >= 1, got {t[name]}")
+    if t.bf16 and t.fp16:
+        raise ValueError("trainer.bf16=true and trainer.fp16=true exclude each other; set one of them to false")
+    if t.zero_stage not in (1, 2, 3):
+        raise ValueError(f"trainer.zero_stage={t.zero_stage}; valid: 1, 2, 3")
+    if t.global_batch_size is not None and t.global_batch_size < 1:
+        raise ValueError(f"trainer.global_batch_size must be >= 1 or null, got {t.global_batch_size}")
+    from train.engine import TARGET_SHARDING
+
+    if cfg.target.shard not in TARGET_SHARDING:
+        raise ValueError(f"target.shard={cfg.target.shard!r}; valid: {list(TARGET_SHARDING)}")
     if t.resume not in ("auto", "never"):
         raise ValueError(f"trainer.resume={t.resume!r}; valid: 'auto', 'never'")
     if cfg.logger.name not in ("none", "wandb"):
@@ -166,7 +185,7 @@ def validate(cfg: DictConfig) -> None:
         _check_keys(cfg.drafter, "drafter", runtime=("dims",))
     if cfg.loss:
         _check_keys(cfg.loss, "loss")
-    _check_data_mode(cfg.data)
+    _check_data_mode(cfg.data, cfg.trainer)
     _check_loss_values(cfg.loss)
     if cfg.target.source == "toy" and cfg.data.max_length > cfg.target.toy.max_seq_len:
         raise ValueError(
@@ -175,7 +194,7 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
-def _check_data_mode(data: DictConfig) -> None:
+def _check_data_mode(data: DictConfig, trainer: DictConfig) -> None:
     from distill.data import DATA_MODES, ON_POLICY_MODES
 
     if data.mode not in DATA_MODES:
@@ -187,6 +206,9 @@ def _check_data_mode(data: DictConfig) -> None:
         raise ValueError(f"data.regenerated={data.regenerated} is set but data.mode=fixed ignores it; set "
                          f"data.mode=regenerated (or mixed), or data.regenerated=null")
     if data.mode in ON_POLICY_MODES:
+        if trainer.engine == "fsdp" or (trainer.engine == "deepspeed" and trainer.zero_stage == 3):
+            raise ValueError(f"data.mode={data.mode} samples from the draft outside its forward, which a sharded drafter "
+                             f"(trainer.engine={trainer.engine}) cannot do; use trainer=ddp, zero1 or zero2")
         if data.teacher_cache:
             raise ValueError(f"data.mode={data.mode} scores the draft's own samples with the live target; it cannot "
                              f"use data.teacher_cache={data.teacher_cache} (set data.teacher_cache=null)")

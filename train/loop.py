@@ -3,19 +3,27 @@
 Order (nanoGPT): build optimizer and data order, resume if asked; then per step: set lr, forward/backward over
 ``grad_accum`` micro-batches, turn the summed gradients into a per-token mean, clip and step, log, checkpoint.
 
-Loss normalisation: every micro-batch backpropagates its *sum* over valid tokens; after accumulation the gradients
-are divided once by the number of valid tokens of the whole step (summed over ranks by the engine), so each token
-weighs the same however the tokens are spread over micro-batches and ranks.
+Loss normalisation: a step's micro-batches are collated first and their valid tokens counted
+(``Drafter.count_valid``) and summed over ranks; each micro-batch then backpropagates its loss *sum* divided by
+that global count, so each token weighs the same however the tokens are spread over micro-batches and ranks, and
+the accumulated gradient is already the per-token mean when the engine clips and steps.
+
+Data: the step's global batch is ``micro_batch_size x grad_accum x world size`` rows; rank r takes global
+micro-batches ``[(step * world + r) * grad_accum, ... + grad_accum)`` of ``BatchOrder``, so one process with
+``grad_accum = 2`` and two ranks with ``grad_accum = 1`` train on the same rows in the same steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import resource
 import time
 from collections.abc import Callable, Mapping
 
 import torch
+from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
@@ -76,64 +84,116 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
     """``batch_source(batch, micro_batch_number)``: what replaces a collated batch before the teacher sees it
     (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is."""
     t = cfg["trainer"]
-    drafter = engine.wrap(drafter)
-    groups = [g for g in drafter.param_groups() if g["params"]]
-    params = [p for g in groups for p in g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=t["lr"], betas=(0.9, 0.95), weight_decay=t["weight_decay"])
-    identity = teacher.identity()
+    model, optimizer = engine.setup(drafter, lambda groups: torch.optim.AdamW(
+        groups, lr=t["lr"], betas=(0.9, 0.95), weight_decay=t["weight_decay"]))
+    identity = {**teacher.identity(), "weights_digest": teacher.weights_digest()}
+    layout = data_layout(t, engine.world_size, len(dataset), cfg["seed"])
     start = 0
     if t["resume"] == "auto" and (ckpt := checkpoint.latest_checkpoint(run_dir)) is not None:
-        start = checkpoint.load_checkpoint(ckpt, drafter, optimizer, cfg["drafter"], identity)
+        start = checkpoint.load_checkpoint(ckpt, engine, optimizer, cfg["drafter"], identity, layout)
     order = BatchOrder(len(dataset), t["micro_batch_size"], cfg["seed"])
     layers = tuple(drafter.teacher_layers)
     sim_depth = cfg.get("eval", {}).get("num_draft") if drafter.drafts_autoregressively else None
+    accum = t["grad_accum"]
 
-    drafter.train()
+    model.train()
     last: dict = {}
-    t_start = time.perf_counter()
+    t_start = t_window = time.perf_counter()
+    tokens_window = torch.zeros((), dtype=torch.long, device=engine.device)  # summed on device: no sync per step
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", disable=not engine.is_main)
     for step in bar:
         lr = lr_at(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         drafter.begin_step(step)
-        loss_sum = torch.zeros((), device=engine.device)
-        num_valid = torch.zeros((), device=engine.device, dtype=torch.long)
         logging_step = step % t["log_every"] == 0 or step == t["steps"] - 1
+        clock = PhaseClock(engine.device, enabled=logging_step)
+        # This rank's micro-batches: global numbers [first, first + accum). Ranks take disjoint, consecutive slices
+        # of the step's global batch, so any world size sees the same rows per step and none twice.
+        first = (step * engine.world_size + engine.rank) * accum
+        batches = []
+        for micro in range(accum):
+            batch = {k: v.to(engine.device) for k, v in collate([dataset[i] for i in order.indices(first + micro)]).items()}
+            batches.append(batch_source(batch, first + micro) if batch_source is not None else batch)
+        # The step's valid-token count over all micro-batches and ranks, known before any forward (torchtitan's
+        # global token count): each backward then carries its final per-token weight.
+        total_valid = engine.all_reduce_sum(sum(drafter.count_valid(b) for b in batches)).clamp(min=1)
+        loss_sum = torch.zeros((), device=engine.device)
         agree = None
-        for micro in range(t["grad_accum"]):
-            number = step * t["grad_accum"] + micro
-            batch = {k: v.to(engine.device) for k, v in collate([dataset[i] for i in order.indices(number)]).items()}
-            if batch_source is not None:
-                batch = batch_source(batch, number)
-            with engine.autocast():
-                teacher_out = teacher.signals(batch, layers)
-                out = drafter(batch, teacher_out)
-                micro_loss, micro_valid = out.loss(loss_fn)
-            engine.backward(micro_loss)
+        for micro, batch in enumerate(batches):
+            tokens_window += batch["attention_mask"].sum()
+            with engine.micro_step(sync=micro == accum - 1):
+                with clock("teacher"):
+                    teacher_out = teacher.signals(batch, layers)
+                with clock("drafter"):
+                    out = model(batch, teacher_out)
+                    micro_loss, _ = out.loss(loss_fn)
+            with clock("drafter"):
+                engine.backward(micro_loss / total_valid)
             loss_sum += micro_loss.detach()
-            num_valid += micro_valid
             if logging_step:  # argmax over the vocabulary per term: only when it will be reported
                 counts = torch.stack([torch.stack(c) for c in out.top1_agreement()])  # [K, 2]: correct, count
                 agree = counts if agree is None else agree + counts
-        total_valid = engine.all_reduce_sum(num_valid)
-        # A tensor scale, not a Python number: no device sync outside logging steps.
-        grad_norm = engine.step(optimizer, params, 1.0 / total_valid.clamp(min=1), t["grad_clip"])
+        with clock("drafter"):
+            grad_norm = engine.step(optimizer, t["grad_clip"])
 
         if logging_step:
             total_loss = engine.all_reduce_sum(loss_sum)
             agree = engine.all_reduce_sum(agree)
-            last = {"train/loss": (total_loss / total_valid.clamp(min=1)).item(), "train/lr": lr,
-                    "train/grad_norm": grad_norm.item(), "train/valid_tokens": int(total_valid),
+            last = {"train/loss": (total_loss / total_valid).item(), "train/lr": lr,
+                    "train/grad_norm": float(grad_norm), "train/valid_tokens": int(total_valid),
                     "train/elapsed_s": time.perf_counter() - t_start}
             accs = (agree[:, 0].float() / agree[:, 1].clamp(min=1)).tolist()
             last.update({f"train/acc_head{k + 1}": a for k, a in enumerate(accs)})
             last["train/sim_tau"] = simulated_tau(accs, sim_depth)
+            last.update(throughput(engine, clock, tokens_window, time.perf_counter() - t_window))
+            t_window = time.perf_counter()
+            tokens_window.zero_()
             logger.log(last, step=step)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
         # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
-        if ((step + 1) % t["ckpt_every"] == 0 or step + 1 == t["steps"]) and engine.is_main:
-            checkpoint.save_checkpoint(run_dir, step + 1, drafter, optimizer, cfg["drafter"], cfg["target"],
-                                       identity, t["keep_last"])
-    drafter.eval()
+        if (step + 1) % t["ckpt_every"] == 0 or step + 1 == t["steps"]:
+            checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg["drafter"], cfg["target"], identity,
+                                       layout, t["keep_last"])
+    model.eval()
     return last
+
+
+def data_layout(trainer_cfg: Mapping, world_size: int, num_examples: int, seed: int) -> dict:
+    """What fixes the data order (``BatchOrder``, the per-step global batch): a resume must find the same."""
+    return {"num_examples": num_examples, "seed": seed, "micro_batch_size": trainer_cfg["micro_batch_size"],
+            "global_batch": trainer_cfg["micro_batch_size"] * trainer_cfg["grad_accum"] * world_size}
+
+
+class PhaseClock:
+    """Wall time per phase of one step (teacher forward vs drafter forward/backward/step), on logging steps only:
+    timing a GPU needs a synchronize, which would stall the others."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled, self.seconds = enabled, {"teacher": 0.0, "drafter": 0.0}
+        self._sync = torch.cuda.synchronize if enabled and device.type == "cuda" else (lambda: None)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[phase] += time.perf_counter() - t0
+
+
+def throughput(engine, clock: PhaseClock, tokens: Tensor, seconds: float) -> dict:
+    """``perf/*``: all-ranks tokens/s (rows' real tokens) since the previous logging step, this rank's teacher vs
+    drafter seconds within the logged step, and its peak memory."""
+    total = int(engine.all_reduce_sum(tokens))
+    if engine.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(engine.device) / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    return {"perf/tokens_per_s": total / max(seconds, 1e-9), "perf/teacher_s": clock.seconds["teacher"],
+            "perf/drafter_s": clock.seconds["drafter"], "perf/peak_mem_gb": peak}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from omegaconf import DictConfig
 from distill.teacher import load_teacher
 from heads.base import build_drafter, save_drafter
 from train.config import to_container, validate
-from train.engine import build_engine
+from train.engine import build_engine, resolve_batch, shard_target, world_from_env
 from train.logger import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -43,46 +44,83 @@ def training_data(cfg: DictConfig, teacher, drafter):
 
 
 def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
-    """Train the configured drafter into ``<run dir>/drafter/`` and, unless ``eval.enabled=false``, evaluate it."""
+    """Train the configured drafter into ``<run dir>/drafter/`` and, unless ``eval.enabled=false``, evaluate it.
+    Every rank of a multi-process launch runs this; only the main rank logs, writes and evaluates."""
     validate(cfg)
-    run_dir = Path(run_dir)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same on every rank: sharding engines need identical initial weights
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
-    engine = build_engine(cfg.trainer)
-    teacher = load_teacher(cfg.target, device=engine.device)
+    trainer = resolve_batch(to_container(cfg.trainer), world_from_env()[1])
+    engine = build_engine(trainer)
+    if not engine.is_main:
+        logging.getLogger().setLevel(logging.WARNING)  # rank-0 logging; other ranks still report problems
+    run_dir = _shared_run_dir(engine, Path(run_dir))
+    sharded = cfg.target.shard != "replicate"
+    # A sharded target is loaded on the CPU and only its shards move to the device. Rank 0 goes first: a toy target
+    # missing from the cache is built once, not by every rank at the same time.
+    for turn in (True, False):
+        if engine.is_main == turn:
+            teacher = load_teacher(cfg.target, device="cpu" if sharded else engine.device)
+        engine.barrier()
+    shard_target(teacher, cfg.target.shard, engine)
+    teacher.model.to(engine.device)
     drafter = build_drafter(cfg.drafter, teacher)
     drafter.bind_target(teacher, initialize=True)
     plain = to_container(cfg)
+    plain["trainer"] = trainer
+    if engine.is_main and hasattr(engine, "config"):  # the DeepSpeed JSON actually used
+        (run_dir / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
 
     summary = {}
-    if any(p.requires_grad for p in drafter.parameters()):
-        from distill.data import collate
-        from train import checkpoint
-        from train.loop import train
+    from train import checkpoint
 
-        dataset, signals, batch_source = training_data(cfg, teacher, drafter)
-        drafter.prepare(dataset)
-        log.info("training %s on %d blocks of %d tokens (data.mode=%s)", type(drafter).__name__, len(dataset),
-                 cfg.data.max_length, cfg.data.mode)
-        resumed = cfg.trainer.resume == "auto" and checkpoint.latest_checkpoint(run_dir) is not None
-        logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=resumed)
-        try:
+    resumed = cfg.trainer.resume == "auto" and checkpoint.latest_checkpoint(run_dir) is not None
+    logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=resumed)
+    try:
+        if any(p.requires_grad for p in drafter.parameters()):
+            from distill.data import collate
+            from train.loop import train
+
+            dataset, signals, batch_source = training_data(cfg, teacher, drafter)
+            drafter.prepare(dataset)
+            log.info("training %s on %d blocks of %d tokens (data.mode=%s, trainer.engine=%s, %d rank(s), global "
+                     "batch %d rows)", type(drafter).__name__, len(dataset), cfg.data.max_length, cfg.data.mode,
+                     engine.name, engine.world_size, trainer["micro_batch_size"] * trainer["grad_accum"] * engine.world_size)
             summary = train(plain, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger,
                             batch_source=batch_source)
-        finally:
-            logger.close()
-        summary.update(drafter.after_training(teacher))
-    else:
-        log.info("%s has no trainable parameters; skipping training", type(drafter).__name__)
+            summary.update(drafter.after_training(teacher))
+            weights = engine.model_state_dict()  # collective: the full weights, gathered on the main rank
+        else:
+            log.info("%s has no trainable parameters; skipping training", type(drafter).__name__)
+            weights = None
+        if engine.is_main:
+            path = save_drafter(drafter, run_dir / "drafter", plain["drafter"], plain["target"], teacher.identity(),
+                                extra={"training": {"steps": trainer["steps"], "loss": plain["loss"],
+                                                    "data": plain["data"], "final": summary}},
+                                state_dict=weights)
+            log.info("saved drafter to %s", path)
+        engine.barrier()
+        if not cfg.eval.enabled or not engine.is_main:
+            return None
+        if sharded:
+            log.warning("target.shard=%s: the target is split over the ranks, so evaluation is left to "
+                        "`python -m eval drafter_path=%s` on a machine it fits", cfg.target.shard, run_dir / "drafter")
+            return None
+        from eval.run import evaluate_saved
 
-    if engine.is_main:
-        path = save_drafter(drafter, run_dir / "drafter", plain["drafter"], plain["target"], teacher.identity(),
-                            extra={"training": {"steps": cfg.trainer.steps, "loss": plain["loss"], "data": plain["data"],
-                                              "final": summary}})
-        log.info("saved drafter to %s", path)
-    if not cfg.eval.enabled or not engine.is_main:
-        return None
-    from eval.run import evaluate_saved
+        report = evaluate_saved(cfg, teacher, run_dir / "drafter", run_dir)
+        logger.log_report(report, run_dir)
+        return report
+    finally:
+        logger.close()
+        engine.close()
 
-    return evaluate_saved(cfg, teacher, run_dir / "drafter", run_dir)
+
+def _shared_run_dir(engine, run_dir: Path) -> Path:
+    """Rank 0's run dir on every rank. Hydra's default dir is a timestamp, which ranks started a second apart
+    would each compute differently; scripts/train.sh passes one explicitly, and plain ``torchrun`` is fixed here."""
+    shared = Path(engine.broadcast_object(str(run_dir)))
+    if shared != run_dir:
+        log.warning("rank %d: Hydra chose run dir %s; using rank 0's %s (pass hydra.run.dir, or launch with "
+                    "scripts/train.sh, to name it)", engine.rank, run_dir, shared)
+    return shared
