@@ -66,9 +66,8 @@ class DraftOutput:
     def loss(self, loss_fn: LossFn) -> tuple[Tensor, Tensor]:
         """(loss_sum, num_valid): the weighted sum of every term's divergence plus the auxiliary loss."""
         total = self.aux_loss_sum if self.aux_loss_sum is not None else self.num_valid.new_zeros((), dtype=torch.float32)
-        for term in self.terms:
-            mask = torch.ones(term.student_NV.shape[:-1], dtype=torch.bool, device=term.student_NV.device)
-            total = total + term.weight * loss_fn(term.student_NV, term.teacher_NV, mask)[0]
+        for term in self.terms:  # rows already selected: mask=None, no [N, V] index copy
+            total = total + term.weight * loss_fn(term.student_NV, term.teacher_NV, None)[0]
         return total, self.num_valid
 
     @torch.no_grad()

@@ -121,6 +121,9 @@ def test_menu_zero_nonnegative_direct_masked_and_tempered(name):
         loss, n = loss_fn(s, t, full, temperature=T)
         assert loss >= 0 and n == 24
         torch.testing.assert_close(loss, _direct(name, s, t, T), rtol=1e-4, atol=1e-5)
+        unmasked, n_all = loss_fn(s, t, None, temperature=T)  # None: every position (rows already selected)
+        assert n_all == 24
+        torch.testing.assert_close(unmasked, loss, rtol=1e-6, atol=1e-7)
     mask = torch.rand(4, 6, generator=torch.Generator().manual_seed(0)) > 0.5
     masked, n = loss_fn(s, t, mask)
     torch.testing.assert_close(masked, _direct(name, s[mask], t[mask]), rtol=1e-4, atol=1e-5)
