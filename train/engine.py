@@ -316,6 +316,9 @@ class DeepSpeedEngine(SingleEngine):
     def model_state_dict(self) -> dict[str, Tensor]:
         if self.config["zero_optimization"]["stage"] == 3:
             state = self.model._zero3_consolidated_16bit_state_dict()  # gathers on rank 0 (collective)
+            if self.is_main and not state:
+                raise RuntimeError("DeepSpeed ZeRO-3 returned no consolidated weights for the drafter; set "
+                                   "+trainer.deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save=true")
             return {k: v.detach().cpu() for k, v in (state or {}).items()}
         return super().model_state_dict()
 

@@ -99,7 +99,9 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
                                                     "data": plain["data"], "final": summary}},
                                 state_dict=weights)
             log.info("saved drafter to %s", path)
-        engine.barrier()
+        # Every rank leaves the process group together; evaluation is the main rank's alone, and however long it
+        # takes no rank waits on it (nor on a rank that failed: then no rank gets here, and the launcher stops all).
+        engine.close()
         if not cfg.eval.enabled or not engine.is_main:
             return None
         if sharded:
@@ -113,7 +115,6 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
         return report
     finally:
         logger.close()
-        engine.close()
 
 
 def _shared_run_dir(engine, run_dir: Path) -> Path:
