@@ -170,3 +170,19 @@ def test_only_drafter_parameters_reach_the_optimizer(tiny_teacher):
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert in_optimizer == {id(p) for p in drafter.parameters() if p.requires_grad}
     assert not in_optimizer & {id(p) for p in tiny_teacher.model.parameters()}
+
+
+def test_fp16_loss_scaling_trains_checkpoints_and_resumes(tiny_teacher, tmp_path):
+    """fp16 autocast with a dynamic loss scale: the scaler's state is checkpointed, and a killed run resumes onto
+    the uninterrupted curve."""
+    cfg = make_cfg(bf16=False, fp16=True)
+    reference = run(tiny_teacher, tmp_path / "a", cfg)
+    _killed_run(tiny_teacher, tmp_path / "b", cfg)
+    state = torch.load(tmp_path / "b" / "checkpoints" / "step_0000003" / checkpoint.STATE, weights_only=True)
+    assert state["grad_scaler"]["scale"] > 1  # the dynamic loss scale, saved with the step
+    resumed = run(tiny_teacher, tmp_path / "b", cfg)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=1e-6, msg=name)
+    torch.manual_seed(0)  # the steps were taken, not all skipped as overflowing
+    initial = build_drafter(cfg["drafter"], tiny_teacher).state_dict()
+    assert max((initial[k] - v).abs().max() for k, v in reference.state_dict().items()) > 1e-3

@@ -1,7 +1,8 @@
 """The training loop: one readable function, free of per-drafter and per-engine branches.
 
-Order (nanoGPT): build optimizer and data order, resume if asked; then per step: set lr, forward/backward over
-``grad_accum`` micro-batches, turn the summed gradients into a per-token mean, clip and step, log, checkpoint.
+Order (nanoGPT): build optimizer and data order, resume if asked; then per step: set lr, collate this rank's
+``grad_accum`` micro-batches and count their valid tokens over all ranks, forward/backward each, clip and step (the
+engine), log, checkpoint (every rank takes part; the main rank writes).
 
 Loss normalisation: a step's micro-batches are collated first and their valid tokens counted
 (``Drafter.count_valid``) and summed over ranks; each micro-batch then backpropagates its loss *sum* divided by
