@@ -147,12 +147,6 @@ class SingleEngine:
             dist.all_reduce(value)
         return value
 
-    def all_reduce_max(self, value: Tensor) -> Tensor:
-        if self.world_size > 1:
-            value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return value
-
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (on every rank)."""
         if self.world_size == 1:
@@ -415,8 +409,7 @@ def shard_target(teacher, mode: str, engine) -> None:
         # ZeRO-3 hooks every submodule of what it wraps, so the decoder calling layers[i] gathers layer i's weights.
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                   "bf16": {"enabled": next(teacher.model.parameters()).dtype == torch.bfloat16}}
-        teacher.zero3_engine = deepspeed.initialize(model=layers, config=config)[0]
-    teacher.sharded = mode
+        teacher.zero3_engine = deepspeed.initialize(model=layers, config=config)[0]  # held: its hooks live with it
     log.info("target decoder layers sharded over %d ranks (%s)", engine.world_size, mode)
 
 
