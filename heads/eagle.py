@@ -6,8 +6,10 @@ step j-1 output back in place of the feature, with the embedding of token t+1+j,
 
 Shape legend:  B batch, T sequence, D target hidden size, V target vocabulary, Vd draft vocabulary (EAGLE-3's
 reduced vocabulary; = V for EAGLE-1), F number of feature layers (EAGLE-1: 1; EAGLE-3: 3), S TTT steps, h heads.
-    EAGLE-1:  x = fc([feat_BTD ; emb_BTD])  (2D -> D)              -> layer(x, residual x) -> out_BTD (a predicted
-              feature)  -> the target's frozen lm_head -> logits_BTV
+    EAGLE-1:  x = fc([emb_BTD ; feat_BTD])  (2D -> D, no bias)     -> layer(x, residual x; no input norm) -> out_BTD
+              (a predicted feature) -> the target's frozen lm_head -> logits_BTV. This is the architecture vLLM,
+              SGLang and SafeAILab/EAGLE run (``EagleLlamaForCausalLM``: embedding first, layer 0's input_layernorm an
+              identity), so an export is the trained drafter exactly.
     EAGLE-3:  hid = fc([low ; mid ; high])  (3D -> D)  or step j-1's out
               x = [norm(emb) ; norm(hid)]   (2D)                    -> layer(x, residual hid) -> out_BTD
               -> norm -> own lm_head (D -> Vd) -> logits over the draft vocabulary; ``d2t`` maps them to target ids
@@ -161,18 +163,23 @@ class EagleDrafter(Drafter):
         if feature_noise < 0:
             raise ValueError(f"drafter.feature_noise must be >= 0, got {feature_noise}")
         Vd = V if draft_vocab_size is None else draft_vocab_size
-        if not 1 <= Vd <= V:
-            raise ValueError(f"drafter.draft_vocab_size={draft_vocab_size} must lie in 1..{V} (the target's vocab_size); "
-                             f"null uses the full vocabulary")
+        if Vd < 1:
+            raise ValueError(f"drafter.draft_vocab_size={draft_vocab_size} must be >= 1 (null uses the full vocabulary)")
+        if eagle3 and Vd > V:  # a preset written for 128k-token targets, run on a small one (experiment=smoke)
+            log.warning("drafter.draft_vocab_size=%d exceeds the target's vocab_size %d: drafting over the full "
+                        "vocabulary", Vd, V)
+            Vd = V
         if not eagle3 and Vd != V:
             raise ValueError("drafter.draft_vocab_size is an EAGLE-3 feature; eagle1 drafts over the target's lm_head")
         self.loss_decay, self.feature_noise, self.draft_vocab_size = loss_decay, feature_noise, Vd
         heads = num_heads or max(1, D // 64)
         inter = intermediate_size or 64 * math.ceil(8 * D / 3 / 64)
-        self.fc = nn.Linear(len(layers) * D if eagle3 else 2 * D, D, bias=not eagle3)
+        # Bias-free fc for both variants: the engines' EAGLE-1 and EAGLE-3 fc has no bias in vLLM (SGLang's EAGLE-1
+        # fc has one; its export writes zeros), so every trained parameter has a home in every engine.
+        self.fc = nn.Linear(len(layers) * D if eagle3 else 2 * D, D, bias=False)
         self.layer = DraftLayer(2 * D if eagle3 else D, D, heads, inter, rope_theta)
-        self.input_layernorm = RMSNorm(D, eps=1e-6)  # EAGLE-3: the embedding half; EAGLE-1: fc's output
         if eagle3:
+            self.input_layernorm = RMSNorm(D, eps=1e-6)  # the embedding half of the layer input
             self.hidden_norm = RMSNorm(D, eps=1e-6)
             self.norm = RMSNorm(D, eps=1e-6)
             self.lm_head = nn.Linear(D, Vd, bias=False)
@@ -261,8 +268,8 @@ class EagleDrafter(Drafter):
         """(attention input, residual) for one step."""
         if self.variant == "eagle3":
             return torch.cat([self.input_layernorm(emb_BTD), self.hidden_norm(hid_BTD)], -1), hid_BTD
-        x = self.fc(torch.cat([hid_BTD, emb_BTD], -1))
-        return self.input_layernorm(x), x
+        x = self.fc(torch.cat([emb_BTD, hid_BTD], -1))  # EAGLE-1's layer 0 has no input norm (the engines' identity)
+        return x, x
 
     def _first_hidden(self, feats_BTX: Tensor) -> Tensor:
         """Step 0's hidden input from the concatenated target features (EAGLE-3: fc; EAGLE-1: the feature itself)."""

@@ -7,19 +7,23 @@ and values its loader reads and the tensor names and shapes it accepts, each wri
 way the engine would (by those names) so the decoder can prove the export decodes exactly like the checkpoint.
 
 Kinds and engines:
-    medusa       vllm (MedusaModel: ``blocks.{k}.layers.{j}``, ``lm_heads.{k}``), hf (FasterDecoding/Medusa's
-                 ``medusa_lm_head.safetensors``); SGLang has no Medusa: refused
+    eagle1       vllm / sglang (``LlamaForCausalLMEagle``), hf (SafeAILab/EAGLE): see ``heads/export_eagle.py``
+    eagle3       vllm / sglang (``LlamaForCausalLMEagle3``), speculators (the format vLLM auto-detects); hf refused
+    medusa       vllm (MedusaModel: ``blocks.{k}.layers.{j}``, ``lm_heads.{k}``), hf (FasterDecoding/Medusa: the
+                 only file its loader opens is ``medusa_lm_head.pt``); SGLang has no Medusa: refused
     medusa2      the heads exactly as medusa (vllm, hf) + ``merged_target/`` (the target with the LoRA merged in: a
                  plain HF directory with the target's tokenizer; serve THIS, not the original) + ``adapter/`` (the LoRA
                  alone, PEFT format). Writing it loads the target (on CPU), merges, and checks that the reloaded
                  merged directory reproduces the adapted target's logits
     draft_model  a plain Hugging Face model directory for every engine (vLLM and SGLang load it as a normal LM)
     lookup       nothing to export (the engines have n-gram drafting built in): refused
+The speculators format holds EAGLE-3 only (speculators 0.9.0 has no Medusa, EAGLE-1 or draft-model class).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -29,9 +33,13 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from heads import export_eagle
 from heads.base import TargetDims, load_saved_drafter, write_dir_atomically
+from heads.export_eagle import EAGLE_KINDS
 
-ENGINES = ("vllm", "sglang", "hf")
+log = logging.getLogger(__name__)
+
+ENGINES = ("vllm", "sglang", "speculators", "hf")
 SIDECAR = "specdraft_export.json"  # target identity and provenance, beside the engine's own files
 MEDUSA_KINDS = ("medusa", "medusa2")  # kinds whose heads use the Medusa specs below
 MERGED, ADAPTER_DIR = "merged_target", "adapter"  # medusa2: the merged target and the PEFT adapter, inside the export
@@ -65,26 +73,27 @@ MEDUSA_VLLM = Spec(
 )
 MEDUSA_HF = Spec(
     engine="hf", kind="medusa",
-    loader="FasterDecoding/Medusa medusa/model/medusa_model.py (MedusaModel.medusa_head, MedusaConfig)",
-    weights="medusa_lm_head.safetensors",
-    # FasterDecoding reads medusa_num_heads, medusa_num_layers and base_model_name_or_path; hidden_size and
-    # vocab_size are ours (it ignores them) so the shapes can be checked without the target.
+    loader="FasterDecoding/Medusa medusa/model/medusa_model.py (MedusaModelABC.from_pretrained, MedusaConfig)",
+    # The loader opens <dir>/medusa_lm_head.pt with torch.load (else it asks the hub for that file), and no other
+    # name. It reads medusa_num_layers and base_model_name_or_path through MedusaConfig. The config deliberately has
+    # no model_type: the loader first tries AutoConfig on the export dir and, when that succeeds, loads a whole LLM
+    # from it; without one it takes its heads-only path (the layout of FasterDecoding's own hub checkpoints).
+    weights="medusa_lm_head.pt",
     config={"medusa_num_heads": "K", "medusa_num_layers": "L", "hidden_size": "D", "vocab_size": "V"},
     tensors=[(r"(\d+)\.(\d+)\.linear\.weight", ("D", "D")), (r"(\d+)\.(\d+)\.linear\.bias", ("D",)),
              (r"(\d+)\.(\d+)\.weight", ("V", "D"))],
 )
 SPECS = {("vllm", "medusa"): MEDUSA_VLLM, ("hf", "medusa"): MEDUSA_HF}
+FASTERDECODING_HEADS = 5  # MedusaModelABC.from_pretrained sets medusa_num_heads = 5 whatever the config says
 _NO_SGLANG_MEDUSA = ("SGLang has no Medusa drafter (its --speculative-algorithm choices are EAGLE, EAGLE3, NEXTN, "
                      "STANDALONE, NGRAM); serve {} with vLLM (format=vllm)")
 REFUSED = {
     ("sglang", "medusa"): _NO_SGLANG_MEDUSA.format("Medusa"),
     ("sglang", "medusa2"): _NO_SGLANG_MEDUSA.format("Medusa-2"),
-    ("*", "eagle1"): "EAGLE export is not built yet: the engines' EAGLE loaders need their own layout (vLLM/SGLang "
-                     "'LlamaForCausalLMEagle(3)': fused qkv over [embedding ; hidden], grouped KV heads, d2t as "
-                     "offsets); evaluate EAGLE drafters with `python -m eval drafter_path=...` meanwhile",
-    ("*", "eagle3"): "EAGLE export is not built yet: the engines' EAGLE loaders need their own layout (vLLM/SGLang "
-                     "'LlamaForCausalLMEagle(3)': fused qkv over [embedding ; hidden], grouped KV heads, d2t as "
-                     "offsets); evaluate EAGLE drafters with `python -m eval drafter_path=...` meanwhile",
+    **export_eagle.REFUSED,
+    **{("speculators", kind): f"the speculators format holds EAGLE-3 drafters only (speculators 0.9.0 has no {kind} "
+                              f"model class); serve {kind} with format=vllm"
+       for kind in ("medusa", "medusa2", "draft_model")},
     ("*", "lookup"): "prompt lookup has no weights: vLLM serves it with --speculative-config "
                      "'{\"method\": \"ngram\", ...}' and SGLang with --speculative-algorithm NGRAM",
 }
@@ -112,11 +121,90 @@ def _medusa_names(engine: str, L: int) -> Callable[[str], str]:
     return rename
 
 
-def _medusa_config(spec: Spec, sizes: dict[str, int], target: dict) -> dict:
+def _medusa_config(spec: Spec, sizes: dict[str, int], serve_name: str) -> dict:
     config = {key: sizes[value] if _is_size(value) else value for key, value in spec.config.items()}
     if spec.engine == "hf":
-        config["base_model_name_or_path"] = target.get("name")
+        config["base_model_name_or_path"] = serve_name
     return config
+
+
+def _write_medusa(tmp: Path, drafter, kind: str, engine: str, config: dict, output_dir: Path) -> None:
+    spec = SPECS[(engine, "medusa")]
+    # medusa2's state also holds its LoRA (lora.*): that goes into merged_target/ and adapter/ below.
+    dtype = target_dtype(config)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items() if k.startswith("heads.")}
+    sizes = _medusa_sizes(state)
+    if engine == "hf" and sizes["L"] > 1:
+        # FasterDecoding builds each head as [ResBlock] * L: one block shared L times. Distinct trained
+        # blocks cannot be expressed in that layout.
+        raise ValueError(f"format=hf (FasterDecoding/Medusa) shares one ResBlock per head, but this drafter "
+                         f"has num_layers={sizes['L']} distinct blocks; export with format=vllm instead")
+    if engine == "hf" and sizes["K"] > FASTERDECODING_HEADS:
+        raise ValueError(f"format=hf (FasterDecoding/Medusa) always builds {FASTERDECODING_HEADS} heads and would drop "
+                         f"heads {FASTERDECODING_HEADS}..{sizes['K'] - 1} without a word (strict=False); export with "
+                         f"format=vllm, or train drafter.num_heads <= {FASTERDECODING_HEADS}")
+    rename = _medusa_names(engine, sizes["L"])
+    renamed = {rename(k): v for k, v in state.items()}
+    if engine == "hf":  # FasterDecoding's loader reads this file name only, with torch.load
+        torch.save(renamed, tmp / spec.weights)
+    else:
+        save_file(renamed, str(tmp / spec.weights), metadata={"format": "pt"})
+    engine_config = _medusa_config(spec, sizes, serve_name(config))
+    if kind == "medusa2":
+        _write_merged_target(drafter, config, tmp)
+        if engine == "hf":  # FasterDecoding loads its base model from here: the merged target
+            engine_config["base_model_name_or_path"] = str(output_dir.resolve() / MERGED)
+    (tmp / "config.json").write_text(json.dumps(engine_config, indent=2))
+
+
+def _write_eagle(tmp: Path, drafter, engine: str, config: dict) -> None:
+    kind = drafter.variant
+    facts = target_facts(config)
+    export_eagle.check_target_family(engine, kind, facts.get("model_type"))
+    dtype = target_dtype(config)
+    target = {**config.get("target", {}), **facts, "serve_name": serve_name(config)}
+    num_tokens = drafter.depth or 4
+    engine_config = export_eagle.engine_config(drafter, engine, target, str(dtype).removeprefix("torch."), num_tokens)
+    save_file(export_eagle.engine_state(drafter, engine, dtype), str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(engine_config, indent=2))
+
+
+def target_dtype(config: dict) -> torch.dtype:
+    """The dtype the target was trained against (target.dtype): heads are served in the target's dtype."""
+    name = (config.get("target_config") or {}).get("dtype", "float32")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def serve_name(config: dict) -> str:
+    """What a serving engine can resolve as the target: the hub id, or for the embedded toy target the local
+    directory it is cached in (``specdraft/tiny-stdlib`` names no hub repository)."""
+    target_cfg = config.get("target_config") or {}
+    if target_cfg.get("source") == "toy" and target_cfg.get("toy"):
+        from distill.toy import toy_cache_path
+
+        return str(toy_cache_path(target_cfg["toy"], target_cfg.get("cache_dir")).resolve())
+    return str(target_cfg.get("name") or config.get("target", {}).get("name"))
+
+
+def target_facts(config: dict) -> dict:
+    """model_type (the engines whitelist EAGLE-3 targets by it), architecture and max_positions (the drafter's
+    config must not cap the served context below the target's) of the target, read from its config.json when it
+    can be resolved here (a local dir, or the hub cache); the toy target is a Llama."""
+    target_cfg = config.get("target_config") or {}
+    if target_cfg.get("source") == "toy":
+        return {"model_type": "llama", "architecture": "LlamaForCausalLM",
+                "max_positions": (target_cfg.get("toy") or {}).get("max_seq_len")}
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(target_cfg.get("name"), revision=target_cfg.get("revision"))
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("could not read the target's config (%s): its model family is not checked against the "
+                    "engine's EAGLE-3 whitelist, and the drafter config says max_position_embeddings=4096", e)
+        return {}
+    return {"model_type": hf.model_type, "architecture": (hf.architectures or [None])[0],
+            "max_positions": getattr(hf, "max_position_embeddings", None)}
 
 
 # --- export ----------------------------------------------------------------------------------------------------
@@ -154,24 +242,9 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
 
     def write(tmp: Path) -> None:
         if kind in MEDUSA_KINDS:
-            spec = SPECS[(engine, "medusa")]
-            # medusa2's state also holds its LoRA (lora.*): that goes into merged_target/ and adapter/ below.
-            state = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()
-                     if k.startswith("heads.")}
-            sizes = _medusa_sizes(state)
-            if engine == "hf" and sizes["L"] > 1:
-                # FasterDecoding builds each head as [ResBlock] * L: one block shared L times. Distinct trained
-                # blocks cannot be expressed in that layout.
-                raise ValueError(f"format=hf (FasterDecoding/Medusa) shares one ResBlock per head, but this drafter "
-                                 f"has num_layers={sizes['L']} distinct blocks; export with format=vllm instead")
-            rename = _medusa_names(engine, sizes["L"])
-            save_file({rename(k): v for k, v in state.items()}, str(tmp / spec.weights), metadata={"format": "pt"})
-            engine_config = _medusa_config(spec, sizes, target)
-            if kind == "medusa2":
-                _write_merged_target(drafter, config, tmp)
-                if engine == "hf":  # FasterDecoding loads its base model from here: the merged target
-                    engine_config["base_model_name_or_path"] = str(output_dir.resolve() / MERGED)
-            (tmp / "config.json").write_text(json.dumps(engine_config, indent=2))
+            _write_medusa(tmp, drafter, kind, engine, config, output_dir)
+        elif kind in EAGLE_KINDS:
+            _write_eagle(tmp, drafter, engine, config)
         else:  # a draft LM: the same plain HF directory serves vLLM, SGLang and transformers
             drafter.model.save_pretrained(tmp, safe_serialization=True)
             _copy_tokenizer(config.get("target_config", {}), tmp)
@@ -181,7 +254,7 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
             sidecar.update(merged_target=MERGED, adapter=ADAPTER_DIR, verifies_against=drafter.verifies_against)
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str))
         card = (_medusa2_card(engine, config, output_dir, report) if kind == "medusa2"
-                else model_card(engine, kind, config, output_dir, report))
+                else model_card(engine, kind, config, output_dir, report, serve_target=serve_name(config)))
         (tmp / "README.md").write_text(card)
         problems = check_export(tmp, engine, kind, target)
         if problems:
@@ -237,9 +310,10 @@ def _medusa2_card(engine: str, config: dict, output_dir: Path, report: dict | No
     row = next((r for r in (report or {}).get("results", []) if r.get("drafter") == "medusa2"), None)
     as_medusa = {**report, "results": [{**row, "drafter": "medusa"}]} if row else None  # the card finds rows by kind
     drafter = {k: v for k, v in config.get("drafter", {}).items() if k != "lora_modules"}  # hundreds of paths on an 8B
-    card = model_card(engine, "medusa", {**config, "drafter": drafter}, output_dir, as_medusa)
+    card = model_card(engine, "medusa", {**config, "drafter": drafter}, output_dir, as_medusa,
+                      serve_target=serve_name(config))
     num_tokens = drafter.get("num_heads", 4)
-    original, merged = str(config.get("target", {}).get("name")), str(output_dir / MERGED)
+    original, merged = serve_name(config), str(output_dir / MERGED)
     card = card.replace(serve_command(engine, "medusa", original, str(output_dir), num_tokens),
                         serve_command(engine, "medusa", merged, str(output_dir), num_tokens))
     card = card.replace("# medusa drafter", "# medusa2 drafter").replace(", medusa, specdraft", ", medusa2, specdraft")
@@ -284,6 +358,8 @@ def check_export(path: str | Path, engine: str, kind: str, target: dict | None =
         return _check_hf_model(path, config, target or {})
     if kind == "medusa2":
         return _check_medusa2(path, engine, target)
+    if kind in EAGLE_KINDS:
+        return _check_eagle(path, engine, kind, config, target or {})
     spec = SPECS[(engine, kind)]
     weights = path / spec.weights
     if not weights.is_file():
@@ -296,7 +372,44 @@ def check_export(path: str | Path, engine: str, kind: str, target: dict | None =
         problems.append(f"vocab_size={sizes['V']} differs from the target's {target.get('vocab_size')}")
     if problems:
         return problems
-    return problems + _check_tensors(load_file(str(weights)), spec, sizes)
+    return problems + _check_tensors(_read_weights(weights), spec, sizes)
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".pt":  # FasterDecoding's torch.save'd dict of tensors: weights only, no code
+        return torch.load(path, map_location="cpu", weights_only=True)
+    return load_file(str(path))
+
+
+def _check_eagle(path: Path, engine: str, kind: str, config: dict, target: dict) -> list[str]:
+    """The config keys the engine reads, then the export run through the engine loader's own name mapping: every
+    tensor lands on a parameter, every parameter is set, shapes agree, d2t maps into the vocabulary."""
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        return [f"{weights} is missing ({export_eagle.LOADERS[(engine, kind)]} reads it)"]
+    want = export_eagle.ARCHITECTURES[(engine, kind)]
+    problems = [] if config.get("architectures") == want else [
+        f"config.json architectures={config.get('architectures')!r}, expected {want!r}"]
+    layer_cfg = config.get("transformer_layer_config", config)
+    if target and layer_cfg.get("vocab_size") != target.get("vocab_size"):
+        problems.append(f"vocab_size={layer_cfg.get('vocab_size')} differs from the target's {target.get('vocab_size')}")
+    if kind == "eagle3":
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang" \
+            else config.get("eagle_aux_hidden_state_layer_ids")
+        if not ids or len(ids) != 3:
+            problems.append(f"eagle_aux_hidden_state_layer_ids={ids!r}: {engine} needs the 3 target layers "
+                            f"({'nested in eagle_config' if engine == 'sglang' else 'top level'})")
+        if "norm_before_residual" not in config:
+            problems.append("config.json lacks norm_before_residual (the residual convention must be explicit)")
+    state = load_file(str(weights))
+    _, vocab, mapped = export_eagle.load_like_engine(engine, kind, state, config)
+    problems += mapped
+    if vocab is not None and not (vocab.min() >= 0 and vocab.max() < layer_cfg["vocab_size"]
+                                  and vocab.unique().numel() == vocab.numel()):
+        problems.append("d2t offsets do not map the draft vocabulary onto distinct target ids")
+    if "t2d" in state and state["t2d"].dtype != torch.bool:
+        problems.append(f"t2d has dtype {state['t2d'].dtype}; the loaders expect bool")
+    return problems
 
 
 def _check_medusa2(path: Path, engine: str, target: dict | None) -> list[str]:
@@ -378,13 +491,23 @@ def load_export(path: str | Path, teacher):
         from transformers import AutoModelForCausalLM
 
         drafter = DraftModel(dims, model=AutoModelForCausalLM.from_pretrained(path))
+    elif kind in EAGLE_KINDS:
+        config = json.loads((path / "config.json").read_text())
+        params, vocab, problems = export_eagle.load_like_engine(engine, kind, load_file(str(path / "model.safetensors")),
+                                                                config)
+        if problems:
+            raise ValueError(f"{path} does not load into {engine}'s {kind}: " + "; ".join(problems))
+        saved = sidecar["drafter"]
+        decode = {k: saved[k] for k in ("tree", "top_k", "depth", "total_tokens") if k in saved}
+        layers = export_eagle.our_layers(engine, kind, config)
+        drafter = export_eagle.drafter_from_engine(engine, kind, params, vocab, config, dims, layers, decode)
     else:
         spec = SPECS[(engine, "medusa")]
         config = json.loads((path / "config.json").read_text())
         K, L = config[_key(spec, "K")], config[_key(spec, "L")]
         drafter = MedusaHeads(dims, num_heads=K, num_layers=L, tree=sidecar["drafter"].get("tree"))
         rename = _medusa_names(engine, L)
-        state = load_file(str(path / spec.weights))
+        state = _read_weights(path / spec.weights)
         drafter.load_state_dict({k: state[rename(k)] for k in drafter.state_dict()}, strict=True)
     drafter.bind_target(teacher, initialize=False)
     return drafter.to(teacher.device).eval()

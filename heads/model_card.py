@@ -7,7 +7,27 @@ import json
 from pathlib import Path
 
 
-def serve_command(engine: str, kind: str, target: str, export_dir: str, num_tokens: int) -> str:
+EAGLE_METHOD = {"eagle1": ("eagle", "EAGLE"), "eagle3": ("eagle3", "EAGLE3")}  # (vLLM method, SGLang algorithm)
+
+
+def serve_command(engine: str, kind: str, target: str, export_dir: str, num_tokens: int, tree: dict | None = None) -> str:
+    tree = tree or {}
+    if kind in EAGLE_METHOD:
+        method, algorithm = EAGLE_METHOD[kind]
+        if engine == "speculators":  # vLLM reads the verifier and the method from the speculators config itself
+            return f"vllm serve {export_dir}   # or, explicitly:\n" + serve_command("vllm", kind, target, export_dir,
+                                                                                    num_tokens, tree)
+        if engine == "vllm":  # an explicit method: vLLM otherwise guesses it from the path string
+            spec = {"method": method, "model": export_dir, "num_speculative_tokens": num_tokens}
+            return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+        if engine == "sglang":
+            return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+                    f"--speculative-draft-model-path {export_dir} --speculative-num-steps {num_tokens} "
+                    f"--speculative-eagle-topk {tree.get('top_k', 4)} "
+                    f"--speculative-num-draft-tokens {tree.get('total_tokens', 16)}")
+        return (f"EaModel.from_pretrained(base_model_path='{target}', ea_model_path='{export_dir}', "
+                f"total_token={tree.get('total_tokens', 16)}, depth={num_tokens}, top_k={tree.get('top_k', 4)})"
+                f"   # SafeAILab/EAGLE")
     if engine == "vllm" and kind == "medusa":
         spec = {"method": "medusa", "model": export_dir, "num_speculative_tokens": num_tokens}
         return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
@@ -39,11 +59,12 @@ def _measured(report: dict | None, kind: str) -> str:
             f"torch {machine.get('torch')}. Speedup is against plain decoding of the same target in the same run.")
 
 
-def model_card(engine: str, kind: str, config: dict, export_dir: Path, report: dict | None) -> str:
+def model_card(engine: str, kind: str, config: dict, export_dir: Path, report: dict | None,
+               serve_target: str | None = None) -> str:
     target = config.get("target", {})
     training = config.get("training") or {}
     drafter = config.get("drafter", {})
-    num_tokens = drafter.get("num_heads", 4) if kind == "medusa" else 4
+    num_tokens = drafter.get("num_heads", 4) if kind == "medusa" else (drafter.get("depth") or 4)
     lines = [
         "---",
         "license: other  # the target model's license governs this derivative; set it before publishing",
@@ -69,13 +90,30 @@ def model_card(engine: str, kind: str, config: dict, export_dir: Path, report: d
         "",
         "## Serve",
         "```bash",
-        serve_command(engine, kind, str(target.get("name")), str(export_dir), num_tokens),
+        serve_command(engine, kind, serve_target or str(target.get("name")), str(export_dir), num_tokens, drafter),
         "```",
         "",
         *(["vLLM drafts Medusa as a top-1 chain of `num_speculative_tokens` heads (it needs at least that many); the "
            "figures above were measured with specdraft's decoder and the drafter's own decoding setting (tree: "
            f"`{drafter.get('tree')}`), so expect the chain's τ, not a tree's.", ""] if (engine, kind) == ("vllm", "medusa") else []),
+        *(["FasterDecoding/Medusa's loader reads only `medusa_lm_head.pt` and always builds 5 heads (it overrides "
+           "medusa_num_heads): with fewer trained heads the rest start untrained, so pass `medusa_choices` no deeper "
+           f"than {drafter.get('num_heads')} heads. It shares one ResBlock across a head's layers, so only "
+           "`num_layers: 1` heads export to it. Its `medusa_generate` uses typical acceptance (not lossless).", ""]
+          if (engine, kind) == ("hf", "medusa") else []),
+        *(_eagle_notes(engine, kind, drafter) if kind in EAGLE_METHOD else []),
         "Files: the engine's config.json and safetensors; `specdraft_export.json` records the target identity and "
         "where this export came from.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _eagle_notes(engine: str, kind: str, drafter: dict) -> list[str]:
+    notes = ["The target's embeddings"
+             + (" and lm_head are" if kind == "eagle1" else " are")
+             + " not in this export: the engine shares the target's own (the drafter was trained on them)."]
+    if kind == "eagle3":
+        notes.append(f"Target layers (specdraft hidden-state indices, HF `hidden_states[i]`): {drafter.get('layers')}; "
+                     "config.json writes them in this engine's own `eagle_aux_hidden_state_layer_ids` convention "
+                     "(SGLang: index - 1, nested in `eagle_config`).")
+    return [" ".join(notes), ""]

@@ -1,12 +1,14 @@
 """Export a trained drafter for serving.
 
     python scripts/export.py drafter_path=runs/<date>/<time>/drafter format=vllm output_dir=exports/medusa-vllm
-    python scripts/export.py drafter_path=... format=hf|sglang output_dir=... [--overwrite]
+    python scripts/export.py drafter_path=... format=vllm|sglang|speculators|hf output_dir=... [--overwrite]
 
-Formats: vllm (Medusa as vLLM's MedusaModel; draft models as a plain HF directory), sglang (draft models, served
-with --speculative-algorithm STANDALONE; SGLang has no Medusa), hf (Medusa in FasterDecoding/Medusa's layout;
-draft models as a plain HF directory). The export is checked against the engine's conformance spec
-(``heads/export.py``) before it is swapped into place, and carries a README.md model card with the serving command.
+Formats: vllm (EAGLE-1/3 as vLLM's Eagle(3)LlamaForCausalLM; Medusa as MedusaModel; draft models as a plain HF
+directory), sglang (EAGLE-1/3 as LlamaForCausalLMEagle(3); draft models served with --speculative-algorithm
+STANDALONE; SGLang has no Medusa), speculators (EAGLE-3 in the vllm-project/speculators format vLLM auto-detects),
+hf (EAGLE-1 in SafeAILab/EAGLE's layout; Medusa in FasterDecoding/Medusa's; draft models as a plain HF directory).
+The export is checked against the engine's conformance spec (``heads/export.py``, ``heads/export_eagle.py``) before
+it is swapped into place, and carries a README.md model card with the serving command.
 If the drafter's run dir holds a report.json (``python -m train`` writes one), its measured τ, α and speedup go into
 the model card.
 """
@@ -37,7 +39,7 @@ def parse(argv: list[str]) -> tuple[dict[str, str], bool]:
     missing = [k for k in KEYS if k not in args]
     if missing:
         raise SystemExit(f"missing {', '.join(missing)}; usage: python scripts/export.py drafter_path=<dir> "
-                         f"format=vllm|sglang|hf output_dir=<dir> [--overwrite]")
+                         f"format=vllm|sglang|speculators|hf output_dir=<dir> [--overwrite]")
     return args, overwrite
 
 

@@ -199,8 +199,10 @@ def test_bad_input():
         EagleDrafter(DIMS, variant="eagle3", layers=[1, 2, 5])
     with pytest.raises(ValueError, match=r"drafter.layers=\[1\]: eagle3 reads 3"):
         EagleDrafter(DIMS, variant="eagle3", layers=[1])
-    with pytest.raises(ValueError, match=r"draft_vocab_size=200 must lie in 1..128"):
-        EagleDrafter(DIMS, variant="eagle3", draft_vocab_size=200)
+    with pytest.raises(ValueError, match=r"draft_vocab_size=0 must be >= 1"):
+        EagleDrafter(DIMS, variant="eagle3", draft_vocab_size=0)
+    # A preset's draft vocabulary larger than a small target's: the full vocabulary (experiment=smoke drafter=eagle3)
+    assert EagleDrafter(DIMS, variant="eagle3", draft_vocab_size=200).draft_vocab_size == 128
     with pytest.raises(ValueError, match=r"variant='eagle2'.*eagle1"):
         EagleDrafter(DIMS, variant="eagle2")
     with pytest.raises(ValueError, match=r"tree='default'.*dynamic"):

@@ -1,0 +1,282 @@
+"""EAGLE-1 / EAGLE-3 serving layouts: the tensors and config.json each engine's loader reads, a transcription of each
+loader's name mapping (to prove that every engine parameter is set and no exported tensor is skipped), and the way
+back from engine parameters to a specdraft drafter (to decode an export and compare it with the checkpoint).
+
+Our drafter (heads/eagle.py) -> the engines' ``LlamaForCausalLM{Eagle,Eagle3}``:
+    layer.{q,k,v,o}_proj          -> {P}self_attn.{q,k,v,o}_proj   (vLLM / SGLang pack q,k,v into qkv_proj on load)
+    layer.{gate,up,down}_proj     -> {P}mlp.{gate,up,down}_proj     (gate,up packed into gate_up_proj on load)
+    layer.post_attention_layernorm-> {P}post_attention_layernorm
+    input_layernorm, hidden_norm  -> {P}input_layernorm, {P}hidden_norm   (EAGLE-3 only)
+    fc, norm, lm_head             -> fc, norm, lm_head                      (norm / lm_head: EAGLE-3 only)
+    d2t (absolute target ids)     -> d2t as OFFSETS: the engines compute target = draft + d2t[draft]
+    t2d (draft index or -1)       -> t2d as bool (in the draft vocabulary or not)
+{P} is ``midlayer.`` for vLLM / SGLang EAGLE-3 (SGLang names its one layer so; vLLM renames it to layers.0) and
+``layers.0.`` for EAGLE-1 and the speculators format. Embeddings (and EAGLE-1's lm_head) are the target's: no engine
+needs them in the export, so they are not written (both engines share the target's when absent).
+
+Layer ids (EAGLE-3's ``eagle_aux_hidden_state_layer_ids``): our index i is HF ``hidden_states[i]``, the input of
+0-based decoder layer i. vLLM and speculators capture "the input of layer i" for id i: the same number. SGLang's
+``set_eagle3_layers_to_capture`` adds 1 to each id before capturing the input of that layer: it is written as i - 1.
+Index L (the final, *normed* output) exists in no engine: each captures un-normed layer inputs, so it is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from heads.base import TargetDims
+
+EAGLE_KINDS = ("eagle1", "eagle3")
+# vllm/config/speculative.py (SpeculativeConfig, ``eagle3_target_supported``): a substring test on the target's
+# model_type; any other target is refused by vLLM at start-up.
+VLLM_EAGLE3_TARGETS = ("llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe")
+ARCHITECTURES = {
+    # vLLM's EAGLEConfig renames LlamaForCausalLM to EagleLlamaForCausalLM (method eagle) and keeps
+    # LlamaForCausalLMEagle3 (method eagle3); SGLang picks the class named here.
+    ("vllm", "eagle1"): ["LlamaForCausalLM"],
+    ("sglang", "eagle1"): ["LlamaForCausalLMEagle"],
+    ("hf", "eagle1"): ["LlamaForCausalLM"],
+    ("vllm", "eagle3"): ["LlamaForCausalLMEagle3"],
+    ("sglang", "eagle3"): ["LlamaForCausalLMEagle3"],
+    ("speculators", "eagle3"): ["Eagle3Speculator"],
+}
+LOADERS = {
+    ("vllm", "eagle1"): "vllm/model_executor/models/llama_eagle.py (EagleLlamaForCausalLM.load_weights, LlamaModel)",
+    ("vllm", "eagle3"): "vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights, "
+                        "LlamaModel.load_weights); vllm/transformers_utils/configs/eagle.py; vllm/config/speculative.py",
+    ("sglang", "eagle1"): "python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle)",
+    ("sglang", "eagle3"): "python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3.load_weights); "
+                          "model_runner.py (eagle_config.eagle_aux_hidden_state_layer_ids)",
+    ("hf", "eagle1"): "SafeAILab/EAGLE eagle/model/cnets.py (Model: fc with bias, layer 0 without input_layernorm) "
+                      "and ea_model.py (reads model.safetensors)",
+    ("speculators", "eagle3"): "vllm-project/speculators 0.9.0 speculators/models/eagle3 (Eagle3DraftModel, "
+                               "Eagle3SpeculatorConfig) - loaded for real by tests/test_export_eagle.py",
+}
+REFUSED = {
+    ("hf", "eagle3"): "SafeAILab/EAGLE's EAGLE-3 reads a fixed set of target layers from its own modeling code and "
+                      "has no draft-vocabulary config; the hub-standard EAGLE-3 layout is format=speculators (vLLM "
+                      "auto-detects it), or use format=vllm / format=sglang",
+    ("speculators", "eagle1"): "speculators 0.9.0 has no EAGLE-1 model class (its eagle3 config requires auxiliary "
+                               "layers and its own lm_head); use format=vllm, sglang or hf",
+}
+_LAYER = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+          "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+          "down_proj": "mlp.down_proj", "post_attention_layernorm": "post_attention_layernorm"}
+
+
+def layer_prefix(engine: str, kind: str) -> str:
+    return "midlayer." if kind == "eagle3" and engine in ("vllm", "sglang") else "layers.0."
+
+
+def engine_layer_ids(engine: str, layers: list[int], num_layers: int) -> list[int]:
+    """Our hidden-state indices in ``engine``'s ``eagle_aux_hidden_state_layer_ids`` convention; ValueError with
+    the reason when the engine cannot capture them."""
+    resolved = [num_layers if i == -1 else i for i in layers]
+    low = 1 if engine == "sglang" else 0
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"drafter.layers={layers} repeats a layer: the engines capture each layer once, so they "
+                         f"cannot feed the same feature twice; retrain with distinct drafter.layers")
+    bad = [i for i in resolved if not low <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"drafter.layers={layers} contains {bad}: {engine} captures the inputs of decoder layers "
+            f"{low}..{num_layers - 1} (hidden-state indices) and never the final normed output (index {num_layers}); "
+            f"retrain with drafter.layers inside {low}..{num_layers - 1}, e.g. "
+            f"[{max(low, 1)}, {max(low, num_layers // 2)}, {num_layers - 1}]")
+    return [i - 1 for i in resolved] if engine == "sglang" else resolved
+
+
+def our_layers(engine: str, kind: str, config: dict) -> list[int]:
+    """The hidden-state indices an export's config makes the engine capture, in our convention (the inverse of
+    ``engine_layer_ids``): what the engine would actually feed the drafter."""
+    if kind == "eagle1":
+        return [-1]  # the engines feed EAGLE-1 the target's final (normed) hidden state
+    ids = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang"
+           else config.get("eagle_aux_hidden_state_layer_ids"))
+    return [i + 1 for i in ids] if engine == "sglang" else list(ids)
+
+
+def check_target_family(engine: str, kind: str, model_type: str | None) -> None:
+    if engine in ("vllm", "speculators") and kind == "eagle3" and model_type:
+        if not any(name in model_type for name in VLLM_EAGLE3_TARGETS):
+            raise ValueError(f"vLLM serves EAGLE-3 only for targets whose model_type contains one of "
+                             f"{list(VLLM_EAGLE3_TARGETS)} (vllm/config/speculative.py); this target is {model_type!r}")
+
+
+def sizes(drafter) -> dict[str, Any]:
+    layer = drafter.layer
+    return {"D": drafter.dims.hidden_size, "V": drafter.dims.vocab_size, "Vd": drafter.draft_vocab_size,
+            "h": layer.num_heads, "hd": layer.head_dim, "I": layer.gate_proj.out_features,
+            "F": len(drafter.teacher_layers), "theta": layer.theta}
+
+
+def engine_state(drafter, engine: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of the export, under the engine's names, floats in ``dtype`` (the target's)."""
+    kind, prefix = drafter.variant, layer_prefix(engine, drafter.variant)
+    ours = {k: v.detach() for k, v in drafter.state_dict().items()}
+    out = {prefix + _LAYER[k.split(".", 1)[1].rsplit(".", 1)[0]] + ".weight": v
+           for k, v in ours.items() if k.startswith("layer.")}
+    out["fc.weight"] = ours["fc.weight"]
+    if kind == "eagle1" and engine in ("sglang", "hf"):  # their EAGLE-1 fc has a bias; ours is trained without
+        out["fc.bias"] = torch.zeros(drafter.dims.hidden_size)
+    if kind == "eagle3":
+        out[prefix + "input_layernorm.weight"] = ours["input_layernorm.weight"]
+        out[prefix + "hidden_norm.weight"] = ours["hidden_norm.weight"]
+        out["norm.weight"], out["lm_head.weight"] = ours["norm.weight"], ours["lm_head.weight"]
+    out = {k: v.to(dtype).contiguous() for k, v in out.items()}
+    if kind == "eagle3" and drafter.draft_vocab_size != drafter.dims.vocab_size:
+        d2t = ours["d2t"].long()
+        out["d2t"] = (d2t - torch.arange(d2t.shape[0])).contiguous()  # offsets: target = draft + d2t[draft]
+        out["t2d"] = (ours["t2d"] >= 0).contiguous()
+    return out
+
+
+def llama_config(drafter, dtype: str, max_positions: int) -> dict[str, Any]:
+    """The one-layer Llama the engines build the drafter from."""
+    s = sizes(drafter)
+    return {"model_type": "llama", "hidden_size": s["D"], "num_hidden_layers": 1, "num_attention_heads": s["h"],
+            "num_key_value_heads": s["h"], "head_dim": s["hd"], "intermediate_size": s["I"], "hidden_act": "silu",
+            "rms_norm_eps": 1e-6, "rope_theta": s["theta"], "rope_scaling": None,
+            "max_position_embeddings": max_positions or 4096, "vocab_size": s["V"], "tie_word_embeddings": False,
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype}
+
+
+def engine_config(drafter, engine: str, target: dict, dtype: str, num_tokens: int) -> dict[str, Any]:
+    kind, s = drafter.variant, sizes(drafter)
+    base = llama_config(drafter, dtype, target.get("max_positions") or 0)
+    if kind == "eagle1":
+        return {"architectures": ARCHITECTURES[(engine, kind)], **base, "bias": engine != "vllm"}
+    ids = engine_layer_ids(engine, list(drafter.teacher_layers), target["num_layers"])
+    eagle3 = {"draft_vocab_size": s["Vd"], "target_hidden_size": s["D"], "norm_before_residual": False}
+    if engine == "speculators":
+        verifier = {"name_or_path": target.get("serve_name") or target.get("name"),
+                    "architectures": [target.get("architecture") or "LlamaForCausalLM"]}
+        return {"architectures": ARCHITECTURES[(engine, kind)], "speculators_model_type": "eagle3",
+                "transformer_layer_config": {k: v for k, v in base.items() if k != "torch_dtype"},
+                **eagle3, "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": dtype,
+                "speculators_config": {
+                    "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
+                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens}]}}
+    config = {"architectures": ARCHITECTURES[(engine, kind)], **base, **eagle3, "bias": False}
+    if engine == "sglang":  # SGLang's model runner reads the ids from the nested eagle_config only
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    else:
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+    return config
+
+
+# --- the loaders, transcribed ------------------------------------------------------------------------------------
+
+
+def engine_params(engine: str, kind: str, config: dict) -> dict[str, tuple[int, ...]]:
+    """The parameters the engine's model class owns that its loader must fill from the export (shared-with-target
+    parameters, embed_tokens and EAGLE-1's lm_head, excluded), with their shapes, from the export's config."""
+    c = config.get("transformer_layer_config", config)
+    D, h, kv, I = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    hd = c.get("head_dim") or D // h
+    F = 3 if kind == "eagle3" else 2
+    inp = 2 * D if kind == "eagle3" else D
+    if engine == "speculators" or engine == "hf":  # plain torch modules: unpacked projections
+        p = "layers.0."
+        params = {p + "self_attn.q_proj.weight": (h * hd, inp), p + "self_attn.k_proj.weight": (kv * hd, inp),
+                  p + "self_attn.v_proj.weight": (kv * hd, inp), p + "mlp.gate_proj.weight": (I, D),
+                  p + "mlp.up_proj.weight": (I, D)}
+    else:
+        p = "model.midlayer." if (engine, kind) == ("sglang", "eagle3") else "model.layers.0."
+        params = {p + "self_attn.qkv_proj.weight": ((h + 2 * kv) * hd, inp), p + "mlp.gate_up_proj.weight": (2 * I, D)}
+    params.update({p + "self_attn.o_proj.weight": (D, h * hd), p + "mlp.down_proj.weight": (D, I),
+                   p + "post_attention_layernorm.weight": (D,)})
+    top = "" if engine in ("speculators", "hf") else "model."
+    params[top + "fc.weight"] = (D, F * D)
+    if kind == "eagle1" and config.get("bias"):
+        params[top + "fc.bias"] = (D,)
+    if kind == "eagle3":
+        Vd = config["draft_vocab_size"]
+        params.update({p + "input_layernorm.weight": (D,), p + "hidden_norm.weight": (D,), top + "norm.weight": (D,),
+                       "lm_head.weight": (Vd, D)})
+    return params
+
+
+def load_like_engine(engine: str, kind: str, state: dict[str, torch.Tensor], config: dict
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[str]]:
+    """Apply the engine loader's own renames / packing to the exported tensors: (engine parameters, the target ids
+    of the draft vocabulary as the engine computes them or None, problems). A problem is an exported tensor the
+    loader would skip, a parameter it would leave unset, or a shape it would reject."""
+    params, problems, vocab = {}, [], None
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        if name == "t2d":
+            continue  # every loader skips t2d (the engines only use d2t)
+        if name == "d2t":
+            vocab = tensor.long() + torch.arange(tensor.shape[0])  # vLLM: base + draft_id_to_target_id; SGLang: hot_token_id
+            continue
+        if engine in ("speculators", "hf"):
+            params[name] = tensor
+            continue
+        mapped = name.replace("midlayer.", "layers.0.") if engine == "vllm" else name
+        full = mapped if mapped.startswith("lm_head") else "model." + mapped
+        for packed, part in ((".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
+                             (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")):
+            if part in full:
+                shards.setdefault(full.replace(part, packed), {})[part] = tensor
+                break
+        else:
+            params[full] = tensor
+    for name, parts in shards.items():  # packed in the loader's shard order: q, k, v / gate, up
+        order = (".q_proj", ".k_proj", ".v_proj") if "qkv" in name else (".gate_proj", ".up_proj")
+        missing = [o for o in order if o not in parts]
+        if missing:
+            problems.append(f"{name}: shards {missing} are missing, the packed parameter would be partly unset")
+            continue
+        params[name] = torch.cat([parts[o] for o in order], 0)
+    expected = engine_params(engine, kind, config)
+    for name, tensor in params.items():
+        if name not in expected:
+            problems.append(f"tensor for {name!r} matches no parameter of the {engine} model: its loader would "
+                            f"{'skip it silently' if engine in ('vllm', 'sglang', 'hf') else 'reject it'}")
+        elif tuple(tensor.shape) != expected[name]:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, the {engine} model's is {expected[name]}")
+    problems += [f"{name} {shape} is never set by the export (the model would keep uninitialised memory)"
+                 for name, shape in expected.items() if name not in params]
+    if kind == "eagle3" and config.get("draft_vocab_size") != config.get("vocab_size", config.get(
+            "transformer_layer_config", {}).get("vocab_size")) and vocab is None:
+        problems.append("draft_vocab_size is smaller than the vocabulary but d2t is missing: drafts would be read "
+                        "as the first draft_vocab_size target ids")
+    return params, vocab, problems
+
+
+def drafter_from_engine(engine: str, kind: str, params: dict[str, torch.Tensor], vocab: torch.Tensor | None,
+                        config: dict, dims: TargetDims, layers: list[int], decode: dict):
+    """A specdraft EagleDrafter holding exactly the engine's parameters (packed ones split back), for decoding."""
+    from heads.eagle import EagleDrafter
+
+    c = config.get("transformer_layer_config", config)
+    D, I = c["hidden_size"], c["intermediate_size"]
+    drafter = EagleDrafter(dims, variant=kind, layers=layers, num_heads=c["num_attention_heads"],
+                           intermediate_size=I, rope_theta=c["rope_theta"],
+                           draft_vocab_size=config.get("draft_vocab_size") if kind == "eagle3" else None, **decode)
+    get = {k.replace("model.", "", 1).replace("midlayer.", "layers.0."): v for k, v in params.items()}
+    p = "layers.0."
+    if p + "self_attn.qkv_proj.weight" in get:
+        q, k, v = get.pop(p + "self_attn.qkv_proj.weight").split([D, D, D], 0)
+        get.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v})
+        gate, up = get.pop(p + "mlp.gate_up_proj.weight").split([I, I], 0)
+        get.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
+    state = {f"layer.{ours}.weight": get[p + theirs + ".weight"] for ours, theirs in _LAYER.items()}
+    state["fc.weight"] = get["fc.weight"]
+    if kind == "eagle3":
+        state.update({"input_layernorm.weight": get[p + "input_layernorm.weight"],
+                      "hidden_norm.weight": get[p + "hidden_norm.weight"], "norm.weight": get["norm.weight"],
+                      "lm_head.weight": get["lm_head.weight"]})
+    own = drafter.state_dict()
+    state = {k: v.to(own[k].dtype) for k, v in state.items()}
+    if vocab is not None:
+        t2d = torch.full((dims.vocab_size,), -1, dtype=torch.long)
+        t2d[vocab] = torch.arange(vocab.shape[0])
+        state.update(d2t=vocab, t2d=t2d)
+    else:
+        state.update(d2t=own["d2t"], t2d=own["t2d"])
+    drafter.load_state_dict(state, strict=True)
+    return drafter
