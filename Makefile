@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdraft-installed
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test test-all install serve-check clean
 
 # (Re)install when pyproject.toml changes. torch==2.13.0 is pinned in pyproject.toml: on CPU machines pip finds
 # the local CPU wheel; GPU users install their CUDA torch build first (see README).
@@ -14,6 +14,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Optional: the speculators package, so tests/test_export_eagle.py loads our EAGLE-3 export with the real loader
+# (skipped with a reason without it). CI installs it (.ci/run).
+SERVE_CHECK := $(VENV)/.serve-check-installed
+$(SERVE_CHECK): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,serve-check]"
+	$(PY) -m pip install --quiet --no-deps "speculators==0.9.0"
+	touch $(SERVE_CHECK)
+
+serve-check: $(SERVE_CHECK)
 
 # Extra Hydra overrides: make demo ARGS="trainer.steps=100"
 demo: $(STAMP)

@@ -15,8 +15,9 @@ reduced vocabulary; = V for EAGLE-1), F number of feature layers (EAGLE-1: 1; EA
               -> norm -> own lm_head (D -> Vd) -> logits over the draft vocabulary; ``d2t`` maps them to target ids
 
 Feature layers use ``distill.teacher``'s hidden-state index: index i is HF ``hidden_states[i]``, the output of
-decoder layer i (1-based) = the *input* of 0-based layer i, which is also the number vLLM's and SGLang's
-``eagle_aux_hidden_state_layer_ids`` use; -1 (EAGLE-1's default) is the final, normed output the lm_head reads.
+decoder layer i (1-based) = the *input* of 0-based layer i, which is also the number vLLM's
+``eagle_aux_hidden_state_layer_ids`` uses (SGLang's is i - 1: see heads/export_eagle.py); -1 (EAGLE-1's default) is
+the final, normed output the lm_head reads.
 
 Training-time test (EAGLE-3; also available to EAGLE-1 via ``ttt_steps``): step j at position t attends to the
 step-0 keys of positions <= t plus the keys of steps 1..j at position t itself, which is exactly what a depth-(j+1)

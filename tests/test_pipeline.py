@@ -95,3 +95,33 @@ def test_draft_model_on_regenerated_and_mixed_data(env, tmp_path):
     proc = run_module("train", ["experiment=smoke", "drafter=medusa", "data.mode=on_policy",
                                 f"hydra.run.dir={tmp_path / 'bad'}"], env, check=False)
     assert proc.returncode != 0 and "drafter=medusa cannot" in proc.stderr
+
+
+def test_smoke_eagle1_exports_for_every_engine(smoke_run, env, tmp_path):
+    """The README's export command on a trained run: each EAGLE-1 layout passes its engine's loader mapping, and the
+    card's serve command names the toy target's local directory (a name vLLM / SGLang can resolve)."""
+    for engine in ("vllm", "sglang", "hf"):
+        proc = subprocess.run([sys.executable, "scripts/export.py", f"drafter_path={smoke_run / 'drafter'}",
+                               f"format={engine}", f"output_dir={tmp_path / engine}"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        card = (tmp_path / engine / "README.md").read_text()
+        serve = card.split("```bash\n", 1)[1].split("```", 1)[0]
+        assert env["SPECDRAFT_CACHE"] in serve and "specdraft/tiny-stdlib" not in serve
+    proc = subprocess.run([sys.executable, "scripts/export.py", f"drafter_path={smoke_run / 'drafter'}",
+                           "format=speculators", f"output_dir={tmp_path / 'spec'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "no EAGLE-1 model class" in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("medusa", marks=pytest.mark.slow),
+                                  pytest.param("medusa2", marks=pytest.mark.slow),
+                                  pytest.param("draft_model", marks=pytest.mark.slow),
+                                  pytest.param("lookup", marks=pytest.mark.slow)])
+def test_smoke_runs_for_every_drafter_kind(kind, env, tmp_path):
+    """`python -m train experiment=smoke drafter=<kind>`, as the README documents it (eagle1 is the smoke_run above;
+    eagle3's 3,072-token draft vocabulary preset exceeds the tiny target's 512 and falls back to the full one)."""
+    run_module("train", ["experiment=smoke", f"drafter={kind}", f"hydra.run.dir={tmp_path}"], env)
+    report = json.loads((tmp_path / "report.json").read_text())
+    row = next(r for r in report["results"] if r["drafter"] == kind)
+    assert row["identical_to_greedy"] is True and row["tau"] >= 1.0
