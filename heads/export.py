@@ -230,7 +230,7 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
 
     The directory is filled beside the destination and swapped in at the end, so a failure never leaves half an
     export, and an existing non-empty ``output_dir`` is only replaced with ``overwrite``."""
-    from heads.model_card import model_card
+    from heads.model_card import medusa2_card, model_card
 
     drafter_path, output_dir = Path(drafter_path), Path(output_dir)
     drafter, config = load_saved_drafter(drafter_path)  # refuses non-specdraft dirs, missing/extra tensors
@@ -253,8 +253,8 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
         if kind == "medusa2":
             sidecar.update(merged_target=MERGED, adapter=ADAPTER_DIR, verifies_against=drafter.verifies_against)
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str))
-        card = (_medusa2_card(engine, config, output_dir, report) if kind == "medusa2"
-                else model_card(engine, kind, config, output_dir, report, serve_target=serve_name(config)))
+        card = (medusa2_card(engine, config, output_dir, report, serve_name(config), MERGED, ADAPTER_DIR)
+                if kind == "medusa2" else model_card(engine, kind, config, output_dir, report, serve_name(config)))
         (tmp / "README.md").write_text(card)
         problems = check_export(tmp, engine, kind, target)
         if problems:
@@ -301,34 +301,6 @@ def _logits_mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
     scale = max(1.0, want.float().abs().max().item())
     tol = 1e-4 if want.dtype == torch.float32 else 2e-2
     return None if diff <= tol * scale else f"max |logit difference| {diff:.3g} > {tol:g} x {scale:.3g}"
-
-
-def _medusa2_card(engine: str, config: dict, output_dir: Path, report: dict | None) -> str:
-    """The Medusa card, serving the merged target in place of the original, plus what Medusa-2 changes."""
-    from heads.model_card import model_card, serve_command
-
-    row = next((r for r in (report or {}).get("results", []) if r.get("drafter") == "medusa2"), None)
-    as_medusa = {**report, "results": [{**row, "drafter": "medusa"}]} if row else None  # the card finds rows by kind
-    drafter = {k: v for k, v in config.get("drafter", {}).items() if k != "lora_modules"}  # hundreds of paths on an 8B
-    card = model_card(engine, "medusa", {**config, "drafter": drafter}, output_dir, as_medusa,
-                      serve_target=serve_name(config))
-    num_tokens = drafter.get("num_heads", 4)
-    original, merged = serve_name(config), str(output_dir / MERGED)
-    card = card.replace(serve_command(engine, "medusa", original, str(output_dir), num_tokens),
-                        serve_command(engine, "medusa", merged, str(output_dir), num_tokens))
-    card = card.replace("# medusa drafter", "# medusa2 drafter").replace(", medusa, specdraft", ", medusa2, specdraft")
-    lora = drafter.get("lora", {})
-    final = (config.get("training") or {}).get("final") or {}
-    losses = (f" Held-out next-token loss: original {final['heldout/original_loss']:.4f}, adapted "
-              f"{final['heldout/adapted_loss']:.4f}." if "heldout/original_loss" in final else "")
-    return card + (
-        f"\n## Medusa-2: serve the merged target, not the original\n"
-        f"The heads were trained jointly with a LoRA (r={lora.get('r')}, alpha={lora.get('alpha')}) on the target, and "
-        f"they read the ADAPTED target's hidden states: `{MERGED}/` is `{original}` with that LoRA merged into its "
-        f"weights (a plain Hugging Face directory with the target's tokenizer). Serve it as the model (specdraft's "
-        f"evaluation verifies against it too): served output is the merged target's, and on the original target the "
-        f"heads would read states they were not trained on. `{ADAPTER_DIR}/` holds the LoRA alone "
-        f"(`PeftModel.from_pretrained(base, '{ADAPTER_DIR}')`).{losses}\n")
 
 
 def _copy_tokenizer(target_cfg: dict, out: Path) -> None:

@@ -117,3 +117,29 @@ def _eagle_notes(engine: str, kind: str, drafter: dict) -> list[str]:
                      "config.json writes them in this engine's own `eagle_aux_hidden_state_layer_ids` convention "
                      "(SGLang: index - 1, nested in `eagle_config`).")
     return [" ".join(notes), ""]
+
+
+def medusa2_card(engine: str, config: dict, output_dir: Path, report: dict | None, serve_target: str, merged_dir: str,
+                 adapter_dir: str) -> str:
+    """The Medusa card, serving the merged target in place of the original, plus what Medusa-2 changes."""
+    row = next((r for r in (report or {}).get("results", []) if r.get("drafter") == "medusa2"), None)
+    as_medusa = {**report, "results": [{**row, "drafter": "medusa"}]} if row else None  # the card finds rows by kind
+    drafter = {k: v for k, v in config.get("drafter", {}).items() if k != "lora_modules"}  # hundreds of paths on an 8B
+    card = model_card(engine, "medusa", {**config, "drafter": drafter}, output_dir, as_medusa, serve_target)
+    num_tokens = drafter.get("num_heads", 4)
+    original, merged = serve_target, str(output_dir / merged_dir)
+    card = card.replace(serve_command(engine, "medusa", original, str(output_dir), num_tokens),
+                        serve_command(engine, "medusa", merged, str(output_dir), num_tokens))
+    card = card.replace("# medusa drafter", "# medusa2 drafter").replace(", medusa, specdraft", ", medusa2, specdraft")
+    lora = drafter.get("lora", {})
+    final = (config.get("training") or {}).get("final") or {}
+    losses = (f" Held-out next-token loss: original {final['heldout/original_loss']:.4f}, adapted "
+              f"{final['heldout/adapted_loss']:.4f}." if "heldout/original_loss" in final else "")
+    return card + (
+        f"\n## Medusa-2: serve the merged target, not the original\n"
+        f"The heads were trained jointly with a LoRA (r={lora.get('r')}, alpha={lora.get('alpha')}) on the target, and "
+        f"they read the ADAPTED target's hidden states: `{merged_dir}/` is `{original}` with that LoRA merged into its "
+        f"weights (a plain Hugging Face directory with the target's tokenizer). Serve it as the model (specdraft's "
+        f"evaluation verifies against it too): served output is the merged target's, and on the original target the "
+        f"heads would read states they were not trained on. `{adapter_dir}/` holds the LoRA alone "
+        f"(`PeftModel.from_pretrained(base, '{adapter_dir}')`).{losses}\n")
