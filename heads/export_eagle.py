@@ -49,15 +49,17 @@ LOADERS = {
     ("sglang", "eagle1"): "python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle)",
     ("sglang", "eagle3"): "python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3.load_weights); "
                           "model_runner.py (eagle_config.eagle_aux_hidden_state_layer_ids)",
-    ("hf", "eagle1"): "SafeAILab/EAGLE eagle/model/cnets.py (Model: fc with bias, layer 0 without input_layernorm) "
-                      "and ea_model.py (reads model.safetensors)",
+    ("hf", "eagle1"): "SafeAILab/EAGLE eagle/model/cnets1.py (Model: fc with bias, layer 0 without input_layernorm, "
+                      "embedding read from the base model) and ea_model.py (EaModel.from_pretrained(use_eagle3=False): "
+                      "pytorch_model.bin else model.safetensors, load_state_dict(strict=False))",
     ("speculators", "eagle3"): "vllm-project/speculators 0.9.0 speculators/models/eagle3 (Eagle3DraftModel, "
                                "Eagle3SpeculatorConfig) - loaded for real by tests/test_export_eagle.py",
 }
 REFUSED = {
-    ("hf", "eagle3"): "SafeAILab/EAGLE's EAGLE-3 reads a fixed set of target layers from its own modeling code and "
-                      "has no draft-vocabulary config; the hub-standard EAGLE-3 layout is format=speculators (vLLM "
-                      "auto-detects it), or use format=vllm / format=sglang",
+    ("hf", "eagle3"): "SafeAILab/EAGLE's EAGLE-3 takes its target layers from its own modified modeling files, with "
+                      "no config key to name them, so a drafter trained on other layers would be fed other features; "
+                      "the hub-standard EAGLE-3 layout is format=speculators (vLLM auto-detects it), or use "
+                      "format=vllm / format=sglang",
     ("speculators", "eagle1"): "speculators 0.9.0 has no EAGLE-1 model class (its eagle3 config requires auxiliary "
                                "layers and its own lm_head); use format=vllm, sglang or hf",
 }
@@ -147,7 +149,10 @@ def engine_config(drafter, engine: str, target: dict, dtype: str, num_tokens: in
     kind, s = drafter.variant, sizes(drafter)
     base = llama_config(drafter, dtype, target.get("max_positions") or 0)
     if kind == "eagle1":
-        return {"architectures": ARCHITECTURES[(engine, kind)], **base, "bias": engine != "vllm"}
+        config = {"architectures": ARCHITECTURES[(engine, kind)], **base, "bias": engine != "vllm"}
+        if engine == "hf":  # SafeAILab's cnets1 reads config.pretraining_tp and config.rope_scaling directly
+            config["pretraining_tp"] = 1
+        return config
     ids = engine_layer_ids(engine, list(drafter.teacher_layers), target["num_layers"])
     eagle3 = {"draft_vocab_size": s["Vd"], "target_hidden_size": s["D"], "norm_before_residual": False}
     if engine == "speculators":

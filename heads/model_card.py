@@ -25,7 +25,7 @@ def serve_command(engine: str, kind: str, target: str, export_dir: str, num_toke
                     f"--speculative-draft-model-path {export_dir} --speculative-num-steps {num_tokens} "
                     f"--speculative-eagle-topk {tree.get('top_k', 4)} "
                     f"--speculative-num-draft-tokens {tree.get('total_tokens', 16)}")
-        return (f"EaModel.from_pretrained(base_model_path='{target}', ea_model_path='{export_dir}', "
+        return (f"EaModel.from_pretrained(use_eagle3=False, base_model_path='{target}', ea_model_path='{export_dir}', "
                 f"total_token={tree.get('total_tokens', 16)}, depth={num_tokens}, top_k={tree.get('top_k', 4)})"
                 f"   # SafeAILab/EAGLE")
     if engine == "vllm" and kind == "medusa":
