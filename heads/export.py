@@ -121,10 +121,10 @@ def _medusa_names(engine: str, L: int) -> Callable[[str], str]:
     return rename
 
 
-def _medusa_config(spec: Spec, sizes: dict[str, int], serve_name: str) -> dict:
+def _medusa_config(spec: Spec, sizes: dict[str, int], base_model: str) -> dict:
     config = {key: sizes[value] if _is_size(value) else value for key, value in spec.config.items()}
     if spec.engine == "hf":
-        config["base_model_name_or_path"] = serve_name
+        config["base_model_name_or_path"] = base_model
     return config
 
 
@@ -172,8 +172,9 @@ def _write_eagle(tmp: Path, drafter, engine: str, config: dict) -> None:
 
 def target_dtype(config: dict) -> torch.dtype:
     """The dtype the target was trained against (target.dtype): heads are served in the target's dtype."""
-    name = (config.get("target_config") or {}).get("dtype", "float32")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+    from distill.teacher import DTYPES
+
+    return DTYPES[(config.get("target_config") or {}).get("dtype", "float32")]
 
 
 def serve_name(config: dict) -> str:
