@@ -387,6 +387,34 @@ def rows_fingerprint(dataset) -> str:
     return h.hexdigest()[:16]
 
 
+def source_fingerprint(data_cfg: Mapping) -> str | None:
+    """A content hash of the raw training data ``data_cfg`` reads (the file, a directory's text files, the stdlib
+    corpus, the regenerated jsonl): an edited file at the same path hashes differently. None for hub datasets, which
+    are named by hub name and split only."""
+    from distill.corpus import corpus_fingerprint
+
+    h = hashlib.sha256()
+    source = _opt(data_cfg, "source")
+    if source == "stdlib":
+        h.update(corpus_fingerprint(stdlib_sources("train", max_bytes=_opt(data_cfg, "corpus_max_bytes"))).encode())
+    elif source == "file" and _opt(data_cfg, "path"):
+        _hash_path(h, Path(_opt(data_cfg, "path")).expanduser())
+    else:
+        return None
+    if _opt(data_cfg, "regenerated"):
+        _hash_path(h, Path(_opt(data_cfg, "regenerated")).expanduser())
+    return h.hexdigest()[:16]
+
+
+def _hash_path(h, path: Path) -> None:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+    for p in files:
+        h.update(p.relative_to(path).as_posix().encode() if path.is_dir() else b"")
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+
+
 def build_train_dataset(data_cfg: Mapping, tokenizer) -> Dataset:
     """Tokenised, masked, fixed-length training rows from ``data_cfg`` (see module docstring)."""
     max_length = int(_opt(data_cfg, "max_length"))
