@@ -78,14 +78,16 @@ def keep_rows_before(path: Path, step: int) -> None:
     goes too."""
     if not path.is_file():
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    kept, lines = [], path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
             kept.append(line + "\n")
+    if len(kept) == len(lines):  # nothing to drop: leave the file untouched
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     tmp.replace(path)
