@@ -377,10 +377,11 @@ def rows_fingerprint(dataset) -> str:
     if own is not None:
         return str(own)
     h = hashlib.sha256()
+    names = ("input_ids", "attention_mask", "loss_mask")
     if isinstance(dataset, TokenBlockDataset):
-        columns = [dataset.input_ids, dataset.attention_mask, dataset.loss_mask]
-    else:  # any map-style dataset of TokenBlockDataset-like rows (tests, wrappers): row by row
-        columns = [dataset[i][k] for i in range(len(dataset)) for k in ("input_ids", "attention_mask", "loss_mask")]
+        columns = [getattr(dataset, k) for k in names]
+    else:  # any map-style dataset of TokenBlockDataset-like rows (tests, wrappers): the same columns, stacked
+        columns = [torch.stack([dataset[i][k] for i in range(len(dataset))]) for k in names]
     for column in columns:
         h.update(str(tuple(column.shape)).encode())
         h.update(column.detach().to(torch.int64).cpu().contiguous().numpy().tobytes())

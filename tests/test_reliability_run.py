@@ -23,10 +23,10 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
 
 
-def compose_cfg(cache_dir, *overrides):
+def compose_cfg(cache_dir, *overrides, drafter=("drafter=medusa", "drafter.num_heads=2")):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return compose(config_name="config", overrides=[
-            "experiment=smoke", "drafter=medusa", "drafter.num_heads=2", f"target.cache_dir={cache_dir}",
+            "experiment=smoke", *drafter, f"target.cache_dir={cache_dir}",
             "data.corpus_max_bytes=60000", "trainer.steps=4", "trainer.ckpt_every=2", "trainer.log_every=1",
             "trainer.micro_batch_size=2", "trainer.device=cpu", "eval.enabled=false", *overrides])
 
@@ -158,11 +158,14 @@ def test_metrics_hold_each_step_once_after_a_resume(run_dir, cache):
     assert after[:2] == before[:2]  # rows before the checkpoint are kept as they were
 
 
-def test_first_run_on_a_machine_trains_like_every_later_one(finished, cache, tmp_path):
-    """``finished`` built the tiny target into an empty cache (its first use); this run loads it from there."""
-    run_training(compose_cfg(cache), tmp_path)
-    losses = [[json.loads(x)["train/loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
-              for d in (finished, tmp_path)]
+def test_first_run_on_a_machine_trains_like_every_later_one(tmp_path):
+    """The first run builds the tiny target into an empty cache, the second loads it: same loss curve (EAGLE-1: its
+    initial weights are random, so a build that moved the seed would show)."""
+    eagle = ("drafter=eagle1",)
+    for name in ("first", "second"):
+        run_training(compose_cfg(tmp_path / "cache", drafter=eagle), tmp_path / name)
+    losses = [[json.loads(x)["train/loss"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+              for d in ("first", "second")]
     assert losses[0] == losses[1]
 
 
@@ -191,3 +194,42 @@ def test_rows_cut_before_their_loss_tokens_advise_raising_max_length(tmp_path, c
     with pytest.raises(ValueError, match="raise data.max_length"):
         build_train_dataset({"source": "file", "path": str(data), "max_length": 32, "packing": False,
                              "chat_template": "none"}, tokenizer)
+
+
+def eval_overrides(drafter_path, *extra):
+    return [f"drafter_path={drafter_path}", "eval.num_prompts=1", "eval.hf_baselines=false", "eval.plots=false",
+            "eval.warmup_prompts=0", "eval.baselines=[]", "trainer.device=cpu", *extra]
+
+
+def run_eval_cli(overrides, out_dir):
+    from eval.run import run_eval
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return run_eval(cfg, out_dir, overrides=overrides)
+
+
+def test_eval_of_a_smoke_drafter_reuses_the_runs_settings_or_fits_the_target(run_dir, tmp_path):
+    """The README's "re-evaluate a saved drafter" on a smoke run, with no experiment=smoke: the default prompt (128)
+    + new tokens (96) would not fit the tiny target's 128 positions."""
+    report = run_eval_cli(eval_overrides(run_dir / "drafter"), tmp_path / "a")
+    assert report["max_new_tokens"] == 32  # the run's own eval.max_new_tokens (experiment=smoke)
+    config = run_dir / "drafter" / "config.json"
+    saved = json.loads(config.read_text())
+    del saved["training"]["eval"]  # a drafter saved without its run's settings: the defaults are fitted
+    config.write_text(json.dumps(saved))
+    report = run_eval_cli(eval_overrides(run_dir / "drafter"), tmp_path / "b")
+    assert 32 < report["max_new_tokens"] < 96 and report["results"][0]["new_tokens"] > 0
+
+
+def test_eval_prompts_file_is_cut_by_prompt_tokens(run_dir, cache, tmp_path):
+    from distill.toy import load_or_build_toy_target
+    from eval.run import eval_prompts
+
+    _, tokenizer = load_or_build_toy_target(compose_cfg(cache).target.toy, cache_dir=cache)
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n    return x\n" * 40, "category": "code"}) + "\n")
+    ids, _ = eval_prompts({"prompts": str(prompts), "num_prompts": 1, "prompt_tokens": 24}, tokenizer)
+    assert len(ids[0]) == 24
+    report = run_eval_cli(eval_overrides(run_dir / "drafter", f"eval.prompts={prompts}"), tmp_path / "e")
+    assert report["results"][0]["new_tokens"] > 0  # 48 prompt tokens + 32 new fit; uncut it would not
