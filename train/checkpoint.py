@@ -6,6 +6,13 @@ Layout: ``<run dir>/checkpoints/step_0000200/{drafter/, trainer_state.pt, optimi
 directory (every rank writes its own shard there where the engine partitions state, e.g. DeepSpeed ZeRO), renamed
 into place by the main rank once complete, and only then does ``latest`` move: a run killed at any moment resumes
 from a whole checkpoint. Saving and loading are collective: every rank calls them.
+
+Nothing is lost (README "Reliability"): ``resume_point`` refuses a fresh start over an earlier run's outputs and a
+checkpoint past ``trainer.steps``; a missing ``latest`` resumes from the newest complete checkpoint; pruning
+(``keep_last``) deletes only older checkpoints of the run. Nothing is silent: a resume must find the same drafter,
+target (sizes and weight digest), data layout and rows (content hash), loss and optimisation settings
+(``training_recipe``). DeepSpeed's partitions, which DeepSpeed unpickles, load only when signed with this user's
+key (``sign_shards`` / ``shard_problem``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Order (nanoGPT): build optimizer and data order, resume if asked; then per step: set lr, collate this rank's
 ``grad_accum`` micro-batches and count their valid tokens over all ranks, forward/backward each, clip and step (the
-engine), log, checkpoint (every rank takes part; the main rank writes).
+engine), log, checkpoint (every rank takes part; the main rank writes). A step whose loss (before the update) or
+weights (after it) are non-finite stops the run there (``train.nonfinite``): one scalar sync per step.
 
 Loss normalisation: a step's micro-batches are collated first and their valid tokens counted
 (``Drafter.count_valid``) and summed over ranks; each micro-batch then backpropagates its loss *sum* divided by
