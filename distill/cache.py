@@ -401,8 +401,9 @@ class OfflineTeacher:
         self.cache_dir = Path(cache_dir)
         self.manifest = read_manifest(self.cache_dir)
         current = fingerprint_components(teacher, data_cfg)
+        names = ("target", "target_weights", "tokenizer", "data", "data_content")
         diff = _differences(self.manifest["components"], current,
-                            ("target", "target_weights", "tokenizer", "data", "data_content"))
+                            [n for n in names if n in self.manifest["components"]])  # what older caches recorded
         if diff:
             raise ValueError(
                 f"teacher cache {self.cache_dir} was built for a different {'; '.join(diff)}. Rebuild it for this "

@@ -287,6 +287,12 @@ def test_damaged_checkpoint_files_are_one_clear_error(tiny_teacher, tmp_path):
     cfg = make_cfg()
     with pytest.raises(Killed):
         run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg["trainer"], die_at=4))
+    weights = tmp_path / "checkpoints" / "step_0000003" / "drafter" / WEIGHTS
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:300])
+    with pytest.raises(RuntimeError, match=f"step_0000003 is unreadable .*delete that step_"):
+        run(tiny_teacher, tmp_path, cfg)
+    weights.write_bytes(intact)
     config = tmp_path / "checkpoints" / "step_0000003" / "drafter" / "config.json"
     config.write_text('{"format": "specdraft-drafter", "drafter": ')
     with pytest.raises(ValueError, match="config.json is damaged"):

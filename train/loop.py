@@ -30,7 +30,6 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from distill.data import rows_fingerprint
-
 from train import checkpoint, nonfinite
 
 log = logging.getLogger(__name__)
