@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from distill.teacher import load_teacher
 from heads.base import build_drafter, save_drafter
+from train import checkpoint
 from train.config import to_container, validate
 from train.engine import build_engine, resolve_batch, shard_target, world_from_env
 from train.logger import MetricsLogger
@@ -54,6 +55,9 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
     if not engine.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank-0 logging; other ranks still report problems
     run_dir = _shared_run_dir(engine, Path(run_dir))
+    # Refuses, before anything is loaded or written, a fresh start over an earlier run's outputs or a checkpoint past
+    # trainer.steps; the loop resumes from the same checkpoint.
+    ckpt = checkpoint.resume_point(run_dir, cfg.trainer.resume, trainer["steps"])
     sharded = cfg.target.shard != "replicate"
     # A sharded target is loaded on the CPU and only its shards move to the device. Rank 0 goes first: a toy target
     # missing from the cache is built once, not by every rank at the same time.
@@ -75,11 +79,6 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
         (run_dir / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
 
     summary = {}
-    from train import checkpoint
-
-    # Refuses, before anything is written, a fresh start over an earlier run's outputs or a checkpoint past
-    # trainer.steps; the loop resumes from the same checkpoint.
-    ckpt = checkpoint.resume_point(run_dir, cfg.trainer.resume, trainer["steps"])
     finished = ckpt is not None and checkpoint.step_of(ckpt) == trainer["steps"] and (run_dir / "drafter").is_dir()
     logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=ckpt is not None,
                            resume_step=checkpoint.step_of(ckpt) if ckpt is not None else None)
