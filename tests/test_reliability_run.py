@@ -45,8 +45,20 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("toy-cache")
 
 
+EAGLE = ("drafter=eagle1",)  # random initial weights: a build that moved the seed would show in its loss curve
+
+
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, cache):
+def first_run(tmp_path_factory, cache):
+    """The first run on this "machine": the tiny target is not cached yet, so this run builds it."""
+    assert not any(cache.iterdir())
+    run_dir = tmp_path_factory.mktemp("first")
+    run_training(compose_cfg(cache, drafter=EAGLE), run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, cache, first_run):
     run_dir = tmp_path_factory.mktemp("finished")
     run_training(compose_cfg(cache), run_dir)
     return run_dir
@@ -158,14 +170,11 @@ def test_metrics_hold_each_step_once_after_a_resume(run_dir, cache):
     assert after[:2] == before[:2]  # rows before the checkpoint are kept as they were
 
 
-def test_first_run_on_a_machine_trains_like_every_later_one(tmp_path):
-    """The first run builds the tiny target into an empty cache, the second loads it: same loss curve (EAGLE-1: its
-    initial weights are random, so a build that moved the seed would show)."""
-    eagle = ("drafter=eagle1",)
-    for name in ("first", "second"):
-        run_training(compose_cfg(tmp_path / "cache", drafter=eagle), tmp_path / name)
-    losses = [[json.loads(x)["train/loss"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-              for d in ("first", "second")]
+def test_first_run_on_a_machine_trains_like_every_later_one(first_run, cache, tmp_path):
+    """``first_run`` built the tiny target into the empty cache; this run loads it: the same loss curve."""
+    run_training(compose_cfg(cache, drafter=EAGLE), tmp_path)
+    losses = [[json.loads(x)["train/loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (first_run, tmp_path)]
     assert losses[0] == losses[1]
 
 
