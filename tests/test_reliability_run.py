@@ -242,3 +242,12 @@ def test_eval_prompts_file_is_cut_by_prompt_tokens(run_dir, cache, tmp_path):
     assert len(ids[0]) == 24
     report = run_eval_cli(eval_overrides(run_dir / "drafter", f"eval.prompts={prompts}"), tmp_path / "e")
     assert report["results"][0]["new_tokens"] > 0  # 48 prompt tokens + 32 new fit; uncut it would not
+
+
+def test_eval_applies_decode_time_drafter_keys_to_a_saved_drafter(first_run, tmp_path):
+    """EAGLE's dynamic tree keeps 16 nodes by default; drafter.total_tokens=30 must measure a 30-node tree."""
+    overrides = eval_overrides(first_run / "drafter", "drafter.total_tokens=30", "drafter.top_k=6")
+    report = run_eval_cli(overrides, tmp_path)
+    assert report["results"][0]["drafter"] == "eagle1" and report["results"][0]["tree_size"] == 30
+    with pytest.raises(ValueError, match="drafter.ttt_steps=3 cannot apply"):
+        run_eval_cli(eval_overrides(first_run / "drafter", "drafter.ttt_steps=3"), tmp_path / "x")
