@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from distill.data import DEFAULTS as DATA_DEFAULTS
-from distill.data import collate
+from distill.data import collate, source_fingerprint
 from distill.teacher import TeacherOutput
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ def fingerprint_components(teacher, data_cfg: Mapping, layers: Sequence[int] = (
         vocab = hashlib.sha256(items.encode()).hexdigest()
     return _normalise({"format_version": FORMAT_VERSION, "target": teacher.identity(),
                        "target_weights": teacher.weights_digest(), "tokenizer": vocab,
-                       "data": data, "layers": list(layers), "topk": topk, "dtype": dtype})
+                       "data": data, "data_content": source_fingerprint(data_cfg), "layers": list(layers),
+                       "topk": topk, "dtype": dtype})
 
 
 def fingerprint(components: Mapping) -> str:
@@ -242,9 +243,10 @@ def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: Mappin
     log.info(message)
     print(message, flush=True)
     shards, written = [], 0
+    recorded = _recorded_digests(cache_dir)
     for index, start in enumerate(range(0, num_rows, shard_rows)):
         rows, path = range(start, min(start + shard_rows, num_rows)), cache_dir / shard_name(index)
-        if not _shard_is_complete(path, fp, rows):
+        if not _shard_is_complete(path, fp, rows) or _damaged(path, recorded.get(path.name)):
             if max_shards is not None and written >= max_shards:
                 log.info("stopping after %d new shard(s) (max_shards); rerun to resume", written)
                 return None
@@ -253,7 +255,8 @@ def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: Mappin
             _replace_atomically(path, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
             written += 1
             log.info("wrote %s (rows %d..%d)", path.name, rows.start, rows.stop - 1)
-        shards.append({"file": path.name, "start": rows.start, "end": rows.stop, "bytes": path.stat().st_size})
+        shards.append({"file": path.name, "start": rows.start, "end": rows.stop, "bytes": path.stat().st_size,
+                       "sha256": file_sha256(path)})
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fp, "components": components,
                 "layers": layers, "topk": topk, "dtype": dtype, "logprob_dtype": "float32",
                 "hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size, "num_rows": num_rows,
@@ -290,6 +293,13 @@ class CachedDataset(Dataset):
                 raise _corrupt(path, f"{path.stat().st_size} bytes, the manifest says {s['bytes']}")
         self._open: OrderedDict[int, Any] = OrderedDict()
         self._columns: dict[str, Tensor] = {}
+        self._verified: set[int] = set()  # shards whose content matched the manifest's sha256 in this process
+
+    @property
+    def content_fingerprint(self) -> str:
+        """What ``distill.data.rows_fingerprint`` records for a resume: the manifest's fingerprint and shard digests."""
+        digests = [s.get("sha256") or str(s["bytes"]) for s in self.shards]
+        return hashlib.sha256(json.dumps([self.manifest["fingerprint"], digests]).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
         return self.manifest["num_rows"]
@@ -303,6 +313,9 @@ class CachedDataset(Dataset):
             self._open.move_to_end(index)
             return self._open[index]
         path = self.dir / self.shards[index]["file"]
+        if index not in self._verified:
+            _check_shard_content(path, self.shards[index])
+            self._verified.add(index)
         try:
             handle = safe_open(str(path), "pt")
         except (SafetensorError, OSError) as e:
@@ -339,6 +352,37 @@ class CachedDataset(Dataset):
     loss_mask = property(lambda self: self._column("loss_mask"))
 
 
+def _recorded_digests(cache_dir: Path) -> dict[str, str]:
+    """file -> sha256 from a finished cache's manifest (rewriting it must not bless a shard damaged since)."""
+    if not (cache_dir / MANIFEST).is_file():
+        return {}
+    return {s["file"]: s["sha256"] for s in read_manifest(cache_dir)["shards"] if s.get("sha256")}
+
+
+def _damaged(path: Path, digest: str | None) -> bool:
+    if digest is None or not path.is_file() or file_sha256(path) == digest:
+        return False
+    log.warning("%s differs from the sha256 its manifest recorded; rewriting it", path)
+    return True
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_shard_content(path: Path, shard: Mapping) -> None:
+    """A shard damaged in place (same size, other bytes) would train on garbage, or to NaN: compare its content with
+    the digest the manifest recorded when it was written, once per shard and process. Caches written before digests
+    were recorded are not checked."""
+    if shard.get("sha256") and file_sha256(path) != shard["sha256"]:
+        raise _corrupt(path, "its content differs from the sha256 the manifest recorded when it was written (modified "
+                             "or damaged since)")
+
+
 def dense_logits(topk_ids: Tensor, topk_logprobs: Tensor, vocab_size: int, dtype: torch.dtype) -> Tensor:
     """[..., V] logits whose softmax is the top-K distribution renormalised: log-probs at their ids, a finite floor
     (smallest top-K log-prob - 1e4 per position) elsewhere."""
@@ -357,7 +401,9 @@ class OfflineTeacher:
         self.cache_dir = Path(cache_dir)
         self.manifest = read_manifest(self.cache_dir)
         current = fingerprint_components(teacher, data_cfg)
-        diff = _differences(self.manifest["components"], current, ("target", "target_weights", "tokenizer", "data"))
+        names = ("target", "target_weights", "tokenizer", "data", "data_content")
+        diff = _differences(self.manifest["components"], current,
+                            [n for n in names if n in self.manifest["components"]])  # what older caches recorded
         if diff:
             raise ValueError(
                 f"teacher cache {self.cache_dir} was built for a different {'; '.join(diff)}. Rebuild it for this "

@@ -57,6 +57,11 @@ def normalize_messages(record: Mapping, index: int) -> Messages:
         raise ValueError(f"data: record {index} conversation is a {type(turns).__name__}, expected a list of turns")
     messages = []
     for turn_index, turn in enumerate(turns):
+        if not isinstance(turn, Mapping):
+            raise ValueError(
+                f"data: record {index} turn {turn_index} is a {type(turn).__name__} ({str(turn)[:40]!r}), expected an "
+                f"object like {{{role_key!r}: ..., {content_key!r}: ...}}; fix the record or drop it"
+            )
         role = turn.get(role_key)
         if role not in roles:
             raise ValueError(

@@ -15,6 +15,7 @@ ShareGPT / OpenAI-messages conversations (rendered and masked by ``distill.chat`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -115,21 +116,36 @@ def _load_file(path: str | None, text_field: str) -> list[dict]:
         raise ValueError(
             f"data.path: file {p} does not exist; set data.path=<jsonl|json|txt file> or data.source=stdlib"
         )
-    if p.is_dir():
-        return _read_text_dir(p, text_field)
-    suffix = p.suffix.lower()
-    if suffix == ".jsonl":
-        return read_jsonl(p)
-    if suffix == ".json":
-        return _read_json(p)
-    if suffix in TEXT_SUFFIXES:
-        return [{text_field: p.read_text(encoding="utf-8")}]
+    try:
+        if p.is_dir():
+            return _read_text_dir(p, text_field)
+        suffix = p.suffix.lower()
+        if suffix == ".jsonl":
+            return read_jsonl(p)
+        if suffix == ".json":
+            return _read_json(p)
+        if suffix in TEXT_SUFFIXES:
+            return [{text_field: p.read_text(encoding="utf-8")}]
+    except UnicodeDecodeError as exc:
+        raise not_utf8("data.path", p, exc) from None
     raise ValueError(
         f"data.path: unsupported file type {suffix!r} for {p}; use .jsonl, .json, .txt/.py or a directory"
     )
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def not_utf8(key: str, path: Path, exc: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{key}: {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x}: {exc.reason}); re-encode "
+                      f"it as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}`")
+
+
+def read_jsonl(path: Path, key: str = "data.path") -> list[dict]:
+    try:
+        return _read_jsonl(path)
+    except UnicodeDecodeError as exc:
+        raise not_utf8(key, path, exc) from None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
     records = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -163,7 +179,13 @@ def _read_json(path: Path) -> list[dict]:
 
 def _read_text_dir(root: Path, text_field: str) -> list[dict]:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-    return [{text_field: p.read_text(encoding="utf-8")} for p in files]
+    records = []
+    for p in files:
+        try:
+            records.append({text_field: p.read_text(encoding="utf-8")})
+        except UnicodeDecodeError as exc:  # name the file inside the directory, not just the directory
+            raise not_utf8("data.path", p, exc) from None
+    return records
 
 
 def _load_hub(hub_name: str | None, split: str) -> list[dict]:
@@ -334,6 +356,66 @@ def _drop_rows_without_loss(dataset: TokenBlockDataset) -> TokenBlockDataset:
     return TokenBlockDataset(dataset.input_ids[keep], dataset.attention_mask[keep], dataset.loss_mask[keep])
 
 
+def _no_rows_message(data_cfg: Mapping, examples: Sequence[Example], num_tokens: int, max_length: int,
+                     packing: bool) -> str:
+    """Why no training row is left, with the fix that applies: too little data for one packed block, or rows cut at
+    ``max_length`` before their first loss token (then the limit must go *up*, not down)."""
+    where = f"data: {_describe_source(data_cfg)} gave {num_tokens} tokens but no row with loss tokens"
+    if packing and num_tokens < max_length:
+        return f"{where}: fewer than one block of data.max_length={max_length}; add data or lower data.max_length"
+    first_loss = [next((i for i, m in enumerate(mask) if m), len(mask)) for _, mask in examples]
+    return (f"{where}: every row is cut at data.max_length={max_length} before its first loss token (the earliest "
+            f"comes at token {min(first_loss)}); raise data.max_length above it (within the target's context), or "
+            f"shorten the prompts")
+
+
+def rows_fingerprint(dataset) -> str:
+    """A content hash of the training rows (input ids, attention and loss masks): what a resume must find again.
+    Paths and row counts say nothing about an edited file; this does. A dataset may provide its own
+    ``content_fingerprint`` (the offline teacher cache: its manifest and shard digests)."""
+    own = getattr(dataset, "content_fingerprint", None)
+    if own is not None:
+        return str(own)
+    h = hashlib.sha256()
+    names = ("input_ids", "attention_mask", "loss_mask")
+    if isinstance(dataset, TokenBlockDataset):
+        columns = [getattr(dataset, k) for k in names]
+    else:  # any map-style dataset of TokenBlockDataset-like rows (tests, wrappers): the same columns, stacked
+        columns = [torch.stack([dataset[i][k] for i in range(len(dataset))]) for k in names]
+    for column in columns:
+        h.update(str(tuple(column.shape)).encode())
+        h.update(column.detach().to(torch.int64).cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def source_fingerprint(data_cfg: Mapping) -> str | None:
+    """A content hash of the raw training data ``data_cfg`` reads (the file, a directory's text files, the stdlib
+    corpus, the regenerated jsonl): an edited file at the same path hashes differently. None for hub datasets, which
+    are named by hub name and split only."""
+    from distill.corpus import corpus_fingerprint
+
+    h = hashlib.sha256()
+    source = _opt(data_cfg, "source")
+    if source == "stdlib":
+        h.update(corpus_fingerprint(stdlib_sources("train", max_bytes=_opt(data_cfg, "corpus_max_bytes"))).encode())
+    elif source == "file" and _opt(data_cfg, "path"):
+        _hash_path(h, Path(_opt(data_cfg, "path")).expanduser())
+    else:
+        return None
+    if _opt(data_cfg, "regenerated"):
+        _hash_path(h, Path(_opt(data_cfg, "regenerated")).expanduser())
+    return h.hexdigest()[:16]
+
+
+def _hash_path(h, path: Path) -> None:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+    for p in files:
+        h.update(p.relative_to(path).as_posix().encode() if path.is_dir() else b"")
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+
+
 def build_train_dataset(data_cfg: Mapping, tokenizer) -> Dataset:
     """Tokenised, masked, fixed-length training rows from ``data_cfg`` (see module docstring)."""
     max_length = int(_opt(data_cfg, "max_length"))
@@ -352,10 +434,7 @@ def build_train_dataset(data_cfg: Mapping, tokenizer) -> Dataset:
         dataset = pad_examples(examples, max_length, _pad_id(tokenizer))
     dataset = _drop_rows_without_loss(dataset)
     if len(dataset) == 0:
-        raise ValueError(
-            f"data: {_describe_source(data_cfg)} gave {num_tokens} tokens but no row with loss tokens at "
-            f"max_length={max_length}; add data or lower data.max_length"
-        )
+        raise ValueError(_no_rows_message(data_cfg, examples, num_tokens, max_length, packing))
     logger.info(
         "training rows: %d x %d tokens, %.1f%% loss tokens",
         len(dataset), max_length, 100.0 * dataset.loss_mask.float().mean().item(),

@@ -125,7 +125,7 @@ def prompt_records_from_file(
     p = Path(path).expanduser()
     if not p.is_file():
         raise ValueError(f"eval.prompts: file {p} does not exist; set eval.prompts=<question.jsonl> or null")
-    records = read_jsonl(p)
+    records = read_jsonl(p, key="eval.prompts")
     if num_prompts is not None:
         records = records[:num_prompts]
     if not records:

@@ -453,7 +453,9 @@ def load_or_build_toy_target(
         )
     if not path.exists():
         logger.info("building toy target into %s (one-off; later runs load it)", path)
-        _build_atomically(path, cfg, train, heldout, fingerprint)
+        # The build seeds and draws; the caller's random streams (CPU and every GPU) must not see it.
+        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+            _build_atomically(path, cfg, train, heldout, fingerprint)
     model, tokenizer = _load(path)
     logger.info("loaded toy target from %s", path)
     return model, tokenizer

@@ -14,8 +14,8 @@ def main(cfg: DictConfig) -> None:
     from eval.run import run_eval
 
     hydra_cfg = HydraConfig.get()
-    overrides_target = any(o.split("=")[0].lstrip("+~").startswith("target") for o in hydra_cfg.overrides.task)
-    run_eval(cfg, hydra_cfg.runtime.output_dir, use_saved_target=not overrides_target)
+    # The command line decides which of a saved drafter's own settings give way (eval.saved).
+    run_eval(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,21 @@ def eval_prompts(eval_cfg: Mapping, tokenizer) -> tuple[list[list[int]], list[st
 
     if eval_cfg.get("prompts"):
         records = prompt_records_from_file(eval_cfg["prompts"], tokenizer, eval_cfg["num_prompts"], "auto")
-        return [ids for ids, _ in records], [cat for _, cat in records]
+        return [cut_prompt(ids, eval_cfg["prompt_tokens"], tokenizer) for ids, _ in records], [c for _, c in records]
     prompts = heldout_prompts(tokenizer, eval_cfg["num_prompts"], eval_cfg["prompt_tokens"])
     return prompts, [None] * len(prompts)
+
+
+def cut_prompt(ids: list[int], prompt_tokens: int, tokenizer) -> list[int]:
+    """A file prompt cut to ``eval.prompt_tokens``: its leading special tokens (BOS) and its last tokens, so the
+    question's end and the assistant header it continues from stay."""
+    if len(ids) <= prompt_tokens:
+        return ids
+    from distill.data import default_prefix_ids
+
+    prefix = default_prefix_ids(tokenizer) if tokenizer is not None else []
+    prefix = prefix if ids[: len(prefix)] == prefix and len(prefix) < prompt_tokens else []
+    return prefix + ids[len(ids) - (prompt_tokens - len(prefix)):]
 
 
 def proposal_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -366,29 +378,47 @@ def _target_lines(results: Sequence[Mapping]) -> list[str]:
     return lines
 
 
-def evaluate_saved(cfg, teacher, drafter_path, run_dir) -> dict:
-    """Evaluate the drafter saved at ``drafter_path`` (reloaded from disk, as a user would) against ``teacher``."""
+def evaluate_saved(cfg, teacher, drafter_path, run_dir, overrides: Mapping | None = None) -> dict:
+    """Evaluate the drafter saved at ``drafter_path`` (reloaded from disk, as a user would) against ``teacher``.
+    ``overrides``: decode-time ``drafter.<key>`` settings (``heads.base.decode_overrides``)."""
     from heads.base import load_drafter, read_drafter_config
 
-    drafter = load_drafter(drafter_path, teacher)
+    drafter = load_drafter(drafter_path, teacher, overrides,
+                           allow_other_target=bool(cfg.eval.get("allow_other_target", False)))
     final = read_drafter_config(drafter_path).get("training", {}).get("final") or None
     return _report(cfg, teacher, {drafter.name: drafter}, run_dir, training={drafter.name: final} if final else None)
 
 
-def run_eval(cfg, run_dir, use_saved_target: bool = True) -> dict:
-    """``python -m eval``: a saved drafter (``drafter_path=``) or an untrained one (``drafter=lookup``)."""
+def run_eval(cfg, run_dir, use_saved_target: bool = True, overrides: Sequence[str] | None = None) -> dict:
+    """``python -m eval``: a saved drafter (``drafter_path=``) or an untrained one (``drafter=lookup``).
+    ``overrides``: the command line's Hydra overrides, which decide what a saved drafter's settings give way to
+    (``eval.saved``); without them, ``use_saved_target`` alone says whether the saved target is used."""
     from distill.teacher import load_teacher
     from heads.base import build_drafter, read_drafter_config
     from train.config import validate
     from train.engine import resolve_device
 
+    if cfg.drafter_path:
+        from omegaconf import OmegaConf
+
+        from eval import saved as saved_settings
+        from heads.base import decode_overrides
+
+        cli = saved_settings.parse_overrides(overrides if overrides is not None else
+                                             ([] if use_saved_target else ["target=given"]))
+        saved = read_drafter_config(cfg.drafter_path)
+        drafter_keys = saved_settings.drafter_overrides(cfg, cli, saved, cfg.drafter_path)
+        target_cfg = saved_settings.target_config(cfg, cli, saved)
+        cfg.drafter = decode_overrides(saved["drafter"], drafter_keys, cfg.drafter_path)  # validated as saved
+        validate(cfg)
+        teacher = load_teacher(target_cfg, device=resolve_device(cfg.trainer.device))
+        fitted = saved_settings.eval_settings(OmegaConf.to_container(cfg.eval, resolve=True), saved, cli,
+                                              teacher.max_positions)
+        for key in saved_settings.RUN_EVAL_KEYS:
+            cfg.eval[key] = fitted[key]
+        return evaluate_saved(cfg, teacher, cfg.drafter_path, run_dir, overrides=drafter_keys)
     validate(cfg)
     device = resolve_device(cfg.trainer.device)
-    if cfg.drafter_path:
-        saved = read_drafter_config(cfg.drafter_path)
-        # The drafter knows the target it was trained for; use it unless target=... was given explicitly.
-        teacher = load_teacher(saved["target_config"] if use_saved_target else cfg.target, device=device)
-        return evaluate_saved(cfg, teacher, cfg.drafter_path, run_dir)
     teacher = load_teacher(cfg.target, device=device)
     drafter = build_drafter(cfg.drafter, teacher)
     drafter.bind_target(teacher, initialize=True)

@@ -15,6 +15,7 @@ Saving:    ``save_drafter`` / ``load_drafter`` write and read a directory of ``m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -34,6 +35,8 @@ from inference.tree import DraftTree
 FORMAT = "specdraft-drafter"
 FORMAT_VERSION = 1
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
@@ -154,6 +157,10 @@ class Drafter(nn.Module):
         """The node ``save_drafter`` records and ``load_drafter`` rebuilds from; most drafters: as configured."""
         return dict(drafter_cfg)
 
+    # Constructor arguments that only steer decoding (tree shape and size, draft depth): ``python -m eval
+    # drafter_path=... drafter.<key>=...`` may change them on a trained drafter; every other key is refused there.
+    decode_keys: tuple[str, ...] = ("tree", "top_k", "depth", "total_tokens")
+
     def set_tree(self, spec) -> None:
         """Decode with the static tree ``spec`` (``decoder.tree``); only drafters with top-k candidates have one."""
         if spec is not None and spec != "chain":
@@ -211,6 +218,10 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping
     }
     weights = drafter.state_dict() if state_dict is None else state_dict
     tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise FloatingPointError(f"refusing to save {path}: {len(bad)} weight tensor(s) hold NaN or inf (first: "
+                                 f"{bad[0]}); training diverged: lower trainer.lr and train into a fresh hydra.run.dir")
 
     def write(tmp: Path) -> None:
         if tensors:
@@ -228,9 +239,26 @@ def read_drafter_config(path: str | os.PathLike) -> dict:
             f"drafter_path={str(path)!r} has no {CONFIG}; point drafter_path at a directory written by "
             f"`python -m train` (<run dir>/drafter)"
         )
-    config = json.loads(cfg_file.read_text())
-    if config.get("format") != FORMAT:
-        raise ValueError(f"{cfg_file} is not a specdraft drafter config (format={config.get('format')!r})")
+    try:
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is damaged ({e}); copy the drafter directory again, or use another checkpoint "
+                         f"(checkpoints/step_*/drafter)") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f"{cfg_file} is not a specdraft drafter config (format={found!r})")
+    return _no_remote_code(config, cfg_file)
+
+
+def _no_remote_code(config: dict, cfg_file: Path) -> dict:
+    """Remote code is enabled by the user's own command line, never by a file: a saved ``trust_remote_code: true``
+    (for the target, or a draft model's own weights) is read back as false, with a warning saying how to enable it."""
+    for key, node in (("target", config.get("target_config")), ("drafter", config.get("drafter"))):
+        if isinstance(node, dict) and node.get("trust_remote_code"):
+            log.warning("%s asks for %s.trust_remote_code=true; ignored: a saved file never enables remote code. "
+                        "Pass %s.trust_remote_code=true on the command line if you trust that code", cfg_file, key, key)
+        if isinstance(node, dict) and "trust_remote_code" in node:
+            node["trust_remote_code"] = False
     return config
 
 
@@ -248,18 +276,52 @@ def instantiate_drafter(drafter_cfg: Mapping[str, Any], dims: TargetDims) -> Dra
         raise
 
 
-def load_saved_drafter(path: str | os.PathLike) -> tuple[Drafter, dict]:
+def decode_overrides(drafter_cfg: Mapping[str, Any], overrides: Mapping[str, Any], source: str) -> dict:
+    """``drafter_cfg`` (a saved drafter's node) with the user's ``drafter.<key>`` overrides applied. Only keys that
+    change how the trained weights are used, not the weights, apply: the class's ``decode_keys`` it takes, and
+    ``trust_remote_code`` (remote code comes from the command line only). Any other key is refused with the reason:
+    it would change (or would have changed) the weights, so only retraining can honour it."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    cls = get_class(drafter_cfg["_target_"])
+    params = inspect.signature(cls.__init__).parameters
+    allowed = {k for k in cls.decode_keys if k in params} | ({"trust_remote_code"} & set(params))
+    out = dict(drafter_cfg)
+    for key, value in overrides.items():
+        if key not in params:
+            raise ValueError(f"drafter.{key} is not a setting of the saved drafter ({drafter_cfg['_target_']} at "
+                             f"{source}); settings that apply when decoding it: {sorted(allowed) or 'none'}")
+        if key not in allowed:
+            raise ValueError(f"drafter.{key}={value!r} cannot apply to the saved drafter at {source} (trained with "
+                             f"drafter.{key}={drafter_cfg.get(key)!r}): it fixes how the weights were built or trained, "
+                             f"so only retraining with it can honour it. Decode-time settings you can change: "
+                             f"{sorted(allowed) or 'none'}")
+        out[key] = value
+    return out
+
+
+def load_saved_drafter(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> tuple[Drafter, dict]:
     """(drafter with its trained weights, its config.json), rebuilt for the dims it was saved with — no target
-    needed (exporting must not load an 8B model). Missing or unexpected tensors are an error, never skipped."""
+    needed (exporting must not load an 8B model). Missing or unexpected tensors are an error, never skipped.
+    ``overrides``: decode-time ``drafter.<key>`` values from the command line (``decode_overrides``)."""
     path = Path(path)
     config = read_drafter_config(path)
+    if overrides:
+        config["drafter"] = decode_overrides(config["drafter"], overrides, str(path))
     drafter = instantiate_drafter(config["drafter"], TargetDims(**config["dims"]))
     expected = drafter.state_dict()
     if expected:
         weights = path / WEIGHTS
         if not weights.is_file():
             raise FileNotFoundError(f"{weights} is missing; the drafter directory {path} is incomplete")
-        state = load_file(str(weights))
+        try:
+            state = load_file(str(weights))
+        except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+            raise ValueError(f"{weights} is not a readable safetensors file ({type(e).__name__}: {e}); the drafter "
+                             f"directory is damaged: copy it again, or use another checkpoint "
+                             f"(checkpoints/step_*/drafter)") from None
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
@@ -268,10 +330,32 @@ def load_saved_drafter(path: str | os.PathLike) -> tuple[Drafter, dict]:
     return drafter.eval(), config
 
 
-def load_drafter(path: str | os.PathLike, teacher) -> Drafter:
-    """Rebuild a saved drafter for ``teacher``; refuse a checkpoint made for a target of other sizes."""
+def check_target_weights(path: Path, config: Mapping, teacher, allow_other_target: bool = False) -> None:
+    """Refuse a target whose weights differ from those the drafter was trained against (same name and sizes, e.g. a
+    toy target built with another seed): its τ would be measured against the wrong model. Drafters saved before the
+    digest was stored are not checked."""
+    saved = (config.get("target") or {}).get("weights_digest")
+    if not saved:
+        return
+    actual = teacher.weights_digest()
+    if saved == actual:
+        return
+    message = (f"drafter at {path} was trained against target weights with digest {saved}, but the target "
+               f"{teacher.name!r} has {actual} (same name and sizes, other weights)")
+    if allow_other_target:
+        log.warning("%s; measuring anyway (eval.allow_other_target=true)", message)
+        return
+    raise ValueError(f"{message}; evaluate it against the target it was trained for (target_config in "
+                     f"{path / CONFIG}), or pass eval.allow_other_target=true to measure it against this one anyway")
+
+
+def load_drafter(path: str | os.PathLike, teacher, overrides: Mapping[str, Any] | None = None,
+                 allow_other_target: bool = False) -> Drafter:
+    """Rebuild a saved drafter for ``teacher``; refuse a checkpoint made for a target of other sizes or, unless
+    ``allow_other_target``, other weights. ``overrides``: decode-time settings (``decode_overrides``)."""
     path = Path(path)
-    saved = TargetDims(**read_drafter_config(path)["dims"])
+    config = read_drafter_config(path)
+    saved = TargetDims(**config["dims"])
     actual = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
     for name in ("vocab_size", "hidden_size", "num_layers"):
         if getattr(saved, name) != getattr(actual, name):
@@ -280,6 +364,7 @@ def load_drafter(path: str | os.PathLike, teacher) -> Drafter:
                 f"{teacher.name!r} has {name}={getattr(actual, name)}; evaluate it against the target it was trained "
                 f"for (target config saved in {path / CONFIG}) or retrain"
             )
-    drafter, _ = load_saved_drafter(path)
+    check_target_weights(path, config, teacher, allow_other_target)
+    drafter, _ = load_saved_drafter(path, overrides)
     drafter.bind_target(teacher, initialize=False)
     return drafter.to(teacher.device).eval()

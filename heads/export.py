@@ -225,6 +225,25 @@ def _check_exportable(kind: str, config: dict, path: Path, engine: str) -> None:
         )
 
 
+def check_output_outside_run(drafter_path: Path, output_dir: Path) -> None:
+    """Refuse an ``output_dir`` that is, contains or lies inside the drafter's run dir (``<run>/drafter`` or
+    ``<run>/checkpoints/step_*/drafter``; a drafter directory on its own protects itself): the export replaces
+    ``output_dir`` whole, so with ``--overwrite`` it would delete the trained drafter, checkpoints and metrics."""
+    drafter = drafter_path.resolve()
+    if drafter.parent.parent.name == "checkpoints":
+        run = drafter.parent.parent.parent
+    elif any((drafter.parent / name).exists() for name in ("checkpoints", "metrics.jsonl", "report.json", ".hydra")):
+        run = drafter.parent
+    else:
+        run = drafter
+    out = output_dir.resolve()
+    how = "is" if out == run else "lies inside" if run in out.parents else "contains" if out in run.parents else None
+    if how:
+        raise ValueError(f"output_dir={str(output_dir)!r} {how} the drafter's run dir {run}; an export replaces its "
+                         f"output_dir whole, which would delete the trained drafter, checkpoints and metrics. Choose an "
+                         f"output_dir outside it, e.g. exports/<name>")
+
+
 def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path, overwrite: bool = False,
                    report: dict | None = None) -> Path:
     """Write ``output_dir`` for ``engine`` from the trained drafter at ``drafter_path``; returns the directory.
@@ -237,6 +256,7 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
     drafter, config = load_saved_drafter(drafter_path)  # refuses non-specdraft dirs, missing/extra tensors
     kind = drafter.name
     _check_exportable(kind, config, drafter_path, engine)
+    check_output_outside_run(drafter_path, output_dir)
     if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"output_dir={str(output_dir)!r} exists and is not empty; pass --overwrite to replace it")
     target = config.get("target", {})

@@ -78,7 +78,7 @@ def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_p
         raise ValueError(
             f"prompt of {prompt_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + {lookahead} draft tokens "
             f"needs {needed} positions, more than the target's max_position_embeddings={max_positions}; "
-            f"shorten the prompt (eval.prompt_tokens) or lower eval.max_new_tokens"
+            f"shorten the prompt (eval.prompt_tokens), or lower eval.max_new_tokens or eval.num_draft"
         )
 
 

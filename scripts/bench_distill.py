@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -106,6 +107,7 @@ def main() -> None:
             continue
         overrides = [o.format(regenerated=regenerated) for o in RUNS[name]]
         run_dir = work / name
+        shutil.rmtree(run_dir, ignore_errors=True)  # not in results: a run cut short; trainer.resume=never needs it empty
         train_s = run([*py, "-m", "train", *overrides, *common, *EVAL, f"hydra.run.dir={run_dir}",
                        "trainer.resume=never"], work / f"{name}.log")
         saved = json.loads((run_dir / "drafter" / "config.json").read_text())

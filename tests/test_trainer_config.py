@@ -113,7 +113,7 @@ def test_resume_refuses_a_target_with_other_weights(tiny_teacher, tmp_path):
     cfg = make_cfg()
     _killed_run(tiny_teacher, tmp_path, cfg)
     other = Teacher(make_tiny_llama(seed=1), tokenizer=None, name="tiny-llama")  # same name and sizes
-    with pytest.raises(ValueError, match="target with other weights.*trainer.resume=never"):
+    with pytest.raises(ValueError, match="target with other weights.*fresh hydra.run.dir"):
         run(other, tmp_path, cfg)
 
 

@@ -6,12 +6,23 @@ Layout: ``<run dir>/checkpoints/step_0000200/{drafter/, trainer_state.pt, optimi
 directory (every rank writes its own shard there where the engine partitions state, e.g. DeepSpeed ZeRO), renamed
 into place by the main rank once complete, and only then does ``latest`` move: a run killed at any moment resumes
 from a whole checkpoint. Saving and loading are collective: every rank calls them.
+
+Nothing is lost (README "Reliability"): ``resume_point`` refuses a fresh start over an earlier run's outputs and a
+checkpoint past ``trainer.steps``; a missing ``latest`` resumes from the newest complete checkpoint; pruning
+(``keep_last``) deletes only older checkpoints of the run. Nothing is silent: a resume must find the same drafter,
+target (sizes and weight digest), data layout and rows (content hash), loss and optimisation settings
+(``training_recipe``). DeepSpeed's partitions, which DeepSpeed unpickles, load only when signed with this user's
+key (``sign_shards`` / ``shard_problem``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,6 +35,8 @@ from heads.base import WEIGHTS, read_drafter_config, save_drafter
 log = logging.getLogger(__name__)
 
 STATE, OPTIMIZER = "trainer_state.pt", "optimizer.pt"
+STEP_NAME = re.compile(r"step_(\d{7})")
+FRESH_DIR = "train into a fresh hydra.run.dir"
 
 
 def checkpoint_root(run_dir: str | os.PathLike) -> Path:
@@ -31,7 +44,10 @@ def checkpoint_root(run_dir: str | os.PathLike) -> Path:
 
 
 def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping, target_cfg: Mapping,
-                    target_identity: Mapping, layout: Mapping, keep_last: int) -> Path:
+                    target_identity: Mapping, layout: Mapping, keep_last: int, recipe: Mapping | None = None,
+                    metrics: Mapping | None = None) -> Path:
+    """``recipe``: the optimisation settings a resume must find unchanged (``training_recipe``); ``metrics``: the last
+    logged metrics, handed back on resume so a finished run's summary survives a rerun."""
     root = checkpoint_root(run_dir)
     name = f"step_{step:07d}"
     final, tmp = root / name, root / f".{name}.partial"
@@ -56,8 +72,12 @@ def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping,
             "scheduler": {"name": "warmup_cosine", "step": step},  # lr_at(step) is a pure function of the step
             "target_weights_digest": target_identity.get("weights_digest"),
             "rng": rng,
+            "recipe": dict(recipe or {}),
+            "last_metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
             **engine.extra_state(),
         }
+        if (tmp / "deepspeed").is_dir():  # pickled by DeepSpeed: sign what we wrote (verify_shards)
+            state["shards"] = sign_shards(tmp / "deepspeed")
         torch.save(state, tmp / STATE)
         if optim is not None:
             torch.save(optim, tmp / OPTIMIZER)
@@ -67,51 +87,121 @@ def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping,
         pointer = root / "latest.tmp"
         pointer.write_text(name)
         os.replace(pointer, root / "latest")
-        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last]:
-            shutil.rmtree(old)
+        _prune(root, step, keep_last)
     engine.barrier()
     return final
 
 
+def step_of(path: Path) -> int:
+    return int(STEP_NAME.fullmatch(path.name).group(1))
+
+
+def complete_checkpoints(run_dir) -> list[Path]:
+    """``step_*`` directories holding a trainer state, oldest first (hidden ``.partial`` ones never count)."""
+    root = checkpoint_root(run_dir)
+    found = [p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and (p / STATE).is_file()]
+    return sorted(found, key=step_of)
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Keep the ``keep_last`` newest complete checkpoints up to ``step`` (the one just written among them). Only
+    older ones are ever deleted: never the checkpoint ``latest`` names, never one from a later step."""
+    older = [p for p in complete_checkpoints(root.parent) if step_of(p) < step]
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(old)
+
+
 def latest_checkpoint(run_dir) -> Path | None:
-    pointer = checkpoint_root(run_dir) / "latest"
+    """The checkpoint a resume continues from: the one ``checkpoints/latest`` names, or, when that pointer is missing
+    (deleted, or lost with a copy), the newest complete ``step_*`` — never a silent restart over existing ones."""
+    root = checkpoint_root(run_dir)
+    pointer = root / "latest"
+    complete = complete_checkpoints(run_dir)
     if not pointer.is_file():
+        if complete:
+            log.warning("%s is missing; resuming from the newest complete checkpoint, %s", pointer, complete[-1].name)
+            return complete[-1]
         return None
-    path = checkpoint_root(run_dir) / pointer.read_text().strip()
+    name = pointer.read_bytes()[:100].decode("utf-8", "replace").strip()
+    fix = (f"delete {pointer} to resume from the newest complete checkpoint, {complete[-1].name}" if complete else
+           f"no complete checkpoint is left in {root}: move the run dir aside and {FRESH_DIR}")
+    if not STEP_NAME.fullmatch(name):
+        raise ValueError(f"{pointer} holds {name[:40]!r}, not a checkpoint name like step_0000200; {fix}")
+    path = root / name
     if not (path / STATE).is_file():
-        raise FileNotFoundError(
-            f"{pointer} names {path}, which is incomplete or missing; delete {pointer} to restart from the newest "
-            f"complete checkpoint, or set trainer.resume=never to start over"
-        )
+        raise FileNotFoundError(f"{pointer} names {path}, which is incomplete or missing; {fix}")
     return path
 
 
+def resume_point(run_dir, resume: str, steps: int) -> Path | None:
+    """The checkpoint this run continues from (None: a fresh start), after refusing anything that would lose data:
+    a fresh start over an earlier run's outputs, or a checkpoint past ``trainer.steps``."""
+    run_dir = Path(run_dir)
+    ckpt = latest_checkpoint(run_dir) if resume == "auto" else None
+    if ckpt is None:
+        found = _earlier_outputs(run_dir, resume)
+        if found:
+            why = "trainer.resume=never" if resume == "never" else "there is no checkpoint to resume from, and"
+            raise FileExistsError(f"hydra.run.dir={run_dir} already holds an earlier run ({', '.join(found)}); {why} "
+                                  f"starting over would overwrite it: {FRESH_DIR} (or move those aside yourself)")
+        return None
+    if step_of(ckpt) > steps:
+        raise ValueError(f"{ckpt} is at step {step_of(ckpt)}, past trainer.steps={steps}: this run dir trained longer "
+                         f"than asked; set trainer.steps>={step_of(ckpt)} (a finished run reruns to done without "
+                         f"training), or {FRESH_DIR}")
+    return ckpt
+
+
+def _earlier_outputs(run_dir: Path, resume: str) -> list[str]:
+    """What a fresh start in ``run_dir`` would overwrite. Under resume=auto a metrics.jsonl without any checkpoint is
+    not counted: it holds steps of a run killed before its first checkpoint, which the fresh start replays exactly."""
+    found = [name for name in ("drafter", "report.json") if (run_dir / name).exists()]
+    if resume == "never":
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and metrics.stat().st_size:
+            found.append("metrics.jsonl")
+        if any(checkpoint_root(run_dir).glob("step_*")):
+            found.append("checkpoints/")
+    return found
+
+
+def saved_metrics(path: Path) -> dict:
+    """The last logged metrics stored with a checkpoint (empty for checkpoints written before they were)."""
+    return dict(torch.load(path / STATE, weights_only=True).get("last_metrics") or {})
+
+
 def load_checkpoint(path: Path, engine, optimizer, drafter_cfg: Mapping, target_identity: Mapping,
-                    layout: Mapping) -> int:
+                    layout: Mapping, recipe: Mapping | None = None) -> int:
     """Restore drafter weights, optimizer, loss scaler and RNG in place; return the step to continue from. Anything
     that would make the continuation differ from an uninterrupted run is an error, never a silent fresh start."""
     config = read_drafter_config(path / "drafter")
-    for what, saved, now in (("drafter", config["drafter"], engine.module.saved_config(drafter_cfg)),
+    for what, saved, now in (("drafter", _node(config["drafter"]), _node(engine.module.saved_config(drafter_cfg))),
                              ("target", _dims(config["target"]), _dims(target_identity))):
         if saved != now:
             raise ValueError(
                 f"checkpoint {path} was made for another {what} ({saved}) than this run's ({now}); "
-                f"use a fresh hydra.run.dir or set trainer.resume=never"
+                f"resume it with the drafter it was started with, or {FRESH_DIR}"
             )
     try:
         state: dict[str, Any] = torch.load(path / STATE, weights_only=True)
         weights = load_file(str(path / "drafter" / WEIGHTS))
         optim = torch.load(path / OPTIMIZER, weights_only=True) if (path / OPTIMIZER).is_file() else None
     except Exception as e:  # a truncated or corrupt file: say which, never silently restart from scratch
-        raise RuntimeError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); delete it or set trainer.resume=never") from e
-    _check_compatible(path, state, engine, target_identity, layout)
+        raise RuntimeError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); delete that step_* directory "
+                           f"(and checkpoints/latest) to resume from an older one, or {FRESH_DIR}") from e
+    _check_compatible(path, state, engine, target_identity, layout, recipe or {})
     if optim is None and engine.name != "deepspeed":  # DeepSpeed keeps its optimizer in deepspeed/
-        raise RuntimeError(f"checkpoint {path} has no {OPTIMIZER}; it is incomplete: delete it or set trainer.resume=never")
+        raise RuntimeError(f"checkpoint {path} has no {OPTIMIZER}; it is incomplete: delete that step_* directory "
+                           f"(and checkpoints/latest) to resume from an older one, or {FRESH_DIR}")
+    if engine.name == "deepspeed":  # the main rank checks the signature (only it needs the key), all ranks refuse
+        problem = engine.broadcast_object(shard_problem(path, state) if engine.is_main else None)
+        if problem:
+            raise ValueError(problem)
     try:
         engine.load_state(optimizer, weights, optim, path)
     except (RuntimeError, KeyError, ValueError) as e:
         raise RuntimeError(f"checkpoint {path} cannot be restored into this {engine.name} run ({e}); resume it with "
-                           f"the trainer that wrote it (trainer.engine={state['engine']}) or set trainer.resume=never") from e
+                           f"the trainer that wrote it (trainer.engine={state['engine']}), or {FRESH_DIR}") from e
     engine.load_extra_state(state)
     rng = state["rng"][engine.rank % len(state["rng"])]
     torch.set_rng_state(rng["cpu"])
@@ -121,19 +211,38 @@ def load_checkpoint(path: Path, engine, optimizer, drafter_cfg: Mapping, target_
     return int(state["step"])
 
 
-def _check_compatible(path: Path, state: Mapping, engine, target_identity: Mapping, layout: Mapping) -> None:
+def training_recipe(cfg: Mapping) -> dict:
+    """What must stay the same for a resume to continue the run it resumes: the loss and the optimisation
+    settings. ``trainer.steps`` is left out: raising it extends a run (its cosine schedule then stretches)."""
+    t = cfg["trainer"]
+    return {"loss": cfg.get("loss"), **{f"trainer.{k}": t.get(k) for k in
+                                        ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip")}}
+
+
+def _check_recipe(path: Path, saved: Mapping, now: Mapping) -> None:
+    for key, value in now.items():
+        if key in saved and saved[key] != value:
+            raise ValueError(f"checkpoint {path} was trained with {key}={saved[key]}, this run asks for {value}: the "
+                             f"resumed run would silently be another run; restore {key}={saved[key]}, or {FRESH_DIR}")
+
+
+def _check_compatible(path: Path, state: Mapping, engine, target_identity: Mapping, layout: Mapping,
+                      recipe: Mapping) -> None:
     digest = target_identity.get("weights_digest")
     if state.get("target_weights_digest") and digest and state["target_weights_digest"] != digest:
         raise ValueError(f"checkpoint {path} was trained against a target with other weights (digest "
-                         f"{state['target_weights_digest']}, this target's is {digest}) under the same name; use a "
-                         f"fresh hydra.run.dir or set trainer.resume=never")
+                         f"{state['target_weights_digest']}, this target's is {digest}) under the same name; resume "
+                         f"it against the target it was started with, or {FRESH_DIR}")
     saved = dict(state.get("data", {}))
     for key, value in layout.items():
-        if saved.get(key) != value:
+        if key in saved and saved[key] != value:  # keys a checkpoint predates are not checked
             fix = ("set trainer.global_batch_size so micro_batch_size x grad_accum x world size matches"
-                   if key == "global_batch" else f"restore the run's {key}")
-            raise ValueError(f"checkpoint {path} was written with data {key}={saved.get(key)}, this run has {value}: "
-                             f"the data order would not continue where it stopped; {fix}, or set trainer.resume=never")
+                   if key == "global_batch" else
+                   "the training rows differ by content (an edited data file, another file or cache with as many "
+                   "rows); restore the data the run started with" if key == "rows_digest" else f"restore the run's {key}")
+            raise ValueError(f"checkpoint {path} was written with data {key}={saved[key]}, this run has {value}: "
+                             f"the data would not continue where it stopped; {fix}, or {FRESH_DIR}")
+    _check_recipe(path, state.get("recipe") or {}, recipe)
     partitioned = state["engine"] == "deepspeed" or engine.name == "deepspeed"
     if partitioned and (state["engine"] != engine.name or state["world_size"] != engine.world_size):
         raise ValueError(f"checkpoint {path} was written by trainer engine {state['engine']} on {state['world_size']} "
@@ -148,3 +257,65 @@ def _rng_state() -> dict:
 
 def _dims(identity: Mapping) -> dict:
     return {k: identity.get(k) for k in ("name", "vocab_size", "hidden_size", "num_layers")}
+
+
+def _node(drafter_cfg: Mapping) -> dict:
+    """A drafter node as compared on resume: ``trust_remote_code`` is never read back from a file
+    (``heads.base.read_drafter_config``), so it is not part of what must match."""
+    return {k: v for k, v in drafter_cfg.items() if k != "trust_remote_code"}
+
+
+# --- DeepSpeed shards: DeepSpeed reads them with torch.load(weights_only=False), i.e. unpickles them -------------
+
+
+def _signing_key() -> bytes:
+    """This user's key for signing DeepSpeed checkpoints (created on first use, readable by the user only)."""
+    root = Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft").expanduser()
+    path = root / "checkpoint-signing.key"
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".checkpoint-signing.key.tmp-{os.getpid()}"
+        tmp.write_bytes(secrets.token_bytes(32))
+        tmp.chmod(0o600)
+        os.replace(tmp, path)
+    return path.read_bytes()
+
+
+def _file_digests(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        h = hashlib.sha256()
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        out[p.relative_to(root).as_posix()] = h.hexdigest()
+    return out
+
+
+def sign_shards(root: Path) -> dict:
+    """The sha256 of every file DeepSpeed wrote under ``root``, and an HMAC of that list with this user's key."""
+    files = _file_digests(root)
+    mac = hmac.new(_signing_key(), repr(sorted(files.items())).encode(), hashlib.sha256).hexdigest()
+    return {"files": files, "hmac": mac}
+
+
+def shard_problem(path: Path, state: Mapping) -> str | None:
+    """Why the DeepSpeed state of checkpoint ``path`` must not be loaded, or None. DeepSpeed unpickles it, and a pickle
+    runs code: only state this user wrote here passes. The file digests live in the trainer state (read with
+    weights_only=True), signed with this user's key."""
+    shards, root = state.get("shards"), path / "deepspeed"
+    fix = (f"resume only run dirs written by specdraft under this user's key ($SPECDRAFT_CACHE or "
+           f"~/.cache/specdraft/checkpoint-signing.key), or {FRESH_DIR}")
+    if not shards:
+        return (f"checkpoint {path} holds DeepSpeed state with no signature; DeepSpeed would unpickle it "
+                f"(torch.load(weights_only=False)), which can run code; {fix}")
+    expected = hmac.new(_signing_key(), repr(sorted(shards["files"].items())).encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected, str(shards.get("hmac"))):
+        return f"checkpoint {path}: the DeepSpeed state was not signed with this user's key; refusing to unpickle it; {fix}"
+    actual = _file_digests(root) if root.is_dir() else {}
+    if actual != shards["files"]:
+        changed = sorted(set(actual) ^ set(shards["files"]) | {k for k in actual if actual[k] != shards["files"].get(k)})
+        return (f"checkpoint {path}: DeepSpeed files changed since they were written ({', '.join(changed[:4])}); "
+                f"refusing to unpickle them; delete that step_* directory (and checkpoints/latest) to resume from an "
+                f"older one, or {FRESH_DIR}")
+    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -77,6 +78,9 @@ class EvalConfig:
     warmup_prompts: int = 1
     # dtype drafters propose in: auto (bf16 where the device computes it natively) | float32 | bfloat16
     drafter_dtype: str = "auto"
+    # python -m eval drafter_path=...: measure against a target whose weights differ from the one the drafter was
+    # trained for (its digest is stored with the drafter); otherwise that is an error.
+    allow_other_target: bool = False
     hf_baselines: bool = True  # also time HF generate() and, for a draft model, HF assisted generation
     plots: bool = True  # PNG figures beside report.json
 
@@ -160,6 +164,7 @@ def validate(cfg: DictConfig) -> None:
     for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "ckpt_every"):
         if t[name] < 1:
             raise ValueError(f"trainer.{name} must be >= 1, got {t[name]}")
+    _check_schedule(t)
     if t.bf16 and t.fp16:
         raise ValueError("trainer.bf16=true and trainer.fp16=true exclude each other; set one of them to false")
     if t.zero_stage not in (1, 2, 3):
@@ -192,6 +197,27 @@ def validate(cfg: DictConfig) -> None:
             f"data.max_length={cfg.data.max_length} exceeds the toy target's context "
             f"target.toy.max_seq_len={cfg.target.toy.max_seq_len}; lower data.max_length"
         )
+
+
+def _check_schedule(t: DictConfig) -> None:
+    """Learning-rate schedule and optimizer values a run could not train with, refused before anything is built
+    (a negative rate would otherwise surface as a raw torch error, or train uphill)."""
+    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
+        if not math.isfinite(t[name]):
+            raise ValueError(f"trainer.{name}={t[name]} is not a finite number")
+    if not t.lr > 0:
+        raise ValueError(f"trainer.lr={t.lr} must be > 0 (the peak learning rate, e.g. 3e-3)")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ValueError(f"trainer.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1] (the cosine floor as a fraction of "
+                         f"trainer.lr; a negative one would make the learning rate negative)")
+    if t.warmup_steps < 0:
+        raise ValueError(f"trainer.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.weight_decay < 0:
+        raise ValueError(f"trainer.weight_decay={t.weight_decay} must be >= 0")
+    if t.grad_clip < 0:
+        raise ValueError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0: no clipping)")
+    if t.keep_last < 1:
+        raise ValueError(f"trainer.keep_last={t.keep_last} must be >= 1 (the newest checkpoint is what a resume needs)")
 
 
 def _check_data_mode(data: DictConfig, trainer: DictConfig) -> None:

@@ -16,14 +16,19 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    def __init__(self, run_dir, logger_cfg: Mapping, full_cfg: Mapping, is_main: bool = True, resumed: bool = False):
+    def __init__(self, run_dir, logger_cfg: Mapping, full_cfg: Mapping, is_main: bool = True, resumed: bool = False,
+                 resume_step: int | None = None):
+        """``resume_step``: the step a resumed run continues from; rows logged at or after it (by the run that was
+        killed after its last checkpoint) are dropped, since the resumed run logs them again: each step once."""
         self.is_main = is_main
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb_run = None
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a" if resumed else "w")
+        if resume_step is not None:
+            keep_rows_before(self.path, resume_step)
+        self._file = self.path.open("a" if resumed or resume_step is not None else "w")
         if logger_cfg["name"] == "wandb":
             self.wandb_run = _start_wandb(run_dir, logger_cfg, full_cfg)
 
@@ -66,6 +71,26 @@ class MetricsLogger:
         self._file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def keep_rows_before(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without the rows logged at ``step`` or later; a torn last line (a kill mid-write)
+    goes too."""
+    if not path.is_file():
+        return
+    kept, lines = [], path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+            kept.append(line + "\n")
+    if len(kept) == len(lines):  # nothing to drop: leave the file untouched
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
 
 
 def _start_wandb(run_dir, logger_cfg: Mapping, full_cfg: Mapping):

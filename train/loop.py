@@ -2,7 +2,8 @@
 
 Order (nanoGPT): build optimizer and data order, resume if asked; then per step: set lr, collate this rank's
 ``grad_accum`` micro-batches and count their valid tokens over all ranks, forward/backward each, clip and step (the
-engine), log, checkpoint (every rank takes part; the main rank writes).
+engine), log, checkpoint (every rank takes part; the main rank writes). A step whose loss (before the update) or
+weights (after it) are non-finite stops the run there (``train.nonfinite``): one scalar sync per step.
 
 Loss normalisation: a step's micro-batches are collated first and their valid tokens counted
 (``Drafter.count_valid``) and summed over ranks; each micro-batch then backpropagates its loss *sum* divided by
@@ -28,7 +29,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from train import checkpoint
+from distill.data import rows_fingerprint
+from train import checkpoint, nonfinite
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +90,18 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
     model, optimizer = engine.setup(drafter, lambda groups: torch.optim.AdamW(
         groups, lr=t["lr"], betas=(0.9, 0.95), weight_decay=t["weight_decay"]))
     identity = {**teacher.identity(), "weights_digest": teacher.weights_digest()}
-    layout = data_layout(t, engine.world_size, len(dataset), cfg["seed"])
-    start = 0
-    if t["resume"] == "auto" and (ckpt := checkpoint.latest_checkpoint(run_dir)) is not None:
-        start = checkpoint.load_checkpoint(ckpt, engine, optimizer, cfg["drafter"], identity, layout)
+    layout = {**data_layout(t, engine.world_size, len(dataset), cfg["seed"]), "rows_digest": rows_fingerprint(dataset)}
+    recipe = checkpoint.training_recipe(cfg)
+    start, last = 0, {}
+    if (ckpt := checkpoint.resume_point(run_dir, t["resume"], t["steps"])) is not None:
+        start = checkpoint.load_checkpoint(ckpt, engine, optimizer, cfg["drafter"], identity, layout, recipe)
+        last = checkpoint.saved_metrics(ckpt)  # a finished run resumed to done keeps its final metrics
     order = BatchOrder(len(dataset), t["micro_batch_size"], cfg["seed"])
     layers = tuple(drafter.teacher_layers)
     sim_depth = cfg.get("eval", {}).get("num_draft") if drafter.drafts_autoregressively else None
     accum = t["grad_accum"]
 
     model.train()
-    last: dict = {}
     t_start = t_window = time.perf_counter()
     tokens_window = torch.zeros((), dtype=torch.long, device=engine.device)  # summed on device: no sync per step
     bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", disable=not engine.is_main)
@@ -135,8 +138,14 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
             if logging_step:  # argmax over the vocabulary per term: only when it will be reported
                 counts = torch.stack([torch.stack(c) for c in out.top1_agreement()])  # [K, 2]: correct, count
                 agree = counts if agree is None else agree + counts
+        # One scalar sync per step: a diverged step must stop the run before its update, never reach a checkpoint.
+        if not bool(torch.isfinite(loss_sum)):
+            where = nonfinite.locate(model, teacher, batches, layers, loss_fn, engine)
+            raise nonfinite.loss_error(step, loss_sum, lr, where, run_dir)
         with clock("drafter"):
             grad_norm = engine.step(optimizer, t["grad_clip"])
+        if not bool(torch.isfinite(grad_norm)):
+            nonfinite.check_update(step, grad_norm, drafter, lr, run_dir)
 
         if logging_step:
             total_loss = engine.all_reduce_sum(loss_sum)
@@ -155,7 +164,7 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
         # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
         if (step + 1) % t["ckpt_every"] == 0 or step + 1 == t["steps"]:
             checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg["drafter"], cfg["target"], identity,
-                                       layout, t["keep_last"])
+                                       layout, t["keep_last"], recipe=recipe, metrics=last)
     model.eval()
     return last
 

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from distill.teacher import load_teacher
 from heads.base import build_drafter, save_drafter
+from train import checkpoint
 from train.config import to_container, validate
 from train.engine import build_engine, resolve_batch, shard_target, world_from_env
 from train.logger import MetricsLogger
@@ -47,7 +48,6 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
     """Train the configured drafter into ``<run dir>/drafter/`` and, unless ``eval.enabled=false``, evaluate it.
     Every rank of a multi-process launch runs this; only the main rank logs, writes and evaluates."""
     validate(cfg)
-    torch.manual_seed(cfg.seed)  # the same on every rank: sharding engines need identical initial weights
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     trainer = resolve_batch(to_container(cfg.trainer), world_from_env()[1])
@@ -55,6 +55,9 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
     if not engine.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank-0 logging; other ranks still report problems
     run_dir = _shared_run_dir(engine, Path(run_dir))
+    # Refuses, before anything is loaded or written, a fresh start over an earlier run's outputs or a checkpoint past
+    # trainer.steps; the loop resumes from the same checkpoint.
+    ckpt = checkpoint.resume_point(run_dir, cfg.trainer.resume, trainer["steps"])
     sharded = cfg.target.shard != "replicate"
     # A sharded target is loaded on the CPU and only its shards move to the device. Rank 0 goes first: a toy target
     # missing from the cache is built once, not by every rank at the same time.
@@ -64,6 +67,10 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
         engine.barrier()
     shard_target(teacher, cfg.target.shard, engine)
     teacher.model.to(engine.device)
+    # Seeded after the target is loaded: building a missing toy target draws random numbers, loading a cached one
+    # does not, and the first run on a machine must train exactly as every later one. The same on every rank:
+    # sharding engines need identical initial weights.
+    torch.manual_seed(cfg.seed)
     drafter = build_drafter(cfg.drafter, teacher)
     drafter.bind_target(teacher, initialize=True)
     plain = to_container(cfg)
@@ -72,10 +79,10 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
         (run_dir / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
 
     summary = {}
-    from train import checkpoint
-
-    resumed = cfg.trainer.resume == "auto" and checkpoint.latest_checkpoint(run_dir) is not None
-    logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=resumed)
+    finished = ckpt is not None and checkpoint.step_of(ckpt) == trainer["steps"] and (run_dir / "drafter").is_dir()
+    logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=ckpt is not None,
+                           resume_step=checkpoint.step_of(ckpt) if ckpt is not None else None)
+    identity = {**teacher.identity(), "weights_digest": teacher.weights_digest()}  # checked again at evaluation
     try:
         if any(p.requires_grad for p in drafter.parameters()):
             from distill.data import collate
@@ -93,10 +100,13 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
         else:
             log.info("%s has no trainable parameters; skipping training", type(drafter).__name__)
             weights = None
-        if engine.is_main:
-            path = save_drafter(drafter, run_dir / "drafter", plain["drafter"], plain["target"], teacher.identity(),
+        if engine.is_main and finished:  # a rerun of a finished run: resumed to done, drafter/ stays byte for byte
+            log.info("%s is a finished run (step %d of %d); %s left as it is", run_dir, trainer["steps"],
+                     trainer["steps"], run_dir / "drafter")
+        elif engine.is_main:
+            path = save_drafter(drafter, run_dir / "drafter", plain["drafter"], plain["target"], identity,
                                 extra={"training": {"steps": trainer["steps"], "loss": plain["loss"],
-                                                    "data": plain["data"], "final": summary}},
+                                                    "data": plain["data"], "eval": plain["eval"], "final": summary}},
                                 state_dict=weights)
             log.info("saved drafter to %s", path)
         # Every rank leaves the process group together; evaluation is the main rank's alone, and however long it
