@@ -9,6 +9,7 @@ norm, i.e. exactly what the lm_head reads. ``-1`` is accepted as an alias for ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -38,6 +39,45 @@ class TargetConfig:
     # for targets that do not fit one device; train.engine.shard_target)
     shard: str = "replicate"
     toy: ToyTargetConfig = field(default_factory=ToyTargetConfig)
+
+
+class TargetEmbedding(nn.Module):
+    """What the target's first decoder layer sees for token ids (hidden-state index 0): its input-embedding module's
+    output times the factor its forward applies after it, if any (``scale``, measured by ``Teacher.readout``; 1 in
+    transformers 5, whose Gemma embedding modules apply their own sqrt(D)). Frozen, never owned by a drafter."""
+
+    def __init__(self, embed_tokens: nn.Module, scale: float):
+        super().__init__()
+        self.embed_tokens, self.scale = embed_tokens, scale
+
+    @property
+    def weight(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out = self.embed_tokens(ids)
+        return out if self.scale == 1.0 else out * self.scale
+
+
+class TargetLogits(nn.Module):
+    """The logits the target outputs for a final (normed) hidden state: its lm_head, then what its forward does
+    after it: final logit soft-capping ``cap * tanh(x / cap)`` (Gemma-2), from the config field the forward reads,
+    checked against the forward itself by ``Teacher.readout``. ``finish`` applies the second part alone, to a
+    drafter's own vocabulary projection. Frozen, never owned by a drafter."""
+
+    def __init__(self, lm_head: nn.Module, softcap: float | None):
+        super().__init__()
+        self.lm_head, self.softcap = lm_head, softcap
+
+    @property
+    def weight(self) -> Tensor:
+        return self.lm_head.weight
+
+    def finish(self, raw: Tensor) -> Tensor:
+        return raw if self.softcap is None else torch.tanh(raw / self.softcap) * self.softcap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.finish(self.lm_head(hidden))
 
 
 @dataclass
@@ -101,6 +141,62 @@ class Teacher:
     @property
     def embed_tokens(self) -> nn.Module:
         return self.model.get_input_embeddings()
+
+    @property
+    def input_embedding(self) -> TargetEmbedding:
+        """Token ids -> hidden-state index 0, as the target's own forward computes it (see ``readout``)."""
+        return self.readout[0]
+
+    @property
+    def output_logits(self) -> TargetLogits:
+        """Final hidden state (index -1) -> the target's logits, as its own forward computes them (see ``readout``)."""
+        return self.readout[1]
+
+    @functools.cached_property
+    def readout(self) -> tuple[TargetEmbedding, TargetLogits]:
+        """The target's embedding and logit read-outs, checked against one forward of the target itself.
+
+        Drafters feed embeddings to their own layers (EAGLE) and turn features into logits through the target's
+        lm_head (EAGLE-1), so they must see what the target's forward does around those modules: an embedding scale
+        (Gemma: sqrt(D)), final logit soft-capping (Gemma-2). The forward is run once with a pre-hook that hands the
+        lm_head a large probe state (random weights give logits too small for a cap to show) and with
+        ``output_hidden_states``; a target whose forward does something else (learned absolute positions added to
+        the embeddings, a logit scale) is refused here, naming what differs, rather than trained wrongly."""
+        embed, head = self.embed_tokens, self.lm_head
+        ids = torch.arange(min(8, self.vocab_size), device=self.device)[None]
+        probe: dict[str, Tensor] = {}
+
+        def swap(module, args):
+            h = args[0]
+            unit = torch.randn(h.shape, generator=torch.Generator().manual_seed(0)).to(h)
+            raw = torch.nn.functional.linear(unit.float(), module.weight.float())
+            probe["h"] = unit * (100.0 / raw.abs().max().clamp_min(1e-6)).to(h.dtype)  # logits up to +-100
+            return (probe["h"],)
+
+        handle = head.register_forward_pre_hook(swap)
+        try:
+            with torch.no_grad(), adapters_disabled(self.model):
+                out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+                e0, h0 = embed(ids).float(), out.hidden_states[0].float()
+        finally:
+            handle.remove()
+        scale = float((h0 * e0).sum() / (e0 * e0).sum().clamp_min(1e-12))
+        if not torch.allclose(e0 * scale, h0, rtol=1e-2, atol=1e-4 * float(h0.abs().max())):
+            raise ValueError(
+                f"target {self.name!r}: hidden_states[0] is not a scaled output of its input embedding module "
+                f"({type(embed).__name__}); its forward adds something (e.g. learned absolute positions) that a drafter "
+                f"feeding token embeddings (EAGLE) cannot reproduce; use drafter=medusa or drafter=draft_model")
+        softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        logits = TargetLogits(head, softcap)
+        with torch.no_grad():
+            want, got = out.logits.float(), logits(probe["h"]).float()
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2):
+            raise ValueError(
+                f"target {self.name!r}: its forward's logits are not lm_head(final hidden state)"
+                f"{f' soft-capped at {softcap}' if softcap else ''} (max difference {float((got - want).abs().max()):.3g} "
+                f"on a probe state); drafters that read logits through the target's lm_head (eagle1) cannot be trained "
+                f"for it; use drafter=medusa or drafter=draft_model")
+        return TargetEmbedding(embed, 1.0 if abs(scale - 1.0) < 1e-3 else scale), logits
 
     @property
     def final_norm(self) -> nn.Module | None:
