@@ -38,7 +38,30 @@ class TargetConfig:
     # Multi-rank training: replicate (a full copy per rank) | fsdp | zero3 (decoder layers sharded over the ranks,
     # for targets that do not fit one device; train.engine.shard_target)
     shard: str = "replicate"
+    # source=hf: a model_type outside TESTED_FAMILIES is refused at start-up unless this is true (then it runs on
+    # trust: the decoder's checks still refuse what it cannot verify exactly)
+    allow_untested_family: bool = False
     toy: ToyTargetConfig = field(default_factory=ToyTargetConfig)
+
+
+# The model families (transformers ``model_type``) whose tiny random-weight targets CI trains every drafter kind on
+# and decodes losslessly, at batch 1 and batched, chain and tree (tests/test_families.py; the README's family table).
+TESTED_FAMILIES = ("gemma2", "gemma3_text", "gpt_neox", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2",
+                   "qwen3", "qwen3_moe")
+
+
+def check_family(config, allow_untested: bool = False) -> None:
+    """Refuse, before any weight is loaded, a target whose family CI does not cover, or whose attention layers the
+    verification masks cannot express (``inference.masks``)."""
+    from inference.masks import AttentionLayout
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TESTED_FAMILIES and not allow_untested:
+        hint = " (Gemma-3 4B+ checkpoints are multimodal: their text model is gemma3_text)" if model_type == "gemma3" else ""
+        raise ValueError(
+            f"target model_type={model_type!r} is not among the families tested in CI: {list(TESTED_FAMILIES)}{hint}; "
+            f"set target.allow_untested_family=true to try it anyway")
+    AttentionLayout.of(config)
 
 
 class TargetEmbedding(nn.Module):
@@ -271,8 +294,12 @@ def load_teacher(target_cfg: Mapping, device: str | torch.device = "cpu") -> Tea
     elif source == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from transformers import AutoConfig
+
         name, revision = target_cfg["name"], target_cfg.get("revision")
         trust = bool(target_cfg.get("trust_remote_code", False))
+        check_family(AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust),
+                     bool(target_cfg.get("allow_untested_family", False)))
         log.info("loading target %s (revision %s, %s)", name, revision, dtype_name)
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust)
         model = AutoModelForCausalLM.from_pretrained(

@@ -35,7 +35,8 @@ class AttentionLayout:
 
     @classmethod
     def of(cls, model) -> "AttentionLayout":
-        config = model.config.get_text_config(decoder=True)
+        """From a model or its config."""
+        config = getattr(model, "config", model).get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(config)
         unknown = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
         if unknown:

@@ -10,7 +10,7 @@ greedy continuations vary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -30,13 +30,21 @@ class Family:
     flagship: str  # the served model this family stands for (conf/target preset)
     traits: str  # what this tiny target keeps of the family
     kwargs: dict[str, Any]
+    # Gemma ties its lm_head to embeddings it scales by sqrt(D): at random init the scaled embedding dominates the
+    # residual stream and the tiny target repeats the current token forever; shrinking the embedding table after
+    # init (still tied, still scaled) makes it write varied text.
+    embed_rescale: float = 1.0
 
     def config(self):
         return AutoConfig.for_model(self.model_type, **self.kwargs)
 
     def build(self, seed: int = 0) -> torch.nn.Module:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(self.config()).eval()
+        model = AutoModelForCausalLM.from_config(self.config()).eval()
+        if self.embed_rescale != 1.0:
+            with torch.no_grad():
+                model.get_input_embeddings().weight.mul_(self.embed_rescale)
+        return model
 
 
 def _gemma(sliding_every: int, **extra) -> dict:
@@ -62,12 +70,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("gemma2", "google/gemma-2-9b-it",
            f"embeddings scaled by sqrt(D), attention and final logit soft-capping, sliding ({WINDOW}) / global "
            f"layers alternating, query_pre_attn_scalar, tied embeddings",
-           _gemma(2, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
+           _gemma(2, final_logit_softcapping=30.0, attn_logit_softcapping=50.0), embed_rescale=0.05),
     Family("gemma3_text", "google/gemma-3-12b-it (text)",
            f"embeddings scaled by sqrt(D), q/k norms, 3 sliding ({WINDOW}) : 1 global layers, local rope base, "
            f"tied embeddings",
            _gemma(4, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+           embed_rescale=0.05),
     Family("phi3", "microsoft/Phi-4-mini-instruct", "fused qkv and gate/up projections, partial rotary (0.75)",
            dict(SMALL_MLP, num_hidden_layers=2, **GQA, pad_token_id=0, eos_token_id=1, bos_token_id=2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})),
@@ -90,5 +99,3 @@ def build_target(model_type: str, seed: int = 0) -> torch.nn.Module:
         raise ValueError(f"no tiny target for model_type={model_type!r}; known: {sorted(FAMILIES)}")
     return FAMILIES[model_type].build(seed)
 
-
-Builder = Callable[[], torch.nn.Module]
