@@ -115,6 +115,31 @@ def test_untested_or_unsupported_families_fail_at_start_up_with_the_list():
         check_family(chunked, allow_untested=True)
 
 
+def test_load_teacher_checks_the_family_before_loading_weights(tmp_path):
+    """`target.source=hf target.name=<local dir>`, as a user points at a checkpoint: a tested family loads (Gemma-2,
+    through its own config class); an untested one is refused from its config.json alone (no weights in the dir)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    from distill.teacher import load_teacher
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)},
+                                                                             unk_token="t0")), eos_token="t1")
+    FAMILIES["gemma2"].build().save_pretrained(tmp_path / "gemma2")
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    teacher = load_teacher({"source": "hf", "name": str(tmp_path / "gemma2")})
+    assert teacher.num_layers == 4 and teacher.output_logits.softcap == 30.0
+    AutoConfig.for_model("starcoder2").save_pretrained(tmp_path / "starcoder2")
+    with pytest.raises(ValueError, match=r"model_type='starcoder2' is not among the families tested"):
+        load_teacher({"source": "hf", "name": str(tmp_path / "starcoder2")})
+
+
+def test_chain_drafters_refuse_a_tree_with_the_reason(family):
+    with pytest.raises(ValueError, match="drafts a chain; set decoder.tree=null"):
+        family.drafters["draft_model"].set_tree("small")
+
+
 def test_plain_decoding_is_the_models_own_greedy(family):
     """The batch-1 reference itself: equal to greedy by repeated full forwards without any cache (HF's own masks,
     sliding windows included), for the longest prompt."""
@@ -237,6 +262,16 @@ def test_export_reloads_and_decodes_identically(family, kind, tmp_path):
         got = decoder.speculative(reloaded, p[None], NEW, GAMMA)
         assert got.new_tokens == want.new_tokens
         assert got.stats.counts == want.stats.counts  # the same drafts accepted: the same drafter
+    if kind == "draft_model":  # the check has teeth: a tensor under a name transformers does not load is caught
+        from safetensors.torch import load_file, save_file
+
+        weights = next(out.glob("*.safetensors"))
+        state = load_file(str(weights))
+        name = next(k for k in state if "layers.0." in k)
+        state[name.replace("layers.0.", "layers.9.")] = state.pop(name)
+        save_file(state, str(weights), metadata={"format": "pt"})
+        problems = check_export(out, "vllm", kind, teacher.identity())
+        assert any("is missing" in p for p in problems) and any("is not part of" in p for p in problems)
 
 
 def test_window_is_exceeded_in_the_sliding_families():
