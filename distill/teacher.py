@@ -226,11 +226,30 @@ class Teacher:
         """The norm between the last decoder layer and the lm_head (hidden-state index -1 is its output), found by
         the attribute names HF decoders use; None when this architecture names it otherwise."""
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
-        for name in ("norm", "final_layernorm", "ln_f", "norm_f"):
+        for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f"):
             module = getattr(decoder, name, None)
             if isinstance(module, nn.Module) and getattr(module, "weight", None) is not None:
                 return module
         return None
+
+    @functools.cached_property
+    def final_norm_gain(self) -> Tensor | None:
+        """The final norm's effective per-channel gain ``g``, read through the module itself: an RMS norm computes
+        ``g * x / rms(x)``, with ``g = weight`` in Llama but ``1 + weight`` in Gemma, so copying ``weight`` would start
+        a drafter's norm near zero on Gemma. None without a final norm, or when it is not of that form (GPT-NeoX's
+        LayerNorm subtracts the mean and adds a bias)."""
+        norm = self.final_norm
+        if norm is None:
+            return None
+        weight = norm.weight
+        x = 100 * torch.randn(4, self.hidden_size, generator=torch.Generator().manual_seed(0))  # rms >> any eps
+        with torch.no_grad():
+            out = norm(x.to(weight.device, weight.dtype)).float().cpu()
+        x = x.to(weight.dtype).float()
+        gains = out / (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)))
+        if not torch.allclose(gains, gains[:1].expand_as(gains), rtol=2e-2, atol=1e-3):
+            return None
+        return gains.mean(0).to(weight.device)
 
     def resolve_layer(self, index: int) -> int:
         """Map a configured hidden-state index to HF's ``hidden_states`` index (see the module docstring)."""

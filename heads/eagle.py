@@ -204,9 +204,9 @@ class EagleDrafter(Drafter):
         D = self.dims.hidden_size
         self.fc.weight.zero_()
         self.fc.weight[:, -D:].copy_(torch.eye(D))
-        norm = teacher.final_norm
-        if norm is not None and norm.weight.shape == self.norm.weight.shape:
-            self.norm.weight.copy_(norm.weight.detach().to(self.norm.weight))
+        gain = teacher.final_norm_gain  # read through the norm: Gemma's is 1 + weight, not weight
+        if gain is not None and gain.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(gain.to(self.norm.weight))
         self._init_lm_head()
 
     def prepare(self, dataset) -> None:

@@ -195,6 +195,35 @@ def test_capture_convention_and_readouts(family):
             assert (teacher.output_logits(probe) - teacher.lm_head(probe)).abs().max() > 1.0
 
 
+def test_final_norm_gain_is_read_through_the_norm(family):
+    """EAGLE-3 starts its output norm at the target's final norm: its *effective* gain (Gemma: 1 + weight), which a
+    weight copy would get wrong; LayerNorm (GPT-NeoX) is not an RMS norm and is left alone."""
+    teacher = family.teacher
+    norm = teacher.final_norm
+    assert norm is not None
+    saved = norm.weight.detach().clone()
+    with torch.no_grad():
+        norm.weight.add_(0.3)  # away from init, so 1 + w and w differ from any default
+    try:
+        teacher.__dict__.pop("final_norm_gain", None)
+        gain = teacher.final_norm_gain
+        if isinstance(norm, torch.nn.LayerNorm):
+            assert gain is None
+            return
+        x = torch.randn(3, teacher.hidden_size)
+        with torch.no_grad():
+            want = norm(x)
+        unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+        torch.testing.assert_close(gain * unit, want, rtol=1e-4, atol=1e-4)
+        drafter = build_drafter(DRAFTERS["eagle3"], teacher)
+        drafter.bind_target(teacher, initialize=True)
+        torch.testing.assert_close(drafter.norm.weight.detach(), gain)
+    finally:
+        with torch.no_grad():
+            norm.weight.copy_(saved)  # the session's target, exactly as it was
+        teacher.__dict__.pop("final_norm_gain", None)
+
+
 def test_a_readout_the_teacher_does_not_reproduce_is_refused():
     """Teeth for the readout check: Gemma-2 told it has no soft-cap, while its forward caps, is refused."""
     model = FAMILIES["gemma2"].build()
