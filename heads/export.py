@@ -350,7 +350,10 @@ def _check_hf_model(path: Path, config: dict, target: dict) -> list[str]:
     files = sorted(path.glob("*.safetensors"))
     if problems or not files:
         return problems + ([] if files else [f"{path} has no *.safetensors weights"])
-    _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. MoE experts that cannot be fused back: not loadable
+        return problems + [f"transformers cannot load it: {e}"]
     name = config["architectures"][0]
     problems += [f"tensor {k!r} is not part of {name}" for k in sorted(info.get("unexpected_keys") or [])]
     problems += [f"tensor {k!r} is missing" for k in sorted(info.get("missing_keys") or [])]
