@@ -9,6 +9,7 @@ norm, i.e. exactly what the lm_head reads. ``-1`` is accepted as an alias for ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -37,7 +38,69 @@ class TargetConfig:
     # Multi-rank training: replicate (a full copy per rank) | fsdp | zero3 (decoder layers sharded over the ranks,
     # for targets that do not fit one device; train.engine.shard_target)
     shard: str = "replicate"
+    # source=hf: a model_type outside TESTED_FAMILIES is refused at start-up unless this is true (then it runs on
+    # trust: the decoder's checks still refuse what it cannot verify exactly)
+    allow_untested_family: bool = False
     toy: ToyTargetConfig = field(default_factory=ToyTargetConfig)
+
+
+# The model families (transformers ``model_type``) whose tiny random-weight targets CI trains every drafter kind on
+# and decodes losslessly, at batch 1 and batched, chain and tree (tests/test_families.py; the README's family table).
+TESTED_FAMILIES = ("gemma2", "gemma3_text", "gpt_neox", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2",
+                   "qwen3", "qwen3_moe")
+
+
+def check_family(config, allow_untested: bool = False) -> None:
+    """Refuse, before any weight is loaded, a target whose family CI does not cover, or whose attention layers the
+    verification masks cannot express (``inference.masks``)."""
+    from inference.masks import AttentionLayout
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TESTED_FAMILIES and not allow_untested:
+        hint = " (Gemma-3 4B+ checkpoints are multimodal: their text model is gemma3_text)" if model_type == "gemma3" else ""
+        raise ValueError(
+            f"target model_type={model_type!r} is not among the families tested in CI: {list(TESTED_FAMILIES)}{hint}; "
+            f"set target.allow_untested_family=true to try it anyway")
+    AttentionLayout.of(config)
+
+
+class TargetEmbedding(nn.Module):
+    """What the target's first decoder layer sees for token ids (hidden-state index 0): its input-embedding module's
+    output times the factor its forward applies after it, if any (``scale``, measured by ``Teacher.readout``; 1 in
+    transformers 5, whose Gemma embedding modules apply their own sqrt(D)). Frozen, never owned by a drafter."""
+
+    def __init__(self, embed_tokens: nn.Module, scale: float):
+        super().__init__()
+        self.embed_tokens, self.scale = embed_tokens, scale
+
+    @property
+    def weight(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out = self.embed_tokens(ids)
+        return out if self.scale == 1.0 else out * self.scale
+
+
+class TargetLogits(nn.Module):
+    """The logits the target outputs for a final (normed) hidden state: its lm_head, then what its forward does
+    after it: final logit soft-capping ``cap * tanh(x / cap)`` (Gemma-2), from the config field the forward reads,
+    checked against the forward itself by ``Teacher.readout``. ``finish`` applies the second part alone, to a
+    drafter's own vocabulary projection. Frozen, never owned by a drafter."""
+
+    def __init__(self, lm_head: nn.Module, softcap: float | None):
+        super().__init__()
+        self.lm_head, self.softcap = lm_head, softcap
+
+    @property
+    def weight(self) -> Tensor:
+        return self.lm_head.weight
+
+    def finish(self, raw: Tensor) -> Tensor:
+        return raw if self.softcap is None else torch.tanh(raw / self.softcap) * self.softcap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.finish(self.lm_head(hidden))
 
 
 @dataclass
@@ -103,15 +166,90 @@ class Teacher:
         return self.model.get_input_embeddings()
 
     @property
+    def input_embedding(self) -> TargetEmbedding:
+        """Token ids -> hidden-state index 0, as the target's own forward computes it (see ``readout``)."""
+        return self.readout[0]
+
+    @property
+    def output_logits(self) -> TargetLogits:
+        """Final hidden state (index -1) -> the target's logits, as its own forward computes them (see ``readout``)."""
+        return self.readout[1]
+
+    @functools.cached_property
+    def readout(self) -> tuple[TargetEmbedding, TargetLogits]:
+        """The target's embedding and logit read-outs, checked against one forward of the target itself.
+
+        Drafters feed embeddings to their own layers (EAGLE) and turn features into logits through the target's
+        lm_head (EAGLE-1), so they must see what the target's forward does around those modules: an embedding scale
+        (Gemma: sqrt(D)), final logit soft-capping (Gemma-2). The forward is run once with a pre-hook that hands the
+        lm_head a large probe state (random weights give logits too small for a cap to show) and with
+        ``output_hidden_states``; a target whose forward does something else (learned absolute positions added to
+        the embeddings, a logit scale) is refused here, naming what differs, rather than trained wrongly."""
+        embed, head = self.embed_tokens, self.lm_head
+        ids = torch.arange(min(8, self.vocab_size), device=self.device)[None]
+        probe: dict[str, Tensor] = {}
+
+        def swap(module, args):
+            h = args[0]
+            unit = torch.randn(h.shape, generator=torch.Generator().manual_seed(0)).to(h)
+            raw = torch.nn.functional.linear(unit.float(), module.weight.float())
+            probe["h"] = unit * (100.0 / raw.abs().max().clamp_min(1e-6)).to(h.dtype)  # logits up to +-100
+            return (probe["h"],)
+
+        handle = head.register_forward_pre_hook(swap)
+        try:
+            with torch.no_grad(), adapters_disabled(self.model):
+                out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+                e0, h0 = embed(ids).float(), out.hidden_states[0].float()
+        finally:
+            handle.remove()
+        scale = float((h0 * e0).sum() / (e0 * e0).sum().clamp_min(1e-12))
+        if not torch.allclose(e0 * scale, h0, rtol=1e-2, atol=1e-4 * float(h0.abs().max())):
+            raise ValueError(
+                f"target {self.name!r}: hidden_states[0] is not a scaled output of its input embedding module "
+                f"({type(embed).__name__}); its forward adds something (e.g. learned absolute positions) that a drafter "
+                f"feeding token embeddings (EAGLE) cannot reproduce; use drafter=medusa or drafter=draft_model")
+        softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        logits = TargetLogits(head, softcap)
+        with torch.no_grad():
+            want, got = out.logits.float(), logits(probe["h"]).float()
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2):
+            raise ValueError(
+                f"target {self.name!r}: its forward's logits are not lm_head(final hidden state)"
+                f"{f' soft-capped at {softcap}' if softcap else ''} (max difference {float((got - want).abs().max()):.3g} "
+                f"on a probe state); drafters that read logits through the target's lm_head (eagle1) cannot be trained "
+                f"for it; use drafter=medusa or drafter=draft_model")
+        return TargetEmbedding(embed, 1.0 if abs(scale - 1.0) < 1e-3 else scale), logits
+
+    @property
     def final_norm(self) -> nn.Module | None:
         """The norm between the last decoder layer and the lm_head (hidden-state index -1 is its output), found by
         the attribute names HF decoders use; None when this architecture names it otherwise."""
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
-        for name in ("norm", "final_layernorm", "ln_f", "norm_f"):
+        for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f"):
             module = getattr(decoder, name, None)
             if isinstance(module, nn.Module) and getattr(module, "weight", None) is not None:
                 return module
         return None
+
+    @functools.cached_property
+    def final_norm_gain(self) -> Tensor | None:
+        """The final norm's effective per-channel gain ``g``, read through the module itself: an RMS norm computes
+        ``g * x / rms(x)``, with ``g = weight`` in Llama but ``1 + weight`` in Gemma, so copying ``weight`` would start
+        a drafter's norm near zero on Gemma. None without a final norm, or when it is not of that form (GPT-NeoX's
+        LayerNorm subtracts the mean and adds a bias)."""
+        norm = self.final_norm
+        if norm is None:
+            return None
+        weight = norm.weight
+        x = 100 * torch.randn(4, self.hidden_size, generator=torch.Generator().manual_seed(0))  # rms >> any eps
+        with torch.no_grad():
+            out = norm(x.to(weight.device, weight.dtype)).float().cpu()
+        x = x.to(weight.dtype).float()
+        gains = out / (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)))
+        if not torch.allclose(gains, gains[:1].expand_as(gains), rtol=2e-2, atol=1e-3):
+            return None
+        return gains.mean(0).to(weight.device)
 
     def resolve_layer(self, index: int) -> int:
         """Map a configured hidden-state index to HF's ``hidden_states`` index (see the module docstring)."""
@@ -175,8 +313,12 @@ def load_teacher(target_cfg: Mapping, device: str | torch.device = "cpu") -> Tea
     elif source == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from transformers import AutoConfig
+
         name, revision = target_cfg["name"], target_cfg.get("revision")
         trust = bool(target_cfg.get("trust_remote_code", False))
+        check_family(AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust),
+                     bool(target_cfg.get("allow_untested_family", False)))
         log.info("loading target %s (revision %s, %s)", name, revision, dtype_name)
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust)
         model = AutoModelForCausalLM.from_pretrained(

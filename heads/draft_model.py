@@ -17,7 +17,6 @@ t+1), wherever token t+1 is a real, loss-bearing token (``distill.data``'s ``los
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 from dataclasses import asdict
@@ -152,12 +151,7 @@ class DraftModel(Drafter):
         """The target's config with ``config_overrides`` (fresh weights; ``_init_from_target`` fills some in)."""
         from transformers import AutoModelForCausalLM
 
-        config = copy.deepcopy(teacher.model.config)
-        for key, value in self.config_overrides.items():
-            if not hasattr(config, key):
-                raise ValueError(f"drafter.config_overrides.{key}: the target's {type(config).__name__} has no such "
-                                 f"field; valid fields include num_hidden_layers, intermediate_size, num_attention_heads")
-            setattr(config, key, value)
+        config = draft_config(teacher.model.config, self.config_overrides)
         return AutoModelForCausalLM.from_config(config).to(DTYPES[self.dtype_name]).eval()
 
     def saved_config(self, drafter_cfg: Mapping[str, Any] | None = None) -> dict:
@@ -350,6 +344,37 @@ def _init_from_target(model: nn.Module, target: nn.Module, init: str) -> None:
         raise ValueError("drafter.init: no tensor of the draft model matches the target's by name and shape; "
                          "use drafter.init=none")
     model.load_state_dict({k: theirs[k].to(mine[k].dtype) for k in shared}, strict=False)
+
+
+def draft_config(target_config, overrides: Mapping[str, Any]):
+    """The target's config with ``overrides`` (``drafter.config_overrides``), built through the config class so its
+    own checks run now rather than when the saved drafter is loaded. Per-layer lists (``layer_types``: Qwen2/3's and
+    Gemma-2/3's sliding / full pattern; any list as long as the target has layers) follow a changed
+    ``num_hidden_layers``: a shallower draft keeps the target's first layers' entries."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    fields = target_config.to_dict()
+    for key in overrides:
+        if key not in fields:
+            raise ValueError(f"drafter.config_overrides.{key}: the target's {type(target_config).__name__} has no such "
+                             f"field; valid fields include num_hidden_layers, intermediate_size, num_attention_heads")
+    L, n = fields.get("num_hidden_layers"), overrides.get("num_hidden_layers", fields.get("num_hidden_layers"))
+    derived = {}
+    if n != L:
+        for key, value in fields.items():
+            if key in overrides or not isinstance(value, list) or len(value) != L:
+                continue
+            if n > L:
+                raise ValueError(f"drafter.config_overrides.num_hidden_layers={n} is deeper than the target ({L} "
+                                 f"layers) and its config has the per-layer list {key!r}; give "
+                                 f"drafter.config_overrides.{key} with {n} entries")
+            derived[key] = value[:n]
+    try:
+        return AutoConfig.for_model(**{**fields, **dict(overrides), **derived})
+    except (ValueError, TypeError, StrictDataclassError) as e:  # the config class's own checks
+        raise ValueError(f"drafter.config_overrides={dict(overrides)} does not make a valid "
+                         f"{type(target_config).__name__}: {e}") from None
 
 
 def _from_config(model_config: Mapping[str, Any]) -> nn.Module:

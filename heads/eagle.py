@@ -197,7 +197,8 @@ class EagleDrafter(Drafter):
     def bind_target(self, teacher, initialize: bool) -> None:
         for i in self.teacher_layers:
             teacher.resolve_layer(i)
-        self._frozen = {"embed": teacher.embed_tokens, "lm_head": teacher.lm_head}
+        # The target's read-outs as its forward computes them (embedding scale, final logit soft-capping).
+        self._frozen = {"embed": teacher.input_embedding, "lm_head": teacher.output_logits}
         if initialize and self.variant == "eagle3":
             self._init_from_target(teacher)
 
@@ -211,9 +212,9 @@ class EagleDrafter(Drafter):
         D = self.dims.hidden_size
         self.fc.weight.zero_()
         self.fc.weight[:, -D:].copy_(torch.eye(D))
-        norm = teacher.final_norm
-        if norm is not None and norm.weight.shape == self.norm.weight.shape:
-            self.norm.weight.copy_(norm.weight.detach().to(self.norm.weight))
+        gain = teacher.final_norm_gain  # read through the norm: Gemma's is 1 + weight, not weight
+        if gain is not None and gain.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(gain.to(self.norm.weight))
         self._init_lm_head()
 
     def prepare(self, dataset) -> None:
@@ -260,10 +261,11 @@ class EagleDrafter(Drafter):
 
     def _logits(self, out_BTD: Tensor) -> Tensor:
         """Logits over the draft vocabulary (EAGLE-1: the target's lm_head, frozen)."""
+        target = self._frozen.get("lm_head")  # distill.teacher.TargetLogits: lm_head + what the forward does after it
         if self.variant == "eagle3":
-            return self.lm_head(self.norm(out_BTD))
-        w = self._frozen["lm_head"].weight
-        return F.linear(out_BTD.to(w.dtype), w).to(out_BTD.dtype)
+            raw = self.lm_head(self.norm(out_BTD))
+            return raw if target is None else target.finish(raw)
+        return target(out_BTD.to(target.weight.dtype)).to(out_BTD.dtype)
 
     def _layer_input(self, emb_BTD: Tensor, hid_BTD: Tensor) -> tuple[Tensor, Tensor]:
         """(attention input, residual) for one step."""

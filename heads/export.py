@@ -446,8 +446,9 @@ def _check_tensors(state: dict[str, torch.Tensor], spec: Spec, sizes: dict[str, 
 
 
 def _check_hf_model(path: Path, config: dict, target: dict) -> list[str]:
-    """A plain HF causal LM: the tensors must be exactly what ``from_config`` builds (tied aliases aside)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A plain HF causal LM: loading it as transformers does (its checkpoint-name conversions included: GPT-NeoX's
+    ``embed_out``, MoE experts saved one by one) must leave no tensor missing, unexpected or mis-shaped."""
+    from transformers import AutoModelForCausalLM
 
     problems = [f"config.json lacks {key}" for key in ("architectures", "model_type", "vocab_size") if key not in config]
     if target and config.get("vocab_size") != target.get("vocab_size"):
@@ -455,15 +456,15 @@ def _check_hf_model(path: Path, config: dict, target: dict) -> list[str]:
     files = sorted(path.glob("*.safetensors"))
     if problems or not files:
         return problems + ([] if files else [f"{path} has no *.safetensors weights"])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    state = {k: v for f in files for k, v in load_file(str(f)).items()}
-    problems += [f"tensor {k!r} is not part of {config['architectures'][0]}" for k in sorted(set(state) - set(expected))]
-    problems += [f"tensor {k!r} is missing" for k in sorted(set(expected) - set(state) - tied)]
-    problems += [f"tensor {k!r} has shape {tuple(state[k].shape)}, expected {expected[k]}"
-                 for k in sorted(set(state) & set(expected)) if tuple(state[k].shape) != expected[k]]
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. MoE experts that cannot be fused back: not loadable
+        return problems + [f"transformers cannot load it: {e}"]
+    name = config["architectures"][0]
+    problems += [f"tensor {k!r} is not part of {name}" for k in sorted(info.get("unexpected_keys") or [])]
+    problems += [f"tensor {k!r} is missing" for k in sorted(info.get("missing_keys") or [])]
+    problems += [f"tensor {m[0] if isinstance(m, (tuple, list)) else m!r} has the wrong shape"
+                 for m in sorted(info.get("mismatched_keys") or [], key=str)]
     return problems
 
 

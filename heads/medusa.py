@@ -28,6 +28,10 @@ from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree, parse_tree
 
 
+def _raw(logits: Tensor) -> Tensor:
+    return logits
+
+
 class ResBlock(nn.Module):
     """x + SiLU(W x + b), with W and b zero-initialised so a fresh head starts as the target's own lm_head."""
 
@@ -62,12 +66,14 @@ class MedusaHeads(Drafter):
             for _ in range(num_heads)
         )
         self._last_hidden_1D: Tensor | None = None
+        self._finish = _raw  # until bound: heads' raw logits (candidates are top-k picks: the same either way)
         self.set_tree(tree)
 
     def set_tree(self, spec) -> None:
         self.tree = parse_tree(spec, max_depth=self.num_heads)
 
     def bind_target(self, teacher, initialize: bool) -> None:
+        self._finish = teacher.output_logits.finish  # what the target's forward does after its lm_head (soft-capping)
         if initialize:
             # Start every head's projection at the target's lm_head (copied, not shared: heads train it).
             lm_head = teacher.lm_head.weight.detach()
@@ -89,7 +95,7 @@ class MedusaHeads(Drafter):
                 break
             # Position t is trained when the token it predicts, t + shift + 1, is a real, loss-bearing token.
             mask_BT = valid_BT[:, shift + 1:]
-            student_NV = head(hidden_BTD[:, : T - shift - 1][mask_BT])
+            student_NV = self._finish(head(hidden_BTD[:, : T - shift - 1][mask_BT]))
             teacher_NV = teacher_BTV[:, shift : T - 1][mask_BT]
             terms.append(DraftTerm(student_NV, teacher_NV, weight=self.loss_decay**i))
         return DraftOutput(terms=terms, num_valid=self.count_valid(batch))

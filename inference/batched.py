@@ -18,8 +18,10 @@ column). Key order is irrelevant to attention once the mask decides visibility, 
 gather. Trailing columns no row kept are cropped at once (``Cache.crop(-n)``); when holes exceed
 ``compact_slack - 1`` of the longest row, one gather right-aligns every row's valid columns (compaction), bounding
 the waste. Finished rows (``max_new_tokens`` or EOS) leave the batch (``Cache.batch_select_indices``).
-Holes need plain ``DynamicLayer``s: sliding-window layers would count holes toward their window, so such targets
-are refused here (decode them at batch 1 with ``inference.decoder.Decoder``).
+Holes need plain ``DynamicLayer``s (a rolling window layer would count holes toward its window): every layer, sliding
+ones included, keeps its whole row, and sliding-window layers get their own mask (``inference.masks``) in which a key
+is visible only within the window of the query's position; a row's valid columns hold its positions 0, 1, ... in
+column order, so a column's position is its rank among the row's valid columns.
 
 Drafting loops over rows: each row has its own drafter state, a shallow copy of the drafter (``fork_drafter``) that
 shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance``) runs per
@@ -41,11 +43,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from eval.metrics import AcceptStats
 from inference.acceptance import tree_greedy_accept, tree_rejection_accept
 from inference.decoder import Generation, _check_prompt, _sync
+from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree, ancestor_mask
 
@@ -152,6 +154,7 @@ class BatchedDecoder:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.mask_dtype = next(self.model.parameters()).dtype
         self.max_positions = teacher.max_positions
+        self.layout = AttentionLayout.of(self.model)
         self._empty = DraftTree.empty(self.device)  # a plain step's "proposal", shared by every row (never mutated)
         # The prefill needs logits at each row's last column only; B x prompt x vocab logits would cost more than the
         # rest of a short decode. Models without ``logits_to_keep`` compute them all.
@@ -234,15 +237,7 @@ class BatchedDecoder:
         return sampling
 
     def _new_cache(self) -> DynamicCache:
-        cache = DynamicCache(config=self.model.config)
-        for layer in cache.layers:
-            if type(layer) is not DynamicLayer:  # sliding / quantised / static layers: see the module docstring
-                raise ValueError(
-                    f"batched decoding keeps rejected drafts as masked holes in a plain DynamicCache, but this "
-                    f"target's cache has {type(layer).__name__} layers (sliding window or other); decode it at batch 1 "
-                    f"(inference.decoder.Decoder, decoder.batch_sizes=null)"
-                )
-        return cache
+        return self.layout.new_cache()  # plain layers only: see the module docstring
 
     def _forward(self, ids_BN: Tensor, pos_BN: Tensor, mask: Tensor, cache: DynamicCache, layers: tuple[int, ...],
                  **kw):
@@ -251,12 +246,13 @@ class BatchedDecoder:
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits, hidden  # [B, n, V], {layer: [B, n, D]}
 
-    def _mask(self, valid_BS: Tensor, block_BNN: Tensor) -> Tensor:
-        """[B, 1, n, S + n] additive: a new token sees its row's valid past columns and what ``block`` allows."""
+    def _mask(self, valid_BS: Tensor, block_BNN: Tensor, pos_BN: Tensor) -> Tensor | dict[str, Tensor]:
+        """[B, 1, n, S + n] additive (per layer type, ``inference.masks``): a new token at ``pos_BN`` sees its row's
+        valid past columns and what ``block`` allows; sliding layers only those within their window."""
         B, n = block_BNN.shape[:2]
         allowed = torch.cat([valid_BS[:, None, :].expand(B, n, valid_BS.shape[1]), block_BNN], dim=2)
-        mask = torch.zeros(allowed.shape, dtype=self.mask_dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)[:, None]
+        k_pos = torch.cat([valid_BS.long().cumsum(1) - 1, pos_BN], dim=1)  # a valid column's rank = its position
+        return self.layout.additive(allowed, pos_BN, k_pos, self.mask_dtype)
 
     def _next_token(self, logits_V: Tensor, sampling: SamplingConfig) -> Tensor:
         if sampling.greedy:
@@ -279,7 +275,7 @@ class BatchedDecoder:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
                 drafters.append(fork_drafter(drafter, seed))
         cache = self._new_cache()
-        logits, hidden = self._forward(ids, pos, self._mask(valid[:, :0], block), cache, layers, **self._prefill_kw)
+        logits, hidden = self._forward(ids, pos, self._mask(valid[:, :0], block, pos), cache, layers, **self._prefill_kw)
         rows = _Rows(ids=list(range(B)), tokens=[], new=[], pos=[p.shape[0] for p in prompts], sampling=samplings,
                      drafters=drafters, stats=[AcceptStats() for _ in range(B)], valid=valid, cache=cache)
         for b, p in enumerate(prompts):
@@ -321,7 +317,7 @@ class BatchedDecoder:
             offsets[b, 1:1 + t.size] = torch.tensor(t.depths(), device=dev)
             block[b, :1 + t.size, :1 + t.size] = ancestor_mask(t.parents.to(dev))
         pos = torch.tensor(rows.pos, device=dev)[:, None] + offsets
-        logits, hidden = self._forward(ids, pos, self._mask(rows.valid, block), rows.cache, layers)
+        logits, hidden = self._forward(ids, pos, self._mask(rows.valid, block, pos), rows.cache, layers)
         argmax = logits.argmax(-1) if any(s.greedy for s in rows.sampling) else None
         keep = torch.zeros(B, n, dtype=torch.bool, device=dev)
         keep[:, 0] = True

@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from eval.metrics import AcceptStats
 from inference.acceptance import tree_greedy_accept, tree_rejection_accept, typical_accept
+from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree, compact_cache, verify_inputs
 
@@ -103,8 +104,10 @@ class Decoder:
         self.device = teacher.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.mask_dtype = next(self.model.parameters()).dtype
-        window = getattr(self.model.config, "sliding_window", None)
-        self.max_positions = min(p for p in (teacher.max_positions, window) if p) if (teacher.max_positions or window) else 0
+        # Sliding-window layers see their window through the masks, over a cache that keeps every layer whole
+        # (inference.masks), so a context longer than the window decodes like any other.
+        self.layout = AttentionLayout.of(self.model)
+        self.max_positions = teacher.max_positions
 
     @property
     def lossless(self) -> bool:
@@ -135,7 +138,7 @@ class Decoder:
         _check_prompt(prompt_ids, max_new_tokens, 0, self.max_positions)
         _sync(self.device)
         start = time.perf_counter()
-        cache = DynamicCache(config=self.model.config)
+        cache = self.layout.new_cache()
         logits, _ = self._forward({"input_ids": prompt_ids.to(self.device)}, cache, ())
         nxt = self._next_token(logits[-1])
         out = [int(nxt)]
@@ -170,7 +173,7 @@ class Decoder:
         gen = Generation(new_tokens=[], seconds=0.0)
         _sync(device)
         start = time.perf_counter()
-        cache = DynamicCache(config=self.model.config)
+        cache = self.layout.new_cache()
         drafter.reset(seed=int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device)))
         logits, hidden = self._forward({"input_ids": prompt_ids.to(device)}, cache, layers)
         drafter.observe(hidden)
@@ -186,7 +189,7 @@ class Decoder:
             _sync(device)
             t1 = time.perf_counter()
             past = tokens.shape[1] - 1
-            inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype)
+            inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype, self.layout)
             logits, hidden = self._forward(inputs, cache, layers)
             path, new = self._accept(tree, logits)
             compact_cache(cache, tree.size, path)

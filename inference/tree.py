@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
+from inference.masks import FULL, AttentionLayout
+
 
 @dataclass
 class DraftTree:
@@ -106,18 +108,21 @@ def ancestor_mask(parents: Tensor) -> Tensor:
     return allowed
 
 
-def verify_inputs(tree: DraftTree, pending: Tensor, past_len: int, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Keyword arguments for ``model(**inputs, past_key_values=cache)`` that verify ``tree`` in one forward."""
+def verify_inputs(tree: DraftTree, pending: Tensor, past_len: int, dtype: torch.dtype,
+                  layout: AttentionLayout | None = None) -> dict[str, Tensor]:
+    """Keyword arguments for ``model(**inputs, past_key_values=cache)`` that verify ``tree`` in one forward.
+    ``layout``: the target's attention layer types (``inference.masks``); a tree's mask is built per type, so
+    sliding-window layers keep to their window."""
     device = tree.tokens.device
     input_ids = torch.cat([pending.reshape(1).to(device), tree.tokens]).view(1, -1)
     depth = torch.tensor([0, *tree.depths()], device=device)
     inputs = {"input_ids": input_ids, "position_ids": (past_len + depth).view(1, -1)}
     if not tree.is_chain:  # a chain is plain causal attention: let the model use its own fast path
-        allowed = ancestor_mask(tree.parents)
-        mask = torch.full((1, 1, 1 + tree.size, past_len + 1 + tree.size), torch.finfo(dtype).min, dtype=dtype, device=device)
-        mask[..., :past_len] = 0
-        mask[0, 0, :, past_len:].masked_fill_(allowed, 0)
-        inputs["attention_mask"] = mask
+        allowed = torch.ones(1, 1 + tree.size, past_len + 1 + tree.size, dtype=torch.bool, device=device)
+        allowed[0, :, past_len:] = ancestor_mask(tree.parents)
+        layout = layout or AttentionLayout((FULL,), None)
+        k_pos = torch.cat([torch.arange(past_len, device=device), past_len + depth])[None]
+        inputs["attention_mask"] = layout.additive(allowed, inputs["position_ids"], k_pos, dtype)
     return inputs
 
 

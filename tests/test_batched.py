@@ -194,14 +194,46 @@ def test_bad_inputs(teacher, prompts):
         decoder.speculative(DraftModel(TargetDims(32, 64, 2), model=make_tiny_llama(vocab_size=64)), prompts[:2], 5, 3)
 
 
-def test_sliding_window_targets_are_refused():
+def tiny_mistral(window=16):
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=1, vocab_size=128, sliding_window=16, max_position_embeddings=256)
-    teacher = Teacher(MistralForCausalLM(config).eval(), tokenizer=None, name="tiny-mistral")
-    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer.*batch 1"):
-        BatchedDecoder(teacher).plain([[1, 2, 3]], 4)
+    torch.manual_seed(0)
+    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, vocab_size=128, sliding_window=window, max_position_embeddings=256,
+                           initializer_range=INIT)
+    return Teacher(MistralForCausalLM(config).eval(), tokenizer=None, name="tiny-mistral")
+
+
+def test_sliding_window_target_batch8_is_identical_to_batch1_past_the_window(prompts):
+    """Prompts of 3..60 tokens + 20 new against a window of 16: batch-1 greedy equals the model's own full forward
+    (no cache, HF's sliding mask), and batch 8 equals batch 1, plain and with a Medusa tree (holes and trees)."""
+    teacher = tiny_mistral()
+    model = teacher.model
+    for p in prompts[:6]:  # the reference without any cache: greedy by repeated full forwards
+        ids = p[None]
+        for _ in range(NEW):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+        assert Decoder(teacher).plain(p[None], NEW).new_tokens == ids[0, p.shape[0]:].tolist()
+    references = [Decoder(teacher).plain(p[None], NEW).new_tokens for p in prompts]
+    drafter = noisy_medusa(teacher, scale=0.05)
+    drafter.set_tree("default")
+    for decode in (lambda c: BatchedDecoder(teacher).plain(c, NEW),
+                   lambda c: BatchedDecoder(teacher).speculative(drafter, c, NEW, 4)):
+        gens = decode_in_batches(decode, prompts, 8)
+        assert [g.new_tokens for b in gens for g in b.generations] == references
+    assert Decoder(teacher).speculative(drafter, prompts[-1][None], NEW, 4).new_tokens == references[-1]
+
+
+def test_unsupported_attention_layer_types_are_refused_with_the_list():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama4_text", hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                                  num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  vocab_size=128, num_local_experts=2, attention_chunk_size=8)
+    teacher = Teacher(AutoModelForCausalLM.from_config(config).eval(), tokenizer=None, name="tiny-llama4")
+    for decoder in (Decoder, BatchedDecoder):
+        with pytest.raises(ValueError, match=r"chunked_attention.*supports \['full_attention', 'sliding_attention'\]"):
+            decoder(teacher)
 
 
 # --- sampling: the output distribution per row at batch > 1 ----------------------------------------------------------

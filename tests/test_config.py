@@ -22,6 +22,15 @@ register_configs()
 HUB_DIMS = {  # config.json of each hub target the experiments name
     "meta-llama/Llama-3.1-8B-Instruct": TargetDims(hidden_size=4096, vocab_size=128256, num_layers=32),
     "Qwen/Qwen2.5-7B-Instruct": TargetDims(hidden_size=3584, vocab_size=152064, num_layers=28),
+    "Qwen/Qwen3-8B": TargetDims(hidden_size=4096, vocab_size=151936, num_layers=36),
+    "mistralai/Mistral-7B-Instruct-v0.3": TargetDims(hidden_size=4096, vocab_size=32768, num_layers=32),
+    "google/gemma-2-9b-it": TargetDims(hidden_size=3584, vocab_size=256000, num_layers=42),
+    "google/gemma-3-1b-it": TargetDims(hidden_size=1152, vocab_size=262144, num_layers=26),
+    "microsoft/Phi-4-mini-instruct": TargetDims(hidden_size=3072, vocab_size=200064, num_layers=32),
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": TargetDims(hidden_size=4096, vocab_size=32000, num_layers=32),
+    "Qwen/Qwen3-30B-A3B": TargetDims(hidden_size=2048, vocab_size=151936, num_layers=48),
+    "allenai/OLMo-2-1124-7B-Instruct": TargetDims(hidden_size=4096, vocab_size=100352, num_layers=32),
+    "EleutherAI/pythia-1.4b": TargetDims(hidden_size=2048, vocab_size=50304, num_layers=24),
 }
 
 
