@@ -196,14 +196,16 @@ def target_facts(config: dict) -> dict:
     if target_cfg.get("source") == "toy":
         return {"model_type": "llama", "architecture": "LlamaForCausalLM",
                 "max_positions": (target_cfg.get("toy") or {}).get("max_seq_len")}
+    recorded = {"model_type": (config.get("target") or {}).get("model_type")}  # saved by training since issue 15
     try:
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(target_cfg.get("name"), revision=target_cfg.get("revision"))
     except (OSError, ValueError, TypeError) as e:
-        log.warning("could not read the target's config (%s): its model family is not checked against the "
-                    "engine's EAGLE-3 whitelist, and the drafter config says max_position_embeddings=4096", e)
-        return {}
+        if recorded["model_type"] is None:
+            log.warning("could not read the target's config (%s): its model family is not checked against the "
+                        "engines' EAGLE support, and the drafter config says max_position_embeddings=4096", e)
+        return recorded
     return {"model_type": hf.model_type, "architecture": (hf.architectures or [None])[0],
             "max_positions": getattr(hf, "max_position_embeddings", None)}
 

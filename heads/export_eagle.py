@@ -32,6 +32,9 @@ EAGLE_KINDS = ("eagle1", "eagle3")
 # vllm/config/speculative.py (SpeculativeConfig, ``eagle3_target_supported``): a substring test on the target's
 # model_type; any other target is refused by vLLM at start-up.
 VLLM_EAGLE3_TARGETS = ("llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe")
+# Families whose forward multiplies the embedding output (Gemma: sqrt(D)); drafters here read that scaled
+# embedding (distill.teacher.TargetEmbedding), the engines' EAGLE modules do not.
+SCALED_EMBEDDING_FAMILIES = ("gemma",)
 ARCHITECTURES = {
     # vLLM's EAGLEConfig renames LlamaForCausalLM to EagleLlamaForCausalLM (method eagle) and keeps
     # LlamaForCausalLMEagle3 (method eagle3); SGLang picks the class named here.
@@ -101,6 +104,12 @@ def our_layers(engine: str, kind: str, config: dict) -> list[int]:
 
 
 def check_target_family(engine: str, kind: str, model_type: str | None) -> None:
+    if model_type and any(name in model_type for name in SCALED_EMBEDDING_FAMILIES):
+        raise ValueError(
+            f"the engines' EAGLE drafters embed tokens with the raw embedding table and put no soft-cap on the logits, "
+            f"while a {model_type!r} target's forward scales its embeddings by sqrt(hidden_size) (and Gemma-2 "
+            f"soft-caps its logits): the drafter was trained on the target's own read-outs, so an engine would feed "
+            f"it other inputs. Evaluate it with `python -m eval`; serving it needs an engine-side embedding scale")
     if engine in ("vllm", "speculators") and kind == "eagle3" and model_type:
         if not any(name in model_type for name in VLLM_EAGLE3_TARGETS):
             raise ValueError(f"vLLM serves EAGLE-3 only for targets whose model_type contains one of "

@@ -82,7 +82,8 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
     finished = ckpt is not None and checkpoint.step_of(ckpt) == trainer["steps"] and (run_dir / "drafter").is_dir()
     logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=ckpt is not None,
                            resume_step=checkpoint.step_of(ckpt) if ckpt is not None else None)
-    identity = {**teacher.identity(), "weights_digest": teacher.weights_digest()}  # checked again at evaluation
+    identity = {**teacher.identity(), "weights_digest": teacher.weights_digest(),  # checked again at evaluation
+                "model_type": teacher.model.config.model_type}  # exports check the engines' family support by it
     try:
         if any(p.requires_grad for p in drafter.parameters()):
             from distill.data import collate
