@@ -124,7 +124,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="toy")
     parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (default scripts/results/bench_recipe_<preset>_cpu.json)")
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every row, e.g. trainer.lr=1e-3")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     out = Path(args.out or ROOT / "scripts" / "results" / f"bench_recipe_{args.preset}_cpu.json")
     results = json.loads(out.read_text()) if out.exists() else {}
