@@ -48,8 +48,9 @@ ROWS = {
     "eagle1_kl1": ([*E1, "drafter.kl_weight=1.0"], 350),
     "eagle1_kl0": ([*E1, "drafter.kl_weight=0.0"], 350),
     "eagle1_10cpumin": (E1, 1500),
-    "eagle3_10cpumin": (E3, 600),
-    "eagle3_ttt3_10cpumin": ([*E3, "drafter.ttt_steps=3"], 900),
+    "eagle3_10cpumin": (E3, 350),
+    "eagle3_ttt4_10cpumin": ([*E3, "drafter.ttt_steps=4"], 500),
+    "eagle3_ttt2_10cpumin": ([*E3, "drafter.ttt_steps=2"], 600),
     "eagle3_vocab1024_10cpumin": ([*E3, "drafter.draft_vocab_size=1024"], 600),
     "eagle3_vocabfull_10cpumin": ([*E3, "drafter.draft_vocab_size=null"], 600),
 }
@@ -106,16 +107,18 @@ def decode_trees(decoder, drafter, prompts, refs, max_new: int) -> dict:
 
 def table(results: dict) -> str:
     """Markdown: one line per row and seed, then the mean over seeds of each row."""
-    rows = results["rows"]
-    head = ("| row | seed | steps | CPU s | τ chain | τ 16-node | τ 59-node | sim τ (train) | lossless |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+    rows, n = results["rows"], results["settings"]["eval"]["num_prompts"]
+    head = ("| row | seed | steps | CPU s | wall s (load) | τ chain | τ 16-node | τ 59-node | train top-1, step 0 | "
+            "identical |\n|---|---|---|---|---|---|---|---|---|---|")
     lines, by_row = [head], {}
     for key, r in rows.items():
         by_row.setdefault(r["row"], []).append(r)
         t = r["trees"]
-        lines.append(f"| {r['row']} | {r['seed']} | {r['steps']} | {r['cpu_s']:.0f} | {t['chain']['tau']:.2f} | "
-                     f"{t['tree16']['tau']:.2f} | {t['tree59']['tau']:.2f} | {r['final'].get('train/sim_tau', 0):.2f} "
-                     f"| {all(x['identical_to_greedy'] for x in t.values())} |")
+        same = sum(x["identical_prompts"] for x in t.values())
+        lines.append(f"| {r['row']} | {r['seed']} | {r['steps']} | {r['cpu_s']:.0f} | {r['wall_s']:.0f} "
+                     f"({r['loadavg_before'][0]:.1f}) | {t['chain']['tau']:.2f} | {t['tree16']['tau']:.2f} | "
+                     f"{t['tree59']['tau']:.2f} | {r['final'].get('train/acc_head1', 0):.3f} | "
+                     f"{same}/{n * len(t)} |")
     lines += ["", "| row (mean over seeds) | seeds | steps | CPU s | τ chain | τ 16-node | τ 59-node |", "|---|---|---|---|---|---|---|"]
     for name, rs in by_row.items():
         m = lambda tree: mean(r["trees"][tree]["tau"] for r in rs)
