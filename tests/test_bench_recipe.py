@@ -1,0 +1,43 @@
+"""scripts/bench_recipe.py end to end on the tiny preset: train, decode every tree budget, resume without retraining."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_recipe.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_recipe", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.slow
+def test_bench_recipe_tiny_rows_are_lossless_and_resume(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    bench = _load()
+    out = tmp_path / "recipe.json"
+    argv = ["--preset", "tiny", "--out", str(out), "--work", str(tmp_path / "work"), "--seeds", "0",
+            "--rows", "eagle1", "eagle1_ttt2"]
+    bench.main(argv)
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"eagle1/s0", "eagle1_ttt2/s0"}
+    for row in rows.values():
+        assert set(row["trees"]) == set(bench.TREES)
+        for tree in row["trees"].values():
+            assert tree["identical_to_greedy"] and tree["tau"] >= 1 and tree["target_forwards"] > 0
+        assert row["cpu_s"] > 0 and row["final"]["train/acc_head1"] >= 0
+    assert "train/acc_head2" in rows["eagle1_ttt2/s0"]["final"]  # the TTT override reached the drafter
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a row already in --out was trained again")
+
+    monkeypatch.setattr(bench, "train_row", no_training)
+    bench.main(argv)
+    assert "eagle1/s0: done already" in capsys.readouterr().out
+    bench.main([*argv[:4], "--table"])
+    assert "| eagle1_ttt2 | 0 |" in capsys.readouterr().out
