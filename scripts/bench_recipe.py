@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{key}: done already (in {out})", flush=True)
                 continue
             run_dir = work / key.replace("/", "_")
+            shutil.rmtree(run_dir, ignore_errors=True)  # not in results: a run cut short; resume=never needs it empty
             cmd = [*overrides, *common, *TRAIN, f"trainer.steps={steps}", f"seed={seed}"]
             cost = train_row(cmd, run_dir, work / f"{key.replace('/', '_')}.log")
             saved = json.loads((run_dir / "drafter" / "config.json").read_text())
