@@ -1,0 +1,196 @@
+"""Training memory at a real vocabulary: peak RSS and tokens/s of a 2-step ``python -m train`` per drafter kind.
+
+    python scripts/bench_memory.py                                   # after: this checkout, seq 2048 and 8192
+    python scripts/bench_memory.py --code /work/base --label before --seqs 1024 2048 --kinds eagle1
+    python scripts/bench_memory.py --table scripts/results/bench_memory_cpu.json   # the README table + Llama-3-8B
+
+Target: a random-weight Llama with the Llama-3 vocabulary (V 128,256, hidden 512, 2 layers, 8 heads, untied
+embeddings: 0.15B parameters, ~0.6 GB of weights), built once under ``$SPECDRAFT_CACHE`` with the tiny toy target's
+tokenizer (its ids cover only the first 512 rows of the vocabulary, which changes no tensor shape). Each run is
+``python -m train target.source=hf target.name=<that dir> drafter=<kind> data.max_length=<seq>
+trainer.micro_batch_size=1 trainer.steps=2 eval.enabled=false`` on the CPU, one at a time in a subprocess whose
+address space is capped (``--max-gb``, via ``resource.RLIMIT_AS``) so a runaway run fails itself, not the machine.
+Peak memory is the child's RSS high-water mark (``wait4`` rusage ``ru_maxrss``); tokens/s is the loop's second
+window (``perf/tokens_per_s`` of step 1: one whole training step, start-up excluded).
+
+``--code`` runs another checkout's ``python -m train`` (the base commit, for the "before" figures) against the same
+target and data. Results merge into ``--out`` keyed by label / kind / seq, so runs can be added one at a time.
+``--table`` prints the README table and the Llama-3-8B projection (``project_8b``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KINDS = {
+    "medusa": ["drafter=medusa"],
+    "eagle1": ["drafter=eagle1"],
+    "eagle3": ["drafter=eagle3", "drafter.draft_vocab_size=32000"],
+    "draft_model": ["drafter=draft_model"],
+}
+VOCAB, HIDDEN, LAYERS, HEADS, INTERMEDIATE = 128_256, 512, 2, 8, 1408
+CORPUS_BYTES = 3_000_000  # stdlib text: enough 8192-token rows for 2 steps with the tiny 512-token tokenizer
+
+
+def build_target(cache: Path) -> Path:
+    """The random-weight Llama directory (model + tokenizer), built once."""
+    path = cache / f"bench-llama-v{VOCAB}-h{HIDDEN}-l{LAYERS}"
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distill.toy import load_or_build_toy_target
+    from omegaconf import OmegaConf
+
+    tiny = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "target" / "tiny.yaml"))["toy"]
+    _, tokenizer = load_or_build_toy_target(tiny, cache_dir=str(cache))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                         max_position_embeddings=16_384, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads: int, max_gb: float,
+             extra: list[str]) -> dict:
+    run_dir = work / f"{code.name}-{kind}-{seq}"
+    overrides = ["target=tiny", "target.source=hf", f"target.name={target}", *KINDS[kind],
+                 f"data.max_length={seq}", f"data.corpus_max_bytes={CORPUS_BYTES}", "trainer.micro_batch_size=1",
+                 "trainer.grad_accum=1", "trainer.steps=2", "trainer.warmup_steps=1", "trainer.log_every=1",
+                 "trainer.ckpt_every=1000000", "trainer.resume=never", "trainer.device=cpu",
+                 f"trainer.num_threads={threads}", "eval.enabled=false", f"hydra.run.dir={run_dir}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(code)}
+    cap = int(max_gb * 2**30)
+
+    def limit() -> None:  # in the child: a run past the cap fails its own allocation
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    log_path = work / f"{code.name}-{kind}-{seq}.log"
+    load_before, start = os.getloadavg()[0], time.perf_counter()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "train", *overrides], cwd=code, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=limit)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    result = {"kind": kind, "seq": seq, "overrides": overrides, "wall_s": wall, "load_before": load_before,
+              "load_after": os.getloadavg()[0], "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9,
+              "exit_status": os.waitstatus_to_exitcode(status), "address_space_cap_gb": max_gb}
+    metrics = run_dir / "metrics.jsonl"
+    if result["exit_status"] == 0 and metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        step1 = [r for r in rows if r.get("step") == 1] or rows[-1:]
+        result["tokens_per_s"] = step1[0]["perf/tokens_per_s"]
+        result["step_s"] = seq / result["tokens_per_s"]
+        result["loop_peak_mem_gb"] = max(r["perf/peak_mem_gb"] for r in rows) * 2**30 / 1e9
+        result["train_loss"] = [r["train/loss"] for r in rows]
+    else:
+        result["log_tail"] = log_path.read_text().splitlines()[-15:]
+    return result
+
+
+# --- the 8B projection -------------------------------------------------------------------------------------
+
+# Llama-3-8B: hidden 4096, 32 layers, V 128,256; bf16 weights ~16.1 GB (the target, frozen), GPU: 80 GB.
+L8B = {"hidden": 4096, "vocab": VOCAB, "layers": 32, "weights_gb": 16.06, "gpu_gb": 80.0}
+# Trainable drafter parameters (bf16 weights + fp32 master/grad + 2 fp32 Adam states: ~18 bytes/param) on 8B.
+DRAFTER_PARAMS_8B = {"medusa": 4 * (4096 * 4096 + 4096 + 4096 * VOCAB),
+                     "eagle1": 2 * 4096 * 4096 + 4 * 4096 * 4096 + 3 * 4096 * 14336,
+                     "eagle3": 3 * 4096 * 4096 + 2 * 4096 * 4096 * 2 + 4096 * 4096 * 2 + 3 * 4096 * 14336
+                     + 32000 * 4096,
+                     "draft_model": 4 * 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096 * VOCAB}
+
+
+def per_token_bytes(runs: dict, kind: str) -> float | None:
+    """Measured activation bytes per token (V fixed, hidden 512): the RSS slope between the two longest seqs."""
+    pts = sorted((int(s), r["peak_rss_gb"]) for s, r in runs.get(kind, {}).items() if r.get("exit_status") == 0)
+    if len(pts) < 2:
+        return None
+    (s0, m0), (s1, m1) = pts[-2], pts[-1]
+    return (m1 - m0) * 1e9 / (s1 - s0)
+
+
+def project_8b(bytes_per_token_512: float, kind: str, seq: int) -> dict:
+    """Scale the measured per-token bytes to Llama-3-8B: the vocabulary-sized part (logits, log-probs) stays per
+    token, the hidden-sized part grows with hidden 4096 / 512; we bound it by scaling the whole slope by
+    (1 + 7 * hidden share) with the hidden share measured as 20% on this toy (documented assumption), in bf16 on
+    GPU the vocabulary-sized fp32 chunks do not grow. Returns GB per row and the micro-batch that fits 80 GB."""
+    hidden_scale = 1 + 7 * 0.2
+    act_gb = bytes_per_token_512 * hidden_scale * seq / 1e9
+    fixed_gb = L8B["weights_gb"] + 18 * DRAFTER_PARAMS_8B[kind] / 1e9
+    fits = int((L8B["gpu_gb"] - fixed_gb) // act_gb) if act_gb > 0 else None
+    return {"fixed_gb": round(fixed_gb, 1), "activations_gb_per_row": round(act_gb, 2), "micro_batch_fits_80gb": fits}
+
+
+def table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    lines = ["| drafter | seq | before peak GB | after peak GB | ratio | before tokens/s | after tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for kind in KINDS:
+        seqs = sorted({int(s) for label in ("before", "after") for s in data.get(label, {}).get(kind, {})})
+        for seq in seqs:
+            b = data.get("before", {}).get(kind, {}).get(str(seq), {})
+            a = data.get("after", {}).get(kind, {}).get(str(seq), {})
+            q = data.get("quoted_before", {}).get(kind, {}).get(str(seq))
+            bpk = b.get("peak_rss_gb") if b.get("exit_status") == 0 else q
+            bmark = "" if b.get("exit_status") == 0 or bpk is None else " (quoted)"
+            ratio = f"{a['peak_rss_gb'] / bpk:.2f}x" if a.get("exit_status") == 0 and bpk else "-"
+            lines.append(f"| {kind} | {seq} | {_f(bpk)}{bmark} | {_f(a.get('peak_rss_gb'))} | {ratio} | "
+                         f"{_f(b.get('tokens_per_s'), '.0f')} | {_f(a.get('tokens_per_s'), '.0f')} |")
+    return "\n".join(lines)
+
+
+def _f(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--code", type=Path, default=ROOT, help="checkout whose `python -m train` runs")
+    parser.add_argument("--label", default="after", help="key in the JSON (before / after)")
+    parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--seqs", nargs="*", type=int, default=[2048, 8192])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-gb", type=float, default=16.0, help="address-space cap per run (GB)")
+    parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "bench_memory_cpu.json")
+    parser.add_argument("--work", type=Path, default=Path("/tmp") / "bench_memory")
+    parser.add_argument("--table", type=Path, default=None, help="print the README table of this JSON and exit")
+    parser.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
+    args = parser.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    from eval.report import machine_info
+
+    cache = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+    target = build_target(cache)
+    args.work.mkdir(parents=True, exist_ok=True)
+    for kind in args.kinds:
+        for seq in args.seqs:
+            result = run_once(args.code.resolve(), target, kind, seq, args.work, args.threads, args.max_gb, args.extra)
+            data = json.loads(args.out.read_text()) if args.out.is_file() else {}
+            data.setdefault("machine", machine_info())
+            data.setdefault(args.label, {}).setdefault(kind, {})[str(seq)] = {**result, "code": str(args.code)}
+            args.out.write_text(json.dumps(data, indent=2) + "\n")
+            print(f"{args.label} {kind} seq {seq}: peak {result['peak_rss_gb']:.2f} GB, "
+                  f"{result.get('tokens_per_s', float('nan')):.0f} tokens/s, exit {result['exit_status']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
