@@ -114,7 +114,7 @@ class MedusaHeads(Drafter):
             else:  # through the head's own call (sharding engines gather its weights for it)
                 loss_sum, pred_N = head(hidden_ND, teacher, loss_fn)
                 terms.append(DraftTerm(hidden_ND, head, teacher, weight=weight, loss_sum=loss_sum, pred_N=pred_N))
-        return DraftOutput(terms=terms, num_valid=self.count_valid(batch))
+        return DraftOutput(terms=terms, num_valid=self.count_valid(batch)).evaluate(loss_fn)
 
     def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
         # Head 1's positions: t where token t + 2 is a real, loss-bearing one.
