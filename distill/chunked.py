@@ -115,23 +115,45 @@ class _Job:
         grad_x = torch.zeros_like(x_ND) if need_grads and x_ND.requires_grad else None
         grads = [torch.zeros_like(p) for p in params] if need_grads else []
         step = max(1, self.chunk_elements // self.teacher.width)
+        # An nn.Linear head is differentiated by hand: d loss / d logits from autograd, then the two matmuls, the
+        # weight's gradient accumulated in place (no [V, D] temporary per chunk).
+        linear = type(self.head) is nn.Linear and all(any(p is q for q in params) for p in self.head.parameters())
         preds = []
         for start in range(0, N, step):
             with torch.enable_grad() if need_grads else torch.no_grad():
-                x = x_ND[start: start + step].detach().requires_grad_(grad_x is not None)
-                logits = self.head(x)
-                loss = self._chunk_loss(logits, start, start + x.shape[0])
-                wrt = ([x] if grad_x is not None else []) + params
-                got = list(torch.autograd.grad(loss, wrt, allow_unused=True)) if wrt and loss.requires_grad else []
-            if grad_x is not None and got:
-                grad_x[start: start + x.shape[0]] = got.pop(0)
-            for acc, g in zip(grads, got):
-                if g is not None:
-                    acc += g
+                x = x_ND[start: start + step].detach()
+                if linear and need_grads:
+                    logits = F.linear(x, self.head.weight.detach(),
+                                      None if self.head.bias is None else self.head.bias.detach()).requires_grad_()
+                    loss = self._chunk_loss(logits, start, start + x.shape[0])
+                    (dlogits,) = torch.autograd.grad(loss, [logits])
+                    self._linear_grads(dlogits, x, start, grad_x, grads)
+                else:
+                    x.requires_grad_(grad_x is not None)
+                    logits = self.head(x)
+                    loss = self._chunk_loss(logits, start, start + x.shape[0])
+                    wrt = ([x] if grad_x is not None else []) + params
+                    got = list(torch.autograd.grad(loss, wrt, allow_unused=True)) if wrt and loss.requires_grad else []
+                    if grad_x is not None and got:
+                        grad_x[start: start + x.shape[0]] = got.pop(0)
+                    for acc, g in zip(grads, got):
+                        if g is not None:
+                            acc += g
             preds.append(logits.detach().argmax(-1))
             total += loss.detach().float()
         self.pred_N = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=x_ND.device)
         return total, grad_x, grads
+
+
+    def _linear_grads(self, dlogits: Tensor, x: Tensor, start: int, grad_x: Tensor | None, grads: list[Tensor]) -> None:
+        weight = self.head.weight
+        if grad_x is not None:
+            grad_x[start: start + x.shape[0]] = (dlogits @ weight.to(dlogits.dtype)).to(grad_x.dtype)
+        for acc, p in zip(grads, self.head.parameters()):
+            if p is weight:
+                acc.addmm_(dlogits.t().to(acc.dtype), x.to(acc.dtype))
+            else:  # the bias
+                acc += dlogits.sum(0).to(acc.dtype)
 
 
 class _ChunkedDivergence(torch.autograd.Function):
@@ -146,7 +168,7 @@ class _ChunkedDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        grad_x = None if ctx.grad_x is None else ctx.grad_x * grad_out.to(ctx.grad_x.dtype)
-        grads = [g * grad_out.to(g.dtype) for g in ctx.grads]
+        grad_x = None if ctx.grad_x is None else ctx.grad_x.mul_(grad_out.to(ctx.grad_x.dtype))
+        grads = [g.mul_(grad_out.to(g.dtype)) for g in ctx.grads]  # in place: they are not needed again
         ctx.grad_x = ctx.grads = None
         return (None, grad_x, *grads)

@@ -1,8 +1,10 @@
 """The one interface the training loop and the speculative decoder use for every drafter kind.
 
-Training:  ``drafter(batch, teacher_out) -> DraftOutput`` — per draft position k, the student's logits and the
-           teacher logits they are distilled toward, with a mask and a weight; the loop applies the configured
-           loss to each term, so no drafter hard-codes its divergence.
+Training:  ``drafter(batch, teacher_out, loss_fn) -> DraftOutput`` — per draft position k, the student's features
+           and vocabulary projection, the teacher rows they are distilled toward, and a weight; the configured
+           loss (no drafter hard-codes its divergence) is applied inside the call, chunk by chunk
+           (``distill.chunked``), so no [tokens, V] logits exist whole. Without ``loss_fn`` the terms are
+           evaluated by ``DraftOutput.loss`` later (tests, single-process use).
 Decoding:  ``reset()`` for a new sequence, ``observe(hidden)`` with the target's hidden states of every newly
            committed position, ``propose(tokens, max_depth, sampling)`` -> ``inference.tree.DraftTree``: a chain or
            a tree of candidates continuing ``tokens``, at most ``max_depth`` deep, with the draft distributions

@@ -76,6 +76,12 @@ def test_chunked_equals_unchunked_loss_and_gradients(name):
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     assert torch.equal(pred, head(x).argmax(-1))
+    plain = nn.Linear(8, 50, bias=True)  # a plain Linear takes the hand-differentiated path (bias included)
+    ref_loss = loss_fn(plain(x), teacher.logits_BTV[mask], None)[0]
+    ref_grads = torch.autograd.grad(ref_loss, [x, plain.weight, plain.bias])
+    loss, _ = chunked_divergence(x, plain, rows, loss_fn, chunk_elements=3 * 50)
+    for got, want in zip(torch.autograd.grad(loss, [x, plain.weight, plain.bias]), ref_grads):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", ["fkl", "jsd", "topk_fkl"])
