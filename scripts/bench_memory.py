@@ -120,61 +120,84 @@ DRAFTER_PARAMS_8B = {
     "eagle3": 3 * D8 * D8 + 3 * 2 * D8 * D8 + D8 * D8 + 3 * D8 * I8 + 32_000 * D8 + 4 * D8,  # fc(3D), 2D-wide qkv
     "draft_model": 2 * D8 * VOCAB + 2 * D8 * D8 + 2 * D8 * KV8 + 3 * D8 * I8 + 3 * D8,  # 1 layer + emb + lm_head
 }
-TOY_HIDDEN = HIDDEN
 
 
-def per_token_bytes(runs: dict, seq: int) -> tuple[float, float] | None:
-    """(bytes per token at ``seq``, fixed bytes) from the measured peaks: the fixed part is the intercept of the line
-    through the two shortest measured lengths (weights, optimizer state, interpreter), the per-token part what
-    remains at ``seq`` divided by it (so quadratic terms such as the TTT mask are averaged in)."""
-    pts = sorted((int(s), r["peak_rss_gb"] * 1e9) for s, r in runs.items() if r.get("exit_status") == 0)
-    if len(pts) < 2 or seq not in dict(pts):
+def measured_points(data: dict, label: str, kind: str) -> list[tuple[int, float, str]]:
+    """(seq, peak bytes, 'measured' | 'quoted') for one drafter kind: this machine's runs, plus issue 19's quoted
+    base-commit figure where that length was not run here."""
+    runs = data.get(label, {}).get(kind, {})
+    pts = {int(s): (r["peak_rss_gb"] * 1e9, "measured") for s, r in runs.items() if r.get("exit_status") == 0}
+    if label == "before":
+        for s, gb in data.get("quoted_before", {}).get(kind, {}).items():
+            pts.setdefault(int(s), (gb * 1e9, "quoted"))
+    return sorted((s, b, how) for s, (b, how) in pts.items())
+
+
+def per_token_bytes(points: list[tuple[int, float, str]], seq: int) -> tuple[float, str] | None:
+    """(bytes per token at ``seq``, how it was obtained). The fixed part (weights, optimizer state, interpreter) is
+    the intercept of the line through the two shortest lengths; at a measured ``seq`` the per-token part is what
+    remains of its peak divided by ``seq`` (quadratic terms such as the TTT mask averaged in), beyond the longest
+    measured length it is that length's (extrapolated linearly)."""
+    if len(points) < 2:
         return None
-    (s0, m0), (s1, m1) = pts[0], pts[1]
+    (s0, m0, _), (s1, m1, _) = points[0], points[1]
     fixed = m0 - (m1 - m0) / (s1 - s0) * s0
-    return (dict(pts)[seq] - fixed) / seq, fixed
+    at = {s: (m, how) for s, m, how in points}
+    if seq in at:
+        return (at[seq][0] - fixed) / seq, at[seq][1]
+    s_last, m_last, _ = points[-1]
+    return (m_last - fixed) / s_last, f"extrapolated from seq {s_last}"
+
+
+# Hidden-sized [D] tensors per token each drafter keeps for backward, read from heads/*.py (an estimate, not a
+# measurement): Medusa ~6 per head x 4; EAGLE-1 one layer (fc input/output, norms, q/k/v, attention, MLP at ~3.5 D
+# wide x 3, residuals) ~30; EAGLE-3 the same per TTT step with 2D-wide inputs and the steps' keys, ~38 x 7 + the 3D
+# features; the draft model one decoder layer and its embeddings ~35. On the toy (D 512) these are < 15% of the
+# measured bytes; on the 8B (D 4096) they are not, so they are added at 4096 x 2 bytes (bf16 autocast).
+HIDDEN_TENSORS = {"medusa": 24, "eagle1": 30, "eagle3": 7 * 38 + 3, "draft_model": 35}
+TEACHER_HIDDEN_8B = 33 * D8 * 2  # the HF forward keeps all 33 hidden states (bf16) until it returns
 
 
 def project_8b(bytes_per_token_toy: float, kind: str, seq: int) -> dict:
-    """Llama-3-8B on one 80 GB GPU from the toy's measured per-token bytes (V 128,256, hidden 512, float32 on CPU).
-
-    Per token, the toy's bytes split into the teacher's float32 logits (4 V: kept for the loss, now the largest
-    per-token tensor) and everything else, which is hidden-sized (features, the drafter layer's activations, the
-    chunked loss's per-row gradients). On the 8B target under bf16 autocast the logits take 2 V and the rest is
-    scaled by 4096 / 512 (float32 kept: a safe bound). Fixed: target weights, the drafter's optimizer state
-    (``DRAFTER_PARAMS_8B`` x 16 bytes) and ``CONTEXT_GB``. The micro-batch is the largest whose rows fit 80 GB."""
-    logits_toy = 4 * VOCAB
-    rest = max(0.0, bytes_per_token_toy - logits_toy)
-    per_token = 2 * VOCAB + rest * D8 / TOY_HIDDEN
+    """Llama-3-8B on one 80 GB GPU from the toy's measured per-token bytes (V 128,256 like Llama-3, hidden 512,
+    float32 on CPU). Per token: the toy's bytes as measured (its vocabulary-sized tensors are the same count at the
+    same V; kept at float32, so an upper bound where bf16 autocast would halve the teacher's logits), plus the
+    hidden-sized tensors at D 4096 (``HIDDEN_TENSORS``) and the teacher's 33 hidden states. Fixed: target weights,
+    the drafter's optimizer state (``DRAFTER_PARAMS_8B`` x 16 bytes) and ``CONTEXT_GB``. The micro-batch is the
+    largest whose rows fit 80 GB (0: not even one)."""
+    per_token = bytes_per_token_toy + HIDDEN_TENSORS[kind] * D8 * 2 + TEACHER_HIDDEN_8B
     fixed_gb = TARGET_GB + 16 * DRAFTER_PARAMS_8B[kind] / 1e9 + CONTEXT_GB
     row_gb = per_token * seq / 1e9
-    fits = int((GPU_GB - fixed_gb) // row_gb) if GPU_GB > fixed_gb else 0
+    fits = max(0, int((GPU_GB - fixed_gb) // row_gb))
     return {"bytes_per_token_toy": round(bytes_per_token_toy), "bytes_per_token_8b": round(per_token),
             "fixed_gb": round(fixed_gb, 1), "gb_per_row": round(row_gb, 2), "micro_batch_fits_80gb": fits,
-            "peak_gb_at_that_batch": round(fixed_gb + fits * row_gb, 1) if fits else None}
+            "peak_gb_at_that_batch": round(fixed_gb + max(fits, 1) * row_gb, 1)}
 
 
 def projection(data: dict) -> dict:
     out = {}
     for label in ("before", "after"):
-        for kind, runs in data.get(label, {}).items():
+        for kind in KINDS:
+            points = measured_points(data, label, kind)
             for seq in (2048, 8192):
-                got = per_token_bytes(runs, seq)
+                got = per_token_bytes(points, seq)
                 if got:
-                    out.setdefault(label, {}).setdefault(kind, {})[str(seq)] = project_8b(got[0], kind, seq)
+                    out.setdefault(label, {}).setdefault(kind, {})[str(seq)] = {**project_8b(got[0], kind, seq),
+                                                                                "toy_figure": got[1]}
     return out
 
 
 def projection_table(data: dict) -> str:
     proj = projection(data)
-    lines = ["| drafter | seq | label | toy bytes/token | 8B bytes/token | fixed GB | GB per row | micro-batch on 80 GB |",
+    lines = ["| drafter | seq | code | toy bytes/token (from) | 8B bytes/token | 8B fixed GB | GB per row | micro-batch on 80 GB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for kind in KINDS:
         for seq in ("2048", "8192"):
             for label in ("before", "after"):
                 p = proj.get(label, {}).get(kind, {}).get(seq)
                 if p:
-                    lines.append(f"| {kind} | {seq} | {label} | {p['bytes_per_token_toy']:,} | {p['bytes_per_token_8b']:,} | "
+                    lines.append(f"| {kind} | {seq} | {label} | {p['bytes_per_token_toy']:,} ({p['toy_figure']}) | "
+                                 f"{p['bytes_per_token_8b']:,} | "
                                  f"{p['fixed_gb']} | {p['gb_per_row']} | {p['micro_batch_fits_80gb']} |")
     return "\n".join(lines)
 
