@@ -71,11 +71,11 @@ def build_target(cache: Path) -> Path:
 
 
 def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads: int, max_gb: float,
-             extra: list[str]) -> dict:
+             extra: list[str], steps: int = 2) -> dict:
     run_dir = work / f"{code.name}-{kind}-{seq}"
     overrides = ["target=tiny", "target.source=hf", f"target.name={target}", *KINDS[kind],
                  f"data.max_length={seq}", f"data.corpus_max_bytes={CORPUS_BYTES}", "trainer.micro_batch_size=1",
-                 "trainer.grad_accum=1", "trainer.steps=2", "trainer.warmup_steps=1", "trainer.log_every=1",
+                 "trainer.grad_accum=1", f"trainer.steps={steps}", "trainer.warmup_steps=1", "trainer.log_every=1",
                  "trainer.ckpt_every=1000000", "trainer.resume=never", "trainer.device=cpu",
                  f"trainer.num_threads={threads}", "eval.enabled=false", f"hydra.run.dir={run_dir}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(code)}
@@ -91,7 +91,7 @@ def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads:
                                 stderr=subprocess.STDOUT, preexec_fn=limit)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
-    result = {"kind": kind, "seq": seq, "overrides": overrides, "wall_s": wall, "load_before": load_before,
+    result = {"kind": kind, "seq": seq, "steps": steps, "overrides": overrides, "wall_s": wall, "load_before": load_before,
               "load_after": os.getloadavg()[0], "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9,
               "exit_status": os.waitstatus_to_exitcode(status), "address_space_cap_gb": max_gb}
     metrics = run_dir / "metrics.jsonl"
@@ -231,6 +231,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--seqs", nargs="*", type=int, default=[2048, 8192])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="training steps (tokens/s: step 1's window; with 1 step "
+                        "step 0's, start-up included, and the peak misses the second step's AdamW state)")
     parser.add_argument("--max-gb", type=float, default=16.0, help="address-space cap per run (GB)")
     parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "bench_memory_cpu.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp") / "bench_memory")
@@ -250,7 +252,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     for kind in args.kinds:
         for seq in args.seqs:
-            result = run_once(args.code.resolve(), target, kind, seq, args.work, args.threads, args.max_gb, args.extra)
+            result = run_once(args.code.resolve(), target, kind, seq, args.work, args.threads, args.max_gb, args.extra,
+                              args.steps)
             data = json.loads(args.out.read_text()) if args.out.is_file() else {}
             data.setdefault("machine", machine_info())
             data.setdefault("quoted_before", ISSUE_BEFORE)
