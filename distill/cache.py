@@ -50,7 +50,7 @@ from torch.utils.data import Dataset
 
 from distill.data import DEFAULTS as DATA_DEFAULTS
 from distill.data import collate, source_fingerprint
-from distill.teacher import TeacherOutput
+from distill.teacher import FLOOR_MARGIN, TeacherOutput, dense_logits  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,6 @@ MANIFEST = "manifest.json"
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 COLUMN_BYTES = 4 + 1 + 1  # input_ids int32, attention_mask bool, loss_mask bool
 TOPK_BYTES = 4 + 4  # topk_ids int32, topk_logprobs float32
-FLOOR_MARGIN = 1e4  # exp(-1e4) is exactly 0 in float32 and bfloat16
 OPEN_SHARDS = 2  # shard handles kept open by a CachedDataset
 WRITE_CMD = "python -m distill.cache"
 
@@ -383,14 +382,6 @@ def _check_shard_content(path: Path, shard: Mapping) -> None:
                              "or damaged since)")
 
 
-def dense_logits(topk_ids: Tensor, topk_logprobs: Tensor, vocab_size: int, dtype: torch.dtype) -> Tensor:
-    """[..., V] logits whose softmax is the top-K distribution renormalised: log-probs at their ids, a finite floor
-    (smallest top-K log-prob - 1e4 per position) elsewhere."""
-    floor = topk_logprobs.float().min(dim=-1, keepdim=True).values - FLOOR_MARGIN
-    dense = floor.to(dtype).expand(*topk_ids.shape[:-1], vocab_size).clone()
-    return dense.scatter_(-1, topk_ids.long(), topk_logprobs.to(dtype))
-
-
 class OfflineTeacher:
     """The frozen ``Teacher`` with ``signals`` answered from the cached tensors in the batch (``CachedDataset`` rows);
     everything else (``lm_head``, ``identity()``, ``__call__``, ...) is the real teacher's. Construction checks the
@@ -440,9 +431,16 @@ class OfflineTeacher:
                            "train on CachedDataset(data.teacher_cache)")
         device = batch["input_ids"].device
         hidden = {i: batch[self._key(i)].to(device=device, dtype=self.dtype) for i in layers}
-        logits = dense_logits(batch["topk_ids"].to(device), batch["topk_logprobs"].to(device),
-                              self._teacher.vocab_size, self.dtype)
-        return TeacherOutput(logits_BTV=logits, hidden=hidden)
+        return sparse_signals(batch, hidden, self._teacher.vocab_size, self.dtype)
+
+
+def sparse_signals(batch: Mapping[str, Tensor], hidden: dict, vocab_size: int, dtype: torch.dtype) -> TeacherOutput:
+    """The cached top-K as it is (ids + log-probs): losses expand only the rows of the chunk they work on
+    (``TeacherOutput.rows``), never the whole [B, T, V]; the softmax of those rows is the teacher renormalised on
+    its top K, as before."""
+    device = batch["input_ids"].device
+    return TeacherOutput(logits_BTV=None, hidden=hidden, topk_ids_BTK=batch["topk_ids"].to(device).long(),
+                         topk_logprobs_BTK=batch["topk_logprobs"].to(device), vocab_size=vocab_size, dtype=dtype)
 
 
 def check_loss(loss_cfg: Mapping | None, topk: int) -> None:

@@ -6,11 +6,17 @@ not get the same weight as a full one.
 
 Shapes: ``student_NV`` / ``teacher_NV`` are logits over the vocabulary for N positions (any leading shape works as
 long as the last dim is V and ``mask`` has the leading shape; ``mask=None`` counts every position).
+
+Each divergence is a ``_core`` of (student log-probs, teacher log-probs) rows at temperature T; the public functions
+select and normalise rows, then apply it. ``row_divergence(loss_fn)`` hands the core of a configured loss to
+``distill.chunked``, which applies it to chunks of rows whose logits are never all in memory at once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +40,13 @@ def forward_kl(student: Tensor, teacher: Tensor, mask: Tensor | None, temperatur
     differences the loss is about.
     """
     log_q, log_p, n = _select(student, teacher, mask, temperature)
+    return _fkl_core(log_q, log_p, temperature), n
+
+
+def _fkl_core(log_q: Tensor, log_p: Tensor, temperature: float) -> Tensor:
     # F.kl_div(input, target) computes KL(target || input) with input = log q (student) and target = log p
     # (teacher, log_target=True): sum p * (log p - log q).
-    kl = F.kl_div(log_q, log_p, log_target=True, reduction="sum")
-    return kl * temperature**2, n
+    return F.kl_div(log_q, log_p, log_target=True, reduction="sum") * temperature**2
 
 
 def _select(student: Tensor, teacher: Tensor, mask: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -66,40 +75,90 @@ def reverse_kl(student: Tensor, teacher: Tensor, mask: Tensor | None, temperatur
     """KL(student || teacher): mode-seeking — the drafter concentrates on tokens the teacher likes most, which is
     what greedy acceptance rewards. T² scaled like ``forward_kl``."""
     log_q, log_p, n = _select(student, teacher, mask, temperature)
+    return _rkl_core(log_q, log_p, temperature), n
+
+
+def _rkl_core(log_q: Tensor, log_p: Tensor, temperature: float) -> Tensor:
     # kl_div(input=log p, target=log q) = sum q * (log q - log p).
-    kl = F.kl_div(log_p, log_q, log_target=True, reduction="sum")
-    return kl * temperature**2, n
+    return F.kl_div(log_p, log_q, log_target=True, reduction="sum") * temperature**2
 
 
 def jsd(student: Tensor, teacher: Tensor, mask: Tensor | None, temperature: float = 1.0, beta: float = 0.5) -> tuple[Tensor, Tensor]:
     """Generalised Jensen-Shannon divergence (GKD / DistillSpec): β·KL(p || m) + (1-β)·KL(q || m), m = β·p + (1-β)·q,
     with p the teacher and q the student. β = 0.5 is the symmetric JSD; β interpolates between the two KLs' modes."""
+    _check_beta(beta)
+    log_q, log_p, n = _select(student, teacher, mask, temperature)
+    return _jsd_core(log_q, log_p, temperature, beta), n
+
+
+def _check_beta(beta: float) -> None:
     if not 0 <= beta <= 1:
         raise ValueError(f"loss.beta must lie in [0, 1], got {beta}")
-    log_q, log_p, n = _select(student, teacher, mask, temperature)
+
+
+def _jsd_core(log_q: Tensor, log_p: Tensor, temperature: float, beta: float) -> Tensor:
     if beta in (0, 1):  # m equals one side: that side's term is 0 and the other is weighted 0
-        return 0 * log_q.sum(), n  # (still attached to the graph, so backward works)
+        return 0 * log_q.sum()  # (still attached to the graph, so backward works)
     log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
     kl_pm = F.kl_div(log_m, log_p, log_target=True, reduction="sum")
     kl_qm = F.kl_div(log_m, log_q, log_target=True, reduction="sum")
-    return (beta * kl_pm + (1 - beta) * kl_qm) * temperature**2, n
+    return (beta * kl_pm + (1 - beta) * kl_qm) * temperature**2
 
 
 def total_variation(student: Tensor, teacher: Tensor, mask: Tensor | None, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """½·Σ|p − q| per position: for a one-token draft sampled from q, 1 − TV is exactly the acceptance probability of
     speculative sampling (Leviathan et al.), so minimising it targets α directly. Bounded, so no T² factor."""
     log_q, log_p, n = _select(student, teacher, mask, temperature)
-    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(), n
+    return _tvd_core(log_q, log_p, temperature), n
+
+
+def _tvd_core(log_q: Tensor, log_p: Tensor, temperature: float) -> Tensor:
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum()
 
 
 def topk_forward_kl(student: Tensor, teacher: Tensor, mask: Tensor | None, temperature: float = 1.0, k: int = 32) -> tuple[Tensor, Tensor]:
     """KL(p_k || q) with p_k the teacher renormalised on its top-k tokens: only k (index, logit) pairs per position
     need storing offline. The student keeps its full-vocabulary softmax, so mass it puts elsewhere is penalised."""
-    if k < 1:
-        raise ValueError(f"loss.k must be >= 1, got {k}")
+    _check_k(k)
     _check(student, teacher, mask, temperature)
     log_q = F.log_softmax(_rows(student, mask, temperature), dim=-1)
-    top = _rows(teacher, mask, temperature).topk(min(k, teacher.shape[-1]), dim=-1)
+    return _topk_core(log_q, _rows(teacher, mask, temperature), temperature, k), _count(student, mask)
+
+
+def _check_k(k: int) -> None:
+    if k < 1:
+        raise ValueError(f"loss.k must be >= 1, got {k}")
+
+
+def _topk_core(log_q: Tensor, teacher_rows: Tensor, temperature: float, k: int) -> Tensor:
+    """``teacher_rows``: the teacher's logits / T, or its log-probs (the same up to a per-row shift, which neither
+    the top-k nor the renormalised softmax sees)."""
+    top = teacher_rows.topk(min(k, teacher_rows.shape[-1]), dim=-1)
     log_pk = F.log_softmax(top.values, dim=-1)
     kl = (log_pk.exp() * (log_pk - log_q.gather(-1, top.indices))).sum()
-    return kl * temperature**2, _count(student, mask)
+    return kl * temperature**2
+
+
+# The menu's functions -> (core, checks of its own keyword arguments): what ``row_divergence`` unwraps.
+_CORES = {forward_kl: (_fkl_core, {}), reverse_kl: (_rkl_core, {}), total_variation: (_tvd_core, {}),
+          jsd: (_jsd_core, {"beta": (0.5, _check_beta)}), topk_forward_kl: (_topk_core, {"k": (32, _check_k)})}
+
+
+def row_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], Tensor], float] | None:
+    """(core(log_q, log_p) -> summed divergence of those rows, temperature) for a menu loss given as the function or
+    a ``functools.partial`` of it (what ``loss=`` instantiates); None for any other callable, which
+    ``distill.chunked`` then calls on each chunk's logits instead."""
+    func, kwargs = (loss_fn.func, dict(loss_fn.keywords)) if isinstance(loss_fn, functools.partial) else (loss_fn, {})
+    if isinstance(loss_fn, functools.partial) and loss_fn.args or func not in _CORES:
+        return None
+    core, extras = _CORES[func]
+    temperature = kwargs.pop("temperature", 1.0)
+    if not temperature > 0:
+        raise ValueError(f"loss.temperature must be > 0, got {temperature}")
+    values = {}
+    for name, (default, check) in extras.items():
+        values[name] = kwargs.pop(name, default)
+        check(values[name])
+    if kwargs:
+        return None
+    return (lambda log_q, log_p: core(log_q, log_p, temperature, **values)), temperature

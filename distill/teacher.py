@@ -103,10 +103,81 @@ class TargetLogits(nn.Module):
         return self.finish(self.lm_head(hidden))
 
 
+FLOOR_MARGIN = 1e4  # sparse signals: exp(-1e4) is exactly 0 in float32 and bfloat16
+
+
 @dataclass
 class TeacherOutput:
-    logits_BTV: Tensor
+    """What the teacher says about one batch: dense logits (online) or its top-K log-probs (the offline cache, kept
+    sparse: ``rows`` expands only the rows a loss chunk asks for). Losses read it through ``rows`` /
+    ``log_normaliser`` / ``argmax_BT``, whose per-batch reductions are computed once and shared by every head / TTT
+    step (``_memo``)."""
+
+    logits_BTV: Tensor | None
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer index -> [B, T, D]
+    topk_ids_BTK: Tensor | None = None  # sparse form: the teacher's top-K ids ...
+    topk_logprobs_BTK: Tensor | None = None  # ... and their float32 log-probs
+    vocab_size: int | None = None  # sparse form: V
+    dtype: torch.dtype | None = None  # sparse form: the dtype the online teacher's logits would have
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def sparse(self) -> bool:
+        return self.logits_BTV is None
+
+    @property
+    def shape_BT(self) -> tuple[int, int]:
+        ref = self.topk_ids_BTK if self.sparse else self.logits_BTV
+        return ref.shape[0], ref.shape[1]
+
+    def rows(self, b_N: Tensor, t_N: Tensor, cols: Tensor | None = None) -> Tensor:
+        """Teacher logits of positions (b_N, t_N): [N, V], or [N, len(cols)] over the vocabulary ids ``cols`` (one
+        gather, no full-row copy). Sparse: the top-K log-probs at their ids, a finite floor (smallest - 1e4)
+        elsewhere, so a softmax over them is the teacher renormalised on its top K."""
+        if not self.sparse:
+            if cols is None:
+                return self.logits_BTV[b_N, t_N]
+            return self.logits_BTV[b_N[:, None], t_N[:, None], cols[None, :]]
+        dense = dense_logits(self.topk_ids_BTK[b_N, t_N], self.topk_logprobs_BTK[b_N, t_N], self.vocab_size,
+                             self.dtype or torch.float32)
+        return dense if cols is None else dense[:, cols]
+
+    @torch.no_grad()
+    def argmax_BT(self) -> Tensor:
+        """[B, T] the teacher's top token over the whole vocabulary (computed once per batch)."""
+        if "argmax" not in self._memo:
+            if self.sparse:
+                best = self.topk_logprobs_BTK.argmax(-1, keepdim=True)
+                self._memo["argmax"] = self.topk_ids_BTK.gather(-1, best)[..., 0].long()
+            else:
+                self._memo["argmax"] = self.logits_BTV.argmax(-1)
+        return self._memo["argmax"]
+
+    @torch.no_grad()
+    def log_normaliser(self, temperature: float, cols: Tensor | None = None, chunk_elements: int = 1 << 23) -> Tensor:
+        """[B, T] float32 logsumexp of the logits / T (over ``cols`` only when given): log-probs of any row are then
+        ``rows(...) / T - this``. Computed once per batch, temperature and vocabulary, in row chunks; dense only."""
+        key = ("lse", temperature, None if cols is None else (cols.data_ptr(), cols.numel()))
+        if key not in self._memo:
+            B, T = self.shape_BT
+            width = self.logits_BTV.shape[-1] if cols is None else cols.numel()
+            step = max(1, chunk_elements // width)
+            lse = torch.empty(B, T, dtype=torch.float32, device=self.logits_BTV.device)
+            for b in range(B):
+                for t0 in range(0, T, step):
+                    x = self.logits_BTV[b, t0: t0 + step]
+                    x = (x if cols is None else x[:, cols]).float()
+                    lse[b, t0: t0 + step] = torch.logsumexp(x if temperature == 1 else x / temperature, dim=-1)
+            self._memo[key] = lse
+        return self._memo[key]
+
+
+def dense_logits(topk_ids: Tensor, topk_logprobs: Tensor, vocab_size: int, dtype: torch.dtype) -> Tensor:
+    """[..., V] logits whose softmax is the top-K distribution renormalised: log-probs at their ids, a finite floor
+    (smallest top-K log-prob - 1e4 per position) elsewhere."""
+    floor = topk_logprobs.float().min(dim=-1, keepdim=True).values - FLOOR_MARGIN
+    dense = floor.to(dtype).expand(*topk_ids.shape[:-1], vocab_size).clone()
+    return dense.scatter_(-1, topk_ids.long(), topk_logprobs.to(dtype))
 
 
 @contextlib.contextmanager
@@ -289,17 +360,22 @@ class Teacher:
             h.update(sample.numpy().tobytes())
         return h.hexdigest()[:16]
 
-    @torch.no_grad()
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Sequence[int] = ()) -> TeacherOutput:
-        with adapters_disabled(self.model):
+        """Under ``torch.inference_mode``: no autograd bookkeeping, and the HF hidden states not asked for are freed
+        on return. The logits stay an inference tensor (losses only read them, never differentiate through them);
+        the requested hidden states are cloned out of it, since drafters feed them into layers that save their
+        inputs for backward. Medusa-2's gradient through the adapted target runs the model itself, not this."""
+        with adapters_disabled(self.model), torch.inference_mode():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 output_hidden_states=bool(layers),
                 use_cache=False,
             )
-        hidden = {i: out.hidden_states[self.resolve_layer(i)] for i in layers}
-        return TeacherOutput(logits_BTV=out.logits, hidden=hidden)
+            picked = {i: out.hidden_states[self.resolve_layer(i)] for i in layers}
+            logits = out.logits
+            del out
+        return TeacherOutput(logits_BTV=logits, hidden={i: h.clone() for i, h in picked.items()})
 
 
 def load_teacher(target_cfg: Mapping, device: str | torch.device = "cpu") -> Teacher:

@@ -1,8 +1,10 @@
 """The one interface the training loop and the speculative decoder use for every drafter kind.
 
-Training:  ``drafter(batch, teacher_out) -> DraftOutput`` — per draft position k, the student's logits and the
-           teacher logits they are distilled toward, with a mask and a weight; the loop applies the configured
-           loss to each term, so no drafter hard-codes its divergence.
+Training:  ``drafter(batch, teacher_out, loss_fn) -> DraftOutput`` — per draft position k, the student's features
+           and vocabulary projection, the teacher rows they are distilled toward, and a weight; the configured
+           loss (no drafter hard-codes its divergence) is applied inside the call, chunk by chunk
+           (``distill.chunked``), so no [tokens, V] logits exist whole. Without ``loss_fn`` the terms are
+           evaluated by ``DraftOutput.loss`` later (tests, single-process use).
 Decoding:  ``reset()`` for a new sequence, ``observe(hidden)`` with the target's hidden states of every newly
            committed position, ``propose(tokens, max_depth, sampling)`` -> ``inference.tree.DraftTree``: a chain or
            a tree of candidates continuing ``tokens``, at most ``max_depth`` deep, with the draft distributions
@@ -29,6 +31,7 @@ from hydra.utils import instantiate
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from distill.chunked import TeacherRows, chunked_divergence
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 
@@ -52,12 +55,44 @@ class TargetDims:
 
 @dataclass
 class DraftTerm:
-    student_NV: Tensor  # drafter logits at the masked positions
-    teacher_NV: Tensor  # teacher logits for the same future token
+    """One draft position's loss: the configured divergence between ``head(student_ND)`` (the drafter's logits)
+    and the teacher's rows, computed in chunks (``distill.chunked``): the [N, V] logits never exist all at once."""
+
+    student_ND: Tensor  # the drafter's features at the trained positions (what its vocabulary projection reads)
+    head: Callable[[Tensor], Tensor]  # [n, D] -> [n, V'] logits (an nn.Module: its trainable weights get gradients)
+    teacher: TeacherRows | None  # the teacher's rows for the same future tokens (None once released)
     weight: float = 1.0
-    # The index the student's argmax must equal to count as agreeing (-1: never); default the teacher's argmax.
-    # A drafter over a reduced vocabulary sets it, since the target's top token may lie outside that vocabulary.
-    label_N: Tensor | None = None
+    loss_sum: Tensor | None = None  # set by ``evaluate``
+    pred_N: Tensor | None = None  # the drafter's argmax per row, set by ``evaluate``
+
+    def evaluate(self, loss_fn: LossFn) -> Tensor:
+        """The divergence summed over the rows (once; later calls return it)."""
+        if self.loss_sum is None:
+            self.loss_sum, self.pred_N = chunked_divergence(self.student_ND, self.head, self.teacher, loss_fn)
+        return self.loss_sum
+
+    def release_teacher(self) -> None:
+        """Keep the agreement labels, drop the reference to the teacher's [B, T, V] logits (free before backward)."""
+        if self.teacher is not None:
+            self._labels = self.teacher.labels()
+            self.teacher = None
+
+    @property
+    def student_NV(self) -> Tensor:
+        """All rows' logits, materialised: for tests and inspection, never used by training."""
+        return self.head(self.student_ND)
+
+    @property
+    def teacher_NV(self) -> Tensor:
+        """All rows' teacher logits (over the student's vocabulary), materialised: for tests and inspection."""
+        return self.teacher.raw()
+
+    @property
+    def label_N(self) -> Tensor:
+        """The index the student's argmax must equal to count as agreeing (-1: never): the teacher's argmax over
+        the whole vocabulary, mapped into a reduced student vocabulary when it has one."""
+        labels = getattr(self, "_labels", None)
+        return labels if labels is not None else self.teacher.labels()
 
 
 @dataclass
@@ -66,21 +101,30 @@ class DraftOutput:
     num_valid: Tensor  # positions the loss is normalised by (the first term's count)
     aux_loss_sum: Tensor | None = None  # non-distillation loss already summed over valid positions
 
+    def evaluate(self, loss_fn: LossFn | None) -> "DraftOutput":
+        """Compute every term's loss now. Drafters call this at the end of ``forward`` when given ``loss_fn``, so
+        the projection runs inside the module's call (where DDP / FSDP expect every parameter to be used)."""
+        if loss_fn is not None:
+            for term in self.terms:
+                term.evaluate(loss_fn)
+                term.release_teacher()
+        return self
+
     def loss(self, loss_fn: LossFn) -> tuple[Tensor, Tensor]:
         """(loss_sum, num_valid): the weighted sum of every term's divergence plus the auxiliary loss."""
         total = self.aux_loss_sum if self.aux_loss_sum is not None else self.num_valid.new_zeros((), dtype=torch.float32)
-        for term in self.terms:  # rows already selected: mask=None, no [N, V] index copy
-            total = total + term.weight * loss_fn(term.student_NV, term.teacher_NV, None)[0]
+        for term in self.terms:
+            total = total + term.weight * term.evaluate(loss_fn)
         return total, self.num_valid
 
     @torch.no_grad()
     def top1_agreement(self) -> list[tuple[Tensor, Tensor]]:
-        """Per term (correct, count): how often the drafter's argmax equals the teacher's."""
-        return [
-            ((t.student_NV.argmax(-1) == (t.teacher_NV.argmax(-1) if t.label_N is None else t.label_N)).sum(),
-             torch.tensor(t.student_NV.shape[0], device=t.student_NV.device))
-            for t in self.terms
-        ]
+        """Per term (correct, count): how often the drafter's argmax equals the teacher's (after ``loss``)."""
+        out = []
+        for t in self.terms:
+            pred = t.pred_N if t.pred_N is not None else t.student_NV.argmax(-1)
+            out.append(((pred == t.label_N).sum(), torch.tensor(pred.shape[0], device=pred.device)))
+        return out
 
 
 class Drafter(nn.Module):

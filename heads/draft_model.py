@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from distill.chunked import TeacherRows, positions
 from distill.teacher import DTYPES, TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
@@ -210,14 +211,29 @@ class DraftModel(Drafter):
                     )
 
     # --- training ------------------------------------------------------------------------------------------
-    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput) -> DraftOutput:
+    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         valid_BT = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        logits_BTV = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         # Position t predicts token t + 1: it is trained where that token is a real, loss-bearing one.
         mask_BT = valid_BT[:, 1:]
-        student_NV = logits_BTV[:, :-1][mask_BT]
-        teacher_NV = teacher_out.logits_BTV[:, :-1][mask_BT]
-        return DraftOutput(terms=[DraftTerm(student_NV, teacher_NV)], num_valid=self.count_valid(batch))
+        teacher = TeacherRows(teacher_out, *positions(mask_BT))
+        student_ND, head = self._features_and_head(batch)
+        term = DraftTerm(student_ND[:, :-1][mask_BT], head, teacher)
+        return DraftOutput(terms=[term], num_valid=self.count_valid(batch)).evaluate(loss_fn)
+
+    def _features_and_head(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Any]:
+        """([B, T, D] the final normed hidden states, the output embedding): the loss projects them in chunks, so
+        the model's [B, T, V] logits are never computed (``logits_to_keep=1``: one position's). A model that does
+        more to its logits than its output embedding (soft-capping, a logit scale) or cannot skip them is
+        projected whole: ([B, T, V] logits, identity)."""
+        out_layer = self.model.get_output_embeddings()
+        config = self.model.config.get_text_config()
+        plain = (self._logits_to_keep and isinstance(out_layer, nn.Linear)
+                 and not getattr(config, "final_logit_softcapping", None) and getattr(config, "logit_scale", 1.0) == 1.0)
+        kwargs = {"logits_to_keep": 1, "output_hidden_states": True} if plain else {}
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, **kwargs)
+        if plain:
+            return out.hidden_states[-1], out_layer
+        return out.logits, nn.Identity()
 
     def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
         return (batch["loss_mask"].bool() & batch["attention_mask"].bool())[:, 1:].sum()

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distill.chunked import Finished, TeacherRows, positions
 from distill.teacher import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from inference.dynamic_tree import check_dynamic_tree_args, expand_dynamic_tree
@@ -137,8 +138,10 @@ class EagleDrafter(Drafter):
                  num_heads: int | None = None, intermediate_size: int | None = None, rope_theta: float = 10000.0,
                  ttt_steps: int | None = None, loss_decay: float = 0.8, feature_loss_weight: float | None = None,
                  kl_weight: float | None = None, feature_noise: float = 0.0, draft_vocab_size: int | None = None,
-                 tree: str = "dynamic", top_k: int = 4, depth: int | None = None, total_tokens: int = 16):
+                 tree: str = "dynamic", top_k: int = 4, depth: int | None = None, total_tokens: int = 16,
+                 checkpoint_layer: bool = False):
         super().__init__(dims)
+        self.checkpoint_layer = bool(checkpoint_layer)  # recompute each TTT step's layer in backward (less memory)
         D, V, L = self.dims.hidden_size, self.dims.vocab_size, self.dims.num_layers
         if variant not in VARIANTS:
             raise ValueError(f"drafter.variant={variant!r} is not known; valid: {list(VARIANTS)}")
@@ -267,6 +270,14 @@ class EagleDrafter(Drafter):
             return raw if target is None else target.finish(raw)
         return target(out_BTD.to(target.weight.dtype)).to(out_BTD.dtype)
 
+    def _vocab_projection(self, out_ND: Tensor) -> tuple[Tensor, Any]:
+        """(features, head) with ``head(features) == self._logits(out_ND)``: the loss applies the head in chunks."""
+        target = self._frozen.get("lm_head")  # distill.teacher.TargetLogits (soft-capping included)
+        if self.variant == "eagle3":
+            capped = target is not None and target.softcap is not None
+            return self.norm(out_ND), Finished(self.lm_head, target.finish) if capped else self.lm_head
+        return out_ND, lambda x: target(x.to(target.weight.dtype)).to(x.dtype)  # frozen: no gradient for it
+
     def _layer_input(self, emb_BTD: Tensor, hid_BTD: Tensor) -> tuple[Tensor, Tensor]:
         """(attention input, residual) for one step."""
         if self.variant == "eagle3":
@@ -279,7 +290,7 @@ class EagleDrafter(Drafter):
         return self.fc(feats_BTX) if self.variant == "eagle3" else feats_BTX
 
     # --- training ------------------------------------------------------------------------------------------
-    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput) -> DraftOutput:
+    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         ids_BT, attn_BT = batch["input_ids"], batch["attention_mask"].bool()
         valid_BT = batch["loss_mask"].bool() & attn_BT
         feats = torch.cat([teacher_out.hidden[i] for i in self.teacher_layers], -1)
@@ -292,17 +303,19 @@ class EagleDrafter(Drafter):
         pos = torch.arange(T, device=ids_BT.device)
         hid = self._first_hidden(noisy)
         keys: list[tuple[Tensor, Tensor]] = []  # per step: (k, v) [B, h, T, hd]
-        causal = (pos[None, :] <= pos[:, None])[None, None] & attn_BT[:, None, None, :]  # [B, 1, T, T]
+        mask = ttt_mask(attn_BT, self.ttt_steps)  # [B, 1, T, S*T]; step j uses its first (j+1)*T columns
         terms, aux = [], None
         for j in range(self.ttt_steps):
             n = T - 2 - j  # positions t with a predicted token t+2+j inside the row
             if n <= 0:
                 break
             emb = self._embed(torch.roll(ids_BT, -(1 + j), dims=1), hid)  # token t+1+j at position t
-            x, residual = self._layer_input(emb, hid)
-            q, k, v = self.layer.qkv(x, pos + j)
+            step = (emb, hid, pos + j, mask[..., : (j + 1) * T], *(t for kv in keys for t in kv))
+            if self.checkpoint_layer and torch.is_grad_enabled():
+                out, k, v = torch.utils.checkpoint.checkpoint(self._ttt_step, *step, use_reentrant=False)
+            else:
+                out, k, v = self._ttt_step(*step)
             keys.append((k, v))
-            out = self.layer.finish(self._ttt_attention(q, keys, causal), residual)
             mask_BT = torch.zeros_like(valid_BT)
             mask_BT[:, :n] = valid_BT[:, 2 + j:] & attn_BT[:, 1 + j: T - 1]
             term, feat_loss = self._step_loss(out, teacher_out, feats, mask_BT, j)
@@ -312,40 +325,43 @@ class EagleDrafter(Drafter):
             hid = out
         if not terms:
             raise ValueError(f"data.max_length={T} is too short for {self.name}; it needs at least 3 tokens per row")
-        return DraftOutput(terms=terms, num_valid=self.count_valid(batch), aux_loss_sum=aux)
+        return DraftOutput(terms=terms, num_valid=self.count_valid(batch), aux_loss_sum=aux).evaluate(loss_fn)
+
+    def _ttt_step(self, emb: Tensor, hid: Tensor, pos_T: Tensor, mask: Tensor, *prev: Tensor) -> tuple[Tensor, ...]:
+        """One training-time-test step: (output, its keys, its values); ``prev`` = earlier steps' k0, v0, k1, v1..."""
+        x, residual = self._layer_input(emb, hid)
+        q, k, v = self.layer.qkv(x, pos_T)
+        keys = [(prev[i], prev[i + 1]) for i in range(0, len(prev), 2)] + [(k, v)]
+        return self.layer.finish(self._ttt_attention(q, keys, mask), residual), k, v
 
     def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
         # Step 0's positions (the first mask of ``forward``): t where token t + 2 is loss-bearing and t + 1 is real.
         attn_BT = batch["attention_mask"].bool()
         return ((batch["loss_mask"].bool() & attn_BT)[:, 2:] & attn_BT[:, 1:-1]).sum()
 
-    def _ttt_attention(self, q: Tensor, keys: list[tuple[Tensor, Tensor]], causal: Tensor) -> Tensor:
-        """Step j's queries over step 0's keys (causal, padding masked) and steps 1..j's keys at the same position."""
-        k0, v0 = keys[0]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        scores = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        diag = [(q * k).sum(-1, keepdim=True) * scale for k, _ in keys[1:]]  # each [B, h, T, 1]
-        weights = torch.cat([scores, *diag], -1).softmax(-1)
-        T = k0.shape[2]
-        out = weights[..., :T] @ v0
-        for i, (_, v) in enumerate(keys[1:]):
-            out = out + weights[..., T + i: T + i + 1] * v
-        return out
+    def _ttt_attention(self, q: Tensor, keys: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
+        """Step j's queries over step 0's keys (causal, padding masked) and steps 1..j's keys at the same position:
+        one ``scaled_dot_product_attention`` over the steps' keys side by side, under ``ttt_mask`` (no [B, h, T, T]
+        score tensor; the fused kernel keeps only blocks of it)."""
+        if len(keys) == 1:
+            k, v = keys[0]
+        else:
+            k, v = torch.cat([kv[0] for kv in keys], 2), torch.cat([kv[1] for kv in keys], 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def _step_loss(self, out_BTD: Tensor, teacher_out: TeacherOutput, feats_BTX: Tensor, mask_BT: Tensor,
                    j: int) -> tuple[DraftTerm, Tensor | None]:
         """Step j at t is compared with the teacher at t+1+j (its logits predict token t+2+j)."""
         rows = mask_BT[:, : mask_BT.shape[1] - 1 - j]  # mask_BT is False past position T-2-j anyway
         shifted = lambda x: x[:, 1 + j:][rows]  # position t+1+j's values at position t, without copying x
-        student_NV = self._logits(out_BTD[mask_BT])
-        teacher_NV = shifted(teacher_out.logits_BTV)
-        label = None
+        student_ND, head = self._vocab_projection(out_BTD[mask_BT])
+        teacher = TeacherRows(teacher_out, *positions(rows, 1 + j))
         if self.draft_vocab_size != self.dims.vocab_size:
-            label = self.t2d[teacher_NV.argmax(-1)]  # -1 (never matched) when the target's top token is not drafted
-            teacher_NV = teacher_NV[:, self.d2t]
+            # The draft vocabulary's columns only (gathered per loss chunk, no full-row copy); agreement counts the
+            # target's top token, -1 (never matched) when it is not drafted.
+            teacher.cols, teacher.label_map = self.d2t, self.t2d
         weight = self.loss_decay ** j
-        term = DraftTerm(student_NV, teacher_NV, weight=self.kl_weight * weight, label_N=label)
+        term = DraftTerm(student_ND, head, teacher, weight=self.kl_weight * weight)
         if not self.feature_loss_weight:
             return term, None
         target_ND = shifted(feats_BTX).float()  # EAGLE-1's one feature: the target's feature at t+1+j
@@ -451,6 +467,20 @@ class EagleDrafter(Drafter):
         for r, f in enumerate(frontier):
             nodes.out[f] = out[r]
         return self._logits(out).float().log_softmax(-1)
+
+
+def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:
+    """[B, 1, T, steps*T] bool: query t may see step 0's keys <= t that are real tokens (and always its own, so a
+    padded query is never left with no key), and, in block i >= 1, step i's key at t itself. Step j uses the first
+    (j+1)*T columns."""
+    B, T = attn_BT.shape
+    pos = torch.arange(T, device=attn_BT.device)
+    causal = (pos[None, :] <= pos[:, None])[None] & (attn_BT[:, None, :] | torch.eye(T, dtype=torch.bool, device=pos.device))
+    mask = torch.zeros(B, 1, T, steps * T, dtype=torch.bool, device=attn_BT.device)
+    mask[:, 0, :, :T] = causal
+    for i in range(1, steps):
+        mask[:, 0, :, i * T: (i + 1) * T].diagonal(dim1=-2, dim2=-1).fill_(True)
+    return mask
 
 
 class _NodeStore:

@@ -6,6 +6,7 @@ Which token each output predicts (heads are numbered k = 1..K; index i = k - 1 i
 Shape legend:  B batch, T sequence, D target hidden size, V vocabulary, K number of heads.
     hidden_BTD (target hidden state after the final norm, hidden-state index -1)
       -> head k: [ResBlock] * num_layers (separate weights) -> Linear(D, V) -> logits_BTV
+    (training: the Linear and the loss run together in row chunks, ``distill.chunked``; logits_BTV never exists)
 
 Decoding: ``tree`` null is the top-1 chain (head k's argmax at depth k); a static tree (``inference.tree``: a preset
 name or a list of top-k index paths) verifies several candidates per depth in one target forward. Candidates are
@@ -22,6 +23,7 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
+from distill.chunked import Finished, TeacherRows, chunked_divergence, positions
 from distill.teacher import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from inference.sampling import GREEDY, SamplingConfig
@@ -45,6 +47,28 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
+class MedusaHead(nn.Sequential):
+    """``num_layers`` ResBlocks, then Linear(D, V). Called with teacher rows and a loss, it returns that loss and its
+    argmax per row, projecting in chunks (``distill.chunked``) inside its own call, where a sharding engine has its
+    weights gathered; the [N, V] logits never exist whole."""
+
+    def features(self, x: Tensor) -> Tensor:
+        for block in list(self)[:-1]:
+            x = block(x)
+        return x
+
+    def projection(self, finish=_raw) -> nn.Module:
+        """The vocabulary projection the loss compares: the Linear, then ``finish`` (what the target's forward does
+        after its lm_head, e.g. Gemma-2's soft-capping) when there is something to finish."""
+        return self[-1] if finish is _raw else Finished(self[-1], finish)
+
+    def forward(self, x: Tensor, teacher: TeacherRows | None = None, loss_fn=None, finish=_raw):
+        if teacher is None:
+            return self[-1](self.features(x))
+        return chunked_divergence(self.features(x), self.projection(finish), teacher, loss_fn)
+
+
+
 class MedusaHeads(Drafter):
     name = "medusa"
     teacher_layers = (-1,)
@@ -62,7 +86,7 @@ class MedusaHeads(Drafter):
         self.num_heads, self.loss_decay = num_heads, loss_decay
         # Each head and each block is built separately: `[block] * n` would share one set of weights.
         self.heads = nn.ModuleList(
-            nn.Sequential(*(ResBlock(D) for _ in range(num_layers)), nn.Linear(D, V, bias=False))
+            MedusaHead(*(ResBlock(D) for _ in range(num_layers)), nn.Linear(D, V, bias=False))
             for _ in range(num_heads)
         )
         self._last_hidden_1D: Tensor | None = None
@@ -83,9 +107,8 @@ class MedusaHeads(Drafter):
     def head_logits(self, hidden_BTD: Tensor) -> list[Tensor]:
         return [head(hidden_BTD) for head in self.heads]
 
-    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput) -> DraftOutput:
+    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         hidden_BTD = teacher_out.hidden[-1]
-        teacher_BTV = teacher_out.logits_BTV
         valid_BT = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         T = hidden_BTD.shape[1]
         terms = []
@@ -95,10 +118,15 @@ class MedusaHeads(Drafter):
                 break
             # Position t is trained when the token it predicts, t + shift + 1, is a real, loss-bearing token.
             mask_BT = valid_BT[:, shift + 1:]
-            student_NV = self._finish(head(hidden_BTD[:, : T - shift - 1][mask_BT]))
-            teacher_NV = teacher_BTV[:, shift : T - 1][mask_BT]
-            terms.append(DraftTerm(student_NV, teacher_NV, weight=self.loss_decay**i))
-        return DraftOutput(terms=terms, num_valid=self.count_valid(batch))
+            hidden_ND = hidden_BTD[:, : T - shift - 1][mask_BT]
+            teacher = TeacherRows(teacher_out, *positions(mask_BT, shift))
+            weight = self.loss_decay**i
+            if loss_fn is None:  # evaluated later by DraftOutput.loss
+                terms.append(DraftTerm(head.features(hidden_ND), head.projection(self._finish), teacher, weight=weight))
+            else:  # through the head's own call (sharding engines gather its weights for it)
+                loss_sum, pred_N = head(hidden_ND, teacher, loss_fn, self._finish)
+                terms.append(DraftTerm(hidden_ND, head, teacher, weight=weight, loss_sum=loss_sum, pred_N=pred_N))
+        return DraftOutput(terms=terms, num_valid=self.count_valid(batch)).evaluate(loss_fn)
 
     def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
         # Head 1's positions: t where token t + 2 is a real, loss-bearing one.

@@ -24,6 +24,7 @@ and verification both run it, and the speedup is measured against what one would
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Mapping
 
@@ -183,16 +184,16 @@ class Medusa2(MedusaHeads):
             w.lora_dropout.train(mode)
         return self
 
-    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput) -> DraftOutput:
+    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         if not self._joint:  # stage 1: Medusa-1 on the original target's states, nothing flows into the LoRA
-            return super().forward(batch, teacher_out)
+            return super().forward(batch, teacher_out, loss_fn)
         if not self._wrappers:
             raise RuntimeError("medusa2's joint stage needs the LoRA attached: bind_target(teacher, initialize=True)")
         ids_BT, attention_BT = batch["input_ids"], batch["attention_mask"]
         out = self._frozen["model"](input_ids=ids_BT, attention_mask=attention_BT, output_hidden_states=True,
                                     use_cache=False)
         # Heads read the adapted target's final normed state, but are still distilled toward the original's logits.
-        draft = super().forward(batch, TeacherOutput(teacher_out.logits_BTV, {-1: out.hidden_states[-1]}))
+        draft = super().forward(batch, dataclasses.replace(teacher_out, hidden={-1: out.hidden_states[-1]}), loss_fn)
         if self.lm_loss_weight:
             # Position t predicts token t+1, trained where that token is loss-bearing (as the loader masks it).
             mask_BT = (batch["loss_mask"].bool() & attention_BT.bool())[:, 1:]

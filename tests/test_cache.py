@@ -78,8 +78,12 @@ def test_round_trip_matches_the_online_teacher(tiny_teacher, tmp_path, dtype):
         # softmax(dense cached logits) == the teacher renormalised on its top k, as topk_forward_kl sees it.
         top = online.logits_BTV.topk(K, dim=-1)
         expected = torch.zeros_like(online.logits_BTV).scatter(-1, top.indices, top.values.softmax(-1))
-        assert torch.isfinite(cached.logits_BTV).all()
-        torch.testing.assert_close(cached.logits_BTV.softmax(-1), expected, rtol=0, atol=1e-6)
+        assert cached.sparse and cached.logits_BTV is None  # training never sees a dense [B, T, V] expansion
+        B, T = cached.shape_BT
+        b, t = (x.reshape(-1) for x in torch.meshgrid(torch.arange(B), torch.arange(T), indexing="ij"))
+        dense = cached.rows(b, t).view(B, T, -1)  # what a loss chunk expands, here for every row
+        assert torch.isfinite(dense).all()
+        torch.testing.assert_close(dense.softmax(-1), expected, rtol=0, atol=1e-6)
 
 
 def run_training(teacher, dataset, run_dir, steps=10, drafter_cfg=MEDUSA):

@@ -9,7 +9,7 @@ import torch
 from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import TargetDims, load_drafter, save_drafter
-from heads.eagle import EagleDrafter, _NodeStore, default_feature_layers, vocab_maps
+from heads.eagle import EagleDrafter, _NodeStore, default_feature_layers, ttt_mask, vocab_maps
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
 from train.loop import simulated_tau
@@ -82,8 +82,7 @@ def test_ttt_attention_is_causal_and_shaped(tiny_teacher):
         assert a.terms[j].student_NV.shape == (20 - 2 - j, 96)  # positions with a predicted token in the row
     q = torch.randn(1, 1, 5, 4)
     keys = [(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)) for _ in range(3)]
-    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
-    out = drafter._ttt_attention(q, keys, causal)
+    out = drafter._ttt_attention(q, keys, ttt_mask(torch.ones(1, 5, dtype=torch.bool), 3))
     # Reference: step 2 at position t sees step-0 keys 0..t and steps 1, 2 at t only.
     for t in range(5):
         k = torch.cat([keys[0][0][0, 0, : t + 1], keys[1][0][0, 0, t: t + 1], keys[2][0][0, 0, t: t + 1]])

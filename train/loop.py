@@ -130,8 +130,9 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
                 with clock("teacher"):
                     teacher_out = teacher.signals(batch, layers)
                 with clock("drafter"):
-                    out = model(batch, teacher_out)
+                    out = model(batch, teacher_out, loss_fn=loss_fn)  # the loss is computed inside the call
                     micro_loss, _ = out.loss(loss_fn)
+                    del teacher_out  # its logits are no longer needed; free them before backward
             with clock("drafter"):
                 engine.backward(micro_loss / total_valid)
             loss_sum += micro_loss.detach()

@@ -1,0 +1,187 @@
+"""A projection and a divergence computed together in chunks of rows, so no [N, V] tensor exists for the whole batch.
+
+A drafter's loss term is ``divergence(head(student_ND), teacher rows)`` with ``head`` a vocabulary projection
+(Medusa head k's last Linear, EAGLE's lm_head, a draft LM's output embedding). Materialising ``head(student_ND)``
+for all N rows, plus float32 log-softmaxes of it and of the teacher for backward, is what made 128k-vocabulary
+training run out of memory. Here each chunk of ``chunk_elements // V`` rows is projected, compared with the
+teacher's log-probs for the same rows and differentiated on the spot (Liger-kernel's fused-linear recipe, in plain
+PyTorch): only the gradients w.r.t. ``student_ND`` [N, D] and the projection's trainable weights survive the chunk,
+and backward just scales them by the incoming gradient. Forward and backward equal the unchunked loss up to float
+summation order (tests: rtol 1e-5).
+
+Teacher side (``TeacherRows``): rows (b, t) of a ``distill.teacher.TeacherOutput`` — dense logits or the offline
+cache's sparse top-K — optionally restricted to the student's vocabulary ids (EAGLE-3's ``d2t``). Each chunk
+gathers its own rows (and columns), never a full-row copy of the batch; the per-row log-normaliser is computed once
+per batch and shared by every term (``TeacherOutput.log_normaliser``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distill.losses import row_divergence
+
+CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per float32 [rows, V] temporary; CPU
+# matmuls with fewer rows run 2-3x slower per row on 2 threads (measured: 65 vs 261 vs 1024 rows)
+
+
+class Finished(nn.Module):
+    """``finish(proj(x))`` as one module (a vocabulary projection, then what the target's forward does after its
+    lm_head, e.g. Gemma-2's soft-capping), so the chunked loss differentiates ``proj``'s parameters through it."""
+
+    def __init__(self, proj: nn.Module, finish: Callable[[Tensor], Tensor]):
+        super().__init__()
+        self.proj, self.finish = proj, finish
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.finish(self.proj(x))
+
+
+@dataclass
+class TeacherRows:
+    """Rows (``b_N``, ``t_N``) of a batch's teacher signal, over the vocabulary ids ``cols`` (None: all of V)."""
+
+    signal: object  # distill.teacher.TeacherOutput
+    b_N: Tensor
+    t_N: Tensor
+    cols: Tensor | None = None
+    label_map: Tensor | None = None  # target id -> student index (-1: absent), for top-1 agreement
+
+    def __len__(self) -> int:
+        return self.b_N.shape[0]
+
+    @property
+    def width(self) -> int:
+        """The vocabulary the student must cover: len(cols), or V."""
+        if self.cols is not None:
+            return self.cols.numel()
+        return self.signal.vocab_size if self.signal.sparse else self.signal.logits_BTV.shape[-1]
+
+    def raw(self, start: int = 0, end: int | None = None) -> Tensor:
+        """The teacher's logits of rows [start, end) in their own dtype (what an unchunked loss would be given)."""
+        return self.signal.rows(self.b_N[start:end], self.t_N[start:end], self.cols)
+
+    def log_probs(self, start: int, end: int, temperature: float) -> Tensor:
+        """float32 log-softmax of rows [start, end) at T; dense signals reuse the batch's shared normaliser."""
+        x = self.raw(start, end).float()
+        x = x if temperature == 1 else x / temperature
+        if self.signal.sparse:  # K ids per row: the chunk's own softmax is as cheap as anything shared
+            return F.log_softmax(x, dim=-1)
+        lse = self.signal.log_normaliser(temperature, self.cols)
+        return x - lse[self.b_N[start:end], self.t_N[start:end]][:, None]
+
+    @torch.no_grad()
+    def labels(self) -> Tensor:
+        """[N] the index the student's argmax must equal to agree with the teacher: the teacher's top token over the
+        whole vocabulary, mapped into the student's (-1, never matched, when it lies outside)."""
+        top = self.signal.argmax_BT()[self.b_N, self.t_N]
+        return top if self.label_map is None else self.label_map[top]
+
+
+def positions(mask_BT: Tensor, shift: int = 0) -> tuple[Tensor, Tensor]:
+    """(b_N, t_N + shift) of the True entries of ``mask_BT``, in the row-major order of ``x[mask_BT]``."""
+    b_N, t_N = mask_BT.nonzero(as_tuple=True)
+    return b_N, t_N + shift
+
+
+def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], teacher: TeacherRows, loss_fn,
+                       chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+    """(loss summed over the N rows, the student's argmax per row [N]) for ``loss_fn`` (a ``distill.losses`` menu
+    function or partial; any other ``loss_fn(student_CV, teacher_CV, None)`` is called per chunk) between
+    ``head(student_ND)`` and the teacher rows. Differentiable w.r.t. ``student_ND`` and ``head``'s parameters
+    that require grad (``head`` an ``nn.Module``; a plain function's captured tensors are treated as constants)."""
+    if len(teacher) != student_ND.shape[0]:
+        raise ValueError(f"{student_ND.shape[0]} student rows but {len(teacher)} teacher rows")
+    job = _Job(head, teacher, loss_fn, chunk_elements)
+    params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, nn.Module) else []
+    if torch.is_grad_enabled() and (student_ND.requires_grad or params):
+        loss = _ChunkedDivergence.apply(job, student_ND, *params)
+    else:
+        loss = job.run(student_ND, [], need_grads=False)[0]
+    return loss, job.pred_N
+
+
+class _Job:
+    """One term's chunk loop; ``run`` returns (loss, grad w.r.t. student rows, grads w.r.t. params)."""
+
+    def __init__(self, head, teacher: TeacherRows, loss_fn, chunk_elements: int):
+        self.head, self.teacher, self.loss_fn = head, teacher, loss_fn
+        self.core = row_divergence(loss_fn)
+        self.chunk_elements = chunk_elements
+        self.pred_N: Tensor | None = None
+
+    def _chunk_loss(self, logits_CV: Tensor, start: int, end: int) -> Tensor:
+        if self.core is None:
+            return self.loss_fn(logits_CV, self.teacher.raw(start, end), None)[0]
+        core, temperature = self.core
+        z = logits_CV.float() if temperature == 1 else logits_CV.float() / temperature
+        return core(F.log_softmax(z, dim=-1), self.teacher.log_probs(start, end, temperature))
+
+    def run(self, x_ND: Tensor, params: list[Tensor], need_grads: bool):
+        N = x_ND.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=x_ND.device)
+        grad_x = torch.zeros_like(x_ND) if need_grads and x_ND.requires_grad else None
+        grads = [torch.zeros_like(p) for p in params] if need_grads else []
+        step = max(1, self.chunk_elements // self.teacher.width)
+        # An nn.Linear head is differentiated by hand: d loss / d logits from autograd, then the two matmuls, the
+        # weight's gradient accumulated in place (no [V, D] temporary per chunk).
+        linear = type(self.head) is nn.Linear and all(any(p is q for q in params) for p in self.head.parameters())
+        preds = []
+        for start in range(0, N, step):
+            with torch.enable_grad() if need_grads else torch.no_grad():
+                x = x_ND[start: start + step].detach()
+                if linear and need_grads:
+                    logits = F.linear(x, self.head.weight.detach(),
+                                      None if self.head.bias is None else self.head.bias.detach()).requires_grad_()
+                    loss = self._chunk_loss(logits, start, start + x.shape[0])
+                    (dlogits,) = torch.autograd.grad(loss, [logits])
+                    self._linear_grads(dlogits, x, start, grad_x, grads)
+                else:
+                    x.requires_grad_(grad_x is not None)
+                    logits = self.head(x)
+                    loss = self._chunk_loss(logits, start, start + x.shape[0])
+                    wrt = ([x] if grad_x is not None else []) + params
+                    got = list(torch.autograd.grad(loss, wrt, allow_unused=True)) if wrt and loss.requires_grad else []
+                    if grad_x is not None and got:
+                        grad_x[start: start + x.shape[0]] = got.pop(0)
+                    for acc, g in zip(grads, got):
+                        if g is not None:
+                            acc += g
+            preds.append(logits.detach().argmax(-1))
+            total += loss.detach().float()
+        self.pred_N = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=x_ND.device)
+        return total, grad_x, grads
+
+
+    def _linear_grads(self, dlogits: Tensor, x: Tensor, start: int, grad_x: Tensor | None, grads: list[Tensor]) -> None:
+        weight = self.head.weight
+        if grad_x is not None:
+            grad_x[start: start + x.shape[0]] = (dlogits @ weight.to(dlogits.dtype)).to(grad_x.dtype)
+        for acc, p in zip(grads, self.head.parameters()):
+            if p is weight:
+                acc.addmm_(dlogits.t().to(acc.dtype), x.to(acc.dtype))
+            else:  # the bias
+                acc += dlogits.sum(0).to(acc.dtype)
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    """Forward computes the loss and its gradients chunk by chunk; backward scales them by the incoming gradient
+    (a scalar), so nothing of size [N, V] is kept between the two."""
+
+    @staticmethod
+    def forward(ctx, job: _Job, x_ND: Tensor, *params: Tensor) -> Tensor:
+        loss, grad_x, grads = job.run(x_ND, list(params), need_grads=True)
+        ctx.grad_x, ctx.grads = grad_x, grads
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_x = None if ctx.grad_x is None else ctx.grad_x.mul_(grad_out.to(ctx.grad_x.dtype))
+        grads = [g.mul_(grad_out.to(g.dtype)) for g in ctx.grads]  # in place: they are not needed again
+        ctx.grad_x = ctx.grads = None
+        return (None, grad_x, *grads)

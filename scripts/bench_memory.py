@@ -1,0 +1,267 @@
+"""Training memory at a real vocabulary: peak RSS and tokens/s of a 2-step ``python -m train`` per drafter kind.
+
+    python scripts/bench_memory.py                                   # after: this checkout, seq 2048 and 8192
+    python scripts/bench_memory.py --code /work/base --label before --seqs 1024 2048 --kinds eagle1
+    python scripts/bench_memory.py --table scripts/results/bench_memory_cpu.json   # the README table + Llama-3-8B
+
+Target: a random-weight Llama with the Llama-3 vocabulary (V 128,256, hidden 512, 2 layers, 8 heads, untied
+embeddings: 0.15B parameters, ~0.6 GB of weights), built once under ``$SPECDRAFT_CACHE`` with the tiny toy target's
+tokenizer (its ids cover only the first 512 rows of the vocabulary, which changes no tensor shape). Each run is
+``python -m train target.source=hf target.name=<that dir> drafter=<kind> data.max_length=<seq>
+trainer.micro_batch_size=1 trainer.steps=2 eval.enabled=false`` on the CPU, one at a time in a subprocess whose
+address space is capped (``--max-gb``, via ``resource.RLIMIT_AS``) so a runaway run fails itself, not the machine.
+Peak memory is the child's RSS high-water mark (``wait4`` rusage ``ru_maxrss``); tokens/s is the loop's second
+window (``perf/tokens_per_s`` of step 1: one whole training step, start-up excluded).
+
+``--code`` runs another checkout's ``python -m train`` (the base commit, for the "before" figures) against the same
+target and data. Results merge into ``--out`` keyed by label / kind / seq, so runs can be added one at a time.
+``--table`` prints the README table and the Llama-3-8B projection (``project_8b``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KINDS = {
+    "medusa": ["drafter=medusa"],
+    "eagle1": ["drafter=eagle1"],
+    "eagle3": ["drafter=eagle3", "drafter.draft_vocab_size=32000"],
+    "draft_model": ["drafter=draft_model"],
+}
+VOCAB, HIDDEN, LAYERS, HEADS, INTERMEDIATE = 128_256, 512, 2, 8, 1408
+# Issue 19's figures for the base commit at seq 2048 (peak RSS, GB), quoted where a run is not repeated here.
+ISSUE_BEFORE = {"medusa": {"2048": 20.6}, "eagle1": {"2048": 8.4}, "eagle3": {"2048": 9.6}, "draft_model": {"2048": 9.7}}
+CORPUS_BYTES = 3_000_000  # stdlib text: enough 8192-token rows for 2 steps with the tiny 512-token tokenizer
+
+
+def build_target(cache: Path) -> Path:
+    """The random-weight Llama directory (model + tokenizer), built once."""
+    path = cache / f"bench-llama-v{VOCAB}-h{HIDDEN}-l{LAYERS}"
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distill.toy import load_or_build_toy_target
+    from omegaconf import OmegaConf
+
+    tiny = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "target" / "tiny.yaml"))["toy"]
+    _, tokenizer = load_or_build_toy_target(tiny, cache_dir=str(cache))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                         max_position_embeddings=16_384, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads: int, max_gb: float,
+             extra: list[str], steps: int = 2) -> dict:
+    run_dir = work / f"{code.name}-{kind}-{seq}"
+    overrides = ["target=tiny", "target.source=hf", f"target.name={target}", *KINDS[kind],
+                 f"data.max_length={seq}", f"data.corpus_max_bytes={CORPUS_BYTES}", "trainer.micro_batch_size=1",
+                 "trainer.grad_accum=1", f"trainer.steps={steps}", "trainer.warmup_steps=1", "trainer.log_every=1",
+                 "trainer.ckpt_every=1000000", "trainer.resume=never", "trainer.device=cpu",
+                 f"trainer.num_threads={threads}", "eval.enabled=false", f"hydra.run.dir={run_dir}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(code)}
+    cap = int(max_gb * 2**30)
+
+    def limit() -> None:  # in the child: a run past the cap fails its own allocation
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    log_path = work / f"{code.name}-{kind}-{seq}.log"
+    load_before, start = os.getloadavg()[0], time.perf_counter()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "train", *overrides], cwd=code, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=limit)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    result = {"kind": kind, "seq": seq, "steps": steps, "overrides": overrides, "wall_s": wall, "load_before": load_before,
+              "load_after": os.getloadavg()[0], "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9,
+              "exit_status": os.waitstatus_to_exitcode(status), "address_space_cap_gb": max_gb}
+    metrics = run_dir / "metrics.jsonl"
+    if result["exit_status"] == 0 and metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        step1 = [r for r in rows if r.get("step") == 1] or rows[-1:]
+        result["tokens_per_s"] = step1[0]["perf/tokens_per_s"]
+        result["step_s"] = seq / result["tokens_per_s"]
+        result["loop_peak_mem_gb"] = max(r["perf/peak_mem_gb"] for r in rows) * 2**30 / 1e9
+        result["train_loss"] = [r["train/loss"] for r in rows]
+    else:
+        result["log_tail"] = log_path.read_text().splitlines()[-15:]
+    return result
+
+
+# --- the Llama-3-8B projection --------------------------------------------------------------------------------
+
+# Llama-3-8B: hidden 4096, 32 layers, V 128,256, MLP 14,336, 8 KV heads; bf16 weights 16.06 GB (the frozen target).
+D8, I8, KV8 = 4096, 14_336, 1024
+GPU_GB, TARGET_GB, CONTEXT_GB = 80.0, 16.06, 2.0  # CUDA context + allocator slack: an assumption, stated
+# Trainable parameters of each drafter as configured for an 8B target (formulas from heads/*.py); the optimizer
+# keeps 16 bytes each (fp32 weight + fp32 grad + AdamW's two fp32 moments; bf16 is autocast, not stored).
+DRAFTER_PARAMS_8B = {
+    "medusa": 4 * (D8 * D8 + D8 + D8 * VOCAB),  # 4 heads: ResBlock + its own lm_head
+    "eagle1": 2 * D8 * D8 + 4 * D8 * D8 + 3 * D8 * I8 + 2 * D8,  # fc(2D->D), layer; lm_head is the target's
+    "eagle3": 3 * D8 * D8 + 3 * 2 * D8 * D8 + D8 * D8 + 3 * D8 * I8 + 32_000 * D8 + 4 * D8,  # fc(3D), 2D-wide qkv
+    "draft_model": 2 * D8 * VOCAB + 2 * D8 * D8 + 2 * D8 * KV8 + 3 * D8 * I8 + 3 * D8,  # 1 layer + emb + lm_head
+}
+
+
+def measured_points(data: dict, label: str, kind: str) -> list[tuple[int, float, str]]:
+    """(seq, peak bytes, 'measured' | 'quoted') for one drafter kind: this machine's runs, plus issue 19's quoted
+    base-commit figure where that length was not run here."""
+    runs = data.get(label, {}).get(kind, {})
+    pts = {int(s): (r["peak_rss_gb"] * 1e9, "measured") for s, r in runs.items() if r.get("exit_status") == 0}
+    if label == "before":
+        for s, gb in data.get("quoted_before", {}).get(kind, {}).items():
+            pts.setdefault(int(s), (gb * 1e9, "quoted"))
+    return sorted((s, b, how) for s, (b, how) in pts.items())
+
+
+def per_token_bytes(points: list[tuple[int, float, str]], seq: int) -> tuple[float, str] | None:
+    """(bytes per token at ``seq``, how it was obtained). The fixed part (weights, optimizer state, interpreter) is
+    the intercept of the line through the two shortest lengths; at a measured ``seq`` the per-token part is what
+    remains of its peak divided by ``seq`` (quadratic terms such as the TTT mask averaged in), beyond the longest
+    measured length it is that length's (extrapolated linearly)."""
+    if len(points) < 2:
+        return None
+    (s0, m0, _), (s1, m1, _) = points[0], points[1]
+    fixed = m0 - (m1 - m0) / (s1 - s0) * s0
+    at = {s: (m, how) for s, m, how in points}
+    if seq in at:
+        return (at[seq][0] - fixed) / seq, at[seq][1]
+    s_last, m_last, _ = points[-1]
+    return (m_last - fixed) / s_last, f"extrapolated from seq {s_last}"
+
+
+# Hidden-sized [D] tensors per token each drafter keeps for backward, read from heads/*.py (an estimate, not a
+# measurement): Medusa ~6 per head x 4; EAGLE-1 one layer (fc input/output, norms, q/k/v, attention, MLP at ~3.5 D
+# wide x 3, residuals) ~30; EAGLE-3 the same per TTT step with 2D-wide inputs and the steps' keys, ~38 x 7 + the 3D
+# features; the draft model one decoder layer and its embeddings ~35. On the toy (D 512) these are < 15% of the
+# measured bytes; on the 8B (D 4096) they are not, so they are added at 4096 x 2 bytes (bf16 autocast).
+HIDDEN_TENSORS = {"medusa": 24, "eagle1": 30, "eagle3": 7 * 38 + 3, "draft_model": 35}
+TEACHER_HIDDEN_8B = 33 * D8 * 2  # the HF forward keeps all 33 hidden states (bf16) until it returns
+
+
+def project_8b(bytes_per_token_toy: float, kind: str, seq: int) -> dict:
+    """Llama-3-8B on one 80 GB GPU from the toy's measured per-token bytes (V 128,256 like Llama-3, hidden 512,
+    float32 on CPU). Per token: the toy's bytes as measured (its vocabulary-sized tensors are the same count at the
+    same V; kept at float32, so an upper bound where bf16 autocast would halve the teacher's logits), plus the
+    hidden-sized tensors at D 4096 (``HIDDEN_TENSORS``) and the teacher's 33 hidden states. Fixed: target weights,
+    the drafter's optimizer state (``DRAFTER_PARAMS_8B`` x 16 bytes) and ``CONTEXT_GB``. The micro-batch is the
+    largest whose rows fit 80 GB (0: not even one)."""
+    per_token = bytes_per_token_toy + HIDDEN_TENSORS[kind] * D8 * 2 + TEACHER_HIDDEN_8B
+    fixed_gb = TARGET_GB + 16 * DRAFTER_PARAMS_8B[kind] / 1e9 + CONTEXT_GB
+    row_gb = per_token * seq / 1e9
+    fits = max(0, int((GPU_GB - fixed_gb) // row_gb))
+    return {"bytes_per_token_toy": round(bytes_per_token_toy), "bytes_per_token_8b": round(per_token),
+            "fixed_gb": round(fixed_gb, 1), "gb_per_row": round(row_gb, 2), "micro_batch_fits_80gb": fits,
+            "peak_gb_at_that_batch": round(fixed_gb + max(fits, 1) * row_gb, 1)}
+
+
+def projection(data: dict) -> dict:
+    out = {}
+    for label in ("before", "after"):
+        for kind in KINDS:
+            points = measured_points(data, label, kind)
+            for seq in (2048, 8192):
+                got = per_token_bytes(points, seq)
+                if got:
+                    out.setdefault(label, {}).setdefault(kind, {})[str(seq)] = {**project_8b(got[0], kind, seq),
+                                                                                "toy_figure": got[1]}
+    return out
+
+
+def projection_table(data: dict) -> str:
+    proj = projection(data)
+    lines = ["| drafter | seq | code | toy bytes/token (from) | 8B bytes/token | 8B fixed GB | GB per row | micro-batch on 80 GB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for kind in KINDS:
+        for seq in ("2048", "8192"):
+            for label in ("before", "after"):
+                p = proj.get(label, {}).get(kind, {}).get(seq)
+                if p:
+                    lines.append(f"| {kind} | {seq} | {label} | {p['bytes_per_token_toy']:,} ({p['toy_figure']}) | "
+                                 f"{p['bytes_per_token_8b']:,} | "
+                                 f"{p['fixed_gb']} | {p['gb_per_row']} | {p['micro_batch_fits_80gb']} |")
+    return "\n".join(lines)
+
+
+def table(path: Path) -> str:
+    data = json.loads(path.read_text())
+    lines = ["| drafter | seq | before peak GB | after peak GB | ratio | before tokens/s | after tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for kind in KINDS:
+        seqs = sorted({int(s) for label in ("before", "after") for s in data.get(label, {}).get(kind, {})})
+        for seq in seqs:
+            b = data.get("before", {}).get(kind, {}).get(str(seq), {})
+            a = data.get("after", {}).get(kind, {}).get(str(seq), {})
+            q = data.get("quoted_before", {}).get(kind, {}).get(str(seq))
+            bpk = b.get("peak_rss_gb") if b.get("exit_status") == 0 else q
+            bmark = "" if b.get("exit_status") == 0 or bpk is None else " (quoted)"
+            ratio = f"{a['peak_rss_gb'] / bpk:.2f}x" if a.get("exit_status") == 0 and bpk else "-"
+            lines.append(f"| {kind} | {seq} | {_f(bpk)}{bmark} | {_f(a.get('peak_rss_gb'))} | {ratio} | "
+                         f"{_f(b.get('tokens_per_s'), '.0f')} | {_f(a.get('tokens_per_s'), '.0f')} |")
+    return "\n".join(lines)
+
+
+def _f(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--code", type=Path, default=ROOT, help="checkout whose `python -m train` runs")
+    parser.add_argument("--label", default="after", help="key in the JSON (before / after)")
+    parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--seqs", nargs="*", type=int, default=[2048, 8192])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="training steps (tokens/s: step 1's window; with 1 step "
+                        "step 0's, start-up included, and the peak misses the second step's AdamW state)")
+    parser.add_argument("--max-gb", type=float, default=16.0, help="address-space cap per run (GB)")
+    parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "bench_memory_cpu.json")
+    parser.add_argument("--work", type=Path, default=Path("/tmp") / "bench_memory")
+    parser.add_argument("--table", type=Path, default=None, help="print the README table of this JSON and exit")
+    parser.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
+    args = parser.parse_args()
+    if args.table:
+        data = json.loads(args.table.read_text())
+        data["llama3_8b_projection"] = projection(data)
+        args.table.write_text(json.dumps(data, indent=2) + "\n")
+        print(table(args.table) + "\n\n" + projection_table(data))
+        return
+    from eval.report import machine_info
+
+    cache = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+    target = build_target(cache)
+    args.work.mkdir(parents=True, exist_ok=True)
+    for kind in args.kinds:
+        for seq in args.seqs:
+            result = run_once(args.code.resolve(), target, kind, seq, args.work, args.threads, args.max_gb, args.extra,
+                              args.steps)
+            data = json.loads(args.out.read_text()) if args.out.is_file() else {}
+            data.setdefault("machine", machine_info())
+            data.setdefault("quoted_before", ISSUE_BEFORE)
+            data.setdefault(args.label, {}).setdefault(kind, {})[str(seq)] = {**result, "code": str(args.code)}
+            args.out.write_text(json.dumps(data, indent=2) + "\n")
+            print(f"{args.label} {kind} seq {seq}: peak {result['peak_rss_gb']:.2f} GB, "
+                  f"{result.get('tokens_per_s', float('nan')):.0f} tokens/s, exit {result['exit_status']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The chunked projection + divergence (distill/chunked.py) equals the unchunked loss it replaces, for every divergence
+of the menu, dense and sparse teachers, a reduced student vocabulary, and every drafter kind.
+
+Reference: the public ``distill.losses`` functions on fully materialised logits — exactly how training computed the
+loss before (``loss_fn(student_NV, teacher_NV, None)`` per term). Tolerance: loss and gradients agree to
+rtol 1e-5 / atol 1e-6 (float32; only the summation order differs); for whole drafters, whose losses are sums of
+many near-zero KL terms (a fresh drafter starts at the target), atol 1e-5 on the loss and 1e-4 relative on gradients.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from distill import losses
+from distill.chunked import TeacherRows, chunked_divergence, positions
+from distill.teacher import TeacherOutput, dense_logits
+from heads.base import build_drafter
+
+RTOL, ATOL = 1e-5, 1e-6
+MENU = {
+    "fkl": functools.partial(losses.forward_kl, temperature=1.0),
+    "fkl_T2": functools.partial(losses.forward_kl, temperature=2.0),
+    "rkl": functools.partial(losses.reverse_kl, temperature=1.5),
+    "jsd": functools.partial(losses.jsd, temperature=1.0, beta=0.3),
+    "tvd": functools.partial(losses.total_variation, temperature=1.0),
+    "topk_fkl": functools.partial(losses.topk_forward_kl, temperature=1.0, k=5),
+    "not_in_menu": lambda s, t, m: losses.forward_kl(s * 1.1, t, m),  # called per chunk on logits
+}
+
+
+class CountingLinear(nn.Linear):
+    """Records the rows of every call: the chunked loss must never project more than one chunk at a time."""
+
+    def forward(self, x):
+        self.calls.append(x.shape[0])
+        return super().forward(x)
+
+
+def setup(V=50, D=8, B=2, T=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    head = CountingLinear(D, V, bias=False)
+    head.calls = []
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, D, generator=g))
+    teacher = TeacherOutput(logits_BTV=torch.randn(B, T, V, generator=g) * 3)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    x = torch.randn(int(mask.sum()), D, generator=g, requires_grad=True)
+    return head, teacher, mask, x
+
+
+def reference(x, head, teacher_NV, loss_fn):
+    """Today's computation: the whole [N, V] logits, then the loss."""
+    loss = loss_fn(head(x), teacher_NV, None)[0]
+    grads = torch.autograd.grad(loss, [x, head.weight])
+    return loss, grads
+
+
+def chunked(x, head, rows, loss_fn, chunk_elements):
+    loss, pred = chunked_divergence(x, head, rows, loss_fn, chunk_elements=chunk_elements)
+    grads = torch.autograd.grad(loss * 1.0, [x, head.weight])
+    return loss, grads, pred
+
+
+@pytest.mark.parametrize("name", list(MENU))
+def test_chunked_equals_unchunked_loss_and_gradients(name):
+    loss_fn = MENU[name]
+    head, teacher, mask, x = setup()
+    rows = TeacherRows(teacher, *positions(mask, 0))
+    ref_loss, ref_grads = reference(x, head, teacher.logits_BTV[mask], loss_fn)
+    head.calls = []
+    loss, grads, pred = chunked(x, head, rows, loss_fn, chunk_elements=3 * 50)  # 3 rows per chunk
+    assert max(head.calls) == 3 and len(head.calls) == -(-x.shape[0] // 3)  # never all rows at once
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert torch.equal(pred, head(x).argmax(-1))
+    plain = nn.Linear(8, 50, bias=True)  # a plain Linear takes the hand-differentiated path (bias included)
+    ref_loss = loss_fn(plain(x), teacher.logits_BTV[mask], None)[0]
+    ref_grads = torch.autograd.grad(ref_loss, [x, plain.weight, plain.bias])
+    loss, _ = chunked_divergence(x, plain, rows, loss_fn, chunk_elements=3 * 50)
+    for got, want in zip(torch.autograd.grad(loss, [x, plain.weight, plain.bias]), ref_grads):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["fkl", "jsd", "topk_fkl"])
+def test_reduced_vocabulary_gathers_columns_like_the_full_row_copy(name):
+    """EAGLE-3: the teacher restricted to the draft vocabulary ``cols``, as the old ``teacher_NV[:, d2t]``."""
+    V, Vd = 50, 20
+    head, teacher, mask, x = setup(V=V)
+    head_d = nn.Linear(8, Vd, bias=False)
+    cols = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:Vd].sort().values
+    t2d = torch.full((V,), -1, dtype=torch.long)
+    t2d[cols] = torch.arange(Vd)
+    rows = TeacherRows(teacher, *positions(mask, 0), cols=cols, label_map=t2d)
+    full = teacher.logits_BTV[mask]
+    ref_loss = MENU[name](head_d(x), full[:, cols], None)[0]
+    ref_grads = torch.autograd.grad(ref_loss, [x, head_d.weight])
+    loss, pred = chunked_divergence(x, head_d, rows, MENU[name], chunk_elements=4 * Vd)
+    grads = torch.autograd.grad(loss, [x, head_d.weight])
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert torch.equal(rows.labels(), t2d[full.argmax(-1)])  # the target's top token, -1 when not drafted
+    assert (rows.labels() == -1).any() and (rows.labels() >= 0).any()
+
+
+@pytest.mark.parametrize("name", ["fkl", "jsd", "tvd", "topk_fkl"])
+def test_sparse_teacher_equals_its_dense_expansion(name):
+    """The offline cache's top-K stays sparse; each chunk expands its own rows exactly as the old dense tensor."""
+    V, K = 50, 6
+    head, dense, mask, x = setup(V=V)
+    top = dense.logits_BTV.log_softmax(-1).topk(K, dim=-1)
+    sparse = TeacherOutput(logits_BTV=None, topk_ids_BTK=top.indices, topk_logprobs_BTK=top.values, vocab_size=V,
+                           dtype=torch.float32)
+    old_dense = dense_logits(top.indices, top.values, V, torch.float32)  # what training used to build
+    ref_loss, ref_grads = reference(x, head, old_dense[mask], MENU[name])
+    loss, grads, _ = chunked(x, head, TeacherRows(sparse, *positions(mask, 0)), MENU[name], chunk_elements=2 * V)
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert torch.equal(TeacherRows(sparse, *positions(mask, 0)).labels(), old_dense[mask].argmax(-1))
+
+
+def test_teacher_log_normaliser_is_computed_once_per_batch(monkeypatch):
+    """Three terms (heads / TTT steps) over one batch's teacher: its logsumexp pass runs for the first only."""
+    head, teacher, mask, x = setup()
+    calls = []
+    original = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda *a, **k: calls.append(1) or original(*a, **k))
+    T = mask.shape[1]
+    for shift in (0, 1, 2):
+        m = mask[:, : T - shift]
+        chunked_divergence(x[: int(m.sum())], head, TeacherRows(teacher, *positions(m, shift)), MENU["fkl"])
+    assert len(calls) == teacher.logits_BTV.shape[0]  # one chunk per batch row (T * V fits a chunk), then shared
+
+
+# --- every drafter kind: chunked in-forward loss == materialised logits + loss_fn ---------------------------------
+
+KINDS = {
+    "medusa": {"_target_": "heads.medusa.MedusaHeads", "num_heads": 3, "num_layers": 1},
+    "eagle1": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle1", "ttt_steps": 2,
+               "feature_loss_weight": 1.0, "kl_weight": 0.1},
+    "eagle3": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3, "draft_vocab_size": 64},
+    "eagle3_ckpt": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3,
+                    "draft_vocab_size": 64, "checkpoint_layer": True},
+    "draft_model": {"_target_": "heads.draft_model.DraftModel"},
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("loss", ["fkl", "jsd"])
+def test_every_drafter_kind_matches_the_materialised_loss(tiny_teacher, kind, loss):
+    torch.manual_seed(0)
+    drafter = build_drafter(KINDS[kind], tiny_teacher)
+    drafter.bind_target(tiny_teacher, initialize=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 14), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.rand(2, 14, generator=g) > 0.2}
+    batch["attention_mask"][1, :3] = 0  # a left-padded row
+    if hasattr(drafter, "prepare") and kind.startswith("eagle3"):
+        drafter.prepare(type("D", (), {"input_ids": ids, "loss_mask": batch["loss_mask"],
+                                       "attention_mask": batch["attention_mask"]})())
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    signals = tiny_teacher.signals(batch, drafter.teacher_layers)
+    # Before: every term's logits materialised, then the configured loss on them.
+    lazy = drafter(batch, signals)
+    ref = lazy.aux_loss_sum if lazy.aux_loss_sum is not None else 0
+    for term in lazy.terms:
+        ref = ref + term.weight * MENU[loss](term.student_NV, term.teacher_NV, None)[0]
+    ref_grads = torch.autograd.grad(ref, params)
+    ref_agree = [(int((t.student_NV.argmax(-1) == t.label_N).sum()), t.student_NV.shape[0]) for t in lazy.terms]
+    # After: the loss computed in chunks inside the drafter's call.
+    out = drafter(batch, tiny_teacher.signals(batch, drafter.teacher_layers), loss_fn=MENU[loss])
+    got, n = out.loss(MENU[loss])
+    grads = torch.autograd.grad(got, params)
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert [(int(c), int(m)) for c, m in out.top1_agreement()] == ref_agree
+    assert all(t.teacher is None for t in out.terms)  # the teacher's logits are released before backward
+
+
+def test_teacher_runs_under_inference_mode_and_hands_out_trainable_hidden_states(tiny_teacher):
+    ids = torch.randint(0, 128, (1, 8))
+    out = tiny_teacher(ids, torch.ones_like(ids), layers=(-1, 1))
+    assert out.logits_BTV.is_inference()
+    assert not any(h.is_inference() for h in out.hidden.values())  # drafters save them for backward
+    lin = nn.Linear(32, 4)
+    lin(out.hidden[-1][:, :4]).sum().backward()  # a view, saved by the layer: fine outside inference mode
+
+
+def explicit_ttt_attention(q, keys, causal):
+    """The implementation SDPA replaced: [B, h, T, T] scores plus one diagonal column per earlier step."""
+    k0, v0 = keys[0]
+    scale = q.shape[-1] ** -0.5
+    scores = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
+    diag = [(q * k).sum(-1, keepdim=True) * scale for k, _ in keys[1:]]
+    weights = torch.cat([scores, *diag], -1).softmax(-1)
+    T = k0.shape[2]
+    out = weights[..., :T] @ v0
+    for i, (_, v) in enumerate(keys[1:]):
+        out = out + weights[..., T + i: T + i + 1] * v
+    return out
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_ttt_attention_through_sdpa_equals_explicit_scores(tiny_teacher, steps):
+    from heads.eagle import ttt_mask
+
+    drafter = build_drafter(KINDS["eagle3"], tiny_teacher)
+    g = torch.Generator().manual_seed(5)
+    B, h, T, d = 2, 2, 9, 8
+    attn = torch.ones(B, T, dtype=torch.bool)
+    attn[1, :3] = False  # left padding
+    q = torch.randn(B, h, T, d, generator=g)
+    keys = [(torch.randn(B, h, T, d, generator=g), torch.randn(B, h, T, d, generator=g)) for _ in range(steps)]
+    pos = torch.arange(T)
+    causal = (pos[None, :] <= pos[:, None])[None, None] & attn[:, None, None, :]
+    got = drafter._ttt_attention(q, keys, ttt_mask(attn, 5)[..., : steps * T])
+    want = explicit_ttt_attention(q, keys, causal)
+    # Real queries agree; a padded query (never trained, never attended by a real one) now always sees its own
+    # step-0 key, where the explicit scores left it none at step 0 (NaN).
+    real = attn[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(got).all()
