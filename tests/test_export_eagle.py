@@ -153,8 +153,8 @@ def test_vllm_eagle3_target_whitelist(deep_target, tmp_path, monkeypatch):
     import heads.export as export
 
     _, path = saved(deep_target, tmp_path, "eagle3")
-    monkeypatch.setattr(export, "target_facts", lambda config: {"model_type": "gemma2"})
-    with pytest.raises(ValueError, match="vLLM serves EAGLE-3 only for targets whose model_type.*'gemma2'"):
+    monkeypatch.setattr(export, "target_facts", lambda config: {"model_type": "phi3"})
+    with pytest.raises(ValueError, match="vLLM serves EAGLE-3 only for targets whose model_type.*'phi3'"):
         export_drafter(path, "vllm", tmp_path / "x")
     export_drafter(path, "sglang", tmp_path / "sg")  # SGLang keeps no such list
 

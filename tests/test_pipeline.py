@@ -97,24 +97,28 @@ def test_draft_model_on_regenerated_and_mixed_data(env, tmp_path):
     assert proc.returncode != 0 and "drafter=medusa cannot" in proc.stderr
 
 
-def test_smoke_eagle1_exports_for_every_engine(smoke_run, env, tmp_path):
+def test_smoke_eagle1_exports_for_every_engine(smoke_run, env, tmp_path, monkeypatch):
     """The README's export command on a trained run: each EAGLE-1 layout passes its engine's loader mapping, and the
     card's serve command names the toy target's local directory (a name vLLM / SGLang can resolve)."""
+    proc = subprocess.run([sys.executable, "scripts/export.py", f"drafter_path={smoke_run / 'drafter'}",
+                           "format=vllm", f"output_dir={tmp_path / 'vllm'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from heads.export import export_drafter
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", env["SPECDRAFT_CACHE"])  # the toy target's cache, as the CLI saw it
+    for engine in ("sglang", "hf"):  # the same function the CLI calls, without another interpreter start
+        export_drafter(smoke_run / "drafter", engine, tmp_path / engine)
+    with pytest.raises(ValueError, match="no EAGLE-1 model class"):
+        export_drafter(smoke_run / "drafter", "speculators", tmp_path / "spec")
     for engine in ("vllm", "sglang", "hf"):
-        proc = subprocess.run([sys.executable, "scripts/export.py", f"drafter_path={smoke_run / 'drafter'}",
-                               f"format={engine}", f"output_dir={tmp_path / engine}"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
         card = (tmp_path / engine / "README.md").read_text()
         serve = card.split("```bash\n", 1)[1].split("```", 1)[0]
         assert env["SPECDRAFT_CACHE"] in serve and "specdraft/tiny-stdlib" not in serve
-    proc = subprocess.run([sys.executable, "scripts/export.py", f"drafter_path={smoke_run / 'drafter'}",
-                           "format=speculators", f"output_dir={tmp_path / 'spec'}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "no EAGLE-1 model class" in proc.stderr
 
 
-@pytest.mark.parametrize("kind", ["eagle3", pytest.param("medusa", marks=pytest.mark.slow),
+@pytest.mark.parametrize("kind", [pytest.param("eagle3", marks=pytest.mark.slow),
+                                  pytest.param("medusa", marks=pytest.mark.slow),
                                   pytest.param("medusa2", marks=pytest.mark.slow),
                                   pytest.param("draft_model", marks=pytest.mark.slow),
                                   pytest.param("lookup", marks=pytest.mark.slow)])
