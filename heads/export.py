@@ -389,8 +389,7 @@ def _check_eagle(path: Path, engine: str, kind: str, config: dict, target: dict)
     if target and layer_cfg.get("vocab_size") != target.get("vocab_size"):
         problems.append(f"vocab_size={layer_cfg.get('vocab_size')} differs from the target's {target.get('vocab_size')}")
     if kind == "eagle3":
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang" \
-            else config.get("eagle_aux_hidden_state_layer_ids")
+        ids = export_eagle.written_layer_ids(engine, config)
         if not ids or len(ids) != 3:
             problems.append(f"eagle_aux_hidden_state_layer_ids={ids!r}: {engine} needs the 3 target layers "
                             f"({'nested in eagle_config' if engine == 'sglang' else 'top level'})")

@@ -93,13 +93,20 @@ def engine_layer_ids(engine: str, layers: list[int], num_layers: int) -> list[in
     return [i - 1 for i in resolved] if engine == "sglang" else resolved
 
 
+def written_layer_ids(engine: str, config: dict) -> list[int] | None:
+    """The ``eagle_aux_hidden_state_layer_ids`` an export's config gives the engine, where that engine reads them
+    (SGLang: nested in ``eagle_config``; vLLM and speculators: top level)."""
+    if engine == "sglang":
+        return (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return config.get("eagle_aux_hidden_state_layer_ids")
+
+
 def our_layers(engine: str, kind: str, config: dict) -> list[int]:
     """The hidden-state indices an export's config makes the engine capture, in our convention (the inverse of
     ``engine_layer_ids``): what the engine would actually feed the drafter."""
     if kind == "eagle1":
         return [-1]  # the engines feed EAGLE-1 the target's final (normed) hidden state
-    ids = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if engine == "sglang"
-           else config.get("eagle_aux_hidden_state_layer_ids"))
+    ids = written_layer_ids(engine, config)
     return [i + 1 for i in ids] if engine == "sglang" else list(ids)
 
 
