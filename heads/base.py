@@ -151,11 +151,16 @@ class Drafter(nn.Module):
     def prepare(self, dataset) -> None:
         """Before training: fit whatever comes from training-data statistics (EAGLE-3's reduced vocabulary)."""
 
+    def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
+        """Bool mask over the positions draft term ``k`` (0-based: Medusa head k + 1, EAGLE step k) is trained at,
+        from the batch alone; ``forward`` selects term k's rows with it, so the two cannot disagree."""
+        raise NotImplementedError(f"drafter {self.name!r} does not implement train_mask")
+
     def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
-        """The count ``forward(batch, ...)`` reports as ``DraftOutput.num_valid`` (what its loss is normalised by),
-        from the batch alone. The loop sums it over a step's micro-batches and all ranks *before* any forward, so
-        each micro-batch's backward already carries the global per-token normalisation (any engine, any split)."""
-        raise NotImplementedError(f"drafter {self.name!r} does not implement count_valid")
+        """The count ``forward(batch, ...)`` reports as ``DraftOutput.num_valid`` (what its loss is normalised by):
+        term 0's rows. The loop sums it over a step's micro-batches and all ranks *before* any forward, so each
+        micro-batch's backward already carries the global per-token normalisation (any engine, any split)."""
+        return self.train_mask(batch, 0).sum()
 
     # Engines read these two: DDP must look for parameters a step leaves without gradient (Medusa-2's LoRA in its
     # heads-only stage); sharding engines must not shard modules that live inside the target.

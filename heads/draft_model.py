@@ -212,9 +212,7 @@ class DraftModel(Drafter):
 
     # --- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
-        valid_BT = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        # Position t predicts token t + 1: it is trained where that token is a real, loss-bearing one.
-        mask_BT = valid_BT[:, 1:]
+        mask_BT = self.train_mask(batch, 0)
         teacher = TeacherRows(teacher_out, *positions(mask_BT))
         student_ND, head = self._features_and_head(batch)
         term = DraftTerm(student_ND[:, :-1][mask_BT], head, teacher)
@@ -235,8 +233,12 @@ class DraftModel(Drafter):
             return out.hidden_states[-1], out_layer
         return out.logits, nn.Identity()
 
-    def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
-        return (batch["loss_mask"].bool() & batch["attention_mask"].bool())[:, 1:].sum()
+    def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
+        """[B, T - 1]: position t predicts token t + 1 and is trained where that token is real and loss-bearing (one
+        term: the draft model drafts deeper by feeding itself)."""
+        if k != 0:
+            raise ValueError(f"a draft model trains one next-token term; term {k} does not exist")
+        return (batch["loss_mask"].bool() & batch["attention_mask"].bool())[:, 1:]
 
     @torch.no_grad()
     def sample_continuations(self, prompt_ids_BP: Tensor, num_new: int, temperature: float,

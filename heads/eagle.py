@@ -292,7 +292,6 @@ class EagleDrafter(Drafter):
     # --- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         ids_BT, attn_BT = batch["input_ids"], batch["attention_mask"].bool()
-        valid_BT = batch["loss_mask"].bool() & attn_BT
         feats = torch.cat([teacher_out.hidden[i] for i in self.teacher_layers], -1)
         dtype = self.fc.weight.dtype if not torch.is_autocast_enabled(feats.device.type) else feats.dtype
         feats = feats.to(dtype)
@@ -316,8 +315,7 @@ class EagleDrafter(Drafter):
             else:
                 out, k, v = self._ttt_step(*step)
             keys.append((k, v))
-            mask_BT = torch.zeros_like(valid_BT)
-            mask_BT[:, :n] = valid_BT[:, 2 + j:] & attn_BT[:, 1 + j: T - 1]
+            mask_BT = self.train_mask(batch, j)
             term, feat_loss = self._step_loss(out, teacher_out, feats, mask_BT, j)
             terms.append(term)
             if feat_loss is not None:
@@ -334,10 +332,15 @@ class EagleDrafter(Drafter):
         keys = [(prev[i], prev[i + 1]) for i in range(0, len(prev), 2)] + [(k, v)]
         return self.layer.finish(self._ttt_attention(q, keys, mask), residual), k, v
 
-    def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
-        # Step 0's positions (the first mask of ``forward``): t where token t + 2 is loss-bearing and t + 1 is real.
+    def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
+        """[B, T]: step k at position t (fed token t + 1 + k, predicting t + 2 + k) is trained when that token is
+        loss-bearing and the one it was fed is real; the last k + 2 positions never are."""
         attn_BT = batch["attention_mask"].bool()
-        return ((batch["loss_mask"].bool() & attn_BT)[:, 2:] & attn_BT[:, 1:-1]).sum()
+        valid_BT = batch["loss_mask"].bool() & attn_BT
+        T = valid_BT.shape[1]
+        mask_BT = torch.zeros_like(valid_BT)
+        mask_BT[:, : max(T - 2 - k, 0)] = valid_BT[:, 2 + k:] & attn_BT[:, 1 + k: T - 1]
+        return mask_BT
 
     def _ttt_attention(self, q: Tensor, keys: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
         """Step j's queries over step 0's keys (causal, padding masked) and steps 1..j's keys at the same position:

@@ -109,15 +109,13 @@ class MedusaHeads(Drafter):
 
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         hidden_BTD = teacher_out.hidden[-1]
-        valid_BT = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         T = hidden_BTD.shape[1]
         terms = []
         for i, head in enumerate(self.heads):
             shift = i + 1  # head k = i + 1 at t is compared with teacher logits at t + k (predicting t + k + 1)
             if T <= shift + 1:
                 break
-            # Position t is trained when the token it predicts, t + shift + 1, is a real, loss-bearing token.
-            mask_BT = valid_BT[:, shift + 1:]
+            mask_BT = self.train_mask(batch, i)
             hidden_ND = hidden_BTD[:, : T - shift - 1][mask_BT]
             teacher = TeacherRows(teacher_out, *positions(mask_BT, shift))
             weight = self.loss_decay**i
@@ -128,10 +126,9 @@ class MedusaHeads(Drafter):
                 terms.append(DraftTerm(hidden_ND, head, teacher, weight=weight, loss_sum=loss_sum, pred_N=pred_N))
         return DraftOutput(terms=terms, num_valid=self.count_valid(batch)).evaluate(loss_fn)
 
-    def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
-        # Head 1's positions: t where token t + 2 is a real, loss-bearing one.
-        valid_BT = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        return valid_BT[:, 2:].sum()
+    def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
+        """[B, T - k - 2]: head k + 1 is trained at t when the token it predicts, t + k + 2, is real and loss-bearing."""
+        return (batch["loss_mask"].bool() & batch["attention_mask"].bool())[:, k + 2:]
 
     # --- decoding ------------------------------------------------------------------------------------------
     def reset(self, seed: int = 0) -> None:
