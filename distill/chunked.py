@@ -83,13 +83,43 @@ class TeacherRows:
         return top if self.label_map is None else self.label_map[top]
 
 
+@dataclass
+class LabelRows:
+    """Hard next-token labels as the "teacher" of a chunked loss (a language-modelling term, e.g. Medusa-2's
+    adapted target): ``raw`` hands each chunk its labels, and ``cross_entropy_sum`` is the matching loss_fn."""
+
+    labels_N: Tensor
+    width: int  # the vocabulary the projection covers
+
+    def __len__(self) -> int:
+        return self.labels_N.shape[0]
+
+    def raw(self, start: int = 0, end: int | None = None) -> Tensor:
+        return self.labels_N[start:end]
+
+    def labels(self) -> Tensor:
+        return self.labels_N
+
+
+def cross_entropy_sum(logits_CV: Tensor, labels_C: Tensor, _mask=None) -> tuple[Tensor, None]:
+    """float32 next-token cross-entropy summed over a chunk's rows (``LabelRows``' loss_fn)."""
+    return F.cross_entropy(logits_CV.float(), labels_C, reduction="sum"), None
+
+
+def chunked_cross_entropy(hidden_ND: Tensor, head: Callable[[Tensor], Tensor], labels_N: Tensor, vocab_size: int,
+                          chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+    """``F.cross_entropy(head(hidden_ND), labels_N, reduction="sum")`` without the [N, V] logits (chunked, with the
+    same hand-made backward as the divergences)."""
+    return chunked_divergence(hidden_ND, head, LabelRows(labels_N, vocab_size), cross_entropy_sum, chunk_elements)[0]
+
+
 def positions(mask_BT: Tensor, shift: int = 0) -> tuple[Tensor, Tensor]:
     """(b_N, t_N + shift) of the True entries of ``mask_BT``, in the row-major order of ``x[mask_BT]``."""
     b_N, t_N = mask_BT.nonzero(as_tuple=True)
     return b_N, t_N + shift
 
 
-def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], teacher: TeacherRows, loss_fn,
+def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], teacher: TeacherRows | LabelRows, loss_fn,
                        chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
     """(loss summed over the N rows, the student's argmax per row [N]) for ``loss_fn`` (a ``distill.losses`` menu
     function or partial; any other ``loss_fn(student_CV, teacher_CV, None)`` is called per chunk) between
@@ -109,7 +139,7 @@ def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], tea
 class _Job:
     """One term's chunk loop; ``run`` returns (loss, grad w.r.t. student rows, grads w.r.t. params)."""
 
-    def __init__(self, head, teacher: TeacherRows, loss_fn, chunk_elements: int):
+    def __init__(self, head, teacher: TeacherRows | LabelRows, loss_fn, chunk_elements: int):
         self.head, self.teacher, self.loss_fn = head, teacher, loss_fn
         self.core = row_divergence(loss_fn)
         self.chunk_elements = chunk_elements

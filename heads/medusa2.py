@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distill.chunked import Finished, chunked_cross_entropy
 from distill.teacher import TeacherOutput
 from heads.base import DraftOutput, TargetDims
 from heads.lora import ADAPTER, check_lora_spec, inject_lora, remove_lora
@@ -190,14 +191,18 @@ class Medusa2(MedusaHeads):
         if not self._wrappers:
             raise RuntimeError("medusa2's joint stage needs the LoRA attached: bind_target(teacher, initialize=True)")
         ids_BT, attention_BT = batch["input_ids"], batch["attention_mask"]
-        out = self._frozen["model"](input_ids=ids_BT, attention_mask=attention_BT, output_hidden_states=True,
-                                    use_cache=False)
+        model = self._frozen["model"]
+        # logits_to_keep=1: the adapted target's [B, T, V] logits are never formed; its LM loss projects in chunks.
+        out = model(input_ids=ids_BT, attention_mask=attention_BT, output_hidden_states=True, use_cache=False,
+                    logits_to_keep=1)
+        hidden_BTD = out.hidden_states[-1]
         # Heads read the adapted target's final normed state, but are still distilled toward the original's logits.
-        draft = super().forward(batch, dataclasses.replace(teacher_out, hidden={-1: out.hidden_states[-1]}), loss_fn)
+        draft = super().forward(batch, dataclasses.replace(teacher_out, hidden={-1: hidden_BTD}), loss_fn)
         if self.lm_loss_weight:
             # Position t predicts token t+1, trained where that token is loss-bearing (as the loader masks it).
             mask_BT = (batch["loss_mask"].bool() & attention_BT.bool())[:, 1:]
-            ce = F.cross_entropy(out.logits[:, :-1][mask_BT].float(), ids_BT[:, 1:][mask_BT], reduction="sum")
+            head = Finished(model.get_output_embeddings(), self._finish)  # the target's lm_head, then its soft-cap
+            ce = chunked_cross_entropy(hidden_BTD[:, :-1][mask_BT], head, ids_BT[:, 1:][mask_BT], self.dims.vocab_size)
             draft.aux_loss_sum = self.lm_loss_weight * ce
         return draft
 
