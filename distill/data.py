@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from distill.chat import Example, chat_renderer, encode_chat, normalize_messages
-from distill.corpus import stdlib_sources
+from distill.corpus import corpus_fingerprint, stdlib_sources
 
 logger = logging.getLogger(__name__)
 
@@ -392,8 +392,6 @@ def source_fingerprint(data_cfg: Mapping) -> str | None:
     """A content hash of the raw training data ``data_cfg`` reads (the file, a directory's text files, the stdlib
     corpus, the regenerated jsonl): an edited file at the same path hashes differently. None for hub datasets, which
     are named by hub name and split only."""
-    from distill.corpus import corpus_fingerprint
-
     h = hashlib.sha256()
     source = _opt(data_cfg, "source")
     if source == "stdlib":

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
+from inference.masks import AttentionLayout
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,6 @@ TESTED_FAMILIES = ("gemma2", "gemma3_text", "gpt_neox", "llama", "mistral", "mix
 def check_family(config, allow_untested: bool = False) -> None:
     """Refuse, before any weight is loaded, a target whose family CI does not cover, or whose attention layers the
     verification masks cannot express (``inference.masks``)."""
-    from inference.masks import AttentionLayout
-
     model_type = getattr(config, "model_type", None)
     if model_type not in TESTED_FAMILIES and not allow_untested:
         hint = " (Gemma-3 4B+ checkpoints are multimodal: their text model is gemma3_text)" if model_type == "gemma3" else ""

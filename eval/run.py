@@ -13,11 +13,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from omegaconf import OmegaConf
 
-from eval.metrics import AcceptStats
+from distill.data import default_prefix_ids
+from distill.prompts import heldout_prompts, prompt_records_from_file
+from distill.teacher import load_teacher
+from eval import saved as saved_settings
+from eval.baselines import hf_assisted, hf_generate
+from eval.batch_sweep import batch_sweep
 from eval.report import DEFINITIONS, machine_info, summary_table, write_report
+from heads.base import build_drafter, decode_overrides, load_drafter, read_drafter_config
+from heads.draft_model import DraftModel
 from inference.cost import auto_tune, measure_parts, overhead_ratio, predict
 from inference.decoder import Decoder, DecoderConfig, Generation
+from inference.stats import AcceptStats, simulated_tau
+from train.config import decoder_config, validate
+from train.engine import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +36,6 @@ log = logging.getLogger(__name__)
 def eval_prompts(eval_cfg: Mapping, tokenizer) -> tuple[list[list[int]], list[str | None]]:
     """(prompt ids, category per prompt): a question.jsonl's records (Spec-Bench / MT-bench categories) or held-out
     stdlib excerpts (category None)."""
-    from distill.prompts import heldout_prompts, prompt_records_from_file
-
     if eval_cfg.get("prompts"):
         records = prompt_records_from_file(eval_cfg["prompts"], tokenizer, eval_cfg["num_prompts"], "auto")
         return [cut_prompt(ids, eval_cfg["prompt_tokens"], tokenizer) for ids, _ in records], [c for _, c in records]
@@ -39,8 +48,6 @@ def cut_prompt(ids: list[int], prompt_tokens: int, tokenizer) -> list[int]:
     question's end and the assistant header it continues from stay."""
     if len(ids) <= prompt_tokens:
         return ids
-    from distill.data import default_prefix_ids
-
     prefix = default_prefix_ids(tokenizer) if tokenizer is not None else []
     prefix = prefix if ids[: len(prefix)] == prefix and len(prefix) < prompt_tokens else []
     return prefix + ids[len(ids) - (prompt_tokens - len(prefix)):]
@@ -221,9 +228,6 @@ def _hf_baselines(teacher, drafters: Mapping, eval_cfg: Mapping, decoder: Decode
     """Callables (prompt, seed) -> Generation for HF generate() and HF assisted generation with each draft model."""
     if not eval_cfg.get("hf_baselines", True):
         return {}
-    from eval.baselines import hf_assisted, hf_generate
-    from heads.draft_model import DraftModel
-
     max_new, k, eos = eval_cfg["max_new_tokens"], eval_cfg["num_draft"], decoder.eos_token_id
 
     def wrap(out: dict) -> Generation:
@@ -310,8 +314,6 @@ BASELINES = {"lookup": {"_target_": "heads.lookup.PromptLookup"}}
 
 
 def _with_baselines(drafters: dict, teacher, eval_cfg: Mapping) -> dict:
-    from heads.base import build_drafter
-
     for name in eval_cfg["baselines"]:
         if name not in BASELINES:
             raise ValueError(f"eval.baselines has unknown {name!r}; valid: {sorted(BASELINES)}")
@@ -321,16 +323,12 @@ def _with_baselines(drafters: dict, teacher, eval_cfg: Mapping) -> dict:
 
 
 def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mapping] | None = None) -> dict:
-    from train.config import decoder_config
-
     prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
     under_test = list(drafters)
     dcfg = decoder_config(cfg)
     report = evaluate(teacher, _with_baselines(drafters, teacher, cfg.eval), prompts, cfg.eval, dcfg,
                       categories, tree_override=under_test)
     if dcfg.batch_sizes:  # throughput / latency vs batch size, crossover, load-aware policy (eval.batch_sweep)
-        from eval.batch_sweep import batch_sweep
-
         report["batch_sweep"] = batch_sweep(teacher, drafters, prompts, cfg.eval, dcfg)
     for result in report["results"]:
         if (final := (training or {}).get(result["drafter"])) is not None:
@@ -349,10 +347,8 @@ def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mappin
 
 
 def _simulated(final: Mapping, num_draft: int, autoregressive: bool = False) -> dict:
-    """The training-time estimate beside the measured τ: ``train.loop.simulated_tau`` over the last logged per-step
+    """The training-time estimate beside the measured τ: ``inference.stats.simulated_tau`` over the last logged per-step
     top-1 accuracies (training data), cut to the γ decoded here."""
-    from train.loop import simulated_tau
-
     accs = [final[f"train/acc_head{k}"] for k in range(1, num_draft + 1) if f"train/acc_head{k}" in final]
     if not accs:
         return {}
@@ -381,8 +377,6 @@ def _target_lines(results: Sequence[Mapping]) -> list[str]:
 def evaluate_saved(cfg, teacher, drafter_path, run_dir, overrides: Mapping | None = None) -> dict:
     """Evaluate the drafter saved at ``drafter_path`` (reloaded from disk, as a user would) against ``teacher``.
     ``overrides``: decode-time ``drafter.<key>`` settings (``heads.base.decode_overrides``)."""
-    from heads.base import load_drafter, read_drafter_config
-
     drafter = load_drafter(drafter_path, teacher, overrides,
                            allow_other_target=bool(cfg.eval.get("allow_other_target", False)))
     final = read_drafter_config(drafter_path).get("training", {}).get("final") or None
@@ -393,17 +387,7 @@ def run_eval(cfg, run_dir, use_saved_target: bool = True, overrides: Sequence[st
     """``python -m eval``: a saved drafter (``drafter_path=``) or an untrained one (``drafter=lookup``).
     ``overrides``: the command line's Hydra overrides, which decide what a saved drafter's settings give way to
     (``eval.saved``); without them, ``use_saved_target`` alone says whether the saved target is used."""
-    from distill.teacher import load_teacher
-    from heads.base import build_drafter, read_drafter_config
-    from train.config import validate
-    from train.engine import resolve_device
-
     if cfg.drafter_path:
-        from omegaconf import OmegaConf
-
-        from eval import saved as saved_settings
-        from heads.base import decode_overrides
-
         cli = saved_settings.parse_overrides(overrides if overrides is not None else
                                              ([] if use_saved_target else ["target=given"]))
         saved = read_drafter_config(cfg.drafter_path)

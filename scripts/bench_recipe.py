@@ -90,7 +90,7 @@ def train_row(overrides: list[str], run_dir: Path, log_path: Path) -> dict:
 
 def decode_trees(decoder, drafter, prompts, refs, max_new: int) -> dict:
     """τ, α per position, draft time and identity to greedy for each tree budget in TREES."""
-    from eval.metrics import AcceptStats
+    from inference.stats import AcceptStats
 
     out = {}
     for name, (mode, top_k, total, depth) in TREES.items():

@@ -296,7 +296,7 @@ def test_policy_drives_the_decoder(teacher, prompts, references):
 
 
 def test_tau_by_gamma_and_calibration(teacher, prompts):
-    from eval.metrics import AcceptStats
+    from inference.stats import AcceptStats
 
     stats = AcceptStats()
     for accepted in (0, 1, 3, 3):
@@ -349,7 +349,8 @@ def test_crossover():
 
 
 def test_batch_sweep_report(teacher, prompts, tmp_path):
-    from eval.batch_sweep import SWEEP_PNG, batch_sweep
+    from eval.batch_sweep import batch_sweep
+    from eval.plots import SWEEP_PNG
     from eval.report import write_report
 
     drafters = {"lookup": make_drafter("lookup", teacher), "draft_model": make_drafter("draft_model", teacher)}

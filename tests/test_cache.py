@@ -17,12 +17,12 @@ from distill.cache import (
     MANIFEST,
     CachedDataset,
     OfflineTeacher,
-    build_cache,
     bytes_per_token,
     open_teacher_cache,
     shard_name,
     write_cache,
 )
+from distill.cache.__main__ import build_cache
 from distill.data import TokenBlockDataset, collate
 from distill.losses import topk_forward_kl
 from distill.teacher import Teacher
@@ -238,7 +238,7 @@ def test_train_run_switches_to_the_cache(cli_cache, tmp_path, monkeypatch):
 
     root, overrides, _ = cli_cache
     monkeypatch.setenv("SPECDRAFT_CACHE", str(root / "targets"))
-    monkeypatch.setattr("distill.data.build_train_dataset", lambda *a: pytest.fail("rebuilt the rows online"))
+    monkeypatch.setattr("train.run.build_train_dataset", lambda *a: pytest.fail("rebuilt the rows online"))
     register_configs()
     common = [*overrides, f"data.teacher_cache={root / 'cache'}", "trainer.steps=3", "trainer.micro_batch_size=2",
               "trainer.log_every=1", "trainer.bf16=false", "eval.enabled=false", "loss=topk_fkl", "loss.k=8"]

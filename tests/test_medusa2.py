@@ -255,7 +255,7 @@ def test_after_training_reports_original_and_adapted_heldout_loss(tiny_teacher, 
     drafter = bound(tiny_teacher, noise=0.2)
     assert drafter.after_training(tiny_teacher) == {}  # no tokenizer: nothing to encode held-out text with
     ids = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr("distill.prompts.heldout_prompts", lambda tok, n, tokens, seed=0: ids.tolist())
+    monkeypatch.setattr("heads.medusa2.heldout_prompts", lambda tok, n, tokens, seed=0: ids.tolist())
     tiny_teacher.tokenizer = tokenizer128()
     out = drafter.after_training(tiny_teacher)
 

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from distill.regenerate import load_regenerated, meta_path, prompts_from_data, regenerate
+from distill.regenerate import load_regenerated, meta_path, prompts_from_data
+from distill.regenerate.__main__ import regenerate
 from distill.teacher import Teacher
 from inference.batched import BatchedDecoder
 
@@ -88,7 +89,7 @@ def compose(data: list[str], out: Path | None, **settings):
 def teacher(monkeypatch) -> Teacher:
     """The target every ``regenerate(cfg)`` of the test loads."""
     teacher = make_teacher(make_tokenizer())
-    monkeypatch.setattr("distill.regenerate.load_teacher", lambda target_cfg, device="cpu": teacher)
+    monkeypatch.setattr("distill.regenerate.__main__.load_teacher", lambda target_cfg, device="cpu": teacher)
     return teacher
 
 
@@ -221,7 +222,7 @@ def test_another_config_is_refused_naming_what_differs(text_file, teacher, tmp_p
     with pytest.raises(ValueError, match=r"differs: data.max_length \(file 24, now 20\)"):
         regenerate(compose([*text_data(text_file), "data.max_length=20"], out, num_prompts=3))
     other = make_teacher(teacher.tokenizer, seed=1)
-    monkeypatch.setattr("distill.regenerate.load_teacher", lambda target_cfg, device="cpu": other)
+    monkeypatch.setattr("distill.regenerate.__main__.load_teacher", lambda target_cfg, device="cpu": other)
     with pytest.raises(ValueError, match=r"differs: target_weights \(file '[0-9a-f]+', now '[0-9a-f]+'\)"):
         regenerate(compose(text_data(text_file), out, num_prompts=3))
     meta_path(out).unlink()

@@ -19,11 +19,12 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from distill.data import DataConfig
+from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
 from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
+from train.engine import ENGINES, TARGET_SHARDING
 
 
 @dataclass
@@ -156,8 +157,6 @@ def _check_keys(node: DictConfig, key: str, runtime: tuple[str, ...] = ()) -> No
 
 def validate(cfg: DictConfig) -> None:
     """Cross-field checks, once, before anything is built."""
-    from train.engine import ENGINES
-
     t = cfg.trainer
     if t.engine not in ENGINES:
         raise ValueError(f"trainer.engine={t.engine!r} is not available; valid: {sorted(ENGINES)}")
@@ -171,7 +170,6 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.zero_stage={t.zero_stage}; valid: 1, 2, 3")
     if t.global_batch_size is not None and t.global_batch_size < 1:
         raise ValueError(f"trainer.global_batch_size must be >= 1 or null, got {t.global_batch_size}")
-    from train.engine import TARGET_SHARDING
 
     if cfg.target.shard not in TARGET_SHARDING:
         raise ValueError(f"target.shard={cfg.target.shard!r}; valid: {list(TARGET_SHARDING)}")
@@ -221,8 +219,6 @@ def _check_schedule(t: DictConfig) -> None:
 
 
 def _check_data_mode(data: DictConfig, trainer: DictConfig) -> None:
-    from distill.data import DATA_MODES, ON_POLICY_MODES
-
     if data.mode not in DATA_MODES:
         raise ValueError(f"data.mode={data.mode!r} is not a data mode; valid: {list(DATA_MODES)}")
     if data.mode == "regenerated" and not data.regenerated:

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from distill.data import rows_fingerprint
 from train import checkpoint, nonfinite
+from inference.stats import simulated_tau
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +68,6 @@ class BatchOrder:
             gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen)
         return self._perm[j * self.batch_size : (j + 1) * self.batch_size].tolist()
-
-
-def simulated_tau(accs: list[float], depth: int | None = None) -> float:
-    """τ a chain drafter would reach if depth k were accepted independently with its training top-1 accuracy:
-    1 + Σ_k Π_{j≤k} acc_j (the bonus token included, as in ``eval.metrics``). For Medusa head k and EAGLE step k the
-    accuracy is already conditioned on the right context, so this is an estimate, reported beside the measured τ.
-    ``depth``: extend to that many draft tokens with the last accuracy (a draft LM's one next-token term)."""
-    # The decode-time formula (inference.cost), so the two cannot drift.
-    from inference.cost import chain_tau
-
-    if depth is not None and accs:
-        accs = list(accs) + [accs[-1]] * (depth - len(accs))
-    return chain_tau(accs, len(accs))
 
 
 def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,

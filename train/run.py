@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from distill.cache import open_teacher_cache
+from distill.data import ON_POLICY_MODES, build_train_dataset, collate
+from distill.onpolicy import OnPolicyBatches
+from distill.regenerate import load_regenerated
 from distill.teacher import load_teacher
 from heads.base import build_drafter, save_drafter
 from train import checkpoint
 from train.config import to_container, validate
 from train.engine import build_engine, resolve_batch, shard_target, world_from_env
 from train.logger import MetricsLogger
+from train.loop import train
 
 log = logging.getLogger(__name__)
 
@@ -23,30 +29,24 @@ log = logging.getLogger(__name__)
 def training_data(cfg: DictConfig, teacher, drafter):
     """(dataset, what the loop asks for teacher signals, batch_source) for ``data.mode`` (see ``distill.data``):
     fixed rows, the target's regenerated answers, the offline teacher cache, or on-policy rows the draft writes."""
-    from distill.data import ON_POLICY_MODES, build_train_dataset
-
     signals = teacher  # the live target, or the offline cache
     if cfg.data.teacher_cache:
-        from distill.cache import open_teacher_cache
-
         dataset, signals = open_teacher_cache(cfg.data.teacher_cache, teacher, cfg.data, drafter.teacher_layers, cfg.loss)
     elif cfg.data.regenerated and cfg.data.mode != "fixed":
-        from distill.regenerate import load_regenerated
-
         dataset = load_regenerated(cfg.data.regenerated, teacher.tokenizer, cfg.data, teacher)
     else:
         dataset = build_train_dataset(cfg.data, teacher.tokenizer)
     batch_source = None
     if cfg.data.mode in ON_POLICY_MODES:
-        from distill.onpolicy import OnPolicyBatches
-
         batch_source = OnPolicyBatches(drafter, cfg.data, cfg.seed)
     return dataset, signals, batch_source
 
 
-def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
-    """Train the configured drafter into ``<run dir>/drafter/`` and, unless ``eval.enabled=false``, evaluate it.
-    Every rank of a multi-process launch runs this; only the main rank logs, writes and evaluates."""
+def run_training(cfg: DictConfig, run_dir: str | Path, evaluate: Callable | None = None) -> dict | None:
+    """Train the configured drafter into ``<run dir>/drafter/`` and, given ``evaluate`` and unless
+    ``eval.enabled=false``, evaluate it. Every rank of a multi-process launch runs this; only the main rank logs,
+    writes and evaluates. ``evaluate(cfg, teacher, drafter_dir, run_dir) -> report``: passed in by the entry point
+    (``python -m train`` passes ``eval.run.evaluate_saved``), since evaluation is a layer above training."""
     validate(cfg)
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -86,9 +86,6 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
                 "model_type": teacher.model.config.model_type}  # exports check the engines' family support by it
     try:
         if any(p.requires_grad for p in drafter.parameters()):
-            from distill.data import collate
-            from train.loop import train
-
             dataset, signals, batch_source = training_data(cfg, teacher, drafter)
             drafter.prepare(dataset)
             log.info("training %s on %d blocks of %d tokens (data.mode=%s, trainer.engine=%s, %d rank(s), global "
@@ -113,15 +110,13 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
         # Every rank leaves the process group together; evaluation is the main rank's alone, and however long it
         # takes no rank waits on it (nor on a rank that failed: then no rank gets here, and the launcher stops all).
         engine.close()
-        if not cfg.eval.enabled or not engine.is_main:
+        if evaluate is None or not cfg.eval.enabled or not engine.is_main:
             return None
         if sharded:
             log.warning("target.shard=%s: the target is split over the ranks, so evaluation is left to "
                         "`python -m eval drafter_path=%s` on a machine it fits", cfg.target.shard, run_dir / "drafter")
             return None
-        from eval.run import evaluate_saved
-
-        report = evaluate_saved(cfg, teacher, run_dir / "drafter", run_dir)
+        report = evaluate(cfg, teacher, run_dir / "drafter", run_dir)
         logger.log_report(report, run_dir)
         return report
     finally:

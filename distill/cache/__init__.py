@@ -1,6 +1,6 @@
 """Offline teacher signals: run the frozen target over the training rows once, train from disk many times.
 
-``python -m distill.cache cache.dir=<dir> [hydra overrides]`` composes the training config, builds the training rows
+``python -m distill.cache cache.dir=<dir> [hydra overrides]`` (``distill/cache/__main__.py``) composes the training config, builds the training rows
 exactly as ``python -m train`` does (row i of the cache is row i of ``distill.data.build_train_dataset``), runs the
 target over them and writes shards; ``python -m train data.teacher_cache=<dir>`` then answers the loop's
 ``teacher.signals(batch, layers)`` from them (``OfflineTeacher``). The real target is still loaded for the
@@ -466,45 +466,3 @@ def open_teacher_cache(cache_dir: str | os.PathLike, teacher, data_cfg: Mapping,
     log.info("training from teacher cache %s: %d rows, layers %s, top-%d", cache_dir, len(dataset),
              offline.manifest["layers"], offline.manifest["topk"])
     return dataset, offline
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def build_cache(cfg) -> dict:
-    """``python -m distill.cache``: the cache of the configured target over the configured training rows."""
-    from distill.data import build_train_dataset
-    from distill.teacher import load_teacher
-    from heads.base import build_drafter
-    from train.config import validate
-    from train.engine import resolve_device
-
-    c = cfg.cache
-    if not c.dir:
-        raise ValueError("cache.dir is null; set cache.dir=<directory to write the teacher cache to>, then train "
-                         "with data.teacher_cache=<that directory>")
-    validate(cfg)
-    if c.dtype not in STORE_DTYPES:
-        raise ValueError(f"cache.dtype={c.dtype!r} is not supported; valid: {sorted(STORE_DTYPES)}")
-    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
-    dataset = build_train_dataset(cfg.data, teacher.tokenizer)
-    if c.layers is not None:
-        layers = list(c.layers)
-    else:
-        layers = list(build_drafter(cfg.drafter, teacher).teacher_layers)
-        log.info("cache.layers is null: caching the drafter's teacher_layers %s", layers)
-    return write_cache(c.dir, teacher, dataset, cfg.data, layers, topk=c.topk, dtype=c.dtype,
-                       shard_rows=c.shard_rows, batch_size=c.batch_size)
-
-
-def main() -> None:
-    import hydra
-
-    from train.config import register_configs
-
-    register_configs()
-    hydra.main(version_base="1.3", config_path="../conf", config_name="config")(build_cache)()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Regenerated data (DistillSpec): the target answers the training data's prompts; the drafter trains on its answers.
 
-``python -m distill.regenerate regenerate.out=<file.jsonl> [hydra overrides]`` builds the fixed training rows exactly
+``python -m distill.regenerate regenerate.out=<file.jsonl> [hydra overrides]`` (``distill/regenerate/__main__.py``) builds the fixed training rows exactly
 as ``python -m train`` does (``distill.data.build_train_dataset``), cuts a prompt from each row, lets the target
 answer every prompt (``inference.batched.BatchedDecoder``, greedy or sampled) and writes one jsonl line per prompt;
 ``python -m train data.mode=regenerated data.regenerated=<file.jsonl>`` then trains on ``load_regenerated``'s rows.
@@ -54,7 +54,6 @@ from distill.data import (
     pack_examples,
     pad_examples,
 )
-from distill.teacher import load_teacher
 from inference.batched import BatchedDecoder
 from inference.sampling import SamplingConfig
 
@@ -188,7 +187,8 @@ def _write_meta(out: Path, meta: Mapping) -> None:
 # --------------------------------------------------------------------------- writing
 
 
-def _check_settings(settings: Mapping) -> None:
+def check_settings(settings: Mapping) -> None:
+    """``regenerate.*`` values a run could not decode with, refused before the target is loaded."""
     if int(settings["batch_size"]) < 1:
         raise ValueError(f"regenerate.batch_size must be >= 1, got {settings['batch_size']}")
     if settings.get("max_new_tokens") is not None and int(settings["max_new_tokens"]) < 1:
@@ -279,7 +279,7 @@ def _max_new_tokens(settings: Mapping, data_cfg: Mapping, max_positions: int, pr
 def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt], data_cfg: Mapping,
                       settings: Mapping) -> Path:
     """Decode every prompt with ``teacher`` into ``out`` (format: module docstring), resuming a started file."""
-    _check_settings(settings)
+    check_settings(settings)
     out, batch_size, tokenizer = Path(out), int(settings["batch_size"]), teacher.tokenizer
     start_id = _prepare_out(out, build_meta(teacher, data_cfg, settings), len(prompts), batch_size)
     if start_id == len(prompts):
@@ -392,35 +392,3 @@ def load_regenerated(path: str | os.PathLike | None, tokenizer, data_cfg: Mappin
     log.info("regenerated rows: %d x %d tokens from %d records (%s), %.1f%% loss tokens", len(dataset), max_length,
              len(records), path, 100.0 * dataset.loss_mask.float().mean().item())
     return dataset
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def regenerate(cfg) -> Path:
-    """``python -m distill.regenerate``: the configured target's answers to the configured data's prompts."""
-    from train.config import validate
-    from train.engine import resolve_device
-
-    r = cfg.regenerate
-    if not r.out:
-        raise ValueError(f"regenerate.out is required: {WRITE_CMD} regenerate.out=<file.jsonl>")
-    validate(cfg)
-    settings = _plain(r)
-    _check_settings(settings)
-    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
-    prompts = prompts_from_data(cfg.data, teacher.tokenizer, int(r.prompt_tokens), r.num_prompts)
-    return write_regenerated(r.out, teacher, prompts, cfg.data, settings)
-
-
-def main() -> None:
-    import hydra
-
-    from train.config import register_configs
-
-    register_configs()
-    hydra.main(version_base="1.3", config_path="../conf", config_name="config")(regenerate)()
-
-
-if __name__ == "__main__":
-    main()
