@@ -69,15 +69,16 @@ class LoggerConfig:
 
 @dataclass
 class EvalConfig:
-    enabled: bool = True
+    enabled: bool = True  # python -m train: evaluate the trained drafter (false: train and save only)
     prompts: Optional[str] = None  # a jsonl file (question.jsonl "turns", "prompt" or "text"); null: held-out stdlib
     num_prompts: int = 20
     prompt_tokens: int = 128
     max_new_tokens: int = 96
     num_draft: int = 4  # γ: draft tokens proposed per target forward
-    baselines: List[str] = field(default_factory=lambda: ["lookup"])
-    warmup_prompts: int = 1
-    # dtype drafters propose in: auto (bf16 where the device computes it natively) | float32 | bfloat16
+    baselines: List[str] = field(default_factory=lambda: ["lookup"])  # untrained drafters shown beside the one tested
+    warmup_prompts: int = 1  # decoded first and not timed (one-off allocation costs)
+    # dtype drafters propose in: auto (bf16 where the device computes it natively) | float32 | bfloat16. Proposals
+    # only: verification stays in target.dtype, so the output is unchanged.
     drafter_dtype: str = "auto"
     # python -m eval drafter_path=...: measure against a target whose weights differ from the one the drafter was
     # trained for (its digest is stored with the drafter); otherwise that is an error.
@@ -126,7 +127,7 @@ class Config:
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
-    seed: int = 0
+    seed: int = 0  # torch seed of the drafter's initial weights and of the data order
     drafter_path: Optional[str] = None  # python -m eval: the saved drafter directory to evaluate
 
 
