@@ -26,8 +26,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from inference.batched import BatchedDecoder, BatchGeneration
+from inference.decoder import DecoderConfig
 from inference.policy import calibrate, check_batch_sizes, make_policy
 from inference.stats import AcceptStats
+from train.config import EvalConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +74,12 @@ def sweep_prompts(prompts: Sequence, batch_sizes: Sequence[int]) -> list:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval_cfg: Mapping, dcfg,
+def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval_cfg: EvalConfig, dcfg: DecoderConfig,
                 repeats: int = 2, min_batches: int = 2) -> dict:
     """Decode ``prompts`` at every batch size of ``dcfg.batch_sizes``: plain, always-on and (``dcfg.policy=auto``)
     the load-aware policy, for each drafter. Returns the JSON-able ``report["batch_sweep"]``."""
     batch_sizes = check_batch_sizes(dcfg.batch_sizes)
-    max_new, gamma = int(eval_cfg["max_new_tokens"]), int(eval_cfg["num_draft"])
+    max_new, gamma = eval_cfg.max_new_tokens, eval_cfg.num_draft
     eos = teacher.tokenizer.eos_token_id if getattr(teacher, "tokenizer", None) is not None else None
     decoder = BatchedDecoder(teacher, eos_token_id=eos, sampling=dcfg.sampling(), seed=dcfg.seed)
     greedy = decoder.sampling.greedy

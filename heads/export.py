@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from distill.teacher import DTYPES, load_teacher
+from distill.teacher import DTYPES, load_teacher, target_config
 from heads import export_eagle
 from heads.base import TargetDims, load_saved_drafter, write_dir_atomically
 from heads.draft_model import DraftModel
@@ -294,7 +294,7 @@ def _write_merged_target(drafter, config: dict, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     target_cfg = config.get("target_config") or {}
-    teacher = load_teacher(target_cfg)
+    teacher = load_teacher(target_config(target_cfg))
     drafter.attach(teacher)
     n = min(32, teacher.max_positions or 32)
     probe = torch.randint(0, teacher.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))

@@ -74,7 +74,7 @@ def compose(data: list[str], out: Path | None, **settings):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from train.config import register_configs
+    from train.config import load_config, register_configs
 
     register_configs()
     overrides = ["target=tiny", "trainer.device=cpu", *data, f"regenerate.prompt_tokens={PROMPT_TOKENS}",
@@ -82,7 +82,7 @@ def compose(data: list[str], out: Path | None, **settings):
     overrides += [f"regenerate.out={out}"] if out is not None else []
     overrides += [f"regenerate.{k}={v}" for k, v in settings.items()]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+        return load_config(hydra_compose(config_name="config", overrides=overrides))
 
 
 @pytest.fixture

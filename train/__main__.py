@@ -5,7 +5,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from eval.run import evaluate_saved
-from train.config import register_configs
+from train.config import load_config, register_configs
 from train.run import run_training
 
 register_configs()
@@ -13,7 +13,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_training(cfg, HydraConfig.get().runtime.output_dir, evaluate=evaluate_saved)
+    run_training(load_config(cfg), HydraConfig.get().runtime.output_dir, evaluate=evaluate_saved)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 from collections import OrderedDict
+from dataclasses import asdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from distill.data import DEFAULTS as DATA_DEFAULTS
-from distill.data import collate, source_fingerprint
+from distill.data import DataConfig, collate, source_fingerprint
 from distill.teacher import FLOOR_MARGIN, TeacherOutput, dense_logits  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -79,11 +79,11 @@ def _normalise(value: Any) -> Any:
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
-def fingerprint_components(teacher, data_cfg: Mapping, layers: Sequence[int] = (), topk: int = 0,
+def fingerprint_components(teacher, data_cfg: DataConfig, layers: Sequence[int] = (), topk: int = 0,
                            dtype: str = "") -> dict:
     """What a cache depends on. ``target``, ``tokenizer`` and ``data`` must match when training reads the cache;
     ``layers`` / ``topk`` / ``dtype`` only when resuming a write (training may read a subset)."""
-    data = {**DATA_DEFAULTS, **_normalise(data_cfg)}
+    data = _normalise(asdict(data_cfg))
     data.pop("teacher_cache", None)  # where the cache lives is not what it holds
     tokenizer = getattr(teacher, "tokenizer", None)
     vocab = None
@@ -219,7 +219,7 @@ def _prepare_dir(cache_dir: Path, fp: str, components: Mapping) -> None:
         tmp.unlink()
 
 
-def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: Mapping, layers: Sequence[int],
+def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: DataConfig, layers: Sequence[int],
                 topk: int = 64, dtype: str = "bfloat16", shard_rows: int = 256, batch_size: int = 8,
                 max_shards: int | None = None) -> dict | None:
     """Write (or finish) the cache of ``dataset`` under ``cache_dir``; returns the manifest. Shards already complete
@@ -387,7 +387,7 @@ class OfflineTeacher:
     everything else (``lm_head``, ``identity()``, ``__call__``, ...) is the real teacher's. Construction checks the
     cache was built for this target, tokenizer and data, and holds ``layers``."""
 
-    def __init__(self, cache_dir: str | os.PathLike, teacher, data_cfg: Mapping, layers: Sequence[int] = ()):
+    def __init__(self, cache_dir: str | os.PathLike, teacher, data_cfg: DataConfig, layers: Sequence[int] = ()):
         self._teacher = teacher
         self.cache_dir = Path(cache_dir)
         self.manifest = read_manifest(self.cache_dir)
@@ -457,7 +457,7 @@ def check_loss(loss_cfg: Mapping | None, topk: int) -> None:
                          f"cache with cache.topk={k}")
 
 
-def open_teacher_cache(cache_dir: str | os.PathLike, teacher, data_cfg: Mapping, layers: Sequence[int],
+def open_teacher_cache(cache_dir: str | os.PathLike, teacher, data_cfg: DataConfig, layers: Sequence[int],
                        loss_cfg: Mapping | None = None) -> tuple[CachedDataset, OfflineTeacher]:
     """(training rows, teacher answering ``signals`` from them), every check done up front."""
     offline = OfflineTeacher(cache_dir, teacher, data_cfg, layers)

@@ -7,24 +7,24 @@ from __future__ import annotations
 import logging
 
 import hydra
+from omegaconf import DictConfig
 
 from distill.cache import STORE_DTYPES, write_cache
 from distill.data import build_train_dataset
 from distill.teacher import load_teacher
 from heads.base import build_drafter
-from train.config import register_configs, validate
+from train.config import Config, load_config, register_configs
 from train.engine import resolve_device
 
 log = logging.getLogger(__name__)
 
 
-def build_cache(cfg) -> dict:
+def build_cache(cfg: Config) -> dict:
     """The cache of the configured target over the configured training rows; returns its manifest."""
     c = cfg.cache
     if not c.dir:
         raise ValueError("cache.dir is null; set cache.dir=<directory to write the teacher cache to>, then train "
                          "with data.teacher_cache=<that directory>")
-    validate(cfg)
     if c.dtype not in STORE_DTYPES:
         raise ValueError(f"cache.dtype={c.dtype!r} is not supported; valid: {sorted(STORE_DTYPES)}")
     teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
@@ -40,7 +40,11 @@ def build_cache(cfg) -> dict:
 
 def main() -> None:
     register_configs()
-    hydra.main(version_base="1.3", config_path="../../conf", config_name="config")(build_cache)()
+
+    def run(cfg: DictConfig) -> None:
+        build_cache(load_config(cfg))
+
+    hydra.main(version_base="1.3", config_path="../../conf", config_name="config")(run)()
 
 
 if __name__ == "__main__":
