@@ -24,14 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import torch
 from hydra import compose, initialize_config_dir
 
 from heads.draft_model import toy_draft_node
 from train.config import load_config, register_configs, to_container
+
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench_batch")
 

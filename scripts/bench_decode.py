@@ -23,19 +23,17 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+from hydra import compose, initialize_config_dir
+
+from heads.draft_model import toy_draft_node
+from train.config import load_config, register_configs, to_container
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from heads.draft_model import toy_draft_node  # noqa: E402
-from train.config import load_config, register_configs, to_container  # noqa: E402
 
 log = logging.getLogger("bench_decode")
 

@@ -33,7 +33,6 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
 # name -> (overrides, steps). Step counts of the equal-CPU rows come from the measured CPU per step (startup

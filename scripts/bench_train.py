@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from eval.report import machine_info
 
-from eval.report import machine_info  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PRESETS = {
     "toy": {"common": [], "steps": 120, "log_every": 20},
