@@ -29,12 +29,15 @@ serve-check: $(SERVE_CHECK)
 demo: $(STAMP)
 	$(PY) -m train $(ARGS)
 
-# CI runs `make test`: everything but the tests marked slow (minutes each); `make test-all` runs those too.
+# CI runs `make test`: the import layers (.importlinter: imports only point down, no cycles), then everything but the
+# tests marked slow (minutes each); `make test-all` runs those too.
 PYTEST_ARGS ?= -m "not slow"
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
 clean:

@@ -19,15 +19,15 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.utils.data import Dataset
 
 from distill.chat import Example, chat_renderer, encode_chat, normalize_messages
-from distill.corpus import stdlib_sources
+from distill.corpus import corpus_fingerprint, stdlib_sources
 
 logger = logging.getLogger(__name__)
 
@@ -64,40 +64,32 @@ class DataConfig:
     on_policy_temperature: float = 1.0  # the draft's sampling temperature for on-policy continuations
 
 
-DEFAULTS: dict[str, Any] = asdict(DataConfig())
-
-
-def _opt(data_cfg: Mapping, key: str) -> Any:
-    """``data_cfg[key]`` with the documented default (``get`` works on DictConfig too)."""
-    return data_cfg.get(key, DEFAULTS[key])
-
-
-def _describe_source(data_cfg: Mapping) -> str:
-    source = _opt(data_cfg, "source")
+def _describe_source(data_cfg: DataConfig) -> str:
+    source = data_cfg.source
     if source == "file":
-        return f"source=file path={_opt(data_cfg, 'path')}"
+        return f"source=file path={data_cfg.path}"
     if source == "hub":
-        return f"source=hub hub_name={_opt(data_cfg, 'hub_name')} split={_opt(data_cfg, 'hub_split')}"
+        return f"source=hub hub_name={data_cfg.hub_name} split={data_cfg.hub_split}"
     return f"source={source}"
 
 
 # --------------------------------------------------------------------------- loading
 
 
-def load_records(data_cfg: Mapping) -> list[dict]:
+def load_records(data_cfg: DataConfig) -> list[dict]:
     """Raw records from ``data.source``, capped at ``data.max_examples``."""
-    source = _opt(data_cfg, "source")
-    text_field = _opt(data_cfg, "text_field")
+    source = data_cfg.source
+    text_field = data_cfg.text_field
     if source == "stdlib":
-        sources = stdlib_sources("train", max_bytes=_opt(data_cfg, "corpus_max_bytes"))
+        sources = stdlib_sources("train", max_bytes=data_cfg.corpus_max_bytes)
         records = [{text_field: text} for _, text in sources]
     elif source == "file":
-        records = _load_file(_opt(data_cfg, "path"), text_field)
+        records = _load_file(data_cfg.path, text_field)
     elif source == "hub":
-        records = _load_hub(_opt(data_cfg, "hub_name"), _opt(data_cfg, "hub_split"))
+        records = _load_hub(data_cfg.hub_name, data_cfg.hub_split)
     else:
         raise ValueError(f"data.source: unknown source {source!r}; use one of {VALID_SOURCES}")
-    max_examples = _opt(data_cfg, "max_examples")
+    max_examples = data_cfg.max_examples
     if max_examples is not None:
         if int(max_examples) <= 0:
             raise ValueError(f"data.max_examples: {max_examples!r} must be a positive int or null")
@@ -260,21 +252,21 @@ def collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tens
     return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
-def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: Mapping, eos: int | None) -> list[Example]:
+def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, eos: int | None) -> list[Example]:
     """Every record as (ids, loss_mask) followed by ``eos`` (when given); empty records are skipped.
 
     Text trains on every token, its EOS included. In chat data with assistant-only
     loss the template's end-of-turn token already ends each reply, so the EOS is
     only a separator between conversations and carries no loss.
     """
-    fmt, text_field = _opt(data_cfg, "format"), _opt(data_cfg, "text_field")
+    fmt, text_field = data_cfg.format, data_cfg.text_field
     if fmt not in VALID_FORMATS:
         raise ValueError(f"data.format: {fmt!r} is not one of {VALID_FORMATS}")
     kinds = [record_kind(r, i, fmt, text_field) for i, r in enumerate(records)]
     prefix = default_prefix_ids(tokenizer)
     text_ids = _encode_texts(records, kinds, tokenizer, text_field)
-    render = chat_renderer(tokenizer, _opt(data_cfg, "chat_template"))
-    assistant_only = bool(_opt(data_cfg, "assistant_only_loss"))
+    render = chat_renderer(tokenizer, data_cfg.chat_template)
+    assistant_only = bool(data_cfg.assistant_only_loss)
     eos_ids = [] if eos is None else [eos]
     examples = []
     for i, record in enumerate(records):
@@ -356,7 +348,7 @@ def _drop_rows_without_loss(dataset: TokenBlockDataset) -> TokenBlockDataset:
     return TokenBlockDataset(dataset.input_ids[keep], dataset.attention_mask[keep], dataset.loss_mask[keep])
 
 
-def _no_rows_message(data_cfg: Mapping, examples: Sequence[Example], num_tokens: int, max_length: int,
+def _no_rows_message(data_cfg: DataConfig, examples: Sequence[Example], num_tokens: int, max_length: int,
                      packing: bool) -> str:
     """Why no training row is left, with the fix that applies: too little data for one packed block, or rows cut at
     ``max_length`` before their first loss token (then the limit must go *up*, not down)."""
@@ -388,22 +380,20 @@ def rows_fingerprint(dataset) -> str:
     return h.hexdigest()[:16]
 
 
-def source_fingerprint(data_cfg: Mapping) -> str | None:
+def source_fingerprint(data_cfg: DataConfig) -> str | None:
     """A content hash of the raw training data ``data_cfg`` reads (the file, a directory's text files, the stdlib
     corpus, the regenerated jsonl): an edited file at the same path hashes differently. None for hub datasets, which
     are named by hub name and split only."""
-    from distill.corpus import corpus_fingerprint
-
     h = hashlib.sha256()
-    source = _opt(data_cfg, "source")
+    source = data_cfg.source
     if source == "stdlib":
-        h.update(corpus_fingerprint(stdlib_sources("train", max_bytes=_opt(data_cfg, "corpus_max_bytes"))).encode())
-    elif source == "file" and _opt(data_cfg, "path"):
-        _hash_path(h, Path(_opt(data_cfg, "path")).expanduser())
+        h.update(corpus_fingerprint(stdlib_sources("train", max_bytes=data_cfg.corpus_max_bytes)).encode())
+    elif source == "file" and data_cfg.path:
+        _hash_path(h, Path(data_cfg.path).expanduser())
     else:
         return None
-    if _opt(data_cfg, "regenerated"):
-        _hash_path(h, Path(_opt(data_cfg, "regenerated")).expanduser())
+    if data_cfg.regenerated:
+        _hash_path(h, Path(data_cfg.regenerated).expanduser())
     return h.hexdigest()[:16]
 
 
@@ -416,12 +406,12 @@ def _hash_path(h, path: Path) -> None:
                 h.update(block)
 
 
-def build_train_dataset(data_cfg: Mapping, tokenizer) -> Dataset:
+def build_train_dataset(data_cfg: DataConfig, tokenizer) -> Dataset:
     """Tokenised, masked, fixed-length training rows from ``data_cfg`` (see module docstring)."""
-    max_length = int(_opt(data_cfg, "max_length"))
+    max_length = int(data_cfg.max_length)
     if max_length < 2:
         raise ValueError(f"data.max_length: {max_length} is too short; use at least 2 (typically 256-4096)")
-    packing = bool(_opt(data_cfg, "packing"))
+    packing = bool(data_cfg.packing)
     # Packing needs EOS to mark where one document ends; padded rows use it when there is one.
     eos = _eos_id(tokenizer) if packing else tokenizer.eos_token_id
     examples = encode_records(load_records(data_cfg), tokenizer, data_cfg, eos)

@@ -20,14 +20,14 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from distill.data import ON_POLICY_MODES
+from distill.data import ON_POLICY_MODES, DataConfig
 
 
 class OnPolicyBatches:
     """``batch_source`` for ``train.loop.train``: replaces a collated batch's continuations with the draft's own."""
 
-    def __init__(self, drafter, data_cfg: Mapping, seed: int):
-        mode = data_cfg["mode"]
+    def __init__(self, drafter, data_cfg: DataConfig, seed: int):
+        mode = data_cfg.mode
         if mode not in ON_POLICY_MODES:
             raise ValueError(f"OnPolicyBatches serves data.mode in {ON_POLICY_MODES}, got data.mode={mode!r}")
         if not drafter.can_sample:
@@ -37,9 +37,9 @@ class OnPolicyBatches:
                 f"data.mode=fixed / regenerated"
             )
         self.drafter = drafter
-        self.fraction = 1.0 if mode == "on_policy" else float(data_cfg["on_policy_fraction"])
-        self.prompt_tokens = int(data_cfg["on_policy_prompt_tokens"])
-        self.temperature = float(data_cfg["on_policy_temperature"])
+        self.fraction = 1.0 if mode == "on_policy" else data_cfg.on_policy_fraction
+        self.prompt_tokens = data_cfg.on_policy_prompt_tokens
+        self.temperature = data_cfg.on_policy_temperature
         self.seed = seed
         self.sampled = 0  # micro-batches drawn so far (logged by tests and the caller)
 

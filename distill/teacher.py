@@ -12,13 +12,15 @@ import contextlib
 import functools
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
+from inference.masks import AttentionLayout
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,6 @@ TESTED_FAMILIES = ("gemma2", "gemma3_text", "gpt_neox", "llama", "mistral", "mix
 def check_family(config, allow_untested: bool = False) -> None:
     """Refuse, before any weight is loaded, a target whose family CI does not cover, or whose attention layers the
     verification masks cannot express (``inference.masks``)."""
-    from inference.masks import AttentionLayout
-
     model_type = getattr(config, "model_type", None)
     if model_type not in TESTED_FAMILIES and not allow_untested:
         hint = " (Gemma-3 4B+ checkpoints are multimodal: their text model is gemma3_text)" if model_type == "gemma3" else ""
@@ -378,23 +378,29 @@ class Teacher:
         return TeacherOutput(logits_BTV=logits, hidden={i: h.clone() for i, h in picked.items()})
 
 
-def load_teacher(target_cfg: Mapping, device: str | torch.device = "cpu") -> Teacher:
+def target_config(node: Mapping) -> TargetConfig:
+    """A ``target`` mapping read from a file (a saved drafter's ``target_config``) as the typed ``TargetConfig``:
+    missing keys take their defaults, an unknown key is an error naming it."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TargetConfig), dict(node)))
+
+
+def load_teacher(target_cfg: TargetConfig, device: str | torch.device = "cpu") -> Teacher:
     """Build the frozen target named by ``cfg.target``: the embedded toy model or a hub checkpoint."""
-    source = target_cfg["source"]
-    dtype_name = target_cfg.get("dtype", "float32")
+    source = target_cfg.source
+    dtype_name = target_cfg.dtype
     if dtype_name not in DTYPES:
         raise ValueError(f"target.dtype={dtype_name!r} is not supported; valid: {sorted(DTYPES)}")
     if source == "toy":
-        model, tokenizer = load_or_build_toy_target(target_cfg["toy"], cache_dir=target_cfg.get("cache_dir"))
+        model, tokenizer = load_or_build_toy_target(asdict(target_cfg.toy), cache_dir=target_cfg.cache_dir)
     elif source == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from transformers import AutoConfig
 
-        name, revision = target_cfg["name"], target_cfg.get("revision")
-        trust = bool(target_cfg.get("trust_remote_code", False))
+        name, revision = target_cfg.name, target_cfg.revision
+        trust = target_cfg.trust_remote_code
         check_family(AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust),
-                     bool(target_cfg.get("allow_untested_family", False)))
+                     target_cfg.allow_untested_family)
         log.info("loading target %s (revision %s, %s)", name, revision, dtype_name)
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust)
         model = AutoModelForCausalLM.from_pretrained(
@@ -403,4 +409,4 @@ def load_teacher(target_cfg: Mapping, device: str | torch.device = "cpu") -> Tea
     else:
         raise ValueError(f"target.source={source!r} is not known; valid: 'toy' (embedded stdlib model) or 'hf' (hub name or local path)")
     model = model.to(device=device, dtype=DTYPES[dtype_name])
-    return Teacher(model, tokenizer, name=target_cfg["name"], revision=target_cfg.get("revision"))
+    return Teacher(model, tokenizer, name=target_cfg.name, revision=target_cfg.revision)

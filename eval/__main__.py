@@ -4,6 +4,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from eval.run import run_eval
 from train.config import register_configs
 
 register_configs()
@@ -11,8 +12,6 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from eval.run import run_eval
-
     hydra_cfg = HydraConfig.get()
     # The command line decides which of a saved drafter's own settings give way (eval.saved).
     run_eval(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))

@@ -25,13 +25,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from eval.metrics import AcceptStats
 from inference.batched import BatchedDecoder, BatchGeneration
+from inference.decoder import DecoderConfig
 from inference.policy import calibrate, check_batch_sizes, make_policy
+from inference.stats import AcceptStats
+from train.config import EvalConfig
 
 log = logging.getLogger(__name__)
 
-SWEEP_PNG = "batch_sweep.png"
 POLICY_GOAL = 0.95  # auto's throughput over the better of always-on / always-off
 
 
@@ -73,12 +74,12 @@ def sweep_prompts(prompts: Sequence, batch_sizes: Sequence[int]) -> list:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval_cfg: Mapping, dcfg,
+def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval_cfg: EvalConfig, dcfg: DecoderConfig,
                 repeats: int = 2, min_batches: int = 2) -> dict:
     """Decode ``prompts`` at every batch size of ``dcfg.batch_sizes``: plain, always-on and (``dcfg.policy=auto``)
     the load-aware policy, for each drafter. Returns the JSON-able ``report["batch_sweep"]``."""
     batch_sizes = check_batch_sizes(dcfg.batch_sizes)
-    max_new, gamma = int(eval_cfg["max_new_tokens"]), int(eval_cfg["num_draft"])
+    max_new, gamma = eval_cfg.max_new_tokens, eval_cfg.num_draft
     eos = teacher.tokenizer.eos_token_id if getattr(teacher, "tokenizer", None) is not None else None
     decoder = BatchedDecoder(teacher, eos_token_id=eos, sampling=dcfg.sampling(), seed=dcfg.seed)
     greedy = decoder.sampling.greedy
@@ -170,57 +171,3 @@ def sweep_lines(sweep: Mapping) -> list[str]:
             cells.append(cell)
         lines.append(f"  {name}: " + ", ".join(cells) + f"; {entry['crossover_note']}")
     return lines
-
-
-def sweep_markdown(sweep: Mapping) -> str:
-    from eval.markdown import _table, fmt
-
-    intro = (
-        f"{sweep['num_prompts']} prompts decoded in batches of each size, up to {sweep['max_new_tokens']} new tokens, "
-        f"γ = {sweep['num_draft']}, policy = {sweep['policy']}. Tokens/s over all sequences; latency = time until a "
-        f"sequence leaves its batch / its new tokens (mean, ms per token). `auto / best`: the load-aware policy over "
-        f"the better of always-on and plain (goal ≥ {POLICY_GOAL})."
-    )
-    parts = ["## Batch sweep\n\n" + intro]
-    columns = ["batch", "plain tok/s", "spec tok/s", "speedup", "τ", "auto tok/s", "auto mean γ", "auto / best",
-               "plain ms/tok", "spec ms/tok", "auto ms/tok", "identical"]
-    for name, entry in sweep["drafters"].items():
-        body = []
-        for r in sweep["rows"]:
-            d, p = r["drafters"][name], r["plain"]
-            on, auto = d["always"], d.get("auto") or {}
-            same = [x.get("identical_to_plain") for x in (on, auto) if x]
-            body.append([r["batch_size"], fmt(p["tokens_per_s"], ".1f"), fmt(on["tokens_per_s"], ".1f"),
-                         fmt(on.get("speedup"), ".2f", "×"), fmt(on["tau"]), fmt(auto.get("tokens_per_s"), ".1f"),
-                         fmt(auto.get("mean_gamma")), fmt(auto.get("vs_best")), fmt(p["latency_ms_per_token"], ".2f"),
-                         fmt(on["latency_ms_per_token"], ".2f"), fmt(auto.get("latency_ms_per_token"), ".2f"),
-                         "–" if None in same else ("yes" if all(same) else "no")])
-        note = entry["crossover_note"]
-        if "policy_min_vs_best" in entry:
-            note += (f"; policy=auto reaches at least {entry['policy_min_vs_best']:.2f} of the better of always-on / "
-                     f"plain at every batch size (goal {entry['policy_goal']}: "
-                     f"{'met' if entry['policy_goal_met'] else 'NOT met'})")
-        parts.append(f"### {name}\n\n{note}.\n\n" + _table(columns, body))
-    return "\n\n".join(parts)
-
-
-def draw_sweep(fig, sweep: Mapping) -> None:
-    """Throughput and latency vs batch size (log2 axis): plain, and each drafter always-on (solid) / auto (dashed)."""
-    ax_tps, ax_lat = fig.subplots(1, 2)
-    sizes = [r["batch_size"] for r in sweep["rows"]]
-    for ax, key in ((ax_tps, "tokens_per_s"), (ax_lat, "latency_ms_per_token")):
-        ax.plot(sizes, [r["plain"][key] for r in sweep["rows"]], marker="o", color="black", label="plain")
-        for name in sweep["drafters"]:
-            line = ax.plot(sizes, [r["drafters"][name]["always"][key] for r in sweep["rows"]], marker="o",
-                           label=f"{name} γ={sweep['num_draft']}")[0]
-            if all("auto" in r["drafters"][name] for r in sweep["rows"]):
-                ax.plot(sizes, [r["drafters"][name]["auto"][key] for r in sweep["rows"]], marker="s", linestyle="--",
-                        color=line.get_color(), label=f"{name} auto")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(s) for s in sizes])
-        ax.set_xlabel("batch size")
-    ax_tps.set_ylabel("tokens/s (all sequences)")
-    ax_tps.set_title("Throughput")
-    ax_lat.set_ylabel("ms per token (per sequence)")
-    ax_lat.set_title("Latency")
-    ax_tps.legend(fontsize="small")

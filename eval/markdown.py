@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from eval.batch_sweep import POLICY_GOAL
 from eval.plots import result_label
 
 MISSING = "–"  # an en dash: a value the report does not have (never reached, not measured)
@@ -122,11 +123,36 @@ def _category_section(result: Mapping) -> str:
 
 
 def _batch_sweep_section(sweep: Mapping | None) -> str:
+    """The batch sweep (``eval.batch_sweep``): one table per drafter; empty without a sweep."""
     if not sweep:
         return ""
-    from eval.batch_sweep import sweep_markdown
-
-    return sweep_markdown(sweep)
+    intro = (
+        f"{sweep['num_prompts']} prompts decoded in batches of each size, up to {sweep['max_new_tokens']} new tokens, "
+        f"γ = {sweep['num_draft']}, policy = {sweep['policy']}. Tokens/s over all sequences; latency = time until a "
+        f"sequence leaves its batch / its new tokens (mean, ms per token). `auto / best`: the load-aware policy over "
+        f"the better of always-on and plain (goal ≥ {POLICY_GOAL})."
+    )
+    parts = ["## Batch sweep\n\n" + intro]
+    columns = ["batch", "plain tok/s", "spec tok/s", "speedup", "τ", "auto tok/s", "auto mean γ", "auto / best",
+               "plain ms/tok", "spec ms/tok", "auto ms/tok", "identical"]
+    for name, entry in sweep["drafters"].items():
+        body = []
+        for r in sweep["rows"]:
+            d, p = r["drafters"][name], r["plain"]
+            on, auto = d["always"], d.get("auto") or {}
+            same = [x.get("identical_to_plain") for x in (on, auto) if x]
+            body.append([r["batch_size"], fmt(p["tokens_per_s"], ".1f"), fmt(on["tokens_per_s"], ".1f"),
+                         fmt(on.get("speedup"), ".2f", "×"), fmt(on["tau"]), fmt(auto.get("tokens_per_s"), ".1f"),
+                         fmt(auto.get("mean_gamma")), fmt(auto.get("vs_best")), fmt(p["latency_ms_per_token"], ".2f"),
+                         fmt(on["latency_ms_per_token"], ".2f"), fmt(auto.get("latency_ms_per_token"), ".2f"),
+                         "–" if None in same else ("yes" if all(same) else "no")])
+        note = entry["crossover_note"]
+        if "policy_min_vs_best" in entry:
+            note += (f"; policy=auto reaches at least {entry['policy_min_vs_best']:.2f} of the better of always-on / "
+                     f"plain at every batch size (goal {entry['policy_goal']}: "
+                     f"{'met' if entry['policy_goal_met'] else 'NOT met'})")
+        parts.append(f"### {name}\n\n{note}.\n\n" + _table(columns, body))
+    return "\n\n".join(parts)
 
 
 def _definitions_section(definitions: Mapping | None) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 ACCEPTANCE_PNG = "acceptance_per_position.png"
 HISTOGRAM_PNG = "accepted_length_histogram.png"
 SPEEDUP_PNG = "speedup.png"
+SWEEP_PNG = "batch_sweep.png"
 
 
 def write_plots(report: Mapping, out_dir) -> list[Path]:
@@ -36,8 +37,6 @@ def write_plots(report: Mapping, out_dir) -> list[Path]:
         fig.savefig(out / name, dpi=100)
         paths.append(out / name)
     if report.get("batch_sweep"):  # throughput and latency vs batch size (eval.batch_sweep)
-        from eval.batch_sweep import SWEEP_PNG, draw_sweep
-
         fig = Figure(figsize=(11, 4), layout="constrained")
         draw_sweep(fig, report["batch_sweep"])
         fig.savefig(out / SWEEP_PNG, dpi=100)
@@ -111,3 +110,25 @@ def _draw_speedup(ax, report: Mapping) -> None:
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1)  # plain decoding
     ax.set_xlabel("speedup over plain decoding (×)")
     ax.set_title("Speedup")
+
+
+def draw_sweep(fig, sweep: Mapping) -> None:
+    """Throughput and latency vs batch size (log2 axis): plain, and each drafter always-on (solid) / auto (dashed)."""
+    ax_tps, ax_lat = fig.subplots(1, 2)
+    sizes = [r["batch_size"] for r in sweep["rows"]]
+    for ax, key in ((ax_tps, "tokens_per_s"), (ax_lat, "latency_ms_per_token")):
+        ax.plot(sizes, [r["plain"][key] for r in sweep["rows"]], marker="o", color="black", label="plain")
+        for name in sweep["drafters"]:
+            line = ax.plot(sizes, [r["drafters"][name]["always"][key] for r in sweep["rows"]], marker="o",
+                           label=f"{name} γ={sweep['num_draft']}")[0]
+            if all("auto" in r["drafters"][name] for r in sweep["rows"]):
+                ax.plot(sizes, [r["drafters"][name]["auto"][key] for r in sweep["rows"]], marker="s", linestyle="--",
+                        color=line.get_color(), label=f"{name} auto")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("batch size")
+    ax_tps.set_ylabel("tokens/s (all sequences)")
+    ax_tps.set_title("Throughput")
+    ax_lat.set_ylabel("ms per token (per sequence)")
+    ax_lat.set_title("Latency")
+    ax_tps.legend(fontsize="small")

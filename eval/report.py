@@ -11,6 +11,10 @@ from pathlib import Path
 
 import torch
 
+from eval.batch_sweep import sweep_lines
+from eval.markdown import summary_markdown
+from eval.plots import write_plots
+
 log = logging.getLogger(__name__)
 
 DEFINITIONS = {
@@ -70,21 +74,15 @@ def summary_table(report: Mapping) -> str:
         lines.append(f"baseline {name:<15} {b['tokens_per_s']:>8.1f} tok/s  speedup {_fmt(b.get('speedup'), '.2f')}x"
                      + (f"  ({b['note']})" if b.get("note") else ""))
     if report.get("batch_sweep"):
-        from eval.batch_sweep import sweep_lines
-
         lines += sweep_lines(report["batch_sweep"])
     return "\n".join(lines)
 
 
 def write_report(report: dict, run_dir: str | os.PathLike, plots: bool = True) -> Path:
     """report.json (atomically: a reader never sees half a file), summary.txt, summary.md and, optionally, plots."""
-    from eval.markdown import summary_markdown
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if plots:
-        from eval.plots import write_plots
-
         report["plots"] = [p.name for p in write_plots(report, run_dir)]
     path = run_dir / "report.json"
     tmp = path.with_suffix(".json.tmp")

@@ -7,30 +7,40 @@ them alike and the ratios stay honest. Under sampling every method on a prompt s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from omegaconf import DictConfig
 
-from eval.metrics import AcceptStats
+from distill.data import default_prefix_ids
+from distill.prompts import heldout_prompts, prompt_records_from_file
+from distill.teacher import load_teacher, target_config
+from eval import saved as saved_settings
+from eval.baselines import hf_assisted, hf_generate
+from eval.batch_sweep import batch_sweep
 from eval.report import DEFINITIONS, machine_info, summary_table, write_report
+from heads.base import build_drafter, decode_overrides, load_drafter, read_drafter_config
+from heads.draft_model import DraftModel
 from inference.cost import auto_tune, measure_parts, overhead_ratio, predict
 from inference.decoder import Decoder, DecoderConfig, Generation
+from inference.stats import AcceptStats, simulated_tau
+from train.config import Config, EvalConfig, load_config
+from train.engine import resolve_device
 
 log = logging.getLogger(__name__)
 
 
-def eval_prompts(eval_cfg: Mapping, tokenizer) -> tuple[list[list[int]], list[str | None]]:
+def eval_prompts(eval_cfg: EvalConfig, tokenizer) -> tuple[list[list[int]], list[str | None]]:
     """(prompt ids, category per prompt): a question.jsonl's records (Spec-Bench / MT-bench categories) or held-out
     stdlib excerpts (category None)."""
-    from distill.prompts import heldout_prompts, prompt_records_from_file
-
-    if eval_cfg.get("prompts"):
-        records = prompt_records_from_file(eval_cfg["prompts"], tokenizer, eval_cfg["num_prompts"], "auto")
-        return [cut_prompt(ids, eval_cfg["prompt_tokens"], tokenizer) for ids, _ in records], [c for _, c in records]
-    prompts = heldout_prompts(tokenizer, eval_cfg["num_prompts"], eval_cfg["prompt_tokens"])
+    if eval_cfg.prompts:
+        records = prompt_records_from_file(eval_cfg.prompts, tokenizer, eval_cfg.num_prompts, "auto")
+        return [cut_prompt(ids, eval_cfg.prompt_tokens, tokenizer) for ids, _ in records], [c for _, c in records]
+    prompts = heldout_prompts(tokenizer, eval_cfg.num_prompts, eval_cfg.prompt_tokens)
     return prompts, [None] * len(prompts)
 
 
@@ -39,8 +49,6 @@ def cut_prompt(ids: list[int], prompt_tokens: int, tokenizer) -> list[int]:
     question's end and the assistant header it continues from stay."""
     if len(ids) <= prompt_tokens:
         return ids
-    from distill.data import default_prefix_ids
-
     prefix = default_prefix_ids(tokenizer) if tokenizer is not None else []
     prefix = prefix if ids[: len(prefix)] == prefix and len(prefix) < prompt_tokens else []
     return prefix + ids[len(ids) - (prompt_tokens - len(prefix)):]
@@ -115,7 +123,7 @@ def build_decoder(teacher, dcfg: DecoderConfig) -> Decoder:
                    typical_alpha=dcfg.typical_alpha, seed=dcfg.seed)
 
 
-def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: Mapping,
+def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: EvalConfig,
              decoder_cfg: DecoderConfig | None = None, categories: Sequence[str | None] | None = None,
              tree_override: Sequence[str] = ()) -> dict:
     """Decode every prompt plainly and with each drafter, back to back; return the report (a JSON-able dict).
@@ -126,12 +134,12 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
     dcfg = decoder_cfg or DecoderConfig()
     decoder = build_decoder(teacher, dcfg)
     greedy = decoder.sampling.greedy
-    max_new, k = eval_cfg["max_new_tokens"], eval_cfg["num_draft"]
+    max_new, k = eval_cfg.max_new_tokens, eval_cfg.num_draft
     if dcfg.tree is not None:
         for name in tree_override:
             drafters[name].set_tree(dcfg.tree)
     as_tensor = [torch.tensor([list(p)], dtype=torch.long) for p in prompts]
-    policy = eval_cfg.get("drafter_dtype", "auto")
+    policy = eval_cfg.drafter_dtype
     dtype = proposal_dtype(policy, teacher.device)
     dtypes = {name: _cast(decoder, d, dtype, policy == "auto", as_tensor[0], k) for name, d in drafters.items()}
     categories = list(categories) if categories is not None else [None] * len(prompts)
@@ -144,7 +152,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
             depth[name] = tuning[name]["chosen"]["num_draft"]
             log.info("auto_tune %s: %s", name, tuning[name]["chosen"])
     hf = _hf_baselines(teacher, drafters, eval_cfg, decoder)
-    for p in as_tensor[: eval_cfg.get("warmup_prompts", 1)]:  # first calls pay one-off allocation costs
+    for p in as_tensor[: eval_cfg.warmup_prompts]:  # first calls pay one-off allocation costs
         decoder.plain(p, max_new)
         for name, drafter in drafters.items():
             decoder.speculative(drafter, p, max_new, depth[name])
@@ -217,14 +225,11 @@ def _cast(decoder: Decoder, drafter, dtype: torch.dtype, auto: bool, prompt, dep
     return best
 
 
-def _hf_baselines(teacher, drafters: Mapping, eval_cfg: Mapping, decoder: Decoder) -> dict:
+def _hf_baselines(teacher, drafters: Mapping, eval_cfg: EvalConfig, decoder: Decoder) -> dict:
     """Callables (prompt, seed) -> Generation for HF generate() and HF assisted generation with each draft model."""
-    if not eval_cfg.get("hf_baselines", True):
+    if not eval_cfg.hf_baselines:
         return {}
-    from eval.baselines import hf_assisted, hf_generate
-    from heads.draft_model import DraftModel
-
-    max_new, k, eos = eval_cfg["max_new_tokens"], eval_cfg["num_draft"], decoder.eos_token_id
+    max_new, k, eos = eval_cfg.max_new_tokens, eval_cfg.num_draft, decoder.eos_token_id
 
     def wrap(out: dict) -> Generation:
         return Generation(new_tokens=decoder._finish(out["new_tokens"], max_new), seconds=out["seconds"])
@@ -309,10 +314,8 @@ def _categories(by_cat: Mapping, name: str, categories: Sequence[str | None]) ->
 BASELINES = {"lookup": {"_target_": "heads.lookup.PromptLookup"}}
 
 
-def _with_baselines(drafters: dict, teacher, eval_cfg: Mapping) -> dict:
-    from heads.base import build_drafter
-
-    for name in eval_cfg["baselines"]:
+def _with_baselines(drafters: dict, teacher, eval_cfg: EvalConfig) -> dict:
+    for name in eval_cfg.baselines:
         if name not in BASELINES:
             raise ValueError(f"eval.baselines has unknown {name!r}; valid: {sorted(BASELINES)}")
         if name not in drafters:
@@ -320,17 +323,13 @@ def _with_baselines(drafters: dict, teacher, eval_cfg: Mapping) -> dict:
     return drafters
 
 
-def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mapping] | None = None) -> dict:
-    from train.config import decoder_config
-
+def _report(cfg: Config, teacher, drafters: dict, run_dir, training: Mapping[str, Mapping] | None = None) -> dict:
     prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
     under_test = list(drafters)
-    dcfg = decoder_config(cfg)
+    dcfg = cfg.decoder
     report = evaluate(teacher, _with_baselines(drafters, teacher, cfg.eval), prompts, cfg.eval, dcfg,
                       categories, tree_override=under_test)
     if dcfg.batch_sizes:  # throughput / latency vs batch size, crossover, load-aware policy (eval.batch_sweep)
-        from eval.batch_sweep import batch_sweep
-
         report["batch_sweep"] = batch_sweep(teacher, drafters, prompts, cfg.eval, dcfg)
     for result in report["results"]:
         if (final := (training or {}).get(result["drafter"])) is not None:
@@ -349,10 +348,8 @@ def _report(cfg, teacher, drafters: dict, run_dir, training: Mapping[str, Mappin
 
 
 def _simulated(final: Mapping, num_draft: int, autoregressive: bool = False) -> dict:
-    """The training-time estimate beside the measured τ: ``train.loop.simulated_tau`` over the last logged per-step
+    """The training-time estimate beside the measured τ: ``inference.stats.simulated_tau`` over the last logged per-step
     top-1 accuracies (training data), cut to the γ decoded here."""
-    from train.loop import simulated_tau
-
     accs = [final[f"train/acc_head{k}"] for k in range(1, num_draft + 1) if f"train/acc_head{k}" in final]
     if not accs:
         return {}
@@ -378,46 +375,34 @@ def _target_lines(results: Sequence[Mapping]) -> list[str]:
     return lines
 
 
-def evaluate_saved(cfg, teacher, drafter_path, run_dir, overrides: Mapping | None = None) -> dict:
+def evaluate_saved(cfg: Config, teacher, drafter_path, run_dir, overrides: Mapping | None = None) -> dict:
     """Evaluate the drafter saved at ``drafter_path`` (reloaded from disk, as a user would) against ``teacher``.
     ``overrides``: decode-time ``drafter.<key>`` settings (``heads.base.decode_overrides``)."""
-    from heads.base import load_drafter, read_drafter_config
-
     drafter = load_drafter(drafter_path, teacher, overrides,
-                           allow_other_target=bool(cfg.eval.get("allow_other_target", False)))
+                           allow_other_target=cfg.eval.allow_other_target)
     final = read_drafter_config(drafter_path).get("training", {}).get("final") or None
     return _report(cfg, teacher, {drafter.name: drafter}, run_dir, training={drafter.name: final} if final else None)
 
 
-def run_eval(cfg, run_dir, use_saved_target: bool = True, overrides: Sequence[str] | None = None) -> dict:
+def run_eval(cfg: DictConfig, run_dir, use_saved_target: bool = True, overrides: Sequence[str] | None = None) -> dict:
     """``python -m eval``: a saved drafter (``drafter_path=``) or an untrained one (``drafter=lookup``).
-    ``overrides``: the command line's Hydra overrides, which decide what a saved drafter's settings give way to
-    (``eval.saved``); without them, ``use_saved_target`` alone says whether the saved target is used."""
-    from distill.teacher import load_teacher
-    from heads.base import build_drafter, read_drafter_config
-    from train.config import validate
-    from train.engine import resolve_device
-
+    ``cfg``: the composed config, which a saved drafter's own settings are merged into (``eval.saved``) before it
+    becomes the typed ``Config`` (``load_config``, once). ``overrides``: the command line's Hydra overrides, which
+    decide what those settings give way to; without them, ``use_saved_target`` alone says whether the saved target
+    is used."""
     if cfg.drafter_path:
-        from omegaconf import OmegaConf
-
-        from eval import saved as saved_settings
-        from heads.base import decode_overrides
-
         cli = saved_settings.parse_overrides(overrides if overrides is not None else
                                              ([] if use_saved_target else ["target=given"]))
         saved = read_drafter_config(cfg.drafter_path)
         drafter_keys = saved_settings.drafter_overrides(cfg, cli, saved, cfg.drafter_path)
         target_cfg = saved_settings.target_config(cfg, cli, saved)
         cfg.drafter = decode_overrides(saved["drafter"], drafter_keys, cfg.drafter_path)  # validated as saved
-        validate(cfg)
-        teacher = load_teacher(target_cfg, device=resolve_device(cfg.trainer.device))
-        fitted = saved_settings.eval_settings(OmegaConf.to_container(cfg.eval, resolve=True), saved, cli,
-                                              teacher.max_positions)
-        for key in saved_settings.RUN_EVAL_KEYS:
-            cfg.eval[key] = fitted[key]
-        return evaluate_saved(cfg, teacher, cfg.drafter_path, run_dir, overrides=drafter_keys)
-    validate(cfg)
+        config = load_config(cfg)
+        teacher = load_teacher(target_config(target_cfg), device=resolve_device(config.trainer.device))
+        fitted = saved_settings.eval_settings(dataclasses.asdict(config.eval), saved, cli, teacher.max_positions)
+        config.eval = dataclasses.replace(config.eval, **{key: fitted[key] for key in saved_settings.RUN_EVAL_KEYS})
+        return evaluate_saved(config, teacher, config.drafter_path, run_dir, overrides=drafter_keys)
+    cfg = load_config(cfg)
     device = resolve_device(cfg.trainer.device)
     teacher = load_teacher(cfg.target, device=device)
     drafter = build_drafter(cfg.drafter, teacher)

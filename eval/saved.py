@@ -16,6 +16,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
@@ -37,14 +38,15 @@ class CommandLine:
 
 
 def parse_overrides(overrides: Sequence[str]) -> CommandLine:
+    """Hydra's own reading of the command line's overrides (``HydraConfig.get().overrides.task``), sorted into groups
+    chosen and keys set."""
     cli = CommandLine()
-    for item in overrides:
-        key, _, value = item.partition("=")
-        key = key.lstrip("+~")
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
         if "." in key:
             cli.keys.add(key)
         else:
-            cli.groups[key] = value
+            cli.groups[key] = override.get_value_element_as_str()
     return cli
 
 

@@ -30,6 +30,7 @@ from distill.chunked import TeacherRows, positions
 from distill.teacher import DTYPES, TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
+from heads.lora import check_lora_spec, check_targets_exist, lora_config
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
 
@@ -83,8 +84,6 @@ class DraftModel(Drafter):
         self.init = init
         self.lora = None
         if lora is not None:
-            from heads.lora import check_lora_spec
-
             self.lora = check_lora_spec(lora, "drafter.lora")
         self.model = None
         self.tokenizer = None
@@ -108,8 +107,6 @@ class DraftModel(Drafter):
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         if self.lora is not None:
             from peft import get_peft_model
-
-            from heads.lora import check_targets_exist, lora_config
 
             check_targets_exist(model, self.lora, "drafter.lora")
             model = get_peft_model(model, lora_config(self.lora, "drafter.lora"))

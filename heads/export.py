@@ -33,9 +33,14 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from distill.teacher import DTYPES, load_teacher, target_config
 from heads import export_eagle
 from heads.base import TargetDims, load_saved_drafter, write_dir_atomically
+from heads.draft_model import DraftModel
 from heads.export_eagle import EAGLE_KINDS
+from heads.lora import save_peft_adapter
+from heads.medusa import MedusaHeads
+from heads.model_card import medusa2_card, model_card
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +177,6 @@ def _write_eagle(tmp: Path, drafter, engine: str, config: dict) -> None:
 
 def target_dtype(config: dict) -> torch.dtype:
     """The dtype the target was trained against (target.dtype): heads are served in the target's dtype."""
-    from distill.teacher import DTYPES
-
     return DTYPES[(config.get("target_config") or {}).get("dtype", "float32")]
 
 
@@ -252,8 +255,6 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
 
     The directory is filled beside the destination and swapped in at the end, so a failure never leaves half an
     export, and an existing non-empty ``output_dir`` is only replaced with ``overwrite``."""
-    from heads.model_card import medusa2_card, model_card
-
     drafter_path, output_dir = Path(drafter_path), Path(output_dir)
     drafter, config = load_saved_drafter(drafter_path)  # refuses non-specdraft dirs, missing/extra tensors
     kind = drafter.name
@@ -292,11 +293,8 @@ def _write_merged_target(drafter, config: dict, out: Path) -> None:
     target computed. Loads the target named in the drafter's config (on CPU, in its configured dtype)."""
     from transformers import AutoModelForCausalLM
 
-    from distill.teacher import load_teacher
-    from heads.lora import save_peft_adapter
-
     target_cfg = config.get("target_config") or {}
-    teacher = load_teacher(target_cfg)
+    teacher = load_teacher(target_config(target_cfg))
     drafter.attach(teacher)
     n = min(32, teacher.max_positions or 32)
     probe = torch.randint(0, teacher.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
@@ -475,9 +473,6 @@ def _check_hf_model(path: Path, config: dict, target: dict) -> list[str]:
 def load_export(path: str | Path, teacher):
     """A specdraft drafter rebuilt from an export's engine-facing files only (not from the sidecar's weights). For
     medusa2 these are the heads, to be decoded with the exported ``merged_target/`` as ``teacher``."""
-    from heads.draft_model import DraftModel
-    from heads.medusa import MedusaHeads
-
     path = Path(path)
     sidecar = json.loads((path / SIDECAR).read_text())
     engine, kind = sidecar["engine"], sidecar["kind"]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from heads.base import TargetDims
+from heads.eagle import EagleDrafter
 
 EAGLE_KINDS = ("eagle1", "eagle3")
 # vllm/config/speculative.py (SpeculativeConfig, ``eagle3_target_supported``): a substring test on the target's
@@ -271,8 +272,6 @@ def load_like_engine(engine: str, kind: str, state: dict[str, torch.Tensor], con
 def drafter_from_engine(engine: str, kind: str, params: dict[str, torch.Tensor], vocab: torch.Tensor | None,
                         config: dict, dims: TargetDims, layers: list[int], decode: dict):
     """A specdraft EagleDrafter holding exactly the engine's parameters (packed ones split back), for decoding."""
-    from heads.eagle import EagleDrafter
-
     c = config.get("transformer_layer_config", config)
     D, I = c["hidden_size"], c["intermediate_size"]
     drafter = EagleDrafter(dims, variant=kind, layers=layers, num_heads=c["num_attention_heads"],

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distill.chunked import Finished, chunked_cross_entropy
+from distill.prompts import heldout_prompts
 from distill.teacher import TeacherOutput
 from heads.base import DraftOutput, TargetDims
 from heads.lora import ADAPTER, check_lora_spec, inject_lora, remove_lora
@@ -212,7 +213,6 @@ class Medusa2(MedusaHeads):
         is what gets served, so it should not be worse. {} without a tokenizer or attached LoRA."""
         if teacher.tokenizer is None or not self._wrappers or self._frozen.get("model") is not teacher.model:
             return {}
-        from distill.prompts import heldout_prompts
 
         tokens = min(HELDOUT_TOKENS, teacher.max_positions or HELDOUT_TOKENS)
         prompts = heldout_prompts(teacher.tokenizer, HELDOUT_PROMPTS, tokens, seed=1)  # seed 0: eval's prompts

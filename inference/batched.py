@@ -44,11 +44,11 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from eval.metrics import AcceptStats
 from inference.acceptance import tree_greedy_accept, tree_rejection_accept
 from inference.decoder import Generation, _check_prompt, _sync
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.stats import AcceptStats
 from inference.tree import DraftTree, ancestor_mask
 
 PAD_ID = 0  # fed in padding slots; always masked, so any id would do

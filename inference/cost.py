@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from inference.decoder import Decoder, _sync
 from inference.tree import DraftTree, compact_cache, verify_inputs
+from inference.stats import AcceptStats, chain_tau
 
 
 def _seconds(fn, device: torch.device) -> float:
@@ -98,14 +99,6 @@ def measure_parts(decoder: Decoder, drafter, prompt_ids: torch.Tensor, depths: S
             "t_verify_measured": measured, "t_draft": {d: median[("d", d)] for d in depths}}
 
 
-def chain_tau(alpha_per_position: Sequence[float | None], gamma: int) -> float:
-    tau, reach = 1.0, 1.0
-    for a in list(alpha_per_position)[:gamma]:
-        reach *= a or 0.0
-        tau += reach
-    return tau
-
-
 def tree_tau(node_accept_rate: Sequence[float], num_nodes: int) -> float:
     return 1.0 + sum(node_accept_rate[:num_nodes])
 
@@ -136,8 +129,6 @@ def auto_tune(decoder: Decoder, drafter, prompts: Sequence[torch.Tensor], max_ne
 
     Chains: γ = 1..max_depth. Static trees (a drafter with a ``tree``): the first n nodes, n = 1..size (paths are
     sorted breadth-first, so every prefix is a tree). Returns {"candidates": [...], "chosen": {...}}."""
-    from eval.metrics import AcceptStats
-
     if getattr(drafter, "dynamic_tree", False):
         raise ValueError(
             f"decoder.auto_tune models chains and static trees, not {drafter.name}'s EAGLE-2 dynamic tree (its shape "

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from eval.metrics import AcceptStats
 from inference.acceptance import tree_greedy_accept, tree_rejection_accept, typical_accept
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.stats import AcceptStats
 from inference.tree import DraftTree, compact_cache, verify_inputs
 
 ACCEPTANCE_RULES = ("exact", "typical")  # exact: greedy match / rejection sampling (lossless); typical: Medusa's, lossy

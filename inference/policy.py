@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.metrics import AcceptStats
 from inference.batched import BatchedDecoder
 from inference.cost import _fit_linear
+from inference.stats import AcceptStats
 
 POLICIES = ("always", "auto")  # decoder.policy: always = γ = eval.num_draft every step; auto = LoadAwarePolicy
 

@@ -24,14 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import torch
 from hydra import compose, initialize_config_dir
 
 from heads.draft_model import toy_draft_node
-from train.config import decoder_config, register_configs, to_container, validate
+from train.config import load_config, register_configs, to_container
+
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench_batch")
 
@@ -62,8 +61,7 @@ def load_cfg(preset: dict, extra: list[str]):
         cfg = compose(config_name="config", overrides=overrides)
         draft = compose(config_name="config", overrides=["drafter=draft_model"]).drafter
     draft = toy_draft_node(to_container(draft), cfg.target.toy, **preset["draft_toy"])
-    validate(cfg)
-    return cfg, draft
+    return load_config(cfg), draft
 
 
 def build_drafters(teacher, draft_cfg: dict, drafter_path: str | None) -> dict:
@@ -123,7 +121,7 @@ def main(argv=None) -> None:
     prompts, _ = eval_prompts(cfg.eval, teacher.tokenizer)
     t0 = time.perf_counter()
     repeats = args.repeats or preset["repeats"]
-    sweep = batch_sweep(teacher, drafters, prompts, cfg.eval, decoder_config(cfg), repeats=repeats)
+    sweep = batch_sweep(teacher, drafters, prompts, cfg.eval, cfg.decoder, repeats=repeats)
     out = {
         "preset": args.preset,
         "target": teacher.identity(),

@@ -19,22 +19,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+from hydra import compose, initialize_config_dir
+
+from heads.draft_model import toy_draft_node
+from train.config import load_config, register_configs, to_container
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from heads.draft_model import toy_draft_node  # noqa: E402
-from train.config import decoder_config, register_configs, to_container, validate  # noqa: E402
 
 log = logging.getLogger("bench_decode")
 
@@ -77,8 +76,7 @@ def load_cfg(preset: dict, extra: list[str], medusa_steps: int):
     for key, value in preset.get("target_toy", {}).items():
         cfg.target.toy[key] = value
     draft = toy_draft_node(to_container(draft), cfg.target.toy, **preset["draft_toy"])
-    validate(cfg)
-    return cfg, draft
+    return load_config(cfg), draft
 
 
 def train_medusa(cfg, run_dir: Path, teacher):
@@ -154,7 +152,7 @@ def main(argv=None) -> None:
 
     prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
     drafters = {"medusa-chain": medusa, f"medusa-tree[{args.tree}]": medusa_tree, "draft_model": draft, "lookup": lookup}
-    dcfg = decoder_config(cfg)
+    dcfg = cfg.decoder
     out = {
         "preset": args.preset,
         "target": teacher.identity(),
@@ -167,7 +165,7 @@ def main(argv=None) -> None:
     report = evaluate(teacher, drafters, prompts, cfg.eval, dcfg, categories)
     out["runs"]["greedy"] = {"summary": summarize(report), "report": report}
     tuned = evaluate(teacher, {"draft_model[auto_tune]": draft, f"medusa-tree[{args.tree}][auto_tune]": copy.deepcopy(medusa_tree)},
-                     prompts, {**to_container(cfg.eval), "hf_baselines": False}, dcfg.__class__(**{**vars(dcfg), "auto_tune": True}))
+                     prompts, dataclasses.replace(cfg.eval, hf_baselines=False), dcfg.__class__(**{**vars(dcfg), "auto_tune": True}))
     out["runs"]["greedy_auto_tune"] = {"summary": summarize(tuned), "report": tuned}
     if args.sample:
         sampled = evaluate(teacher, drafters, prompts, cfg.eval, dcfg.__class__(**{**vars(dcfg), "temperature": 1.0}), categories)

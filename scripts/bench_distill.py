@@ -25,10 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from eval.report import machine_info
 
-from eval.report import machine_info  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DRAFT = ["drafter=draft_model"]
 RUNS = {  # name -> overrides; {regenerated} is filled with the regenerated jsonl

@@ -33,7 +33,6 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
 # name -> (overrides, steps). Step counts of the equal-CPU rows come from the measured CPU per step (startup
@@ -90,7 +89,7 @@ def train_row(overrides: list[str], run_dir: Path, log_path: Path) -> dict:
 
 def decode_trees(decoder, drafter, prompts, refs, max_new: int) -> dict:
     """τ, α per position, draft time and identity to greedy for each tree budget in TREES."""
-    from eval.metrics import AcceptStats
+    from inference.stats import AcceptStats
 
     out = {}
     for name, (mode, top_k, total, depth) in TREES.items():
@@ -159,19 +158,20 @@ def main(argv: list[str] | None = None) -> None:
     from eval.report import machine_info
     from eval.run import build_decoder, eval_prompts
     from heads.base import load_drafter
-    from train.config import decoder_config, register_configs, to_container
+    from train.config import load_config, register_configs
 
     torch.set_num_threads(1)
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=common)
-    ev = to_container(cfg.eval)
+        cfg = load_config(compose(config_name="config", overrides=common))
+    ev = cfg.eval
     results.update(machine=machine_info(), settings={"common": common, "trees": TREES, "eval": {
-        k: ev[k] for k in ("num_prompts", "prompt_tokens", "max_new_tokens")}, "proposal_dtype": "float32",
+        "num_prompts": ev.num_prompts, "prompt_tokens": ev.prompt_tokens, "max_new_tokens": ev.max_new_tokens},
+        "proposal_dtype": "float32",
         "decoder": "greedy"})
     results.setdefault("rows", {})
-    teacher = load_teacher(to_container(cfg.target))
-    decoder = build_decoder(teacher, decoder_config(cfg))
+    teacher = load_teacher(cfg.target)
+    decoder = build_decoder(teacher, cfg.decoder)
     prompts = [torch.tensor([p], dtype=torch.long) for p in eval_prompts(ev, teacher.tokenizer)[0]]
     refs = None  # plain greedy outputs, decoded once (greedy is deterministic)
 
@@ -190,9 +190,9 @@ def main(argv: list[str] | None = None) -> None:
             saved = json.loads((run_dir / "drafter" / "config.json").read_text())
             final = saved.get("training", {}).get("final", {})
             if refs is None:
-                refs = [decoder.plain(p, ev["max_new_tokens"]).new_tokens for p in prompts]
+                refs = [decoder.plain(p, ev.max_new_tokens).new_tokens for p in prompts]
             drafter = load_drafter(run_dir / "drafter", teacher).float()
-            trees = decode_trees(decoder, drafter, prompts, refs, ev["max_new_tokens"])
+            trees = decode_trees(decoder, drafter, prompts, refs, ev.max_new_tokens)
             results["rows"][key] = {"row": name, "seed": seed, "steps": steps, "overrides": overrides, **cost,
                                     "loop_s": final.get("train/elapsed_s"), "final": final, "trees": trees}
             tmp = out.with_suffix(".tmp")

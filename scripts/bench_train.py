@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from eval.report import machine_info
 
-from eval.report import machine_info  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PRESETS = {
     "toy": {"common": [], "steps": 120, "log_every": 20},
@@ -76,15 +75,14 @@ def target_only(overrides: list[str], steps: int, log_every: int, out: Path) -> 
     from distill.data import collate
     from distill.teacher import load_teacher
     from heads.base import build_drafter
-    from train.config import register_configs, validate
+    from train.config import load_config, register_configs
     from train.engine import resolve_device
     from train.loop import BatchOrder
     from train.run import training_data
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    validate(cfg)
+        cfg = load_config(compose(config_name="config", overrides=overrides))
     torch.set_num_threads(cfg.trainer.num_threads or torch.get_num_threads())
     device = resolve_device(cfg.trainer.device)
     teacher = load_teacher(cfg.target, device=device)

@@ -1,7 +1,9 @@
 """Export a trained drafter for serving.
 
     python scripts/export.py drafter_path=runs/<date>/<time>/drafter format=vllm output_dir=exports/medusa-vllm
-    python scripts/export.py drafter_path=... format=vllm|sglang|speculators|hf output_dir=... [--overwrite]
+    python scripts/export.py drafter_path=... format=vllm|sglang|speculators|hf output_dir=... [overwrite=true]
+
+Hydra overrides of ``ExportConfig`` (``--overwrite`` is still read as ``overwrite=true``).
 
 Formats: vllm (EAGLE-1/3 as vLLM's Eagle(3)LlamaForCausalLM; Medusa as MedusaModel; draft models as a plain HF
 directory), sglang (EAGLE-1/3 as LlamaForCausalLMEagle(3); draft models served with --speculative-algorithm
@@ -13,44 +15,53 @@ If the drafter's run dir holds a report.json (``python -m train`` writes one), i
 the model card.
 """
 
-from __future__ import annotations
-
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from hydra import compose, initialize
+from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException
+from omegaconf import MISSING, OmegaConf
 
-KEYS = ("drafter_path", "format", "output_dir")
+from heads.export import export_drafter
+
+USAGE = ("python scripts/export.py drafter_path=<dir> format=vllm|sglang|speculators|hf output_dir=<dir> "
+         "[overwrite=true]")
 
 
-def parse(argv: list[str]) -> tuple[dict[str, str], bool]:
-    args, overwrite = {}, False
-    for token in argv:
-        if token in ("--overwrite", "overwrite=true"):
-            overwrite = True
-        elif "=" in token and token.split("=", 1)[0] in KEYS:
-            key, value = token.split("=", 1)
-            args[key] = value
-        else:
-            raise SystemExit(f"unknown argument {token!r}; usage: {__doc__.strip().splitlines()[0]}\n"
-                             f"valid keys: {', '.join(KEYS)} and --overwrite")
-    missing = [k for k in KEYS if k not in args]
+# Annotations stay evaluated here (no ``from __future__ import annotations``): tests load this file by path, outside
+# sys.modules, where dataclasses cannot resolve string annotations.
+@dataclass
+class ExportConfig:
+    drafter_path: str = MISSING  # a trained drafter: <run dir>/drafter
+    format: str = MISSING  # vllm | sglang | speculators | hf
+    output_dir: str = MISSING  # written atomically; an existing one only with overwrite=true
+    overwrite: bool = False  # replace output_dir (never the run dir or anything inside it)
+
+
+def parse(argv: list[str]) -> ExportConfig:
+    """The command line as Hydra overrides of ``ExportConfig``: an unknown key or a missing one is an error."""
+    overrides = ["overwrite=true" if token == "--overwrite" else token for token in argv]
+    ConfigStore.instance().store(name="export", node=ExportConfig)
+    try:
+        with initialize(version_base="1.3", config_path=None):
+            cfg = compose(config_name="export", overrides=overrides)
+    except ConfigCompositionException as e:
+        raise SystemExit(f"unknown argument in {' '.join(argv)!r} ({e.__cause__ or e}); usage: {USAGE}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise SystemExit(f"missing {', '.join(missing)}; usage: python scripts/export.py drafter_path=<dir> "
-                         f"format=vllm|sglang|speculators|hf output_dir=<dir> [--overwrite]")
-    return args, overwrite
+        raise SystemExit(f"missing {', '.join(missing)}; usage: {USAGE}")
+    return OmegaConf.to_object(cfg)
 
 
 def main(argv: list[str] | None = None) -> Path:
-    from heads.export import export_drafter
-
-    args, overwrite = parse(sys.argv[1:] if argv is None else argv)
-    report_file = Path(args["drafter_path"]).parent / "report.json"
+    args = parse(sys.argv[1:] if argv is None else argv)
+    report_file = Path(args.drafter_path).parent / "report.json"
     report = json.loads(report_file.read_text()) if report_file.is_file() else None
-    out = export_drafter(args["drafter_path"], args["format"], args["output_dir"], overwrite=overwrite, report=report)
-    print(f"exported {args['drafter_path']} as {args['format']} to {out}; see {out / 'README.md'} for the serve command")
+    out = export_drafter(args.drafter_path, args.format, args.output_dir, overwrite=args.overwrite, report=report)
+    print(f"exported {args.drafter_path} as {args.format} to {out}; see {out / 'README.md'} for the serve command")
     return out
 
 

@@ -296,7 +296,7 @@ def test_policy_drives_the_decoder(teacher, prompts, references):
 
 
 def test_tau_by_gamma_and_calibration(teacher, prompts):
-    from eval.metrics import AcceptStats
+    from inference.stats import AcceptStats
 
     stats = AcceptStats()
     for accepted in (0, 1, 3, 3):
@@ -320,19 +320,18 @@ def test_check_batch_sizes():
 def test_config_keys(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from train.config import register_configs, validate
+    from train.config import load_config, register_configs
 
     register_configs()
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        ok = compose(config_name="config", overrides=["decoder.batch_sizes=[1,2,4]", "decoder.policy=auto"])
-        validate(ok)
+        load_config(compose(config_name="config", overrides=["decoder.batch_sizes=[1,2,4]", "decoder.policy=auto"]))
         for overrides, match in ((["decoder.policy=auto"], "set decoder.batch_sizes"),
                                  (["decoder.policy=never"], r"valid: \['always', 'auto'\]"),
                                  (["decoder.batch_sizes=[0]"], "decoder.batch_sizes must be"),
                                  (["decoder.batch_sizes=[2]", "decoder.acceptance=typical"], "exact")):
             with pytest.raises(ValueError, match=match):
-                validate(compose(config_name="config", overrides=overrides))
+                load_config(compose(config_name="config", overrides=overrides))
 
 
 # --- the sweep, its report and the bench script ---------------------------------------------------------------------
@@ -349,11 +348,13 @@ def test_crossover():
 
 
 def test_batch_sweep_report(teacher, prompts, tmp_path):
-    from eval.batch_sweep import SWEEP_PNG, batch_sweep
+    from eval.batch_sweep import batch_sweep
+    from eval.plots import SWEEP_PNG
     from eval.report import write_report
+    from train.config import EvalConfig
 
     drafters = {"lookup": make_drafter("lookup", teacher), "draft_model": make_drafter("draft_model", teacher)}
-    sweep = batch_sweep(teacher, drafters, [p.tolist() for p in prompts[:3]], {"max_new_tokens": 8, "num_draft": 2},
+    sweep = batch_sweep(teacher, drafters, [p.tolist() for p in prompts[:3]], EvalConfig(max_new_tokens=8, num_draft=2),
                         DecoderConfig(batch_sizes=[1, 2, 4], policy="auto"), repeats=1)
     assert sweep["batch_sizes"] == [1, 2, 4] and sweep["num_prompts"] == 4  # 3 prompts, repeated to fill B = 4
     for row in sweep["rows"]:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -17,24 +18,25 @@ from distill.cache import (
     MANIFEST,
     CachedDataset,
     OfflineTeacher,
-    build_cache,
     bytes_per_token,
     open_teacher_cache,
     shard_name,
     write_cache,
 )
-from distill.data import TokenBlockDataset, collate
+from distill.cache.__main__ import build_cache
+from distill.data import DataConfig, TokenBlockDataset, collate
 from distill.losses import topk_forward_kl
-from distill.teacher import Teacher
+from distill.teacher import TargetConfig, Teacher
 from heads.base import build_drafter
 from tests.conftest import make_tiny_llama
-from train.engine import SingleEngine
-from train.logger import MetricsLogger
+from train.config import Config
+from train.engine import SingleEngine, TrainerConfig
+from train.logger import LoggerConfig, MetricsLogger
 from train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 N, T, K = 10, 16, 16
-DATA_CFG = {"source": "file", "path": "rows.jsonl", "max_length": T}
+DATA_CFG = DataConfig(source="file", path="rows.jsonl", max_length=T)
 MEDUSA = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 2, "num_layers": 1, "loss_decay": 0.8}
 # EAGLE-3 over the full vocabulary (a reduced one would take the top k inside the draft vocabulary online but of the
 # whole vocabulary offline), three feature layers, a 3-step training-time test.
@@ -87,19 +89,18 @@ def test_round_trip_matches_the_online_teacher(tiny_teacher, tmp_path, dtype):
 
 
 def run_training(teacher, dataset, run_dir, steps=10, drafter_cfg=MEDUSA):
-    cfg = {"trainer": {"engine": "single", "device": "cpu", "steps": steps, "micro_batch_size": 2, "grad_accum": 1,
-                       "lr": 1e-2, "min_lr_ratio": 0.1, "warmup_steps": 2, "weight_decay": 0.0, "grad_clip": 1.0,
-                       "bf16": False, "log_every": 1, "ckpt_every": 100, "keep_last": 1, "resume": "never",
-                       "num_threads": None},
-           "drafter": drafter_cfg, "target": {"source": "toy", "name": "tiny-llama"}, "seed": 0,
-           "logger": {"name": "none"}}
+    cfg = Config(trainer=TrainerConfig(engine="single", device="cpu", steps=steps, micro_batch_size=2, grad_accum=1,
+                                       lr=1e-2, min_lr_ratio=0.1, warmup_steps=2, weight_decay=0.0, grad_clip=1.0,
+                                       bf16=False, log_every=1, ckpt_every=100, keep_last=1, resume="never"),
+                 drafter=drafter_cfg, target=TargetConfig(source="toy", name="tiny-llama"), seed=0,
+                 logger=LoggerConfig(name="none"))
     torch.manual_seed(0)
     drafter = build_drafter(drafter_cfg, teacher)
     drafter.bind_target(teacher, initialize=True)
-    logger = MetricsLogger(run_dir, cfg["logger"], cfg)
+    logger = MetricsLogger(run_dir, cfg.logger, asdict(cfg))
     try:
         train(cfg, teacher, drafter, dataset, collate, functools.partial(topk_forward_kl, k=K),
-              SingleEngine(cfg["trainer"]), run_dir, logger)
+              SingleEngine(cfg.trainer), run_dir, logger)
     finally:
         logger.close()
     return [json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -156,13 +157,13 @@ def test_wrong_target_or_data_names_the_component(tiny_teacher, tmp_path):
                                          r"vocab_size.*python -m distill.cache"):
         OfflineTeacher(tmp_path, other, DATA_CFG, (-1,))
     with pytest.raises(ValueError, match=r"different data \(max_length: cached 16, now 32\).*python -m distill.cache"):
-        open_teacher_cache(tmp_path, tiny_teacher, {**DATA_CFG, "max_length": 32}, (-1,))
+        open_teacher_cache(tmp_path, tiny_teacher, replace(DATA_CFG, max_length=32), (-1,))
     # Same name and sizes, other weights (e.g. a toy target rebuilt with other settings): still refused.
     retrained = Teacher(make_tiny_llama(seed=5), tokenizer=None, name="tiny-llama")
     with pytest.raises(ValueError, match=r"target_weights \(cached '[0-9a-f]+', now '[0-9a-f]+'\)"):
         OfflineTeacher(tmp_path, retrained, DATA_CFG, (-1,))
     # Where the cache lives is not part of what it holds.
-    OfflineTeacher(tmp_path, tiny_teacher, {**DATA_CFG, "teacher_cache": str(tmp_path)}, (-1,))
+    OfflineTeacher(tmp_path, tiny_teacher, replace(DATA_CFG, teacher_cache=str(tmp_path)), (-1,))
     # Writing another config into a finished cache's directory is refused, not mixed.
     with pytest.raises(ValueError, match=r"holds a finished cache for another config.*topk"):
         write(tiny_teacher, tmp_path, topk=8)
@@ -196,14 +197,14 @@ def test_missing_layer_manifest_and_bad_topk(tiny_teacher, tmp_path):
 def test_cache_dir_is_required():
     from hydra import compose, initialize_config_dir
 
-    from train.config import register_configs
+    from train.config import load_config, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["target=tiny"])
+        cfg = compose(config_name="config", overrides=["target=tiny", "data.max_length=64"])
     assert cfg.cache.topk == 64 and cfg.cache.dtype == "bfloat16" and cfg.data.teacher_cache is None
     with pytest.raises(ValueError, match=r"cache.dir is null; set cache.dir="):
-        build_cache(cfg)
+        build_cache(load_config(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -233,20 +234,20 @@ def test_cli_writes_a_cache_and_prints_its_size(cli_cache):
 def test_train_run_switches_to_the_cache(cli_cache, tmp_path, monkeypatch):
     from hydra import compose, initialize_config_dir
 
-    from train.config import register_configs
+    from train.config import load_config, register_configs
     from train.run import run_training as run
 
     root, overrides, _ = cli_cache
     monkeypatch.setenv("SPECDRAFT_CACHE", str(root / "targets"))
-    monkeypatch.setattr("distill.data.build_train_dataset", lambda *a: pytest.fail("rebuilt the rows online"))
+    monkeypatch.setattr("train.run.build_train_dataset", lambda *a: pytest.fail("rebuilt the rows online"))
     register_configs()
     common = [*overrides, f"data.teacher_cache={root / 'cache'}", "trainer.steps=3", "trainer.micro_batch_size=2",
               "trainer.log_every=1", "trainer.bf16=false", "eval.enabled=false", "loss=topk_fkl", "loss.k=8"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=common)
         bad = compose(config_name="config", overrides=[*common, "data.max_length=32"])
-    run(cfg, tmp_path / "run")
+    run(load_config(cfg), tmp_path / "run")
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 2 and (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
     with pytest.raises(ValueError, match=r"different data \(max_length: cached 64, now 32\)"):
-        run(bad, tmp_path / "bad")
+        run(load_config(bad), tmp_path / "bad")

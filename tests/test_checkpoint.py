@@ -1,28 +1,31 @@
 """Checkpoint/resume through the real loop: a killed run resumes to exactly where an uninterrupted one ends."""
 
 import functools
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from distill.data import collate
 from distill.losses import forward_kl
+from distill.teacher import TargetConfig
 from heads.base import build_drafter
 from train import checkpoint
-from train.engine import SingleEngine
-from train.logger import MetricsLogger
+from train.config import Config
+from train.engine import SingleEngine, TrainerConfig
+from train.logger import LoggerConfig, MetricsLogger
 from train.loop import BatchOrder, train
 
 MEDUSA = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 2, "num_layers": 1, "loss_decay": 0.8}
 
 
-def make_cfg(**trainer):
+def make_cfg(**trainer) -> Config:
     t = {"engine": "single", "device": "cpu", "steps": 6, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2,
          "min_lr_ratio": 0.1, "warmup_steps": 2, "weight_decay": 0.0, "grad_clip": 1.0, "bf16": False,
          "log_every": 1, "ckpt_every": 3, "keep_last": 2, "resume": "auto", "num_threads": None}
     t.update(trainer)
-    return {"trainer": t, "drafter": MEDUSA, "target": {"source": "toy", "name": "tiny-llama"}, "seed": 0,
-            "logger": {"name": "none"}}
+    return Config(trainer=TrainerConfig(**t), drafter=MEDUSA, target=TargetConfig(source="toy", name="tiny-llama"),
+                  seed=0, logger=LoggerConfig(name="none"))
 
 
 def make_dataset(n=10, T=16):
@@ -51,11 +54,11 @@ class DyingEngine(SingleEngine):
 
 def run(teacher, run_dir, cfg, engine=None):
     torch.manual_seed(0)
-    drafter = build_drafter(cfg["drafter"], teacher)
+    drafter = build_drafter(cfg.drafter, teacher)
     drafter.bind_target(teacher, initialize=True)
-    logger = MetricsLogger(run_dir, cfg["logger"], cfg, resumed=(run_dir / "metrics.jsonl").exists())
+    logger = MetricsLogger(run_dir, cfg.logger, asdict(cfg), resumed=(run_dir / "metrics.jsonl").exists())
     try:
-        train(cfg, teacher, drafter, make_dataset(), collate, functools.partial(forward_kl), engine or SingleEngine(cfg["trainer"]),
+        train(cfg, teacher, drafter, make_dataset(), collate, functools.partial(forward_kl), engine or SingleEngine(cfg.trainer),
               run_dir, logger)
     finally:
         logger.close()
@@ -66,7 +69,7 @@ def test_kill_and_resume_matches_uninterrupted(tiny_teacher, tmp_path):
     cfg = make_cfg()
     reference = run(tiny_teacher, tmp_path / "a", cfg)
     with pytest.raises(Killed):
-        run(tiny_teacher, tmp_path / "b", cfg, DyingEngine(cfg["trainer"], die_at=4))
+        run(tiny_teacher, tmp_path / "b", cfg, DyingEngine(cfg.trainer, die_at=4))
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step_0000003"
     resumed = run(tiny_teacher, tmp_path / "b", cfg)
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
@@ -98,9 +101,9 @@ def test_rerunning_a_finished_run_trains_nothing_more(tiny_teacher, tmp_path):
 def test_resume_refuses_another_drafter(tiny_teacher, tmp_path):
     cfg = make_cfg()
     with pytest.raises(Killed):
-        run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg["trainer"], die_at=4))
+        run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg.trainer, die_at=4))
     other = make_cfg()
-    other["drafter"] = {**MEDUSA, "num_heads": 3}
+    other.drafter = {**MEDUSA, "num_heads": 3}
     with pytest.raises(ValueError, match="another drafter"):
         run(tiny_teacher, tmp_path, other)
 
@@ -108,7 +111,7 @@ def test_resume_refuses_another_drafter(tiny_teacher, tmp_path):
 def test_corrupt_checkpoint_is_an_error_not_a_fresh_start(tiny_teacher, tmp_path):
     cfg = make_cfg()
     with pytest.raises(Killed):
-        run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg["trainer"], die_at=4))
+        run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg.trainer, die_at=4))
     state = tmp_path / "checkpoints" / "step_0000003" / checkpoint.STATE
     state.write_bytes(state.read_bytes()[:100])
     with pytest.raises(RuntimeError, match="unreadable"):
@@ -146,8 +149,8 @@ def test_accumulated_gradient_is_the_mean_over_all_valid_tokens(tiny_teacher, tm
         for p in drafter.parameters():
             p.add_(0.1 * torch.randn_like(p))
     reference = {k: v.clone() for k, v in drafter.state_dict().items()}
-    engine = GradSpyEngine(cfg["trainer"])
-    logger = MetricsLogger(tmp_path, cfg["logger"], cfg)
+    engine = GradSpyEngine(cfg.trainer)
+    logger = MetricsLogger(tmp_path, cfg.logger, asdict(cfg))
     train(cfg, tiny_teacher, drafter, data, collate, forward_kl, engine, tmp_path, logger)
     logger.close()
 

@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
 from heads.base import TargetDims
-from train.config import register_configs, validate
+from train.config import load_config, register_configs
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))
@@ -41,7 +41,7 @@ def load(overrides=()):
 
 def test_default_composes():
     cfg = load()
-    validate(cfg)
+    load_config(cfg)
     assert cfg.target.source == "toy" and cfg.drafter._target_ == "heads.eagle.EagleDrafter"
     assert cfg.drafter.variant == "eagle1"
 
@@ -51,7 +51,7 @@ def test_experiment_composes_and_instantiates(experiment):
     cfg = load([f"experiment={experiment}"])
     if cfg.data.source == "file":
         cfg.data.path = "/data/chat.jsonl"  # the user supplies it; everything else must already be there
-    validate(cfg)
+    load_config(cfg)
     # Hub targets get their real sizes (drafters check layer ids and vocab sizes against them); built on the meta
     # device, so an 8B-sized drafter costs nothing.
     dims = HUB_DIMS.get(cfg.target.name, TargetDims(hidden_size=64, vocab_size=512, num_layers=2))
@@ -66,7 +66,7 @@ def test_every_drafter_preset_instantiates(drafter, monkeypatch):
     # The draft model preset builds a small toy LM (minutes); a tiny stand-in checks the config plumbing.
     monkeypatch.setattr("heads.draft_model.load_or_build_toy_target", lambda cfg, cache_dir=None: (make_tiny_llama(), None))
     cfg = load([f"drafter={drafter}"])
-    validate(cfg)
+    load_config(cfg)
     instantiate(cfg.drafter, dims=TargetDims(32, 4096, 4))  # the toy target's vocabulary and depth
 
 
@@ -83,7 +83,7 @@ def test_unknown_schema_key_fails():
 def test_unknown_drafter_key_lists_valid_ones():
     cfg = load(["+drafter.num_headz=3"])
     with pytest.raises(ValueError, match=r"unknown key drafter.num_headz.*num_heads"):
-        validate(cfg)
+        load_config(cfg)
 
 
 def test_unknown_group_option_is_rejected():
@@ -94,11 +94,11 @@ def test_unknown_group_option_is_rejected():
 def test_cross_field_checks():
     cfg = load(["data.max_length=1024"])
     with pytest.raises(ValueError, match="target.toy.max_seq_len"):
-        validate(cfg)
+        load_config(cfg)
     with pytest.raises(ValueError, match="trainer.steps must be >= 1"):
-        validate(load(["trainer.steps=0"]))
+        load_config(load(["trainer.steps=0"]))
     with pytest.raises(ValueError, match="trainer.engine='ddpp'.*single"):
-        validate(load(["trainer.engine=ddpp"]))
+        load_config(load(["trainer.engine=ddpp"]))
 
 
 LOSSES = sorted(p.stem for p in (Path(CONF) / "loss").glob("*.yaml"))
@@ -107,7 +107,7 @@ LOSSES = sorted(p.stem for p in (Path(CONF) / "loss").glob("*.yaml"))
 @pytest.mark.parametrize("loss", LOSSES)
 def test_every_loss_preset_validates_and_instantiates(loss):
     cfg = load([f"loss={loss}"])
-    validate(cfg)
+    load_config(cfg)
     fn = instantiate(cfg.loss)
     import torch
 

@@ -12,7 +12,6 @@ import types
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -81,8 +80,8 @@ def _write_jsonl(path, records) -> str:
     return str(path)
 
 
-def _cfg(**overrides) -> dict:
-    return {"source": "file", **overrides}
+def _cfg(**overrides) -> data.DataConfig:
+    return data.DataConfig(**{"source": "file", **overrides})
 
 
 def _tokens(tok, text: str) -> list[int]:
@@ -164,7 +163,7 @@ def test_stdlib_source_uses_corpus_and_omegaconf_config(monkeypatch, tokenizer):
         return [("a.py", "def add(a, b):\n    return a + b\n" * 20), ("b.py", "class Stack:\n    pass\n" * 20)]
 
     monkeypatch.setattr(data, "stdlib_sources", fake_sources)
-    cfg = OmegaConf.create({"source": "stdlib", "max_length": 32, "corpus_max_bytes": 1234})
+    cfg = data.DataConfig(source="stdlib", max_length=32, corpus_max_bytes=1234)
     assert data.load_records(cfg)[1] == {"text": "class Stack:\n    pass\n" * 20}
     ds = data.build_train_dataset(cfg, tokenizer)
     assert len(ds) > 0 and calls[0] == ("train", 1234)
@@ -178,7 +177,7 @@ def test_hub_source_calls_load_dataset(monkeypatch):
         return [{"text": "from the hub"}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    records = data.load_records({"source": "hub", "hub_name": "org/set", "hub_split": "validation"})
+    records = data.load_records(data.DataConfig(source="hub", hub_name="org/set", hub_split="validation"))
     assert records == [{"text": "from the hub"}] and seen == {"name": "org/set", "split": "validation"}
 
 
@@ -278,7 +277,7 @@ def test_record_without_text_or_conversation_lists_its_keys(tmp_path, tokenizer)
 
 def test_unknown_source_lists_valid_ones():
     with pytest.raises(ValueError, match=r"'s3'.*\('stdlib', 'file', 'hub'\)"):
-        data.load_records({"source": "s3"})
+        data.load_records(data.DataConfig(source="s3"))
 
 
 # --------------------------------------------------------------------------- prompts

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import traceback
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -51,9 +52,9 @@ def config(world: int, **trainer):
 def run_loop(cfg, run_dir, engine):
     teacher = _teacher()
     torch.manual_seed(0)
-    drafter = build_drafter(cfg["drafter"], teacher)
+    drafter = build_drafter(cfg.drafter, teacher)
     drafter.bind_target(teacher, initialize=True)
-    logger = MetricsLogger(run_dir, cfg["logger"], cfg, is_main=engine.is_main,
+    logger = MetricsLogger(run_dir, cfg.logger, asdict(cfg), is_main=engine.is_main,
                            resumed=(run_dir / "metrics.jsonl").exists())
     try:
         train(cfg, teacher, drafter, uneven_dataset(), collate, functools.partial(forward_kl), engine, run_dir, logger)
@@ -94,15 +95,15 @@ def _worker(rank: int, port: int, out: str) -> None:
     try:
         for name, options in ENGINES.items():
             cfg = config(WORLD, **options)
-            weights = run_loop(cfg, out / name, build_engine(cfg["trainer"]))
+            weights = run_loop(cfg, out / name, build_engine(cfg.trainer))
             if rank == 0:
                 torch.save(weights, out / f"{name}.pt")
             # Killed after step 4, then resumed by a fresh launch: must land on the uninterrupted curve.
             try:
-                run_loop(cfg, out / f"{name}_resumed", _dying(build_engine(cfg["trainer"]), DIE_AT))
+                run_loop(cfg, out / f"{name}_resumed", _dying(build_engine(cfg.trainer), DIE_AT))
             except Killed:
                 pass
-            weights = run_loop(cfg, out / f"{name}_resumed", build_engine(cfg["trainer"]))
+            weights = run_loop(cfg, out / f"{name}_resumed", build_engine(cfg.trainer))
             if rank == 0:
                 torch.save(weights, out / f"{name}_resumed.pt")
         results["target_shard"] = _sharded_target_check()
@@ -118,7 +119,7 @@ def _sharded_target_check() -> float:
 
     whole = Teacher(make_tiny_llama(), tokenizer=None, name="tiny-llama")
     sharded = Teacher(make_tiny_llama(), tokenizer=None, name="tiny-llama")
-    shard_target(sharded, "fsdp", build_engine(config(WORLD, engine="ddp")["trainer"]))
+    shard_target(sharded, "fsdp", build_engine(config(WORLD, engine="ddp").trainer))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(int(os.environ["RANK"])))
     from torch.distributed.tensor import DTensor
 
@@ -145,7 +146,7 @@ def two_ranks(tmp_path_factory):
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     cfg = config(1)
-    return run_loop(cfg, out, build_engine(cfg["trainer"])), _curve(out)
+    return run_loop(cfg, out, build_engine(cfg.trainer)), _curve(out)
 
 
 def _curve(run_dir):
@@ -166,7 +167,7 @@ def test_two_ranks_match_one_process(engine, two_ranks, single):
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-6, msg=name)
     # The runs trained: weights moved well beyond the tolerance from initialisation.
     torch.manual_seed(0)
-    initial = build_drafter(config(1)["drafter"], _teacher()).state_dict()
+    initial = build_drafter(config(1).drafter, _teacher()).state_dict()
     assert max((initial[k] - weights[k]).abs().max() for k in initial) > 1e-3
 
 
@@ -195,7 +196,7 @@ def test_rank_local_normalisation_would_have_differed(single):
     order = BatchOrder(len(rows), 2, seed=0)
     teacher = _teacher()
     torch.manual_seed(0)
-    drafter = build_drafter(config(1)["drafter"], teacher)
+    drafter = build_drafter(config(1).drafter, teacher)
     drafter.bind_target(teacher, initialize=True)
     sums, counts = [], []
     with torch.no_grad():

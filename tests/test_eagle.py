@@ -12,7 +12,7 @@ from heads.base import TargetDims, load_drafter, save_drafter
 from heads.eagle import EagleDrafter, _NodeStore, default_feature_layers, ttt_mask, vocab_maps
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
-from train.loop import simulated_tau
+from inference.stats import simulated_tau
 
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
 VARIANTS = [("eagle1", {}), ("eagle3", {"draft_vocab_size": 96})]

@@ -1,6 +1,8 @@
 """The evaluation around the decoder: cost model and auto-tuning, report fields (baselines, categories, cost), and
 clear errors for bad decoding input."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,9 +13,9 @@ from inference.decoder import Decoder, DecoderConfig
 from tests.test_config import load
 from tests.test_decoder import noisy_medusa
 from tests.test_draft_model import DIMS, teacher, truncated  # noqa: F401  (teacher is a fixture)
-from train.config import validate
+from train.config import EvalConfig, load_config
 
-EVAL = {"max_new_tokens": 16, "num_draft": 3, "warmup_prompts": 1, "drafter_dtype": "float32", "hf_baselines": True}
+EVAL = EvalConfig(max_new_tokens=16, num_draft=3, warmup_prompts=1, drafter_dtype="float32", hf_baselines=True)
 
 
 def prompts(n, seed=0):
@@ -71,7 +73,7 @@ def test_typical_acceptance_is_labelled_lossy(tiny_teacher):
     from eval.run import evaluate
 
     lookup = build_drafter({"_target_": "heads.lookup.PromptLookup"}, tiny_teacher)
-    report = evaluate(tiny_teacher, {"lookup": lookup}, prompts(2), {**EVAL, "hf_baselines": False},
+    report = evaluate(tiny_teacher, {"lookup": lookup}, prompts(2), replace(EVAL, hf_baselines=False),
                       DecoderConfig(temperature=1.0, acceptance="typical"))
     row = report["results"][0]
     assert not report["lossless"] and not row["lossless"] and "LOSSY" in row["label"]
@@ -101,4 +103,4 @@ def test_bad_decoding_input(tiny_teacher):
 ])
 def test_bad_decoder_config_fails_validation(override, message):
     with pytest.raises(ValueError, match=message):
-        validate(load([override]))
+        load_config(load([override]))

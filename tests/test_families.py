@@ -123,17 +123,17 @@ def test_load_teacher_checks_the_family_before_loading_weights(tmp_path):
     from tokenizers.models import WordLevel
     from transformers import AutoConfig, PreTrainedTokenizerFast
 
-    from distill.teacher import load_teacher
+    from distill.teacher import TargetConfig, load_teacher
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)},
                                                                              unk_token="t0")), eos_token="t1")
     FAMILIES["gemma2"].build().save_pretrained(tmp_path / "gemma2")
     tokenizer.save_pretrained(tmp_path / "gemma2")
-    teacher = load_teacher({"source": "hf", "name": str(tmp_path / "gemma2")})
+    teacher = load_teacher(TargetConfig(source="hf", name=str(tmp_path / "gemma2")))
     assert teacher.num_layers == 4 and teacher.output_logits.softcap == 30.0
     AutoConfig.for_model("starcoder2").save_pretrained(tmp_path / "starcoder2")
     with pytest.raises(ValueError, match=r"model_type='starcoder2' is not among the families tested"):
-        load_teacher({"source": "hf", "name": str(tmp_path / "starcoder2")})
+        load_teacher(TargetConfig(source="hf", name=str(tmp_path / "starcoder2")))
 
 
 def test_chain_drafters_refuse_a_tree_with_the_reason(family):

@@ -4,11 +4,11 @@ import sys
 import pytest
 from PIL import Image
 
-from train.logger import MetricsLogger
+from train.logger import LoggerConfig, MetricsLogger
 
 
 def test_metrics_jsonl_always_written(tmp_path):
-    logger = MetricsLogger(tmp_path, {"name": "none"}, {"seed": 0})
+    logger = MetricsLogger(tmp_path, LoggerConfig(name="none"), {"seed": 0})
     logger.log({"train/loss": 1.5}, step=0)
     logger.log({"train/loss": 1.0}, step=10)
     logger.close()
@@ -18,14 +18,14 @@ def test_metrics_jsonl_always_written(tmp_path):
 
 def test_resumed_run_appends(tmp_path):
     for resumed, step in ((False, 0), (True, 5)):
-        logger = MetricsLogger(tmp_path, {"name": "none"}, {}, resumed=resumed)
+        logger = MetricsLogger(tmp_path, LoggerConfig(name="none"), {}, resumed=resumed)
         logger.log({"train/loss": 1.0}, step=step)
         logger.close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 def test_non_main_rank_writes_nothing(tmp_path):
-    logger = MetricsLogger(tmp_path, {"name": "none"}, {}, is_main=False)
+    logger = MetricsLogger(tmp_path, LoggerConfig(name="none"), {}, is_main=False)
     logger.log({"train/loss": 1.0}, step=0)
     logger.close()
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -33,8 +33,7 @@ def test_non_main_rank_writes_nothing(tmp_path):
 
 def test_wandb_offline_run_keeps_its_id_across_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = {"name": "wandb", "project": "specdraft-test", "entity": None, "run_name": "t", "group": None,
-           "tags": ["test"], "mode": "offline"}
+    cfg = LoggerConfig(name="wandb", project="specdraft-test", run_name="t", tags=["test"], mode="offline")
     logger = MetricsLogger(tmp_path, cfg, {"trainer": {"lr": 1e-3}})
     logger.log({"train/loss": 2.0}, step=1)
     _png(tmp_path / "speedup.png")
@@ -68,7 +67,7 @@ class _FakeRun:
 
 
 def _fake_logger(tmp_path) -> tuple[MetricsLogger, _FakeRun]:
-    logger = MetricsLogger(tmp_path, {"name": "none"}, {})
+    logger = MetricsLogger(tmp_path, LoggerConfig(name="none"), {})
     logger.wandb_run = run = _FakeRun()
     return logger, run
 
@@ -156,7 +155,7 @@ def test_log_report_is_a_no_op_without_wandb(tmp_path, monkeypatch, is_main):
     monkeypatch.setitem(sys.modules, "wandb", None)
     _png(tmp_path / "speedup.png")
     before = sorted(tmp_path.iterdir())
-    logger = MetricsLogger(tmp_path, {"name": "none"}, {}, is_main=is_main)
+    logger = MetricsLogger(tmp_path, LoggerConfig(name="none"), {}, is_main=is_main)
     logger.log_report(REPORT, tmp_path)
     logger.close()
     assert logger.wandb_run is None

@@ -3,6 +3,7 @@
 import copy
 import functools
 import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -161,10 +162,10 @@ def test_joint_stage_lm_loss_is_the_adapted_targets_next_token_loss(tiny_teacher
 
 def run_loop(teacher, run_dir, cfg, engine=None):
     torch.manual_seed(0)
-    drafter = bound(teacher, cfg["drafter"])
-    logger = MetricsLogger(run_dir, cfg["logger"], cfg, resumed=(run_dir / "metrics.jsonl").exists())
+    drafter = bound(teacher, cfg.drafter)
+    logger = MetricsLogger(run_dir, cfg.logger, asdict(cfg), resumed=(run_dir / "metrics.jsonl").exists())
     try:
-        train(cfg, teacher, drafter, make_dataset(), collate, KL, engine or SingleEngine(cfg["trainer"]), run_dir,
+        train(cfg, teacher, drafter, make_dataset(), collate, KL, engine or SingleEngine(cfg.trainer), run_dir,
               logger)
     finally:
         logger.close()
@@ -172,7 +173,7 @@ def run_loop(teacher, run_dir, cfg, engine=None):
 
 
 def test_training_loop_never_changes_the_targets_weights_and_resumes_exactly(tiny_teacher, tmp_path):
-    cfg = {**make_cfg(steps=5, ckpt_every=3, grad_accum=1), "drafter": CFG}
+    cfg = replace(make_cfg(steps=5, ckpt_every=3, grad_accum=1), drafter=CFG)
     before = base_state(tiny_teacher)
     reference = run_loop(tiny_teacher, tmp_path / "a", cfg)
     after = base_state(tiny_teacher)
@@ -180,7 +181,7 @@ def test_training_loop_never_changes_the_targets_weights_and_resumes_exactly(tin
     assert any(p.abs().sum() > 0 for k, p in reference.state_dict().items() if k.endswith("B.weight"))  # LoRA trained
     # Killed after step 3 (inside the joint stage) and resumed: the same heads and LoRA as uninterrupted.
     with pytest.raises(Killed):
-        run_loop(tiny_teacher, tmp_path / "b", cfg, DyingEngine(cfg["trainer"], die_at=4))
+        run_loop(tiny_teacher, tmp_path / "b", cfg, DyingEngine(cfg.trainer, die_at=4))
     resumed = run_loop(tiny_teacher, tmp_path / "b", cfg)
     assert reference.state_dict().keys() == resumed.state_dict().keys()
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
@@ -255,7 +256,7 @@ def test_after_training_reports_original_and_adapted_heldout_loss(tiny_teacher, 
     drafter = bound(tiny_teacher, noise=0.2)
     assert drafter.after_training(tiny_teacher) == {}  # no tokenizer: nothing to encode held-out text with
     ids = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr("distill.prompts.heldout_prompts", lambda tok, n, tokens, seed=0: ids.tolist())
+    monkeypatch.setattr("heads.medusa2.heldout_prompts", lambda tok, n, tokens, seed=0: ids.tolist())
     tiny_teacher.tokenizer = tokenizer128()
     out = drafter.after_training(tiny_teacher)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from eval.metrics import AcceptStats
+from inference.stats import AcceptStats
 
 
 def test_tau_and_alpha_from_histogram():

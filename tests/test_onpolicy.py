@@ -2,26 +2,27 @@
 only ever read. Plus the data-mode and loss checks ``train.config.validate`` runs before anything is built."""
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from distill.data import TokenBlockDataset, collate
+from distill.data import DataConfig, TokenBlockDataset, collate
 from distill.losses import forward_kl
 from distill.onpolicy import OnPolicyBatches
 from heads.draft_model import DraftModel
 from heads.medusa import MedusaHeads
 from tests.test_draft_model import DIMS, teacher, truncated  # noqa: F401  (teacher is a fixture)
-from train.config import register_configs, validate
-from train.engine import SingleEngine
+from train.config import Config, load_config, register_configs
+from train.engine import SingleEngine, TrainerConfig
 from train.loop import train
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
 
-DATA = {"mode": "on_policy", "on_policy_fraction": 0.5, "on_policy_prompt_tokens": 6, "on_policy_temperature": 1.0}
+DATA = DataConfig(mode="on_policy", on_policy_fraction=0.5, on_policy_prompt_tokens=6, on_policy_temperature=1.0)
 
 
 def rows(n=8, T=16, seed=0):
@@ -52,7 +53,7 @@ def test_on_policy_rows_keep_the_prompt_and_learn_only_the_drafts_tokens(teacher
 
 
 def test_mixed_draws_about_the_fraction_deterministically(teacher):
-    source = OnPolicyBatches(draft(teacher), {**DATA, "mode": "mixed", "on_policy_fraction": 0.25}, seed=0)
+    source = OnPolicyBatches(draft(teacher), replace(DATA, mode="mixed", on_policy_fraction=0.25), seed=0)
     picks = [source.is_on_policy(n) for n in range(400)]
     assert 60 <= sum(picks) <= 140 and picks == [source.is_on_policy(n) for n in range(400)]
     batch = collate([rows()[i] for i in range(2)])
@@ -75,11 +76,11 @@ def test_on_policy_training_updates_the_draft_never_the_target(teacher, tmp_path
     target_before = copy.deepcopy(teacher.model.state_dict())
     draft_before = copy.deepcopy(drafter.model.state_dict())
     source = OnPolicyBatches(drafter, DATA, seed=0)
-    cfg = {"seed": 0, "drafter": {}, "target": {},
-           "trainer": {"steps": 3, "micro_batch_size": 4, "grad_accum": 1, "lr": 1e-2, "min_lr_ratio": 0.1,
-                       "warmup_steps": 1, "weight_decay": 0.0, "grad_clip": 1.0, "log_every": 1, "ckpt_every": 100,
-                       "keep_last": 1, "resume": "never"}}
-    engine = SingleEngine({"device": "cpu", "bf16": False})
+    cfg = Config(seed=0, trainer=TrainerConfig(device="cpu", bf16=False, steps=3, micro_batch_size=4, grad_accum=1,
+                                               lr=1e-2, min_lr_ratio=0.1, warmup_steps=1, weight_decay=0.0,
+                                               grad_clip=1.0, log_every=1, ckpt_every=100, keep_last=1,
+                                               resume="never"))
+    engine = SingleEngine(cfg.trainer)
     train(cfg, teacher, drafter, rows(), collate, forward_kl, engine, tmp_path, _NoLog(), batch_source=source)
     assert source.sampled == 3
     for name, tensor in teacher.model.state_dict().items():
@@ -107,9 +108,9 @@ def load(overrides):
 ])
 def test_bad_data_modes_and_loss_values_are_refused_at_start(overrides, message):
     with pytest.raises(ValueError, match=message):
-        validate(load(overrides))
+        load_config(load(overrides))
 
 
 def test_valid_modes_pass():
     for overrides in (["data.mode=on_policy", "drafter=draft_model"], ["data.mode=mixed", "loss=jsd", "loss.beta=0.9"]):
-        validate(load(overrides))
+        load_config(load(overrides))

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from distill.regenerate import load_regenerated, meta_path, prompts_from_data, regenerate
+from distill.regenerate import load_regenerated, meta_path, prompts_from_data
+from distill.regenerate.__main__ import regenerate
 from distill.teacher import Teacher
 from inference.batched import BatchedDecoder
 
@@ -73,7 +74,7 @@ def compose(data: list[str], out: Path | None, **settings):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from train.config import register_configs
+    from train.config import load_config, register_configs
 
     register_configs()
     overrides = ["target=tiny", "trainer.device=cpu", *data, f"regenerate.prompt_tokens={PROMPT_TOKENS}",
@@ -81,14 +82,14 @@ def compose(data: list[str], out: Path | None, **settings):
     overrides += [f"regenerate.out={out}"] if out is not None else []
     overrides += [f"regenerate.{k}={v}" for k, v in settings.items()]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+        return load_config(hydra_compose(config_name="config", overrides=overrides))
 
 
 @pytest.fixture
 def teacher(monkeypatch) -> Teacher:
     """The target every ``regenerate(cfg)`` of the test loads."""
     teacher = make_teacher(make_tokenizer())
-    monkeypatch.setattr("distill.regenerate.load_teacher", lambda target_cfg, device="cpu": teacher)
+    monkeypatch.setattr("distill.regenerate.__main__.load_teacher", lambda target_cfg, device="cpu": teacher)
     return teacher
 
 
@@ -221,7 +222,7 @@ def test_another_config_is_refused_naming_what_differs(text_file, teacher, tmp_p
     with pytest.raises(ValueError, match=r"differs: data.max_length \(file 24, now 20\)"):
         regenerate(compose([*text_data(text_file), "data.max_length=20"], out, num_prompts=3))
     other = make_teacher(teacher.tokenizer, seed=1)
-    monkeypatch.setattr("distill.regenerate.load_teacher", lambda target_cfg, device="cpu": other)
+    monkeypatch.setattr("distill.regenerate.__main__.load_teacher", lambda target_cfg, device="cpu": other)
     with pytest.raises(ValueError, match=r"differs: target_weights \(file '[0-9a-f]+', now '[0-9a-f]+'\)"):
         regenerate(compose(text_data(text_file), out, num_prompts=3))
     meta_path(out).unlink()

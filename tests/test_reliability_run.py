@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from train import checkpoint
-from train.config import register_configs
+from train.config import EvalConfig, load_config, register_configs
 from train.run import run_training
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -25,10 +26,10 @@ register_configs()
 
 def compose_cfg(cache_dir, *overrides, drafter=("drafter=medusa", "drafter.num_heads=2")):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="config", overrides=[
+        return load_config(compose(config_name="config", overrides=[
             "experiment=smoke", *drafter, f"target.cache_dir={cache_dir}",
             "data.corpus_max_bytes=60000", "trainer.steps=4", "trainer.ckpt_every=2", "trainer.log_every=1",
-            "trainer.micro_batch_size=2", "trainer.device=cpu", "eval.enabled=false", *overrides])
+            "trainer.micro_batch_size=2", "trainer.device=cpu", "eval.enabled=false", *overrides]))
 
 
 def snapshot(run_dir: Path) -> dict[str, tuple[str, int]]:
@@ -191,18 +192,18 @@ def test_diverged_training_stops_and_saves_nothing_non_finite(tmp_path, cache):
 
 
 def test_rows_cut_before_their_loss_tokens_advise_raising_max_length(tmp_path, cache):
-    from distill.data import build_train_dataset
+    from distill.data import DataConfig, build_train_dataset
     from distill.toy import load_or_build_toy_target
 
     cfg = compose_cfg(cache)
-    _, tokenizer = load_or_build_toy_target(cfg.target.toy, cache_dir=cache)
+    _, tokenizer = load_or_build_toy_target(asdict(cfg.target.toy), cache_dir=cache)
     data = tmp_path / "chat.jsonl"
     long_question = "explain " * 80
     data.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": long_question},
                                                            {"from": "gpt", "value": "ok"}]}) for _ in range(4)))
     with pytest.raises(ValueError, match="raise data.max_length"):
-        build_train_dataset({"source": "file", "path": str(data), "max_length": 32, "packing": False,
-                             "chat_template": "none"}, tokenizer)
+        build_train_dataset(DataConfig(source="file", path=str(data), max_length=32, packing=False,
+                                       chat_template="none"), tokenizer)
 
 
 def eval_overrides(drafter_path, *extra):
@@ -235,10 +236,10 @@ def test_eval_prompts_file_is_cut_by_prompt_tokens(run_dir, cache, tmp_path):
     from distill.toy import load_or_build_toy_target
     from eval.run import eval_prompts
 
-    _, tokenizer = load_or_build_toy_target(compose_cfg(cache).target.toy, cache_dir=cache)
+    _, tokenizer = load_or_build_toy_target(asdict(compose_cfg(cache).target.toy), cache_dir=cache)
     prompts = tmp_path / "q.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):\n    return x\n" * 40, "category": "code"}) + "\n")
-    ids, _ = eval_prompts({"prompts": str(prompts), "num_prompts": 1, "prompt_tokens": 24}, tokenizer)
+    ids, _ = eval_prompts(EvalConfig(prompts=str(prompts), num_prompts=1, prompt_tokens=24), tokenizer)
     assert len(ids[0]) == 24
     report = run_eval_cli(eval_overrides(run_dir / "drafter", f"eval.prompts={prompts}"), tmp_path / "e")
     assert report["results"][0]["new_tokens"] > 0  # 48 prompt tokens + 32 new fit; uncut it would not

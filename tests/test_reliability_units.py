@@ -4,13 +4,14 @@ test_reliability_run.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from distill.data import TokenBlockDataset, load_records, rows_fingerprint
+from distill.data import DataConfig, TokenBlockDataset, load_records, rows_fingerprint
 from distill.teacher import Teacher
 from heads.base import (
     WEIGHTS,
@@ -24,7 +25,7 @@ from heads.base import (
 from tests.conftest import make_tiny_llama
 from tests.test_checkpoint import MEDUSA, DyingEngine, Killed, make_cfg, make_dataset, run
 from train import checkpoint
-from train.config import register_configs, validate
+from train.config import load_config, register_configs
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
@@ -57,7 +58,7 @@ def saved_medusa(teacher, path, target_cfg=None, drafter_cfg=MEDUSA):
 ])
 def test_out_of_range_schedule_values_are_refused_at_start_up(override, match):
     with pytest.raises(ValueError, match=match):
-        validate(load(override))
+        load_config(load(override))
 
 
 # --- non-finite training ----------------------------------------------------------------------------------------
@@ -113,10 +114,10 @@ def _killed(teacher, run_dir, cfg, dataset=None):
     from train.loop import train
 
     torch.manual_seed(0)
-    drafter = build_drafter(cfg["drafter"], teacher)
+    drafter = build_drafter(cfg.drafter, teacher)
     drafter.bind_target(teacher, initialize=True)
-    logger = MetricsLogger(run_dir, cfg["logger"], cfg)
-    engine = DyingEngine(cfg["trainer"], die_at=4) if dataset is None else SingleEngine(cfg["trainer"])
+    logger = MetricsLogger(run_dir, cfg.logger, asdict(cfg))
+    engine = DyingEngine(cfg.trainer, die_at=4) if dataset is None else SingleEngine(cfg.trainer)
     try:
         train(cfg, teacher, drafter, dataset or make_dataset(), collate, functools.partial(forward_kl), engine,
               run_dir, logger)
@@ -130,16 +131,16 @@ def _killed(teacher, run_dir, cfg, dataset=None):
     ("loss", r"loss=\{'_target_': 'distill.losses.forward_kl'\}"),
 ])
 def test_resume_with_other_data_loss_or_lr_is_refused(tiny_teacher, tmp_path, change, match):
-    cfg = {**make_cfg(), "loss": {"_target_": "distill.losses.forward_kl"}}
+    cfg = replace(make_cfg(), loss={"_target_": "distill.losses.forward_kl"})
     with pytest.raises(Killed):
         _killed(tiny_teacher, tmp_path, cfg)
     data = make_dataset()
     if change == "data":  # same path, same row count, one token edited
         data[5]["input_ids"][3] = (data[5]["input_ids"][3] + 1) % 128
     elif change == "lr":
-        cfg["trainer"] = {**cfg["trainer"], "lr": 2e-2}
+        cfg.trainer = replace(cfg.trainer, lr=2e-2)
     else:
-        cfg["loss"] = {"_target_": "distill.losses.reverse_kl"}
+        cfg.loss = {"_target_": "distill.losses.reverse_kl"}
     with pytest.raises(ValueError, match=match):
         _killed(tiny_teacher, tmp_path, cfg, dataset=data)
 
@@ -150,7 +151,7 @@ def test_teacher_cache_refuses_an_edited_data_file_and_a_shard_damaged_in_place(
 
     source = tmp_path / "rows.txt"
     source.write_text("the rows were tokenised from this text")
-    data_cfg = {"source": "file", "path": str(source), "max_length": 16}
+    data_cfg = DataConfig(source="file", path=str(source), max_length=16)
     write_cache(tmp_path / "c", tiny_teacher, make_rows(), data_cfg, (-1,), topk=4, dtype="float32", shard_rows=4)
     OfflineTeacher(tmp_path / "c", tiny_teacher, data_cfg)  # as written: fine
     source.write_text("the rows were tokenised from this text, edited")  # same path, same config
@@ -264,7 +265,7 @@ def test_non_utf8_data_names_the_file_and_the_fix(tmp_path, name):
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes('{"text": "café"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=f"data.path: {target} is not UTF-8 text .*iconv"):
-        load_records({"source": "file", "path": str(path)})
+        load_records(DataConfig(source="file", path=str(path)))
 
 
 def test_a_turn_that_is_a_string_is_named():
@@ -286,7 +287,7 @@ def test_damaged_drafter_weights_are_one_clear_error(tiny_teacher, tmp_path, dam
 def test_damaged_checkpoint_files_are_one_clear_error(tiny_teacher, tmp_path):
     cfg = make_cfg()
     with pytest.raises(Killed):
-        run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg["trainer"], die_at=4))
+        run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg.trainer, die_at=4))
     weights = tmp_path / "checkpoints" / "step_0000003" / "drafter" / WEIGHTS
     intact = weights.read_bytes()
     weights.write_bytes(intact[:300])

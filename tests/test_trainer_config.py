@@ -1,6 +1,7 @@
 """Trainer presets, the generated DeepSpeed JSON, batch arithmetic over ranks, and the bad inputs a multi-GPU run
 meets: each fails before training with the key, the value and the fix, and no run silently starts over."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ from heads.base import build_drafter
 from tests.conftest import make_tiny_llama
 from tests.test_checkpoint import DyingEngine, Killed, make_cfg, run
 from train import checkpoint
-from train.config import register_configs, validate
-from train.engine import SingleEngine, build_engine, deepspeed_config, resolve_batch
+from train.config import load_config, register_configs
+from train.engine import SingleEngine, TrainerConfig, build_engine, deepspeed_config, resolve_batch
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 PRESETS = {"single": ("single", None), "ddp": ("ddp", None), "fsdp": ("fsdp", None), "zero1": ("deepspeed", 1),
@@ -30,7 +31,7 @@ def load(overrides=()):
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_trainer_preset_composes_and_validates(preset):
     cfg = load([f"trainer={preset}"])
-    validate(cfg)
+    load_config(cfg)
     engine, stage = PRESETS[preset]
     assert cfg.trainer.engine == engine
     if stage is not None:
@@ -47,7 +48,7 @@ def test_deepspeed_json_comes_from_the_trainer_config_and_is_overridable():
     cfg = load(["trainer=zero3", "trainer.micro_batch_size=4", "trainer.grad_accum=2", "trainer.grad_clip=0.5",
                 "trainer.bf16=false", "trainer.fp16=true",
                 "+trainer.deepspeed.zero_optimization.offload_optimizer.device=cpu"])
-    validate(cfg)
+    load_config(cfg)
     ds = deepspeed_config(cfg.trainer, world_size=4)
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == 32 and ds["gradient_clipping"] == 0.5
@@ -59,15 +60,15 @@ def test_deepspeed_json_comes_from_the_trainer_config_and_is_overridable():
 
 
 def test_global_batch_sets_accumulation_per_world_size():
-    t = {"micro_batch_size": 4, "grad_accum": 1, "global_batch_size": 32}
-    assert resolve_batch(t, 1)["grad_accum"] == 8
-    assert resolve_batch(t, 8)["grad_accum"] == 1
-    assert resolve_batch({**t, "global_batch_size": None, "grad_accum": 3}, 2)["grad_accum"] == 3
+    t = TrainerConfig(micro_batch_size=4, grad_accum=1, global_batch_size=32)
+    assert resolve_batch(t, 1).grad_accum == 8
+    assert resolve_batch(t, 8).grad_accum == 1
+    assert resolve_batch(replace(t, global_batch_size=None, grad_accum=3), 2).grad_accum == 3
 
 
 def test_world_size_not_dividing_the_batch_is_refused():
     with pytest.raises(ValueError, match=r"global_batch_size=32 is not a multiple of.*micro_batch_size=4.*world size 3"):
-        resolve_batch({"micro_batch_size": 4, "grad_accum": 1, "global_batch_size": 32}, 3)
+        resolve_batch(TrainerConfig(micro_batch_size=4, grad_accum=1, global_batch_size=32), 3)
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -79,18 +80,18 @@ def test_world_size_not_dividing_the_batch_is_refused():
 ])
 def test_bad_trainer_values_fail_validation(overrides, match):
     with pytest.raises(ValueError, match=match):
-        validate(load(overrides))
+        load_config(load(overrides))
 
 
 def test_single_engine_refuses_a_multi_process_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="trainer=single but the launcher started WORLD_SIZE=2.*trainer=ddp"):
-        SingleEngine(make_cfg()["trainer"])
+        SingleEngine(make_cfg().trainer)
 
 
 def test_fsdp_without_a_process_group_says_how_to_launch(tiny_teacher):
-    engine = build_engine(make_cfg(engine="fsdp")["trainer"])
-    drafter = build_drafter(make_cfg()["drafter"], tiny_teacher)
+    engine = build_engine(make_cfg(engine="fsdp").trainer)
+    drafter = build_drafter(make_cfg().drafter, tiny_teacher)
     with pytest.raises(ValueError, match="torchrun --nproc_per_node 1 -m train trainer=fsdp"):
         engine.setup(drafter, lambda groups: torch.optim.AdamW(groups))
 
@@ -99,14 +100,14 @@ def test_medusa2_lora_is_not_sharded(tiny_teacher):
     from tests.test_medusa2 import CFG
 
     drafter = build_drafter(CFG, tiny_teacher)
-    engine = build_engine(make_cfg(engine="fsdp")["trainer"])
+    engine = build_engine(make_cfg(engine="fsdp").trainer)
     with pytest.raises(ValueError, match="trainer=fsdp shards.*medusa2.*inside the target.*trainer=ddp"):
         engine.setup(drafter, lambda groups: torch.optim.AdamW(groups))
 
 
 def _killed_run(teacher, run_dir, cfg):
     with pytest.raises(Killed):
-        run(teacher, run_dir, cfg, DyingEngine(cfg["trainer"], die_at=4))
+        run(teacher, run_dir, cfg, DyingEngine(cfg.trainer, die_at=4))
 
 
 def test_resume_refuses_a_target_with_other_weights(tiny_teacher, tmp_path):
@@ -163,8 +164,8 @@ def test_throughput_metrics_are_logged(tiny_teacher, tmp_path):
 
 
 def test_only_drafter_parameters_reach_the_optimizer(tiny_teacher):
-    engine = SingleEngine(make_cfg()["trainer"])
-    drafter = build_drafter(make_cfg()["drafter"], tiny_teacher)
+    engine = SingleEngine(make_cfg().trainer)
+    drafter = build_drafter(make_cfg().drafter, tiny_teacher)
     drafter.bind_target(tiny_teacher, initialize=True)
     _, optimizer = engine.setup(drafter, lambda groups: torch.optim.AdamW(groups))
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -184,5 +185,5 @@ def test_fp16_loss_scaling_trains_checkpoints_and_resumes(tiny_teacher, tmp_path
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=1e-6, msg=name)
     torch.manual_seed(0)  # the steps were taken, not all skipped as overflowing
-    initial = build_drafter(cfg["drafter"], tiny_teacher).state_dict()
+    initial = build_drafter(cfg.drafter, tiny_teacher).state_dict()
     assert max((initial[k] - v).abs().max() for k, v in reference.state_dict().items()) > 1e-3

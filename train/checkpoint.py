@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from heads.base import WEIGHTS, read_drafter_config, save_drafter
+from train.engine import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -211,12 +212,11 @@ def load_checkpoint(path: Path, engine, optimizer, drafter_cfg: Mapping, target_
     return int(state["step"])
 
 
-def training_recipe(cfg: Mapping) -> dict:
+def training_recipe(loss: Mapping, trainer: TrainerConfig) -> dict:
     """What must stay the same for a resume to continue the run it resumes: the loss and the optimisation
     settings. ``trainer.steps`` is left out: raising it extends a run (its cosine schedule then stretches)."""
-    t = cfg["trainer"]
-    return {"loss": cfg.get("loss"), **{f"trainer.{k}": t.get(k) for k in
-                                        ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip")}}
+    return {"loss": dict(loss), **{f"trainer.{k}": getattr(trainer, k) for k in
+                                   ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip")}}
 
 
 def _check_recipe(path: Path, saved: Mapping, now: Mapping) -> None:

@@ -1,11 +1,15 @@
 """Typed schema for the Hydra config, and one ``validate(cfg)`` for the checks that span fields.
 
 Each group's dataclass lives with the code that reads it (``TargetConfig`` in ``distill.teacher``, with
-``ToyTargetConfig`` from ``distill.toy``; ``DataConfig`` in ``distill.data``); this module assembles them into
+``ToyTargetConfig`` from ``distill.toy``; ``DataConfig`` in ``distill.data``; ``TrainerConfig`` in ``train.engine``; ``LoggerConfig`` in ``train.logger``;
+``DecoderConfig`` in ``inference.decoder``); this module assembles them into
 ``Config``, registered in Hydra's ConfigStore as ``base_config``. ``conf/config.yaml`` lists it first in its
 defaults, so a misspelt key (``trainer.lrr=1e-3``) fails at start-up instead of being ignored. ``drafter`` and
 ``loss`` are free-form mappings because each plugs in by ``_target_``; ``validate`` checks their keys against the
 signature of the class or function they name.
+
+Each entry point turns the composed config into these typed objects once (``load_config``: ``OmegaConf.to_object``,
+then ``validate``) and passes them down: code below reads ``cfg.trainer.lr``, never a string key.
 """
 
 from __future__ import annotations
@@ -14,69 +18,33 @@ import importlib
 import inspect
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from distill.data import DataConfig
+from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
 from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
-
-
-@dataclass
-class TrainerConfig:
-    """``trainer``: the presets in conf/trainer/ (single, ddp, fsdp, zero1, zero2, zero3) set ``engine``
-    (``train.engine``) and its options; everything else is shared."""
-
-    engine: str = "single"  # single | ddp | fsdp | deepspeed
-    device: str = "auto"  # auto (cuda:LOCAL_RANK if there is a GPU) | cpu | cuda
-    steps: int = 600
-    micro_batch_size: int = 8  # rows per forward on each rank
-    grad_accum: int = 1
-    # Rows per optimizer step over all ranks; when set, grad_accum = global_batch_size / (micro_batch_size x ranks),
-    # so one config trains on the same batches on any number of ranks.
-    global_batch_size: Optional[int] = None
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    bf16: bool = True  # autocast where the device supports it
-    fp16: bool = False  # fp16 autocast with dynamic loss scaling (GPUs without bf16); excludes bf16
-    zero_stage: int = 2  # engine=deepspeed: ZeRO stage 1, 2 or 3
-    deepspeed: Dict[str, Any] = field(default_factory=dict)  # merged over the generated DeepSpeed JSON
-    log_every: int = 20
-    ckpt_every: int = 200
-    keep_last: int = 2
-    resume: str = "auto"  # auto: continue from <run dir>/checkpoints/latest if present | never
-    num_threads: Optional[int] = None
-
-
-@dataclass
-class LoggerConfig:
-    name: str = "none"  # none (metrics.jsonl only) | wandb (metrics.jsonl + W&B)
-    project: str = "specdraft"
-    entity: Optional[str] = None
-    run_name: Optional[str] = None
-    group: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
-    mode: str = "offline"  # online | offline | disabled
+from train.engine import ENGINES, TARGET_SHARDING, TrainerConfig
+from train.logger import LoggerConfig
 
 
 @dataclass
 class EvalConfig:
-    enabled: bool = True
+    enabled: bool = True  # python -m train: evaluate the trained drafter (false: train and save only)
     prompts: Optional[str] = None  # a jsonl file (question.jsonl "turns", "prompt" or "text"); null: held-out stdlib
     num_prompts: int = 20
     prompt_tokens: int = 128
     max_new_tokens: int = 96
     num_draft: int = 4  # γ: draft tokens proposed per target forward
-    baselines: List[str] = field(default_factory=lambda: ["lookup"])
-    warmup_prompts: int = 1
-    # dtype drafters propose in: auto (bf16 where the device computes it natively) | float32 | bfloat16
+    baselines: List[str] = field(default_factory=lambda: ["lookup"])  # untrained drafters shown beside the one tested
+    warmup_prompts: int = 1  # decoded first and not timed (one-off allocation costs)
+    # dtype drafters propose in: auto (bf16 where the device computes it natively) | float32 | bfloat16. Proposals
+    # only: verification stays in target.dtype, so the output is unchanged.
     drafter_dtype: str = "auto"
     # python -m eval drafter_path=...: measure against a target whose weights differ from the one the drafter was
     # trained for (its digest is stored with the drafter); otherwise that is an error.
@@ -125,12 +93,20 @@ class Config:
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
-    seed: int = 0
+    seed: int = 0  # torch seed of the drafter's initial weights and of the data order
     drafter_path: Optional[str] = None  # python -m eval: the saved drafter directory to evaluate
 
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def load_config(cfg: DictConfig) -> Config:
+    """The composed Hydra config as typed objects (``Config``), checked once (``validate``): what an entry point
+    passes down."""
+    config = OmegaConf.to_object(cfg)
+    validate(config)
+    return config
 
 
 def _resolve_target(path: str, key: str):
@@ -141,7 +117,7 @@ def _resolve_target(path: str, key: str):
         raise ValueError(f"{key}._target_={path!r} cannot be imported ({e}); check the spelling in conf/{key}/") from e
 
 
-def _check_keys(node: DictConfig, key: str, runtime: tuple[str, ...] = ()) -> None:
+def _check_keys(node: Mapping, key: str, runtime: tuple[str, ...] = ()) -> None:
     """Keys of a ``_target_`` node must be parameters of what it names (runtime ones are passed in code)."""
     if "_target_" not in node:
         raise ValueError(f"{key} has no _target_; pick a preset, e.g. {key}=medusa")
@@ -154,16 +130,14 @@ def _check_keys(node: DictConfig, key: str, runtime: tuple[str, ...] = ()) -> No
             raise ValueError(f"unknown key {key}.{name}; valid keys for {node['_target_']}: {sorted(valid)}")
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: Config) -> None:
     """Cross-field checks, once, before anything is built."""
-    from train.engine import ENGINES
-
     t = cfg.trainer
     if t.engine not in ENGINES:
         raise ValueError(f"trainer.engine={t.engine!r} is not available; valid: {sorted(ENGINES)}")
     for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "ckpt_every"):
-        if t[name] < 1:
-            raise ValueError(f"trainer.{name} must be >= 1, got {t[name]}")
+        if getattr(t, name) < 1:
+            raise ValueError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
     _check_schedule(t)
     if t.bf16 and t.fp16:
         raise ValueError("trainer.bf16=true and trainer.fp16=true exclude each other; set one of them to false")
@@ -171,7 +145,6 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.zero_stage={t.zero_stage}; valid: 1, 2, 3")
     if t.global_batch_size is not None and t.global_batch_size < 1:
         raise ValueError(f"trainer.global_batch_size must be >= 1 or null, got {t.global_batch_size}")
-    from train.engine import TARGET_SHARDING
 
     if cfg.target.shard not in TARGET_SHARDING:
         raise ValueError(f"target.shard={cfg.target.shard!r}; valid: {list(TARGET_SHARDING)}")
@@ -181,10 +154,10 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"logger.name={cfg.logger.name!r}; valid: 'none', 'wandb'")
     if cfg.eval.num_draft < 1:
         raise ValueError(f"eval.num_draft must be >= 1, got {cfg.eval.num_draft}")
-    decoder_config(cfg).sampling()  # temperature / top_p / top_k ranges
+    cfg.decoder.sampling()  # temperature / top_p / top_k ranges
     if cfg.decoder.acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"decoder.acceptance={cfg.decoder.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
-    parse_tree(to_container(cfg.decoder.tree))
+    parse_tree(cfg.decoder.tree)
     _check_batched(cfg.decoder)
     if cfg.drafter:
         _check_keys(cfg.drafter, "drafter", runtime=("dims",))
@@ -199,12 +172,12 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
-def _check_schedule(t: DictConfig) -> None:
+def _check_schedule(t: TrainerConfig) -> None:
     """Learning-rate schedule and optimizer values a run could not train with, refused before anything is built
     (a negative rate would otherwise surface as a raw torch error, or train uphill)."""
     for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
-        if not math.isfinite(t[name]):
-            raise ValueError(f"trainer.{name}={t[name]} is not a finite number")
+        if not math.isfinite(getattr(t, name)):
+            raise ValueError(f"trainer.{name}={getattr(t, name)} is not a finite number")
     if not t.lr > 0:
         raise ValueError(f"trainer.lr={t.lr} must be > 0 (the peak learning rate, e.g. 3e-3)")
     if not 0 <= t.min_lr_ratio <= 1:
@@ -220,9 +193,7 @@ def _check_schedule(t: DictConfig) -> None:
         raise ValueError(f"trainer.keep_last={t.keep_last} must be >= 1 (the newest checkpoint is what a resume needs)")
 
 
-def _check_data_mode(data: DictConfig, trainer: DictConfig) -> None:
-    from distill.data import DATA_MODES, ON_POLICY_MODES
-
+def _check_data_mode(data: DataConfig, trainer: TrainerConfig) -> None:
     if data.mode not in DATA_MODES:
         raise ValueError(f"data.mode={data.mode!r} is not a data mode; valid: {list(DATA_MODES)}")
     if data.mode == "regenerated" and not data.regenerated:
@@ -250,20 +221,21 @@ def _check_data_mode(data: DictConfig, trainer: DictConfig) -> None:
         raise ValueError(f"data.on_policy_fraction={data.on_policy_fraction} must lie in [0, 1]")
 
 
-def _check_loss_values(loss: DictConfig) -> None:
-    """The loss presets' numeric arguments, before anything is built (the functions check again when called)."""
+def _check_loss_values(loss: Mapping) -> None:
+    """The loss presets' numeric arguments, before anything is built (the functions check again when called).
+    ``loss`` is the keyword arguments of the function its ``_target_`` names, so it is read by parameter name."""
     if not loss:
         return
-    if "temperature" in loss and not loss.temperature > 0:
-        raise ValueError(f"loss.temperature={loss.temperature} must be > 0")
-    if "beta" in loss and not 0 <= loss.beta <= 1:
-        raise ValueError(f"loss.beta={loss.beta} must lie in [0, 1] (generalised JSD: 0 and 1 are the two KL "
+    if "temperature" in loss and not loss["temperature"] > 0:
+        raise ValueError(f"loss.temperature={loss['temperature']} must be > 0")
+    if "beta" in loss and not 0 <= loss["beta"] <= 1:
+        raise ValueError(f"loss.beta={loss['beta']} must lie in [0, 1] (generalised JSD: 0 and 1 are the two KL "
                          f"limits, 0.5 the symmetric JSD)")
-    if "k" in loss and not loss.k >= 1:
-        raise ValueError(f"loss.k={loss.k} must be >= 1 (teacher top-k tokens kept)")
+    if "k" in loss and not loss["k"] >= 1:
+        raise ValueError(f"loss.k={loss['k']} must be >= 1 (teacher top-k tokens kept)")
 
 
-def _check_batched(decoder: DictConfig) -> None:
+def _check_batched(decoder: DecoderConfig) -> None:
     if decoder.policy not in POLICIES:
         raise ValueError(f"decoder.policy={decoder.policy!r} is not a policy; valid: {list(POLICIES)}")
     if decoder.batch_sizes is None:
@@ -271,14 +243,10 @@ def _check_batched(decoder: DictConfig) -> None:
             raise ValueError(f"decoder.policy={decoder.policy} applies to batched decoding; set decoder.batch_sizes, "
                              f"e.g. decoder.batch_sizes=[1,2,4,8,16,32]")
         return
-    check_batch_sizes(to_container(decoder.batch_sizes))
+    check_batch_sizes(decoder.batch_sizes)
     if decoder.acceptance != "exact":
         raise ValueError(f"decoder.acceptance={decoder.acceptance} with decoder.batch_sizes: batched decoding is exact "
                          f"(lossless) only; set decoder.acceptance=exact or decoder.batch_sizes=null")
-
-
-def decoder_config(cfg: DictConfig) -> DecoderConfig:
-    return DecoderConfig(**to_container(cfg.decoder))
 
 
 def to_container(node: Any) -> Any:

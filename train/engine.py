@@ -20,17 +20,49 @@ inference (``shard_target``, ``target.shard``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import logging
 import os
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer``: the presets in conf/trainer/ (single, ddp, fsdp, zero1, zero2, zero3) set ``engine``
+    (``train.engine``) and its options; everything else is shared."""
+
+    engine: str = "single"  # single | ddp | fsdp | deepspeed
+    device: str = "auto"  # auto (cuda:LOCAL_RANK if there is a GPU) | cpu | cuda
+    steps: int = 600
+    micro_batch_size: int = 8  # rows per forward on each rank
+    grad_accum: int = 1
+    # Rows per optimizer step over all ranks; when set, grad_accum = global_batch_size / (micro_batch_size x ranks),
+    # so one config trains on the same batches on any number of ranks.
+    global_batch_size: Optional[int] = None
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    bf16: bool = True  # autocast where the device supports it
+    fp16: bool = False  # fp16 autocast with dynamic loss scaling (GPUs without bf16); excludes bf16
+    zero_stage: int = 2  # engine=deepspeed: ZeRO stage 1, 2 or 3
+    deepspeed: Dict[str, Any] = field(default_factory=dict)  # merged over the generated DeepSpeed JSON
+    log_every: int = 20
+    ckpt_every: int = 200
+    keep_last: int = 2
+    resume: str = "auto"  # auto: continue from <run dir>/checkpoints/latest if present | never
+    num_threads: Optional[int] = None
+
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 # DeepSpeed keys the trainer config owns: overriding them would desynchronise the loop's accumulation from DeepSpeed's.
@@ -73,16 +105,16 @@ class SingleEngine:
 
     name = "single"
 
-    def __init__(self, trainer_cfg: Mapping):
+    def __init__(self, trainer_cfg: TrainerConfig):
         self.rank, self.world_size, self.local_rank = world_from_env()
         if self.name == "single" and self.world_size > 1:
             raise ValueError(f"trainer=single but the launcher started WORLD_SIZE={self.world_size} processes, which "
                              f"would each train and write the same run; use trainer=ddp (or fsdp, zero1/2/3)")
         self.is_main = self.rank == 0
-        self.device = resolve_device(trainer_cfg["device"], self.local_rank)
+        self.device = resolve_device(trainer_cfg.device, self.local_rank)
         if self.world_size > 1:
             init_process_group(self.device)
-        self.amp_dtype = torch.bfloat16 if trainer_cfg["bf16"] else torch.float16 if trainer_cfg.get("fp16") else None
+        self.amp_dtype = torch.bfloat16 if trainer_cfg.bf16 else torch.float16 if trainer_cfg.fp16 else None
         # fp16 gradients underflow without a loss scale; bf16 keeps fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
         self.model: nn.Module | None = None
@@ -270,7 +302,7 @@ class DeepSpeedEngine(SingleEngine):
 
     name = "deepspeed"
 
-    def __init__(self, trainer_cfg: Mapping):
+    def __init__(self, trainer_cfg: TrainerConfig):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DeepSpeed wants a process group even for one process
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         for key, value in zip(("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("0", "1", "0")):
@@ -331,23 +363,23 @@ class DeepSpeedEngine(SingleEngine):
                                f"trainer=zero* run; resume it with the engine that wrote it, or trainer.resume=never")
 
 
-def deepspeed_config(trainer_cfg: Mapping, world_size: int) -> dict:
+def deepspeed_config(trainer_cfg: TrainerConfig, world_size: int) -> dict:
     """The DeepSpeed JSON for this run: batch sizes, precision and clipping from ``trainer``, then
     ``trainer.deepspeed`` merged over it (any DeepSpeed key, e.g. ``zero_optimization.offload_optimizer``)."""
     t = trainer_cfg
     config = {
-        "train_micro_batch_size_per_gpu": t["micro_batch_size"],
-        "gradient_accumulation_steps": t["grad_accum"],
-        "train_batch_size": t["micro_batch_size"] * t["grad_accum"] * world_size,
-        "gradient_clipping": float(t["grad_clip"]),
-        "zero_optimization": {"stage": int(t["zero_stage"]), "contiguous_gradients": True, "overlap_comm": False},
-        "bf16": {"enabled": bool(t["bf16"])},
-        "fp16": {"enabled": bool(t.get("fp16")), "loss_scale": 0, "initial_scale_power": 16},
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * world_size,
+        "gradient_clipping": float(t.grad_clip),
+        "zero_optimization": {"stage": int(t.zero_stage), "contiguous_gradients": True, "overlap_comm": False},
+        "bf16": {"enabled": bool(t.bf16)},
+        "fp16": {"enabled": bool(t.fp16), "loss_scale": 0, "initial_scale_power": 16},
         "zero_allow_untested_optimizer": True,  # the loop's AdamW with its lr_scale groups
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    overrides = dict(t.get("deepspeed") or {})
+    overrides = dict(t.deepspeed or {})
     for key in DEEPSPEED_OWNED:
         if key in overrides:
             raise ValueError(f"trainer.deepspeed.{key} is set from trainer.micro_batch_size / grad_accum / "
@@ -413,28 +445,27 @@ def shard_target(teacher, mode: str, engine) -> None:
     log.info("target decoder layers sharded over %d ranks (%s)", engine.world_size, mode)
 
 
-def resolve_batch(trainer_cfg: Mapping, world_size: int) -> dict:
+def resolve_batch(trainer_cfg: TrainerConfig, world_size: int) -> TrainerConfig:
     """The trainer config with ``grad_accum`` derived from ``global_batch_size`` (rows per optimizer step over all
     ranks) when that is set, so one config trains on the same global batch on any number of ranks."""
-    t = dict(trainer_cfg)
-    total = t.get("global_batch_size")
+    t = trainer_cfg
+    total = t.global_batch_size
     if total is None:
         return t
-    per_pass = t["micro_batch_size"] * world_size
+    per_pass = t.micro_batch_size * world_size
     if total % per_pass:
         raise ValueError(
-            f"trainer.global_batch_size={total} is not a multiple of trainer.micro_batch_size={t['micro_batch_size']} "
+            f"trainer.global_batch_size={total} is not a multiple of trainer.micro_batch_size={t.micro_batch_size} "
             f"x world size {world_size} = {per_pass}; pick a global batch divisible by {per_pass}, or a micro-batch "
             f"size / number of ranks that divides {total}")
-    t["grad_accum"] = total // per_pass
-    return t
+    return dataclasses.replace(t, grad_accum=total // per_pass)
 
 
 ENGINES = {"single": SingleEngine, "ddp": DDPEngine, "fsdp": FSDPEngine, "deepspeed": DeepSpeedEngine}
 
 
-def build_engine(trainer_cfg: Mapping):
-    name = trainer_cfg["engine"]
+def build_engine(trainer_cfg: TrainerConfig):
+    name = trainer_cfg.engine
     if name not in ENGINES:
         raise ValueError(f"trainer.engine={name!r} is not available; valid: {sorted(ENGINES)}")
     return ENGINES[name](trainer_cfg)

@@ -9,14 +9,26 @@ import html
 import json
 import logging
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, List, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none (metrics.jsonl only) | wandb (metrics.jsonl + W&B)
+    project: str = "specdraft"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    mode: str = "offline"  # online | offline | disabled
+
+
 class MetricsLogger:
-    def __init__(self, run_dir, logger_cfg: Mapping, full_cfg: Mapping, is_main: bool = True, resumed: bool = False,
+    def __init__(self, run_dir, logger_cfg: LoggerConfig, full_cfg: Mapping, is_main: bool = True, resumed: bool = False,
                  resume_step: int | None = None):
         """``resume_step``: the step a resumed run continues from; rows logged at or after it (by the run that was
         killed after its last checkpoint) are dropped, since the resumed run logs them again: each step once."""
@@ -29,7 +41,7 @@ class MetricsLogger:
         if resume_step is not None:
             keep_rows_before(self.path, resume_step)
         self._file = self.path.open("a" if resumed or resume_step is not None else "w")
-        if logger_cfg["name"] == "wandb":
+        if logger_cfg.name == "wandb":
             self.wandb_run = _start_wandb(run_dir, logger_cfg, full_cfg)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -93,20 +105,20 @@ def keep_rows_before(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def _start_wandb(run_dir, logger_cfg: Mapping, full_cfg: Mapping):
+def _start_wandb(run_dir, logger_cfg: LoggerConfig, full_cfg: Mapping):
     try:
         import wandb
     except ImportError as e:
         raise ImportError("logger=wandb needs the wandb package: pip install wandb (or use logger=none)") from e
-    if logger_cfg["mode"] not in ("online", "offline", "disabled"):
-        raise ValueError(f"logger.mode={logger_cfg['mode']!r}; valid: online, offline, disabled")
+    if logger_cfg.mode not in ("online", "offline", "disabled"):
+        raise ValueError(f"logger.mode={logger_cfg.mode!r}; valid: online, offline, disabled")
     # The run id is stable per run dir so a resumed run continues the same W&B run.
     run_id_file = Path(run_dir) / "wandb_run_id"
     run_id = run_id_file.read_text().strip() if run_id_file.is_file() else uuid.uuid4().hex[:12]
     run_id_file.write_text(run_id)
     return wandb.init(
-        project=logger_cfg["project"], entity=logger_cfg.get("entity"), name=logger_cfg.get("run_name"),
-        group=logger_cfg.get("group"), tags=list(logger_cfg.get("tags") or []), mode=logger_cfg["mode"],
+        project=logger_cfg.project, entity=logger_cfg.entity, name=logger_cfg.run_name,
+        group=logger_cfg.group, tags=list(logger_cfg.tags), mode=logger_cfg.mode,
         dir=str(run_dir), config=dict(full_cfg), id=run_id, resume="allow",
     )
 

@@ -22,7 +22,8 @@ import logging
 import math
 import resource
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 from torch import Tensor
@@ -31,17 +32,20 @@ from tqdm.auto import tqdm
 
 from distill.data import rows_fingerprint
 from train import checkpoint, nonfinite
+from train.config import Config
+from train.engine import TrainerConfig
+from inference.stats import simulated_tau
 
 log = logging.getLogger(__name__)
 
 
-def lr_at(step: int, trainer_cfg: Mapping) -> float:
+def lr_at(step: int, trainer_cfg: TrainerConfig) -> float:
     """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
-    peak, warmup, total = trainer_cfg["lr"], trainer_cfg["warmup_steps"], trainer_cfg["steps"]
+    peak, warmup, total = trainer_cfg.lr, trainer_cfg.warmup_steps, trainer_cfg.steps
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    floor = peak * trainer_cfg["min_lr_ratio"]
+    floor = peak * trainer_cfg.min_lr_ratio
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
@@ -69,48 +73,35 @@ class BatchOrder:
         return self._perm[j * self.batch_size : (j + 1) * self.batch_size].tolist()
 
 
-def simulated_tau(accs: list[float], depth: int | None = None) -> float:
-    """τ a chain drafter would reach if depth k were accepted independently with its training top-1 accuracy:
-    1 + Σ_k Π_{j≤k} acc_j (the bonus token included, as in ``eval.metrics``). For Medusa head k and EAGLE step k the
-    accuracy is already conditioned on the right context, so this is an estimate, reported beside the measured τ.
-    ``depth``: extend to that many draft tokens with the last accuracy (a draft LM's one next-token term)."""
-    # The decode-time formula (inference.cost), so the two cannot drift.
-    from inference.cost import chain_tau
-
-    if depth is not None and accs:
-        accs = list(accs) + [accs[-1]] * (depth - len(accs))
-    return chain_tau(accs, len(accs))
-
-
-def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
+def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
           run_dir, logger, batch_source: Callable | None = None) -> dict:
     """``batch_source(batch, micro_batch_number)``: what replaces a collated batch before the teacher sees it
     (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is."""
-    t = cfg["trainer"]
+    t = cfg.trainer
     model, optimizer = engine.setup(drafter, lambda groups: torch.optim.AdamW(
-        groups, lr=t["lr"], betas=(0.9, 0.95), weight_decay=t["weight_decay"]))
+        groups, lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay))
     identity = {**teacher.identity(), "weights_digest": teacher.weights_digest()}
-    layout = {**data_layout(t, engine.world_size, len(dataset), cfg["seed"]), "rows_digest": rows_fingerprint(dataset)}
-    recipe = checkpoint.training_recipe(cfg)
+    layout = {**data_layout(t, engine.world_size, len(dataset), cfg.seed), "rows_digest": rows_fingerprint(dataset)}
+    recipe = checkpoint.training_recipe(cfg.loss, cfg.trainer)
     start, last = 0, {}
-    if (ckpt := checkpoint.resume_point(run_dir, t["resume"], t["steps"])) is not None:
-        start = checkpoint.load_checkpoint(ckpt, engine, optimizer, cfg["drafter"], identity, layout, recipe)
+    if (ckpt := checkpoint.resume_point(run_dir, t.resume, t.steps)) is not None:
+        start = checkpoint.load_checkpoint(ckpt, engine, optimizer, cfg.drafter, identity, layout, recipe)
         last = checkpoint.saved_metrics(ckpt)  # a finished run resumed to done keeps its final metrics
-    order = BatchOrder(len(dataset), t["micro_batch_size"], cfg["seed"])
+    order = BatchOrder(len(dataset), t.micro_batch_size, cfg.seed)
     layers = tuple(drafter.teacher_layers)
-    sim_depth = cfg.get("eval", {}).get("num_draft") if drafter.drafts_autoregressively else None
-    accum = t["grad_accum"]
+    sim_depth = cfg.eval.num_draft if drafter.drafts_autoregressively else None
+    accum = t.grad_accum
 
     model.train()
     t_start = t_window = time.perf_counter()
     tokens_window = torch.zeros((), dtype=torch.long, device=engine.device)  # summed on device: no sync per step
-    bar = tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", disable=not engine.is_main)
+    bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", disable=not engine.is_main)
     for step in bar:
         lr = lr_at(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         drafter.begin_step(step)
-        logging_step = step % t["log_every"] == 0 or step == t["steps"] - 1
+        logging_step = step % t.log_every == 0 or step == t.steps - 1
         clock = PhaseClock(engine.device, enabled=logging_step)
         # This rank's micro-batches: global numbers [first, first + accum). Ranks take disjoint, consecutive slices
         # of the step's global batch, so any world size sees the same rows per step and none twice.
@@ -144,7 +135,7 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
             where = nonfinite.locate(model, teacher, batches, layers, loss_fn, engine)
             raise nonfinite.loss_error(step, loss_sum, lr, where, run_dir)
         with clock("drafter"):
-            grad_norm = engine.step(optimizer, t["grad_clip"])
+            grad_norm = engine.step(optimizer, t.grad_clip)
         if not bool(torch.isfinite(grad_norm)):
             nonfinite.check_update(step, grad_norm, drafter, lr, run_dir)
 
@@ -163,17 +154,17 @@ def train(cfg: Mapping, teacher, drafter, dataset: Dataset, collate: Callable, l
             logger.log(last, step=step)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
         # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
-        if (step + 1) % t["ckpt_every"] == 0 or step + 1 == t["steps"]:
-            checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg["drafter"], cfg["target"], identity,
-                                       layout, t["keep_last"], recipe=recipe, metrics=last)
+        if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps:
+            checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg.drafter, asdict(cfg.target), identity,
+                                       layout, t.keep_last, recipe=recipe, metrics=last)
     model.eval()
     return last
 
 
-def data_layout(trainer_cfg: Mapping, world_size: int, num_examples: int, seed: int) -> dict:
+def data_layout(trainer_cfg: TrainerConfig, world_size: int, num_examples: int, seed: int) -> dict:
     """What fixes the data order (``BatchOrder``, the per-step global batch): a resume must find the same."""
-    return {"num_examples": num_examples, "seed": seed, "micro_batch_size": trainer_cfg["micro_batch_size"],
-            "global_batch": trainer_cfg["micro_batch_size"] * trainer_cfg["grad_accum"] * world_size}
+    return {"num_examples": num_examples, "seed": seed, "micro_batch_size": trainer_cfg.micro_batch_size,
+            "global_batch": trainer_cfg.micro_batch_size * trainer_cfg.grad_accum * world_size}
 
 
 class PhaseClock:

@@ -2,62 +2,63 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 
+from distill.cache import open_teacher_cache
+from distill.data import ON_POLICY_MODES, build_train_dataset, collate
+from distill.onpolicy import OnPolicyBatches
+from distill.regenerate import load_regenerated
 from distill.teacher import load_teacher
 from heads.base import build_drafter, save_drafter
 from train import checkpoint
-from train.config import to_container, validate
+from train.config import Config
 from train.engine import build_engine, resolve_batch, shard_target, world_from_env
 from train.logger import MetricsLogger
+from train.loop import train
 
 log = logging.getLogger(__name__)
 
 
-def training_data(cfg: DictConfig, teacher, drafter):
+def training_data(cfg: Config, teacher, drafter):
     """(dataset, what the loop asks for teacher signals, batch_source) for ``data.mode`` (see ``distill.data``):
     fixed rows, the target's regenerated answers, the offline teacher cache, or on-policy rows the draft writes."""
-    from distill.data import ON_POLICY_MODES, build_train_dataset
-
     signals = teacher  # the live target, or the offline cache
     if cfg.data.teacher_cache:
-        from distill.cache import open_teacher_cache
-
         dataset, signals = open_teacher_cache(cfg.data.teacher_cache, teacher, cfg.data, drafter.teacher_layers, cfg.loss)
     elif cfg.data.regenerated and cfg.data.mode != "fixed":
-        from distill.regenerate import load_regenerated
-
         dataset = load_regenerated(cfg.data.regenerated, teacher.tokenizer, cfg.data, teacher)
     else:
         dataset = build_train_dataset(cfg.data, teacher.tokenizer)
     batch_source = None
     if cfg.data.mode in ON_POLICY_MODES:
-        from distill.onpolicy import OnPolicyBatches
-
         batch_source = OnPolicyBatches(drafter, cfg.data, cfg.seed)
     return dataset, signals, batch_source
 
 
-def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
-    """Train the configured drafter into ``<run dir>/drafter/`` and, unless ``eval.enabled=false``, evaluate it.
-    Every rank of a multi-process launch runs this; only the main rank logs, writes and evaluates."""
-    validate(cfg)
+def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = None) -> dict | None:
+    """Train the configured drafter into ``<run dir>/drafter/`` and, given ``evaluate`` and unless
+    ``eval.enabled=false``, evaluate it. Every rank of a multi-process launch runs this; only the main rank logs,
+    writes and evaluates. ``evaluate(cfg, teacher, drafter_dir, run_dir) -> report``: passed in by the entry point
+    (``python -m train`` passes ``eval.run.evaluate_saved``), since evaluation is a layer above training.
+    ``cfg``: the validated, typed config (``train.config.load_config``)."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
-    trainer = resolve_batch(to_container(cfg.trainer), world_from_env()[1])
+    trainer = resolve_batch(cfg.trainer, world_from_env()[1])
+    cfg = dataclasses.replace(cfg, trainer=trainer)
     engine = build_engine(trainer)
     if not engine.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank-0 logging; other ranks still report problems
     run_dir = _shared_run_dir(engine, Path(run_dir))
     # Refuses, before anything is loaded or written, a fresh start over an earlier run's outputs or a checkpoint past
     # trainer.steps; the loop resumes from the same checkpoint.
-    ckpt = checkpoint.resume_point(run_dir, cfg.trainer.resume, trainer["steps"])
+    ckpt = checkpoint.resume_point(run_dir, trainer.resume, trainer.steps)
     sharded = cfg.target.shard != "replicate"
     # A sharded target is loaded on the CPU and only its shards move to the device. Rank 0 goes first: a toy target
     # missing from the cache is built once, not by every rank at the same time.
@@ -73,28 +74,23 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
     torch.manual_seed(cfg.seed)
     drafter = build_drafter(cfg.drafter, teacher)
     drafter.bind_target(teacher, initialize=True)
-    plain = to_container(cfg)
-    plain["trainer"] = trainer
     if engine.is_main and hasattr(engine, "config"):  # the DeepSpeed JSON actually used
         (run_dir / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
 
     summary = {}
-    finished = ckpt is not None and checkpoint.step_of(ckpt) == trainer["steps"] and (run_dir / "drafter").is_dir()
-    logger = MetricsLogger(run_dir, cfg.logger, plain, is_main=engine.is_main, resumed=ckpt is not None,
+    finished = ckpt is not None and checkpoint.step_of(ckpt) == trainer.steps and (run_dir / "drafter").is_dir()
+    logger = MetricsLogger(run_dir, cfg.logger, dataclasses.asdict(cfg), is_main=engine.is_main, resumed=ckpt is not None,
                            resume_step=checkpoint.step_of(ckpt) if ckpt is not None else None)
     identity = {**teacher.identity(), "weights_digest": teacher.weights_digest(),  # checked again at evaluation
                 "model_type": teacher.model.config.model_type}  # exports check the engines' family support by it
     try:
         if any(p.requires_grad for p in drafter.parameters()):
-            from distill.data import collate
-            from train.loop import train
-
             dataset, signals, batch_source = training_data(cfg, teacher, drafter)
             drafter.prepare(dataset)
             log.info("training %s on %d blocks of %d tokens (data.mode=%s, trainer.engine=%s, %d rank(s), global "
                      "batch %d rows)", type(drafter).__name__, len(dataset), cfg.data.max_length, cfg.data.mode,
-                     engine.name, engine.world_size, trainer["micro_batch_size"] * trainer["grad_accum"] * engine.world_size)
-            summary = train(plain, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger,
+                     engine.name, engine.world_size, trainer.micro_batch_size * trainer.grad_accum * engine.world_size)
+            summary = train(cfg, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger,
                             batch_source=batch_source)
             summary.update(drafter.after_training(teacher))
             weights = engine.model_state_dict()  # collective: the full weights, gathered on the main rank
@@ -102,26 +98,25 @@ def run_training(cfg: DictConfig, run_dir: str | Path) -> dict | None:
             log.info("%s has no trainable parameters; skipping training", type(drafter).__name__)
             weights = None
         if engine.is_main and finished:  # a rerun of a finished run: resumed to done, drafter/ stays byte for byte
-            log.info("%s is a finished run (step %d of %d); %s left as it is", run_dir, trainer["steps"],
-                     trainer["steps"], run_dir / "drafter")
+            log.info("%s is a finished run (step %d of %d); %s left as it is", run_dir, trainer.steps,
+                     trainer.steps, run_dir / "drafter")
         elif engine.is_main:
-            path = save_drafter(drafter, run_dir / "drafter", plain["drafter"], plain["target"], identity,
-                                extra={"training": {"steps": trainer["steps"], "loss": plain["loss"],
-                                                    "data": plain["data"], "eval": plain["eval"], "final": summary}},
+            path = save_drafter(drafter, run_dir / "drafter", cfg.drafter, dataclasses.asdict(cfg.target), identity,
+                                extra={"training": {"steps": trainer.steps, "loss": cfg.loss,
+                                                    "data": dataclasses.asdict(cfg.data),
+                                                    "eval": dataclasses.asdict(cfg.eval), "final": summary}},
                                 state_dict=weights)
             log.info("saved drafter to %s", path)
         # Every rank leaves the process group together; evaluation is the main rank's alone, and however long it
         # takes no rank waits on it (nor on a rank that failed: then no rank gets here, and the launcher stops all).
         engine.close()
-        if not cfg.eval.enabled or not engine.is_main:
+        if evaluate is None or not cfg.eval.enabled or not engine.is_main:
             return None
         if sharded:
             log.warning("target.shard=%s: the target is split over the ranks, so evaluation is left to "
                         "`python -m eval drafter_path=%s` on a machine it fits", cfg.target.shard, run_dir / "drafter")
             return None
-        from eval.run import evaluate_saved
-
-        report = evaluate_saved(cfg, teacher, run_dir / "drafter", run_dir)
+        report = evaluate(cfg, teacher, run_dir / "drafter", run_dir)
         logger.log_report(report, run_dir)
         return report
     finally:

@@ -1,6 +1,6 @@
 """Offline teacher signals: run the frozen target over the training rows once, train from disk many times.
 
-``python -m distill.cache cache.dir=<dir> [hydra overrides]`` composes the training config, builds the training rows
+``python -m distill.cache cache.dir=<dir> [hydra overrides]`` (``distill/cache/__main__.py``) composes the training config, builds the training rows
 exactly as ``python -m train`` does (row i of the cache is row i of ``distill.data.build_train_dataset``), runs the
 target over them and writes shards; ``python -m train data.teacher_cache=<dir>`` then answers the loop's
 ``teacher.signals(batch, layers)`` from them (``OfflineTeacher``). The real target is still loaded for the
@@ -37,6 +37,7 @@ import json
 import logging
 import os
 from collections import OrderedDict
+from dataclasses import asdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from distill.data import DEFAULTS as DATA_DEFAULTS
-from distill.data import collate, source_fingerprint
+from distill.data import DataConfig, collate, source_fingerprint
 from distill.teacher import FLOOR_MARGIN, TeacherOutput, dense_logits  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -79,11 +79,11 @@ def _normalise(value: Any) -> Any:
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
-def fingerprint_components(teacher, data_cfg: Mapping, layers: Sequence[int] = (), topk: int = 0,
+def fingerprint_components(teacher, data_cfg: DataConfig, layers: Sequence[int] = (), topk: int = 0,
                            dtype: str = "") -> dict:
     """What a cache depends on. ``target``, ``tokenizer`` and ``data`` must match when training reads the cache;
     ``layers`` / ``topk`` / ``dtype`` only when resuming a write (training may read a subset)."""
-    data = {**DATA_DEFAULTS, **_normalise(data_cfg)}
+    data = _normalise(asdict(data_cfg))
     data.pop("teacher_cache", None)  # where the cache lives is not what it holds
     tokenizer = getattr(teacher, "tokenizer", None)
     vocab = None
@@ -219,7 +219,7 @@ def _prepare_dir(cache_dir: Path, fp: str, components: Mapping) -> None:
         tmp.unlink()
 
 
-def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: Mapping, layers: Sequence[int],
+def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: DataConfig, layers: Sequence[int],
                 topk: int = 64, dtype: str = "bfloat16", shard_rows: int = 256, batch_size: int = 8,
                 max_shards: int | None = None) -> dict | None:
     """Write (or finish) the cache of ``dataset`` under ``cache_dir``; returns the manifest. Shards already complete
@@ -387,7 +387,7 @@ class OfflineTeacher:
     everything else (``lm_head``, ``identity()``, ``__call__``, ...) is the real teacher's. Construction checks the
     cache was built for this target, tokenizer and data, and holds ``layers``."""
 
-    def __init__(self, cache_dir: str | os.PathLike, teacher, data_cfg: Mapping, layers: Sequence[int] = ()):
+    def __init__(self, cache_dir: str | os.PathLike, teacher, data_cfg: DataConfig, layers: Sequence[int] = ()):
         self._teacher = teacher
         self.cache_dir = Path(cache_dir)
         self.manifest = read_manifest(self.cache_dir)
@@ -457,7 +457,7 @@ def check_loss(loss_cfg: Mapping | None, topk: int) -> None:
                          f"cache with cache.topk={k}")
 
 
-def open_teacher_cache(cache_dir: str | os.PathLike, teacher, data_cfg: Mapping, layers: Sequence[int],
+def open_teacher_cache(cache_dir: str | os.PathLike, teacher, data_cfg: DataConfig, layers: Sequence[int],
                        loss_cfg: Mapping | None = None) -> tuple[CachedDataset, OfflineTeacher]:
     """(training rows, teacher answering ``signals`` from them), every check done up front."""
     offline = OfflineTeacher(cache_dir, teacher, data_cfg, layers)
@@ -466,45 +466,3 @@ def open_teacher_cache(cache_dir: str | os.PathLike, teacher, data_cfg: Mapping,
     log.info("training from teacher cache %s: %d rows, layers %s, top-%d", cache_dir, len(dataset),
              offline.manifest["layers"], offline.manifest["topk"])
     return dataset, offline
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def build_cache(cfg) -> dict:
-    """``python -m distill.cache``: the cache of the configured target over the configured training rows."""
-    from distill.data import build_train_dataset
-    from distill.teacher import load_teacher
-    from heads.base import build_drafter
-    from train.config import validate
-    from train.engine import resolve_device
-
-    c = cfg.cache
-    if not c.dir:
-        raise ValueError("cache.dir is null; set cache.dir=<directory to write the teacher cache to>, then train "
-                         "with data.teacher_cache=<that directory>")
-    validate(cfg)
-    if c.dtype not in STORE_DTYPES:
-        raise ValueError(f"cache.dtype={c.dtype!r} is not supported; valid: {sorted(STORE_DTYPES)}")
-    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
-    dataset = build_train_dataset(cfg.data, teacher.tokenizer)
-    if c.layers is not None:
-        layers = list(c.layers)
-    else:
-        layers = list(build_drafter(cfg.drafter, teacher).teacher_layers)
-        log.info("cache.layers is null: caching the drafter's teacher_layers %s", layers)
-    return write_cache(c.dir, teacher, dataset, cfg.data, layers, topk=c.topk, dtype=c.dtype,
-                       shard_rows=c.shard_rows, batch_size=c.batch_size)
-
-
-def main() -> None:
-    import hydra
-
-    from train.config import register_configs
-
-    register_configs()
-    hydra.main(version_base="1.3", config_path="../conf", config_name="config")(build_cache)()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,7 @@
-"""Acceptance statistics, all derived from one histogram so every figure shares one definition.
+"""Acceptance statistics and τ formulas: the result types the decoders produce, at the bottom layer so every layer
+above (eval, train, the decoders themselves) reads one definition.
+
+``AcceptStats`` derives every figure from one histogram so they share one definition.
 
 ``counts[k][a]`` = number of target verification forwards that were shown k draft tokens and accepted a of them
 (0 <= a <= k). From it:
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 
 class AcceptStats:
@@ -82,3 +86,23 @@ class AcceptStats:
             "accept_counts": self.accepted_length_histogram(),
             "accept_counts_by_draft_len": {str(k): {str(a): c for a, c in sorted(row.items())} for k, row in sorted(self.counts.items())},
         }
+
+
+def chain_tau(alpha_per_position: Sequence[float | None], gamma: int) -> float:
+    """τ of a chain of ``gamma`` draft tokens accepted with the given per-position rates (None: never reached)."""
+    tau, reach = 1.0, 1.0
+    for a in list(alpha_per_position)[:gamma]:
+        reach *= a or 0.0
+        tau += reach
+    return tau
+
+
+def simulated_tau(accs: list[float], depth: int | None = None) -> float:
+    """τ a chain drafter would reach if depth k were accepted independently with its training top-1 accuracy:
+    1 + Σ_k Π_{j≤k} acc_j (the bonus token included, as in ``AcceptStats.tau``). For Medusa head k and EAGLE step k the
+    accuracy is already conditioned on the right context, so this is an estimate, reported beside the measured τ.
+    ``depth``: extend to that many draft tokens with the last accuracy (a draft LM's one next-token term).
+    The decode-time formula (``chain_tau``, which ``inference.cost`` predicts with), so the two cannot drift."""
+    if depth is not None and accs:
+        accs = list(accs) + [accs[-1]] * (depth - len(accs))
+    return chain_tau(accs, len(accs))

@@ -1,6 +1,6 @@
 """Regenerated data (DistillSpec): the target answers the training data's prompts; the drafter trains on its answers.
 
-``python -m distill.regenerate regenerate.out=<file.jsonl> [hydra overrides]`` builds the fixed training rows exactly
+``python -m distill.regenerate regenerate.out=<file.jsonl> [hydra overrides]`` (``distill/regenerate/__main__.py``) builds the fixed training rows exactly
 as ``python -m train`` does (``distill.data.build_train_dataset``), cuts a prompt from each row, lets the target
 answer every prompt (``inference.batched.BatchedDecoder``, greedy or sampled) and writes one jsonl line per prompt;
 ``python -m train data.mode=regenerated data.regenerated=<file.jsonl>`` then trains on ``load_regenerated``'s rows.
@@ -38,15 +38,15 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distill.data import DEFAULTS as DATA_DEFAULTS
 from distill.data import (
+    DataConfig,
     TokenBlockDataset,
     _drop_rows_without_loss,
     _pad_id,
@@ -54,7 +54,6 @@ from distill.data import (
     pack_examples,
     pad_examples,
 )
-from distill.teacher import load_teacher
 from inference.batched import BatchedDecoder
 from inference.sampling import SamplingConfig
 
@@ -91,7 +90,7 @@ def _plain(value: Any) -> Any:
 # --------------------------------------------------------------------------- prompts
 
 
-def prompts_from_data(data_cfg: Mapping, tokenizer, prompt_tokens: int, num_prompts: int | None = None) -> list[Prompt]:
+def prompts_from_data(data_cfg: DataConfig, tokenizer, prompt_tokens: int, num_prompts: int | None = None) -> list[Prompt]:
     """The prompt of every fixed training row, in row order (rule: module docstring); the first ``num_prompts``."""
     if prompt_tokens < 1:
         raise ValueError(f"regenerate.prompt_tokens must be >= 1, got {prompt_tokens}")
@@ -135,9 +134,9 @@ def _tokenizer_fields(tokenizer) -> dict:
     return {"tokenizer_vocab_size": len(tokenizer), "tokenizer_sha256": tokenizer_digest(tokenizer)}
 
 
-def build_meta(teacher, data_cfg: Mapping, settings: Mapping) -> dict:
+def build_meta(teacher, data_cfg: DataConfig, settings: Mapping) -> dict:
     """What a regenerated file depends on (module docstring); ``settings`` are ``cfg.regenerate``'s."""
-    data = {**DATA_DEFAULTS, **_plain(data_cfg)}
+    data = _plain(asdict(data_cfg))
     for key in NON_PROMPT_DATA_KEYS:
         data.pop(key, None)
     regenerate = {k: v for k, v in _plain(settings).items() if k != "out"}
@@ -188,7 +187,8 @@ def _write_meta(out: Path, meta: Mapping) -> None:
 # --------------------------------------------------------------------------- writing
 
 
-def _check_settings(settings: Mapping) -> None:
+def check_settings(settings: Mapping) -> None:
+    """``regenerate.*`` values a run could not decode with, refused before the target is loaded."""
     if int(settings["batch_size"]) < 1:
         raise ValueError(f"regenerate.batch_size must be >= 1, got {settings['batch_size']}")
     if settings.get("max_new_tokens") is not None and int(settings["max_new_tokens"]) < 1:
@@ -261,11 +261,11 @@ def _record(index: int, prompt: Prompt, completion: list[int], eos: int | None, 
     return record
 
 
-def _max_new_tokens(settings: Mapping, data_cfg: Mapping, max_positions: int, prompt_len: int) -> int:
+def _max_new_tokens(settings: Mapping, data_cfg: DataConfig, max_positions: int, prompt_len: int) -> int:
     """This batch's answer budget: the setting, else what fills ``data.max_length``; within the target's context."""
     requested = settings.get("max_new_tokens")
     if requested is None:
-        n = int(data_cfg.get("max_length", DATA_DEFAULTS["max_length"])) - prompt_len
+        n = data_cfg.max_length - prompt_len
     else:
         n = int(requested)
     if max_positions:
@@ -276,10 +276,10 @@ def _max_new_tokens(settings: Mapping, data_cfg: Mapping, max_positions: int, pr
     return n
 
 
-def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt], data_cfg: Mapping,
+def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig,
                       settings: Mapping) -> Path:
     """Decode every prompt with ``teacher`` into ``out`` (format: module docstring), resuming a started file."""
-    _check_settings(settings)
+    check_settings(settings)
     out, batch_size, tokenizer = Path(out), int(settings["batch_size"]), teacher.tokenizer
     start_id = _prepare_out(out, build_meta(teacher, data_cfg, settings), len(prompts), batch_size)
     if start_id == len(prompts):
@@ -349,7 +349,7 @@ def _read_records(path: Path) -> list[dict]:
     return records
 
 
-def load_regenerated(path: str | os.PathLike | None, tokenizer, data_cfg: Mapping, teacher=None) -> TokenBlockDataset:
+def load_regenerated(path: str | os.PathLike | None, tokenizer, data_cfg: DataConfig, teacher=None) -> TokenBlockDataset:
     """Training rows from a regenerated jsonl: prompt + the target's answer per record, packed or padded like the
     fixed data (``data.packing``, ``data.max_length``); loss on the prompt as in the original data, on every answer
     token. Checked against the sidecar (tokenizer; with ``teacher``, the target's weights) when there is one."""
@@ -365,8 +365,7 @@ def load_regenerated(path: str | os.PathLike | None, tokenizer, data_cfg: Mappin
     records = _read_records(path)
     if not records:
         raise ValueError(f"data.regenerated={path} holds no records; rerun `{WRITE_CMD} regenerate.out={path}`")
-    max_length = int(data_cfg.get("max_length", DATA_DEFAULTS["max_length"]))
-    packing = bool(data_cfg.get("packing", DATA_DEFAULTS["packing"]))
+    max_length, packing = data_cfg.max_length, data_cfg.packing
     eos = tokenizer.eos_token_id
     if packing and eos is None:
         raise ValueError("tokenizer: has no eos_token, needed to separate packed examples; set data.packing=false")
@@ -392,35 +391,3 @@ def load_regenerated(path: str | os.PathLike | None, tokenizer, data_cfg: Mappin
     log.info("regenerated rows: %d x %d tokens from %d records (%s), %.1f%% loss tokens", len(dataset), max_length,
              len(records), path, 100.0 * dataset.loss_mask.float().mean().item())
     return dataset
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def regenerate(cfg) -> Path:
-    """``python -m distill.regenerate``: the configured target's answers to the configured data's prompts."""
-    from train.config import validate
-    from train.engine import resolve_device
-
-    r = cfg.regenerate
-    if not r.out:
-        raise ValueError(f"regenerate.out is required: {WRITE_CMD} regenerate.out=<file.jsonl>")
-    validate(cfg)
-    settings = _plain(r)
-    _check_settings(settings)
-    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
-    prompts = prompts_from_data(cfg.data, teacher.tokenizer, int(r.prompt_tokens), r.num_prompts)
-    return write_regenerated(r.out, teacher, prompts, cfg.data, settings)
-
-
-def main() -> None:
-    import hydra
-
-    from train.config import register_configs
-
-    register_configs()
-    hydra.main(version_base="1.3", config_path="../conf", config_name="config")(regenerate)()
-
-
-if __name__ == "__main__":
-    main()

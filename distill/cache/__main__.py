@@ -1,0 +1,51 @@
+"""Entry point: ``python -m distill.cache cache.dir=<dir> [hydra overrides]``: the offline teacher cache of the
+configured target over the configured training rows (format: ``distill.cache``). An entry point, so it may read the
+layers above ``distill`` (the training config, the engine's device choice, the drafter's teacher layers)."""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from distill.cache import STORE_DTYPES, write_cache
+from distill.data import build_train_dataset
+from distill.teacher import load_teacher
+from heads.base import build_drafter
+from train.config import Config, load_config, register_configs
+from train.engine import resolve_device
+
+log = logging.getLogger(__name__)
+
+
+def build_cache(cfg: Config) -> dict:
+    """The cache of the configured target over the configured training rows; returns its manifest."""
+    c = cfg.cache
+    if not c.dir:
+        raise ValueError("cache.dir is null; set cache.dir=<directory to write the teacher cache to>, then train "
+                         "with data.teacher_cache=<that directory>")
+    if c.dtype not in STORE_DTYPES:
+        raise ValueError(f"cache.dtype={c.dtype!r} is not supported; valid: {sorted(STORE_DTYPES)}")
+    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
+    dataset = build_train_dataset(cfg.data, teacher.tokenizer)
+    if c.layers is not None:
+        layers = list(c.layers)
+    else:
+        layers = list(build_drafter(cfg.drafter, teacher).teacher_layers)
+        log.info("cache.layers is null: caching the drafter's teacher_layers %s", layers)
+    return write_cache(c.dir, teacher, dataset, cfg.data, layers, topk=c.topk, dtype=c.dtype,
+                       shard_rows=c.shard_rows, batch_size=c.batch_size)
+
+
+def main() -> None:
+    register_configs()
+
+    def run(cfg: DictConfig) -> None:
+        build_cache(load_config(cfg))
+
+    hydra.main(version_base="1.3", config_path="../../conf", config_name="config")(run)()
+
+
+if __name__ == "__main__":
+    main()
