@@ -6,13 +6,16 @@ for all N rows, plus float32 log-softmaxes of it and of the teacher for backward
 training run out of memory. Here each chunk of ``chunk_elements // V`` rows is projected, compared with the
 teacher's log-probs for the same rows and differentiated on the spot (Liger-kernel's fused-linear recipe, in plain
 PyTorch): only the gradients w.r.t. ``student_ND`` [N, D] and the projection's trainable weights survive the chunk,
-and backward just scales them by the incoming gradient. Forward and backward equal the unchunked loss up to float
-summation order (tests: rtol 1e-5).
+and backward just scales them by the incoming gradient. The gradient w.r.t. a chunk's logits comes from autograd on
+that chunk alone, or, for forward KL (the default loss), from its closed form ``T (q - p)`` computed in place
+(``distill.losses.fused_divergence``: 3 [rows, V] float32 buffers at the peak instead of ~7). Forward and backward
+equal the unchunked loss up to float summation order (tests: rtol 1e-5).
 
-Teacher side (``TeacherRows``): rows (b, t) of a ``distill.teacher.TeacherOutput`` — dense logits or the offline
-cache's sparse top-K — optionally restricted to the student's vocabulary ids (EAGLE-3's ``d2t``). Each chunk
-gathers its own rows (and columns), never a full-row copy of the batch; the per-row log-normaliser is computed once
-per batch and shared by every term (``TeacherOutput.log_normaliser``).
+Teacher side (``TeacherRows``): rows (b, t) of a ``distill.teacher.TeacherOutput`` — dense logits, the projected
+form (final hidden state + read-out: each chunk projects its own teacher rows; a reduced vocabulary's slice is
+projected once per batch) or the offline cache's sparse top-K — optionally restricted to the student's vocabulary
+ids (EAGLE-3's ``d2t``). Each chunk gathers its own rows (and columns), never a full-row copy of the batch; the
+per-row log-normaliser is computed once per batch and shared by every term (``TeacherOutput.log_normaliser``).
 """
 
 from __future__ import annotations
