@@ -16,7 +16,8 @@ window (``perf/tokens_per_s`` of step 1: one whole training step, start-up exclu
 
 ``--code`` runs another checkout's ``python -m train`` (the base commit, for the "before" figures) against the same
 target and data. Results merge into ``--out`` keyed by label / kind / seq, so runs can be added one at a time.
-``--table`` prints the README table and the Llama-3-8B projection (``project_8b``). ``--ab <checkout>`` measures
+``--table`` prints the README table (with ``after_first_pass``, issue 19's first pass, where kept) and the Llama-3-8B
+projection (``project_8b``). ``--ab <checkout>`` measures
 tokens/s fairly on a shared machine: per kind and length, that checkout's run and this one's back to back (``--rounds``
 times, alternating), so both see the same load; each pair is kept under ``ab`` with its after/before ratio.
 """
@@ -209,10 +210,11 @@ def projection_table(data: dict) -> str:
 
 def table(path: Path) -> str:
     data = json.loads(path.read_text())
-    lines = ["| drafter | seq | before peak GB | after peak GB | ratio | before tokens/s | after tokens/s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| drafter | seq | before peak GB | first pass GB | after peak GB | ratio | before tokens/s | after tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for kind in KINDS:
-        seqs = sorted({int(s) for label in ("before", "after") for s in data.get(label, {}).get(kind, {})})
+        seqs = sorted({int(s) for label in ("before", "after", "after_first_pass")
+                       for s in data.get(label, {}).get(kind, {})})
         for seq in seqs:
             b = data.get("before", {}).get(kind, {}).get(str(seq), {})
             a = data.get("after", {}).get(kind, {}).get(str(seq), {})
@@ -220,7 +222,9 @@ def table(path: Path) -> str:
             bpk = b.get("peak_rss_gb") if b.get("exit_status") == 0 else q
             bmark = "" if b.get("exit_status") == 0 or bpk is None else " (quoted)"
             ratio = f"{a['peak_rss_gb'] / bpk:.2f}x" if a.get("exit_status") == 0 and bpk else "-"
-            lines.append(f"| {kind} | {seq} | {_f(bpk)}{bmark} | {_f(a.get('peak_rss_gb'))} | {ratio} | "
+            first = data.get("after_first_pass", {}).get(kind, {}).get(str(seq), {})
+            lines.append(f"| {kind} | {seq} | {_f(bpk)}{bmark} | {_f(first.get('peak_rss_gb'))} | "
+                         f"{_f(a.get('peak_rss_gb'))} | {ratio} | "
                          f"{_f(b.get('tokens_per_s'), '.0f')} | {_f(a.get('tokens_per_s'), '.0f')} |")
     return "\n".join(lines)
 
@@ -230,7 +234,8 @@ def _f(x, spec: str = ".1f") -> str:
 
 
 def ab_pairs(base: Path, target: Path, kinds: list[str], seqs: list[int], args, out: Path) -> None:
-    """``--ab``: before (``base``) and after (this checkout) alternately, ``args.rounds`` pairs per kind and length."""
+    """``--ab``: before (``base``) and after (this checkout) alternately, ``args.rounds`` pairs per kind and length.
+    The last after run is also this length's ``after`` row (its peak RSS does not depend on the load)."""
     for kind in kinds:
         for seq in seqs:
             pairs = []
@@ -238,6 +243,7 @@ def ab_pairs(base: Path, target: Path, kinds: list[str], seqs: list[int], args, 
                 pair = {}
                 for label, code in (("before", base), ("after", ROOT)):
                     r = run_once(code, target, kind, seq, args.work, args.threads, args.max_gb, args.extra, args.steps)
+                    last_after = r if label == "after" else None
                     pair[label] = {k: r.get(k) for k in ("peak_rss_gb", "tokens_per_s", "exit_status", "load_before",
                                                           "load_after", "wall_s", "log_tail") if k in r}
                 ok = all(pair[x].get("tokens_per_s") for x in ("before", "after"))
@@ -246,6 +252,8 @@ def ab_pairs(base: Path, target: Path, kinds: list[str], seqs: list[int], args, 
                 print(f"ab {kind} seq {seq}: before {pair['before'].get('tokens_per_s')} after "
                       f"{pair['after'].get('tokens_per_s')} tokens/s, ratio {pair['tokens_per_s_ratio']}", flush=True)
             data = json.loads(out.read_text()) if out.is_file() else {}
+            data.setdefault("after", {}).setdefault(kind, {})[str(seq)] = {**last_after, "code": str(ROOT),
+                                                                            "note": "the --ab pair's after run"}
             data.setdefault("ab", {}).setdefault(kind, {})[str(seq)] = {
                 "before_code": str(base), "after_code": str(ROOT), "threads": args.threads, "steps": args.steps,
                 "pairs": pairs}
