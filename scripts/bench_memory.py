@@ -19,7 +19,8 @@ target and data. Results merge into ``--out`` keyed by label / kind / seq, so ru
 ``--table`` prints the README table (with ``after_first_pass``, issue 19's first pass, where kept) and the Llama-3-8B
 projection (``project_8b``). ``--ab <checkout>`` measures
 tokens/s fairly on a shared machine: per kind and length, that checkout's run and this one's back to back (``--rounds``
-times, alternating), so both see the same load; each pair is kept under ``ab`` with its after/before ratio.
+times, alternating), so both see the same load; each pair is kept under ``ab`` with its after/before ratio (pairs
+of later invocations against the same checkout are added).
 """
 
 from __future__ import annotations
@@ -254,9 +255,11 @@ def ab_pairs(base: Path, target: Path, kinds: list[str], seqs: list[int], args, 
             data = json.loads(out.read_text()) if out.is_file() else {}
             data.setdefault("after", {}).setdefault(kind, {})[str(seq)] = {**last_after, "code": str(ROOT),
                                                                             "note": "the --ab pair's after run"}
-            data.setdefault("ab", {}).setdefault(kind, {})[str(seq)] = {
+            earlier = data.setdefault("ab", {}).setdefault(kind, {}).get(str(seq), {})
+            kept = earlier.get("pairs", []) if earlier.get("before_code") == str(base) else []  # a later invocation adds
+            data["ab"][kind][str(seq)] = {
                 "before_code": str(base), "after_code": str(ROOT), "threads": args.threads, "steps": args.steps,
-                "pairs": pairs}
+                "pairs": kept + pairs}
             out.write_text(json.dumps(data, indent=2) + "\n")
 
 
