@@ -6,13 +6,16 @@ for all N rows, plus float32 log-softmaxes of it and of the teacher for backward
 training run out of memory. Here each chunk of ``chunk_elements // V`` rows is projected, compared with the
 teacher's log-probs for the same rows and differentiated on the spot (Liger-kernel's fused-linear recipe, in plain
 PyTorch): only the gradients w.r.t. ``student_ND`` [N, D] and the projection's trainable weights survive the chunk,
-and backward just scales them by the incoming gradient. Forward and backward equal the unchunked loss up to float
-summation order (tests: rtol 1e-5).
+and backward just scales them by the incoming gradient. The gradient w.r.t. a chunk's logits comes from autograd on
+that chunk alone, or, for forward KL (the default loss), from its closed form ``T (q - p)`` computed in place
+(``distill.losses.fused_divergence``: 3 [rows, V] float32 buffers at the peak instead of ~7). Forward and backward
+equal the unchunked loss up to float summation order (tests: rtol 1e-5).
 
-Teacher side (``TeacherRows``): rows (b, t) of a ``distill.teacher.TeacherOutput`` — dense logits or the offline
-cache's sparse top-K — optionally restricted to the student's vocabulary ids (EAGLE-3's ``d2t``). Each chunk
-gathers its own rows (and columns), never a full-row copy of the batch; the per-row log-normaliser is computed once
-per batch and shared by every term (``TeacherOutput.log_normaliser``).
+Teacher side (``TeacherRows``): rows (b, t) of a ``distill.teacher.TeacherOutput`` — dense logits, the projected
+form (final hidden state + read-out: each chunk projects its own teacher rows; a reduced vocabulary's slice is
+projected once per batch) or the offline cache's sparse top-K — optionally restricted to the student's vocabulary
+ids (EAGLE-3's ``d2t``). Each chunk gathers its own rows (and columns), never a full-row copy of the batch; the
+per-row log-normaliser is computed once per batch and shared by every term (``TeacherOutput.log_normaliser``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distill.losses import row_divergence
+from distill.losses import fused_divergence, row_divergence
 
 CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per float32 [rows, V] temporary; CPU
 # matmuls with fewer rows run 2-3x slower per row on 2 threads (measured: 65 vs 261 vs 1024 rows)
@@ -60,20 +63,24 @@ class TeacherRows:
         """The vocabulary the student must cover: len(cols), or V."""
         if self.cols is not None:
             return self.cols.numel()
-        return self.signal.vocab_size if self.signal.sparse else self.signal.logits_BTV.shape[-1]
+        return self.signal.logits_BTV.shape[-1] if self.signal.logits_BTV is not None else self.signal.vocab_size
 
     def raw(self, start: int = 0, end: int | None = None) -> Tensor:
-        """The teacher's logits of rows [start, end) in their own dtype (what an unchunked loss would be given)."""
+        """The teacher's logits of rows [start, end) in their own dtype (what an unchunked loss would be given); a
+        new tensor (gathered, expanded or projected), never a view of the signal."""
         return self.signal.rows(self.b_N[start:end], self.t_N[start:end], self.cols)
 
     def log_probs(self, start: int, end: int, temperature: float) -> Tensor:
-        """float32 log-softmax of rows [start, end) at T; dense signals reuse the batch's shared normaliser."""
-        x = self.raw(start, end).float()
-        x = x if temperature == 1 else x / temperature
-        if self.signal.sparse:  # K ids per row: the chunk's own softmax is as cheap as anything shared
-            return F.log_softmax(x, dim=-1)
+        """float32 log-softmax of rows [start, end) at T; dense signals and vocabulary slices reuse the batch's
+        shared normaliser."""
+        x = self.raw(start, end).float()  # gathered or projected: a tensor of its own, normalised in place
+        if temperature != 1:
+            x.div_(temperature)
+        if self.signal.sparse or self.signal.projected and self.cols is None:
+            # K ids per row, or full rows projected for this chunk alone: the chunk's own softmax costs no more
+            return x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))
         lse = self.signal.log_normaliser(temperature, self.cols)
-        return x - lse[self.b_N[start:end], self.t_N[start:end]][:, None]
+        return x.sub_(lse[self.b_N[start:end], self.t_N[start:end]][:, None])
 
     @torch.no_grad()
     def labels(self) -> Tensor:
@@ -142,6 +149,7 @@ class _Job:
     def __init__(self, head, teacher: TeacherRows | LabelRows, loss_fn, chunk_elements: int):
         self.head, self.teacher, self.loss_fn = head, teacher, loss_fn
         self.core = row_divergence(loss_fn)
+        self.fused = fused_divergence(loss_fn)
         self.chunk_elements = chunk_elements
         self.pred_N: Tensor | None = None
 
@@ -152,37 +160,57 @@ class _Job:
         z = logits_CV.float() if temperature == 1 else logits_CV.float() / temperature
         return core(F.log_softmax(z, dim=-1), self.teacher.log_probs(start, end, temperature))
 
+    def _loss_and_dlogits(self, logits_CV: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """(the chunk's loss, its gradient w.r.t. ``logits_CV``: a detached tensor of the caller's, consumed)."""
+        if self.fused is not None:
+            fused, temperature = self.fused
+            return fused(logits_CV, self.teacher.log_probs(start, end, temperature))
+        with torch.enable_grad():
+            logits_CV.requires_grad_()
+            loss = self._chunk_loss(logits_CV, start, end)
+            return loss, torch.autograd.grad(loss, [logits_CV])[0]
+
     def run(self, x_ND: Tensor, params: list[Tensor], need_grads: bool):
         N = x_ND.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=x_ND.device)
         grad_x = torch.zeros_like(x_ND) if need_grads and x_ND.requires_grad else None
         grads = [torch.zeros_like(p) for p in params] if need_grads else []
         step = max(1, self.chunk_elements // self.teacher.width)
-        # An nn.Linear head is differentiated by hand: d loss / d logits from autograd, then the two matmuls, the
-        # weight's gradient accumulated in place (no [V, D] temporary per chunk).
+        # d loss / d logits first (by hand for a fused divergence, else autograd on the chunk's logits alone), then
+        # through the head: an nn.Linear by its two matmuls, the weight's gradient accumulated in place (no [V, D]
+        # temporary per chunk); any other head by autograd.
         linear = type(self.head) is nn.Linear and all(any(p is q for q in params) for p in self.head.parameters())
+        wrt = ([x_ND] if grad_x is not None else []) + params
         preds = []
         for start in range(0, N, step):
-            with torch.enable_grad() if need_grads else torch.no_grad():
-                x = x_ND[start: start + step].detach()
-                if linear and need_grads:
+            end = min(start + step, N)
+            if not need_grads or not wrt:
+                with torch.no_grad():
+                    logits = self.head(x_ND[start:end])
+                    preds.append(logits.argmax(-1))
+                    total += self._chunk_loss(logits, start, end).float()
+                continue
+            x = x_ND[start:end].detach()
+            if linear:
+                with torch.no_grad():
                     logits = F.linear(x, self.head.weight.detach(),
-                                      None if self.head.bias is None else self.head.bias.detach()).requires_grad_()
-                    loss = self._chunk_loss(logits, start, start + x.shape[0])
-                    (dlogits,) = torch.autograd.grad(loss, [logits])
-                    self._linear_grads(dlogits, x, start, grad_x, grads)
-                else:
+                                      None if self.head.bias is None else self.head.bias.detach())
+                preds.append(logits.argmax(-1))
+                loss, dlogits = self._loss_and_dlogits(logits, start, end)
+                self._linear_grads(dlogits, x, start, grad_x, grads)
+            else:
+                with torch.enable_grad():
                     x.requires_grad_(grad_x is not None)
-                    logits = self.head(x)
-                    loss = self._chunk_loss(logits, start, start + x.shape[0])
-                    wrt = ([x] if grad_x is not None else []) + params
-                    got = list(torch.autograd.grad(loss, wrt, allow_unused=True)) if wrt and loss.requires_grad else []
-                    if grad_x is not None and got:
-                        grad_x[start: start + x.shape[0]] = got.pop(0)
-                    for acc, g in zip(grads, got):
-                        if g is not None:
-                            acc += g
-            preds.append(logits.detach().argmax(-1))
+                    out = self.head(x)
+                preds.append(out.detach().argmax(-1))
+                loss, dlogits = self._loss_and_dlogits(out.detach().clone(), start, end)
+                got = list(torch.autograd.grad(out, ([x] if grad_x is not None else []) + params,
+                                               grad_outputs=dlogits.to(out.dtype), allow_unused=True))
+                if grad_x is not None:
+                    grad_x[start:end] = got.pop(0)
+                for acc, g in zip(grads, got):
+                    if g is not None:
+                        acc += g
             total += loss.detach().float()
         self.pred_N = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=x_ND.device)
         return total, grad_x, grads

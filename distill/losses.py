@@ -139,9 +139,36 @@ def _topk_core(log_q: Tensor, teacher_rows: Tensor, temperature: float, k: int) 
     return kl * temperature**2
 
 
+def _fkl_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """``_fkl_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p), by hand: three
+    [C, V] float32 buffers where autograd keeps six or seven. Both arguments are consumed (overwritten in place)."""
+    z = logits_CV.float()
+    if temperature != 1:
+        z.div_(temperature)
+    log_q = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+    p = log_p_CV.exp()
+    loss = log_p_CV.sub_(log_q).mul_(p).sum() * temperature**2  # sum p (log p - log q), as F.kl_div's "sum"
+    return loss, log_q.exp_().sub_(p).mul_(temperature)  # d/dz of T² KL(p || softmax(z / T)), p summing to 1
+
+
 # The menu's functions -> (core, checks of its own keyword arguments): what ``row_divergence`` unwraps.
 _CORES = {forward_kl: (_fkl_core, {}), reverse_kl: (_rkl_core, {}), total_variation: (_tvd_core, {}),
           jsd: (_jsd_core, {"beta": (0.5, _check_beta)}), topk_forward_kl: (_topk_core, {"k": (32, _check_k)})}
+
+
+_FUSED = {forward_kl: _fkl_fused}  # divergences whose gradient w.r.t. the logits is written by hand
+
+
+def fused_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], float] | None:
+    """(fused(logits_CV, log_p_CV) -> (summed divergence, its gradient w.r.t. the logits), temperature) for a menu
+    loss with a hand-written gradient (forward KL, the default loss); None for the others, which autograd
+    differentiates. ``fused`` overwrites both its arguments."""
+    got = row_divergence(loss_fn)
+    func = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
+    if got is None or func not in _FUSED:
+        return None
+    temperature = got[1]
+    return (lambda logits_CV, log_p_CV: _FUSED[func](logits_CV, log_p_CV, temperature)), temperature
 
 
 def row_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], Tensor], float] | None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from omegaconf import OmegaConf
@@ -104,12 +105,15 @@ class TargetLogits(nn.Module):
 
 
 FLOOR_MARGIN = 1e4  # sparse signals: exp(-1e4) is exactly 0 in float32 and bfloat16
+PROJECT_CHUNK_ELEMENTS = 1 << 25  # projected signals: rows per projection = this // V (128 MB of float32 logits)
 
 
 @dataclass
 class TeacherOutput:
-    """What the teacher says about one batch: dense logits (online) or its top-K log-probs (the offline cache, kept
-    sparse: ``rows`` expands only the rows a loss chunk asks for). Losses read it through ``rows`` /
+    """What the teacher says about one batch, in one of three forms: dense logits (online); projected (online: the
+    final normed hidden state and the target's read-out, so the [B, T, V] logits never exist: ``rows`` projects the
+    rows a loss chunk asks for, ``columns`` keeps one vocabulary slice); or its top-K log-probs (the offline cache,
+    kept sparse: ``rows`` expands only the rows a loss chunk asks for). Losses read it through ``rows`` /
     ``log_normaliser`` / ``argmax_BT``, whose per-batch reductions are computed once and shared by every head / TTT
     step (``_memo``)."""
 
@@ -117,23 +121,31 @@ class TeacherOutput:
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer index -> [B, T, D]
     topk_ids_BTK: Tensor | None = None  # sparse form: the teacher's top-K ids ...
     topk_logprobs_BTK: Tensor | None = None  # ... and their float32 log-probs
-    vocab_size: int | None = None  # sparse form: V
+    vocab_size: int | None = None  # sparse and projected forms: V
     dtype: torch.dtype | None = None  # sparse form: the dtype the online teacher's logits would have
+    final_BTD: Tensor | None = None  # projected form: what the target's lm_head reads (hidden-state index -1) ...
+    readout: Callable[[Tensor], Tensor] | None = None  # ... and what turns it into logits (``TargetLogits``)
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def sparse(self) -> bool:
-        return self.logits_BTV is None
+        return self.logits_BTV is None and self.final_BTD is None
+
+    @property
+    def projected(self) -> bool:
+        return self.final_BTD is not None
 
     @property
     def shape_BT(self) -> tuple[int, int]:
-        ref = self.topk_ids_BTK if self.sparse else self.logits_BTV
+        ref = self.topk_ids_BTK if self.sparse else self.final_BTD if self.projected else self.logits_BTV
         return ref.shape[0], ref.shape[1]
 
     def rows(self, b_N: Tensor, t_N: Tensor, cols: Tensor | None = None) -> Tensor:
         """Teacher logits of positions (b_N, t_N): [N, V], or [N, len(cols)] over the vocabulary ids ``cols`` (one
         gather, no full-row copy). Sparse: the top-K log-probs at their ids, a finite floor (smallest - 1e4)
         elsewhere, so a softmax over them is the teacher renormalised on its top K."""
+        if self.projected:
+            return self._project(b_N, t_N) if cols is None else self.columns(cols)[b_N, t_N]
         if not self.sparse:
             if cols is None:
                 return self.logits_BTV[b_N, t_N]
@@ -145,6 +157,11 @@ class TeacherOutput:
     @torch.no_grad()
     def argmax_BT(self) -> Tensor:
         """[B, T] the teacher's top token over the whole vocabulary (computed once per batch)."""
+        if self.projected:  # the rows projected so far recorded theirs (``_project``); the others are projected now
+            b_N, t_N = (self._argmax_record() < 0).nonzero(as_tuple=True)
+            for i in range(0, b_N.numel(), self._chunk_rows()):
+                self._project(b_N[i: i + self._chunk_rows()], t_N[i: i + self._chunk_rows()])
+            return self._memo["argmax"]
         if "argmax" not in self._memo:
             if self.sparse:
                 best = self.topk_logprobs_BTK.argmax(-1, keepdim=True)
@@ -156,19 +173,67 @@ class TeacherOutput:
     @torch.no_grad()
     def log_normaliser(self, temperature: float, cols: Tensor | None = None, chunk_elements: int = 1 << 23) -> Tensor:
         """[B, T] float32 logsumexp of the logits / T (over ``cols`` only when given): log-probs of any row are then
-        ``rows(...) / T - this``. Computed once per batch, temperature and vocabulary, in row chunks; dense only."""
+        ``rows(...) / T - this``. Computed once per batch, temperature and vocabulary, in row chunks; dense and
+        projected forms (projected: over the ``columns`` slice, or projecting each chunk of rows)."""
         key = ("lse", temperature, None if cols is None else (cols.data_ptr(), cols.numel()))
         if key not in self._memo:
+            source, cols = (self.columns(cols), None) if self.projected and cols is not None else (self.logits_BTV, cols)
             B, T = self.shape_BT
-            width = self.logits_BTV.shape[-1] if cols is None else cols.numel()
-            step = max(1, chunk_elements // width)
-            lse = torch.empty(B, T, dtype=torch.float32, device=self.logits_BTV.device)
+            step = self._chunk_rows() if source is None else max(1, chunk_elements // (
+                source.shape[-1] if cols is None else cols.numel()))
+            lse = torch.empty(B, T, dtype=torch.float32, device=self._device)
             for b in range(B):
                 for t0 in range(0, T, step):
-                    x = self.logits_BTV[b, t0: t0 + step]
+                    if source is None:  # projected, full vocabulary
+                        t_N = torch.arange(t0, min(t0 + step, T), device=self._device)
+                        x = self._project(torch.full_like(t_N, b), t_N)
+                    else:
+                        x = source[b, t0: t0 + step]
                     x = (x if cols is None else x[:, cols]).float()
                     lse[b, t0: t0 + step] = torch.logsumexp(x if temperature == 1 else x / temperature, dim=-1)
             self._memo[key] = lse
+        return self._memo[key]
+
+    # --- the projected form ----------------------------------------------------------------------------------
+    @property
+    def _device(self) -> torch.device:
+        return next(t for t in (self.logits_BTV, self.final_BTD, self.topk_ids_BTK) if t is not None).device
+
+    def _chunk_rows(self) -> int:
+        return max(1, PROJECT_CHUNK_ELEMENTS // self.vocab_size)
+
+    def _argmax_record(self) -> Tensor:
+        """[B, T] the teacher's top token at the positions projected so far (-1 elsewhere)."""
+        if "argmax" not in self._memo:
+            self._memo["argmax"] = torch.full(self.shape_BT, -1, dtype=torch.long, device=self._device)
+        return self._memo["argmax"]
+
+    @torch.no_grad()
+    def _project(self, b_N: Tensor, t_N: Tensor) -> Tensor:
+        """[N, V] logits of positions (b_N, t_N) through the read-out, recording their argmax on the way (the
+        agreement labels then cost no second projection)."""
+        logits = self.readout(self.final_BTD[b_N, t_N])
+        self._argmax_record()[b_N, t_N] = logits.argmax(-1)
+        return logits
+
+    @torch.no_grad()
+    def columns(self, cols: Tensor) -> Tensor:
+        """[B, T, len(cols)] the logits over the vocabulary ids ``cols`` (a reduced draft vocabulary), projected once
+        per batch in row chunks over the whole vocabulary (whose argmax is recorded at the same time) and kept:
+        every TTT step reads this slice, a quarter of [B, T, V] at EAGLE-3's 32k of 128k. Projected form only."""
+        key = ("cols", cols.data_ptr(), cols.numel())
+        if key not in self._memo:
+            B, T = self.shape_BT
+            out = None
+            b_all, t_all = (x.flatten() for x in torch.meshgrid(torch.arange(B, device=self._device),
+                                                                torch.arange(T, device=self._device), indexing="ij"))
+            step = self._chunk_rows()
+            for i in range(0, B * T, step):
+                rows = self._project(b_all[i: i + step], t_all[i: i + step])[:, cols]
+                if out is None:
+                    out = torch.empty(B * T, cols.numel(), dtype=rows.dtype, device=rows.device)
+                out[i: i + step] = rows
+            self._memo[key] = out.view(B, T, -1)
         return self._memo[key]
 
 
@@ -223,6 +288,7 @@ class Teacher:
         self.num_layers: int = config.num_hidden_layers
         self.max_positions: int = getattr(config, "max_position_embeddings", 0) or 0
         self.merged_adapter: str | None = None  # set by a drafter that merged its LoRA into ``model``'s weights
+        self._projection_ok: bool | None = None  # projected signals: see ``_readout_matches``
 
     @property
     def device(self) -> torch.device:
@@ -342,10 +408,11 @@ class Teacher:
             "num_layers": self.num_layers,
         }
 
-    def signals(self, batch: Mapping[str, Tensor], layers: Sequence[int] = ()) -> TeacherOutput:
+    def signals(self, batch: Mapping[str, Tensor], layers: Sequence[int] = (), dense: bool = True) -> TeacherOutput:
         """What the training loop asks for: the teacher's outputs for a collated batch. Online: one forward here;
-        ``distill.cache.OfflineTeacher`` answers the same call from precomputed shards."""
-        return self(batch["input_ids"], batch["attention_mask"], layers)
+        ``distill.cache.OfflineTeacher`` answers the same call from precomputed shards. ``dense=False`` asks for
+        the projected form (see ``__call__``)."""
+        return self(batch["input_ids"], batch["attention_mask"], layers, dense=dense)
 
     @torch.no_grad()
     def weights_digest(self) -> str:
@@ -360,22 +427,60 @@ class Teacher:
             h.update(sample.numpy().tobytes())
         return h.hexdigest()[:16]
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Sequence[int] = ()) -> TeacherOutput:
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Sequence[int] = (),
+                 dense: bool = True) -> TeacherOutput:
         """Under ``torch.inference_mode``: no autograd bookkeeping, and the HF hidden states not asked for are freed
         on return. The logits stay an inference tensor (losses only read them, never differentiate through them);
         the requested hidden states are cloned out of it, since drafters feed them into layers that save their
-        inputs for backward. Medusa-2's gradient through the adapted target runs the model itself, not this."""
+        inputs for backward. Medusa-2's gradient through the adapted target runs the model itself, not this.
+
+        ``dense=False``: the projected form, where the target's forward can skip its logits (``logits_to_keep``):
+        the final hidden state and ``output_logits`` instead of [B, T, V] logits, which the loss then projects a
+        chunk of rows at a time (a drafter whose loss reads each teacher row once, or a vocabulary slice of it)."""
+        project = not dense and self._can_project
+        readout = self.output_logits if project else None  # (its one-off probe forward runs outside inference mode)
         with adapters_disabled(self.model), torch.inference_mode():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                output_hidden_states=bool(layers),
+                output_hidden_states=bool(layers) or project,
                 use_cache=False,
+                **({"logits_to_keep": 1} if project else {}),
             )
             picked = {i: out.hidden_states[self.resolve_layer(i)] for i in layers}
-            logits = out.logits
+            final, logits = (out.hidden_states[self.num_layers] if project else None), out.logits
             del out
-        return TeacherOutput(logits_BTV=logits, hidden={i: h.clone() for i, h in picked.items()})
+            if project and not self._readout_matches(final, logits):
+                return self(input_ids, attention_mask, layers, dense=True)
+        hidden = {i: h.clone() for i, h in picked.items()}
+        if project:
+            return TeacherOutput(logits_BTV=None, hidden=hidden, final_BTD=final, readout=readout,
+                                 vocab_size=self.vocab_size)
+        return TeacherOutput(logits_BTV=logits, hidden=hidden)
+
+    @functools.cached_property
+    def _can_project(self) -> bool:
+        """Whether the forward can skip its logits and ``readout`` accepts the target (one it refuses still trains
+        drafters that need no read-out, e.g. a draft model: with dense logits)."""
+        if "logits_to_keep" not in inspect.signature(self.model.forward).parameters:
+            return False
+        try:
+            self.readout
+        except ValueError:
+            return False
+        return True
+
+    def _readout_matches(self, final_BTD: Tensor, logits_B1V: Tensor) -> bool:
+        """Whether the forward's last-position logits are ``output_logits`` of hidden-state index -1, checked on the
+        first projected batch (the same single row, so equal to rounding); where they are not, the teacher answers
+        with dense logits from then on."""
+        if self._projection_ok is None:
+            want, got = logits_B1V[:, -1].float(), self.output_logits(final_BTD[:, -1]).float()
+            self._projection_ok = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6))
+            if not self._projection_ok:
+                log.warning("target %r: its logits are not output_logits(hidden_states[-1]) (max difference %.3g); "
+                            "the teacher keeps dense [B, T, V] logits", self.name, float((got - want).abs().max()))
+        return self._projection_ok
 
 
 def target_config(node: Mapping) -> TargetConfig:

@@ -135,6 +135,10 @@ class Drafter(nn.Module):
     # True when the drafter trains one next-token term yet drafts autoregressively to any depth (a draft LM): the
     # simulated τ then applies that term's accuracy at every depth instead of stopping after one.
     drafts_autoregressively: bool = False
+    # Whether the loss is given the teacher's dense [B, T, V] logits (``Teacher.signals(dense=...)``): needed where
+    # several terms read every full-vocabulary row (Medusa's heads). A drafter whose loss reads each teacher row once,
+    # or a vocabulary slice of it, says False: its loss chunks project the teacher's rows themselves, at no more cost.
+    dense_teacher_logits: bool = True
 
     @property
     def needs_training(self) -> bool:

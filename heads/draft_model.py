@@ -58,6 +58,7 @@ class DraftModel(Drafter):
     teacher_layers = ()
     can_sample = True
     drafts_autoregressively = True
+    dense_teacher_logits = False  # one term: each teacher row is read once
 
     def __init__(self, dims: TargetDims | Mapping[str, int], source: str = "config", name: str | None = None,
                  revision: str | None = None, toy: dict | None = None, dtype: str = "float32",

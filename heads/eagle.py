@@ -253,6 +253,12 @@ class EagleDrafter(Drafter):
         self.tree_mode = spec
 
     @property
+    def dense_teacher_logits(self) -> bool:
+        """Only several TTT steps over the full vocabulary re-read full teacher rows; a reduced vocabulary reads its
+        slice (``TeacherOutput.columns``, kept once per batch), one step its rows once."""
+        return self.draft_vocab_size == self.dims.vocab_size and self.ttt_steps > 1
+
+    @property
     def dynamic_tree(self) -> bool:
         """Whether proposals are EAGLE-2 dynamic trees (whose shape the static cost model cannot predict)."""
         return self.tree_mode == "dynamic"

@@ -3,6 +3,7 @@
     python scripts/bench_memory.py                                   # after: this checkout, seq 2048 and 8192
     python scripts/bench_memory.py --code /work/base --label before --seqs 1024 2048 --kinds eagle1
     python scripts/bench_memory.py --table scripts/results/bench_memory_cpu.json   # the README table + Llama-3-8B
+    python scripts/bench_memory.py --ab /tmp/base806 --seqs 1024 --threads 1         # tokens/s A/B, same load
 
 Target: a random-weight Llama with the Llama-3 vocabulary (V 128,256, hidden 512, 2 layers, 8 heads, untied
 embeddings: 0.15B parameters, ~0.6 GB of weights), built once under ``$SPECDRAFT_CACHE`` with the tiny toy target's
@@ -15,7 +16,11 @@ window (``perf/tokens_per_s`` of step 1: one whole training step, start-up exclu
 
 ``--code`` runs another checkout's ``python -m train`` (the base commit, for the "before" figures) against the same
 target and data. Results merge into ``--out`` keyed by label / kind / seq, so runs can be added one at a time.
-``--table`` prints the README table and the Llama-3-8B projection (``project_8b``).
+``--table`` prints the README table (with ``after_first_pass``, issue 19's first pass, where kept) and the Llama-3-8B
+projection (``project_8b``). ``--ab <checkout>`` measures
+tokens/s fairly on a shared machine: per kind and length, that checkout's run and this one's back to back (``--rounds``
+times, alternating), so both see the same load; each pair is kept under ``ab`` with its after/before ratio (pairs
+of later invocations against the same checkout are added).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -72,6 +78,7 @@ def build_target(cache: Path) -> Path:
 def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads: int, max_gb: float,
              extra: list[str], steps: int = 2) -> dict:
     run_dir = work / f"{code.name}-{kind}-{seq}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # trainer.resume=never refuses a used run dir
     overrides = ["target=tiny", "target.source=hf", f"target.name={target}", *KINDS[kind],
                  f"data.max_length={seq}", f"data.corpus_max_bytes={CORPUS_BYTES}", "trainer.micro_batch_size=1",
                  "trainer.grad_accum=1", f"trainer.steps={steps}", "trainer.warmup_steps=1", "trainer.log_every=1",
@@ -203,10 +210,11 @@ def projection_table(data: dict) -> str:
 
 def table(path: Path) -> str:
     data = json.loads(path.read_text())
-    lines = ["| drafter | seq | before peak GB | after peak GB | ratio | before tokens/s | after tokens/s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| drafter | seq | before peak GB | first pass GB | after peak GB | ratio | before tokens/s | after tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for kind in KINDS:
-        seqs = sorted({int(s) for label in ("before", "after") for s in data.get(label, {}).get(kind, {})})
+        seqs = sorted({int(s) for label in ("before", "after", "after_first_pass")
+                       for s in data.get(label, {}).get(kind, {})})
         for seq in seqs:
             b = data.get("before", {}).get(kind, {}).get(str(seq), {})
             a = data.get("after", {}).get(kind, {}).get(str(seq), {})
@@ -214,13 +222,56 @@ def table(path: Path) -> str:
             bpk = b.get("peak_rss_gb") if b.get("exit_status") == 0 else q
             bmark = "" if b.get("exit_status") == 0 or bpk is None else " (quoted)"
             ratio = f"{a['peak_rss_gb'] / bpk:.2f}x" if a.get("exit_status") == 0 and bpk else "-"
-            lines.append(f"| {kind} | {seq} | {_f(bpk)}{bmark} | {_f(a.get('peak_rss_gb'))} | {ratio} | "
+            first = data.get("after_first_pass", {}).get(kind, {}).get(str(seq), {})
+            lines.append(f"| {kind} | {seq} | {_f(bpk)}{bmark} | {_f(first.get('peak_rss_gb'))} | "
+                         f"{_f(a.get('peak_rss_gb'))} | {ratio} | "
                          f"{_f(b.get('tokens_per_s'), '.0f')} | {_f(a.get('tokens_per_s'), '.0f')} |")
     return "\n".join(lines)
 
 
 def _f(x, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def ab_pairs(base: Path, target: Path, kinds: list[str], seqs: list[int], args, out: Path) -> None:
+    """``--ab``: before (``base``) and after (this checkout) alternately, ``args.rounds`` pairs per kind and length.
+    The last after run is also this length's ``after`` row (its peak RSS does not depend on the load)."""
+    for kind in kinds:
+        for seq in seqs:
+            pairs = []
+            for _ in range(args.rounds):
+                pair = {}
+                for label, code in (("before", base), ("after", ROOT)):
+                    r = run_once(code, target, kind, seq, args.work, args.threads, args.max_gb, args.extra, args.steps)
+                    last_after = r if label == "after" else None
+                    pair[label] = {k: r.get(k) for k in ("peak_rss_gb", "tokens_per_s", "exit_status", "load_before",
+                                                          "load_after", "wall_s", "log_tail") if k in r}
+                ok = all(pair[x].get("tokens_per_s") for x in ("before", "after"))
+                pair["tokens_per_s_ratio"] = pair["after"]["tokens_per_s"] / pair["before"]["tokens_per_s"] if ok else None
+                pairs.append(pair)
+                print(f"ab {kind} seq {seq}: before {pair['before'].get('tokens_per_s')} after "
+                      f"{pair['after'].get('tokens_per_s')} tokens/s, ratio {pair['tokens_per_s_ratio']}", flush=True)
+            data = json.loads(out.read_text()) if out.is_file() else {}
+            data.setdefault("after", {}).setdefault(kind, {})[str(seq)] = {**last_after, "code": str(ROOT),
+                                                                            "note": "the --ab pair's after run"}
+            earlier = data.setdefault("ab", {}).setdefault(kind, {}).get(str(seq), {})
+            kept = earlier.get("pairs", []) if earlier.get("before_code") == str(base) else []  # a later invocation adds
+            data["ab"][kind][str(seq)] = {
+                "before_code": str(base), "after_code": str(ROOT), "threads": args.threads, "steps": args.steps,
+                "pairs": kept + pairs}
+            out.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def ab_table(data: dict) -> str:
+    lines = ["| drafter | seq | before tokens/s | after tokens/s | after / before (per pair) |",
+             "| --- | --- | --- | --- | --- |"]
+    for kind in KINDS:
+        for seq, row in sorted(data.get("ab", {}).get(kind, {}).items(), key=lambda kv: int(kv[0])):
+            pairs = row["pairs"]
+            mean = lambda label: sum(p[label].get("tokens_per_s") or 0 for p in pairs) / len(pairs)
+            ratios = ", ".join("-" if p["tokens_per_s_ratio"] is None else f"{p['tokens_per_s_ratio']:.2f}" for p in pairs)
+            lines.append(f"| {kind} | {seq} | {mean('before'):.0f} | {mean('after'):.0f} | {ratios} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -236,19 +287,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "bench_memory_cpu.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp") / "bench_memory")
     parser.add_argument("--table", type=Path, default=None, help="print the README table of this JSON and exit")
+    parser.add_argument("--ab", type=Path, default=None, help="a 'before' checkout: tokens/s A/B against this one")
+    parser.add_argument("--rounds", type=int, default=1, help="--ab: before/after pairs per kind and length")
     parser.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     if args.table:
         data = json.loads(args.table.read_text())
         data["llama3_8b_projection"] = projection(data)
         args.table.write_text(json.dumps(data, indent=2) + "\n")
-        print(table(args.table) + "\n\n" + projection_table(data))
+        print(table(args.table) + "\n\n" + projection_table(data) + "\n\n" + ab_table(data))
         return
     from eval.report import machine_info
 
     cache = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
     target = build_target(cache)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.ab:
+        ab_pairs(args.ab.resolve(), target, args.kinds, args.seqs, args, args.out)
+        return
     for kind in args.kinds:
         for seq in args.seqs:
             result = run_once(args.code.resolve(), target, kind, seq, args.work, args.threads, args.max_gb, args.extra,

@@ -134,7 +134,9 @@ def test_teacher_log_normaliser_is_computed_once_per_batch(monkeypatch):
     for shift in (0, 1, 2):
         m = mask[:, : T - shift]
         chunked_divergence(x[: int(m.sum())], head, TeacherRows(teacher, *positions(m, shift)), MENU["fkl"])
-    assert len(calls) == teacher.logits_BTV.shape[0]  # one chunk per batch row (T * V fits a chunk), then shared
+    # The teacher's: one chunk per batch row (T * V fits a chunk), then shared; plus the student's own normaliser in
+    # each term's one chunk (the fused forward KL), 3.
+    assert len(calls) == teacher.logits_BTV.shape[0] + 3
 
 
 # --- every drafter kind: chunked in-forward loss == materialised logits + loss_fn ---------------------------------
@@ -146,8 +148,10 @@ KINDS = {
     "eagle3": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3, "draft_vocab_size": 64},
     "eagle3_ckpt": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3,
                     "draft_vocab_size": 64, "checkpoint_layer": True},
+    "eagle1_one_step": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle1", "ttt_steps": 1},
     "draft_model": {"_target_": "heads.draft_model.DraftModel"},
 }
+PROJECTED = {"eagle3", "eagle3_ckpt", "eagle1_one_step", "draft_model"}  # the teacher answers without [B, T, V] logits
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -172,8 +176,10 @@ def test_every_drafter_kind_matches_the_materialised_loss(tiny_teacher, kind, lo
         ref = ref + term.weight * MENU[loss](term.student_NV, term.teacher_NV, None)[0]
     ref_grads = torch.autograd.grad(ref, params)
     ref_agree = [(int((t.student_NV.argmax(-1) == t.label_N).sum()), t.student_NV.shape[0]) for t in lazy.terms]
-    # After: the loss computed in chunks inside the drafter's call.
-    out = drafter(batch, tiny_teacher.signals(batch, drafter.teacher_layers), loss_fn=MENU[loss])
+    # After: the loss computed in chunks inside the drafter's call, on the teacher's form the loop asks for.
+    after = tiny_teacher.signals(batch, drafter.teacher_layers, dense=drafter.dense_teacher_logits)
+    assert after.projected == (kind in PROJECTED) and (after.logits_BTV is None) == (kind in PROJECTED)
+    out = drafter(batch, after, loss_fn=MENU[loss])
     got, n = out.loss(MENU[loss])
     grads = torch.autograd.grad(got, params)
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-5)
@@ -181,6 +187,58 @@ def test_every_drafter_kind_matches_the_materialised_loss(tiny_teacher, kind, lo
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert [(int(c), int(m)) for c, m in out.top1_agreement()] == ref_agree
     assert all(t.teacher is None for t in out.terms)  # the teacher's logits are released before backward
+
+
+def test_projected_teacher_equals_the_dense_logits(tiny_teacher, monkeypatch):
+    """The projected form (final hidden state + read-out) answers rows, a vocabulary slice, normalisers and argmax as
+    the dense logits do, projecting at most ``PROJECT_CHUNK_ELEMENTS // V`` rows at a time and never [B, T, V]."""
+    import distill.teacher as dt
+
+    monkeypatch.setattr(dt, "PROJECT_CHUNK_ELEMENTS", 5 * 128)  # 5 rows per projection
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    dense = tiny_teacher(ids, mask, layers=(1,))
+    proj = tiny_teacher(ids, mask, layers=(1,), dense=False)
+    assert proj.projected and proj.logits_BTV is None and proj.final_BTD.shape == (2, 11, 32)
+    torch.testing.assert_close(proj.hidden[1], dense.hidden[1])
+    calls = []
+    head = tiny_teacher.output_logits.lm_head
+    handle = head.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    try:
+        b_N, t_N = positions(torch.rand(2, 11, generator=torch.Generator().manual_seed(3)) > 0.3)
+        torch.testing.assert_close(proj.rows(b_N, t_N), dense.rows(b_N, t_N), rtol=1e-5, atol=1e-5)
+        assert torch.equal(proj.argmax_BT()[b_N, t_N], dense.argmax_BT()[b_N, t_N])
+        n_rows = len(calls)
+        assert torch.equal(proj.argmax_BT(), dense.argmax_BT())  # the rows not yet projected are projected now
+        cols = torch.tensor([3, 7, 8, 50, 127])
+        torch.testing.assert_close(proj.rows(b_N, t_N, cols), dense.rows(b_N, t_N, cols), rtol=1e-5, atol=1e-5)
+        before = len(calls)
+        for temperature in (1.0, 2.0):
+            for c in (None, cols):
+                torch.testing.assert_close(proj.log_normaliser(temperature, c), dense.log_normaliser(temperature, c),
+                                           rtol=1e-5, atol=1e-5)
+        proj.rows(b_N, t_N, cols)
+        # The slice is kept (no projection for the last call); each full-V normaliser projects every row once, in
+        # chunks of at most 5 rows of one batch row (11 = 5 + 5 + 1).
+        assert calls[before:] == [5, 5, 1] * 2 * 2
+    finally:
+        handle.remove()
+    assert calls[0] == len(b_N) and max(calls[1:n_rows]) <= 5  # the rows asked for; then the rest, in chunks
+    assert proj.columns(cols).shape == (2, 11, 5)
+
+
+def test_projected_teacher_falls_back_to_dense_when_the_readout_differs(tiny_teacher, caplog):
+    """A target whose logits are not ``output_logits(hidden_states[-1])`` keeps answering densely (checked once)."""
+    from distill.teacher import TargetLogits
+
+    embed, logits = tiny_teacher.readout
+    tiny_teacher.__dict__["readout"] = (embed, TargetLogits(logits.lm_head, softcap=0.5))  # a read-out that is wrong
+    ids = torch.randint(0, 128, (1, 6))
+    with caplog.at_level("WARNING"):
+        out = tiny_teacher(ids, torch.ones_like(ids), dense=False)
+    assert not out.projected and out.logits_BTV.shape == (1, 6, 128)
+    assert "keeps dense" in caplog.text
+    assert not tiny_teacher(ids, torch.ones_like(ids), dense=False).projected
 
 
 def test_teacher_runs_under_inference_mode_and_hands_out_trainable_hidden_states(tiny_teacher):

@@ -119,7 +119,7 @@ def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, lo
             tokens_window += batch["attention_mask"].sum()
             with engine.micro_step(sync=micro == accum - 1):
                 with clock("teacher"):
-                    teacher_out = teacher.signals(batch, layers)
+                    teacher_out = teacher.signals(batch, layers, dense=drafter.dense_teacher_logits)
                 with clock("drafter"):
                     out = model(batch, teacher_out, loss_fn=loss_fn)  # the loss is computed inside the call
                     micro_loss, _ = out.loss(loss_fn)

@@ -425,7 +425,8 @@ class OfflineTeacher:
             )
         return self._keys[resolved]
 
-    def signals(self, batch: Mapping[str, Tensor], layers: Sequence[int] = ()) -> TeacherOutput:
+    def signals(self, batch: Mapping[str, Tensor], layers: Sequence[int] = (), dense: bool = True) -> TeacherOutput:
+        """The cached top-K, sparse whatever ``dense`` asks (it is smaller than either online form)."""
         if "topk_ids" not in batch:
             raise KeyError("OfflineTeacher.signals needs a batch of CachedDataset rows (no 'topk_ids' in it); "
                            "train on CachedDataset(data.teacher_cache)")
