@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from heads import export_eagle
-from heads.base import TargetDims, load_saved_drafter, write_dir_atomically
+from distill.atomic import write_dir_atomically
+from heads.base import TargetDims, load_saved_drafter
 from heads.export_eagle import EAGLE_KINDS
 
 log = logging.getLogger(__name__)

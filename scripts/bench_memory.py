@@ -52,6 +52,7 @@ def build_target(cache: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from distill.atomic import write_dir_atomically
     from distill.toy import load_or_build_toy_target
     from omegaconf import OmegaConf
 
@@ -63,11 +64,7 @@ def build_target(cache: Path) -> Path:
                          max_position_embeddings=16_384, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path)
-    return path
+    return write_dir_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads: int, max_gb: float,
