@@ -242,9 +242,10 @@ def main() -> None:
         args.table.write_text(json.dumps(data, indent=2) + "\n")
         print(table(args.table) + "\n\n" + projection_table(data))
         return
+    from distill.toy import default_cache_dir
     from eval.report import machine_info
 
-    cache = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+    cache = default_cache_dir()
     target = build_target(cache)
     args.work.mkdir(parents=True, exist_ok=True)
     for kind in args.kinds:

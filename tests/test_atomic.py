@@ -1,4 +1,4 @@
-"""distill.atomic and distill.fingerprint: the one atomic-write helper and the one fingerprint diff every writer uses."""
+"""distill.atomic and distill.fingerprint: the one atomic-write helper and the one fingerprint diff."""
 
 import hashlib
 import os

@@ -10,7 +10,7 @@ from inference.cost import auto_tune, chain_tau, overhead_ratio, predict, tree_t
 from inference.decoder import Decoder, DecoderConfig
 from tests.test_config import load
 from tests.test_decoder import noisy_medusa
-from tests.test_draft_model import DIMS, teacher, truncated  # noqa: F401  (teacher is a fixture)
+from tests.test_draft_model import DIMS, truncated
 from train.config import validate
 
 EVAL = {"max_new_tokens": 16, "num_draft": 3, "warmup_prompts": 1, "drafter_dtype": "float32", "hf_baselines": True}

@@ -13,7 +13,7 @@ from distill.losses import forward_kl
 from distill.onpolicy import OnPolicyBatches
 from heads.draft_model import DraftModel
 from heads.medusa import MedusaHeads
-from tests.test_draft_model import DIMS, teacher, truncated  # noqa: F401  (teacher is a fixture)
+from tests.test_draft_model import DIMS, truncated
 from train.config import register_configs, validate
 from train.engine import SingleEngine
 from train.loop import train

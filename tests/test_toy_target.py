@@ -167,7 +167,8 @@ def test_bad_values_are_named(tmp_path: pathlib.Path) -> None:
 
 
 def test_lr_schedule_warms_up_then_decays_to_ten_percent() -> None:
-    factors = [toy.lr_factor(step, toy.toy_config({**TINY_CFG, "warmup_steps": 10, "steps": 100})) for step in range(100)]
+    cfg = toy.toy_config({**TINY_CFG, "warmup_steps": 10, "steps": 100})
+    factors = [toy.lr_factor(step, cfg) for step in range(100)]
     assert factors[0] == pytest.approx(0.1)
     assert factors[9] == pytest.approx(1.0)
     assert max(factors) == pytest.approx(1.0)

@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 
 from distill.atomic import write_file_atomically, write_text_atomically
 from distill.fingerprint import tree_digests
+from distill.toy import default_cache_dir
 from heads.base import WEIGHTS, read_drafter_config, save_drafter
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ def _node(drafter_cfg: Mapping) -> dict:
 
 def _signing_key() -> bytes:
     """This user's key for signing DeepSpeed checkpoints (created on first use, readable by the user only)."""
-    root = Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft").expanduser()
+    root = default_cache_dir().expanduser()
     path = root / "checkpoint-signing.key"
     if not path.is_file():
         root.mkdir(parents=True, exist_ok=True)
