@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from distill.chat import Example, chat_renderer, encode_chat, normalize_messages
 from distill.corpus import corpus_fingerprint, stdlib_sources
+from distill.fingerprint import update_with_file
 
 logger = logging.getLogger(__name__)
 
@@ -401,9 +402,7 @@ def _hash_path(h, path: Path) -> None:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
     for p in files:
         h.update(p.relative_to(path).as_posix().encode() if path.is_dir() else b"")
-        with p.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        update_with_file(h, p)
 
 
 def build_train_dataset(data_cfg: DataConfig, tokenizer) -> Dataset:

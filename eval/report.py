@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from distill.atomic import write_text_atomically
 from eval.batch_sweep import sweep_lines
 from eval.markdown import summary_markdown
 from eval.plots import write_plots
@@ -85,9 +86,7 @@ def write_report(report: dict, run_dir: str | os.PathLike, plots: bool = True) -
     if plots:
         report["plots"] = [p.name for p in write_plots(report, run_dir)]
     path = run_dir / "report.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(report, indent=2))
     (run_dir / "summary.txt").write_text(summary_table(report) + "\n")
     (run_dir / "summary.md").write_text(summary_markdown(report))
     return path

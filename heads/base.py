@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -31,6 +29,7 @@ from hydra.utils import instantiate
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from distill.atomic import write_dir_atomically
 from distill.chunked import TeacherRows, chunked_divergence
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
@@ -221,39 +220,6 @@ class Drafter(nn.Module):
 
 
 # --- save / load -------------------------------------------------------------------------------------------
-
-
-def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Fill a temporary sibling directory with ``write(tmp)``, then swap it into place.
-
-    A crash mid-write leaves the previous directory (or nothing) at ``path``, never a half-written one.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        write(tmp)
-        _usual_permissions(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return path
-
-
-def _usual_permissions(root: Path) -> None:
-    """mkdtemp makes a private (0700) directory and safetensors writes 0600 files; a saved drafter or an export is
-    meant to be read by a serving process, so give it the modes a plain mkdir / open would (umask applied)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in [root, *root.rglob("*")]:
-        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping[str, Any], target_cfg: Mapping[str, Any],

@@ -35,7 +35,8 @@ from safetensors.torch import load_file, save_file
 
 from distill.teacher import DTYPES, load_teacher, target_config
 from heads import export_eagle
-from heads.base import TargetDims, load_saved_drafter, write_dir_atomically
+from distill.atomic import write_dir_atomically
+from heads.base import TargetDims, load_saved_drafter
 from heads.draft_model import DraftModel
 from heads.export_eagle import EAGLE_KINDS
 from heads.lora import save_peft_adapter

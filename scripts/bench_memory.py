@@ -57,6 +57,7 @@ def build_target(cache: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from distill.atomic import write_dir_atomically
     from distill.toy import load_or_build_toy_target
     from omegaconf import OmegaConf
 
@@ -68,11 +69,7 @@ def build_target(cache: Path) -> Path:
                          max_position_embeddings=16_384, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path)
-    return path
+    return write_dir_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads: int, max_gb: float,
@@ -297,9 +294,10 @@ def main() -> None:
         args.table.write_text(json.dumps(data, indent=2) + "\n")
         print(table(args.table) + "\n\n" + projection_table(data) + "\n\n" + ab_table(data))
         return
+    from distill.toy import default_cache_dir
     from eval.report import machine_info
 
-    cache = Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+    cache = default_cache_dir()
     target = build_target(cache)
     args.work.mkdir(parents=True, exist_ok=True)
     if args.ab:

@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
+    from distill.atomic import write_text_atomically
     from distill.teacher import load_teacher
     from eval.report import machine_info
     from eval.run import build_decoder, eval_prompts
@@ -195,9 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             trees = decode_trees(decoder, drafter, prompts, refs, ev.max_new_tokens)
             results["rows"][key] = {"row": name, "seed": seed, "steps": steps, "overrides": overrides, **cost,
                                     "loop_s": final.get("train/elapsed_s"), "final": final, "trees": trees}
-            tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(results, indent=2))
-            os.replace(tmp, out)
+            write_text_atomically(out, json.dumps(results, indent=2))
             print(f"{key}: {steps} steps, {cost['cpu_s']:.0f} CPU s ({cost['wall_s']:.0f} s wall, load "
                   f"{cost['loadavg_before'][0]:.1f}); " + ", ".join(
                       f"{t} τ {r['tau']:.2f}{'' if r['identical_to_greedy'] else ' NOT IDENTICAL'}"

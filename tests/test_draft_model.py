@@ -11,10 +11,9 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
 from distill.losses import forward_kl
-from distill.teacher import Teacher
 from distill.toy import ToyTargetConfig
 from eval.baselines import hf_assisted, hf_generate
 from heads.base import TargetDims, build_drafter, load_drafter, load_saved_drafter, save_drafter
@@ -29,20 +28,7 @@ TARGET_CFG = {"source": "toy", "name": "tiny-llama"}
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def tiny_llama(seed=0, **overrides):
-    """``conftest.make_tiny_llama``'s architecture with any field overridable (it fixes num_hidden_layers=2)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(**{**dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=256, tie_word_embeddings=True), **overrides})
-    return LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture
-def teacher():
-    """A tiny target with larger initial weights: at ``tiny_target``'s 0.02 init the logits are near-uniform and
-    greedy output repeats one token, which would exercise neither rejections nor an EOS."""
-    return Teacher(tiny_llama(initializer_range=0.2), tokenizer=None, name="tiny-llama-varied")
+tiny_llama = make_tiny_llama  # the ``teacher`` fixture (conftest) is make_tiny_llama(initializer_range=0.2)
 
 
 def truncated(target, **overrides):

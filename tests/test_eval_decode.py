@@ -12,7 +12,7 @@ from inference.cost import auto_tune, chain_tau, overhead_ratio, predict, tree_t
 from inference.decoder import Decoder, DecoderConfig
 from tests.test_config import load
 from tests.test_decoder import noisy_medusa
-from tests.test_draft_model import DIMS, teacher, truncated  # noqa: F401  (teacher is a fixture)
+from tests.test_draft_model import DIMS, truncated
 from train.config import EvalConfig, load_config
 
 EVAL = EvalConfig(max_new_tokens=16, num_draft=3, warmup_prompts=1, drafter_dtype="float32", hf_baselines=True)
@@ -47,7 +47,7 @@ def test_auto_tune_picks_the_best_prediction_and_applies_it(tiny_teacher):
     assert taus == sorted(taus) and taus[0] >= 1.0  # more nodes can only add expected accepted tokens
 
 
-def test_evaluate_reports_baselines_cost_and_categories(teacher):  # noqa: F811
+def test_evaluate_reports_baselines_cost_and_categories(teacher):
     from eval.run import evaluate
 
     medusa = noisy_medusa(teacher, scale=0.2)

@@ -11,7 +11,7 @@ from heads.draft_model import DraftModel
 from heads.export import SIDECAR, check_export, export_drafter, load_export
 from inference.decoder import Decoder
 from tests.test_decoder import noisy_medusa
-from tests.test_draft_model import DIMS, teacher, truncated  # noqa: F401  (teacher is a fixture)
+from tests.test_draft_model import DIMS, truncated
 
 TARGET_CFG = {"source": "hf", "name": "tiny-llama"}
 TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}

@@ -14,10 +14,9 @@ RESULT_KEYS = {"drafter", "num_prompts", "new_tokens", "tau", "alpha", "alpha_pe
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    e = dict(os.environ, SPECDRAFT_CACHE=str(cache), WANDB_MODE="offline", HF_HUB_OFFLINE="1",
-             WANDB_DIR=str(cache / "wandb"), HF_HOME=str(cache / "hf"))
+def env(tiny_toy_target):
+    """The session's environment (its own SPECDRAFT_CACHE, offline; conftest), where the tiny target is built."""
+    e = dict(os.environ)
     e.pop("CUDA_VISIBLE_DEVICES", None)
     return e
 

@@ -299,10 +299,9 @@ def test_load_errors_name_the_file_line_and_fix(text_file, teacher, tmp_path):
         load_regenerated(out, tokenizer, cfg.data, teacher=make_teacher(tokenizer, seed=1))
 
 
-def test_cli_writes_answers_of_the_configured_target(tmp_path):
-    """``python -m distill.regenerate`` end to end on the tiny toy target (built into a temp SPECDRAFT_CACHE)."""
-    env = dict(os.environ, SPECDRAFT_CACHE=str(tmp_path / "targets"), HF_HOME=str(tmp_path / "hf"),
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+def test_cli_writes_answers_of_the_configured_target(tmp_path, tiny_toy_target):
+    """``python -m distill.regenerate`` end to end on the tiny toy target (the session's, in its SPECDRAFT_CACHE)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     out = tmp_path / "regen.jsonl"
     command = [sys.executable, "-m", "distill.regenerate", "target=tiny", "trainer.device=cpu", "data.max_length=32",
                "data.corpus_max_bytes=20000", "regenerate.prompt_tokens=12", "regenerate.num_prompts=4",
@@ -310,7 +309,7 @@ def test_cli_writes_answers_of_the_configured_target(tmp_path):
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = read(out)
-    assert [r["id"] for r in records] == [0, 1, 2, 3] and "4/4 prompts" in proc.stderr + proc.stdout
+    assert [r["id"] for r in records] == [0, 1, 2, 3]
     assert all(len(r["prompt_ids"]) == 12 and len(r["prompt_ids"]) + len(r["completion_ids"]) <= 32 for r in records)
     meta = json.loads(meta_path(out).read_text())
     assert meta["target"]["name"] == "specdraft/tiny-stdlib" and meta["data"]["source"] == "stdlib"

@@ -167,12 +167,35 @@ def test_bad_values_are_named(tmp_path: pathlib.Path) -> None:
 
 
 def test_lr_schedule_warms_up_then_decays_to_ten_percent() -> None:
-    factors = [toy.lr_factor(step, 10, 100) for step in range(100)]
+    cfg = toy.toy_config({**TINY_CFG, "warmup_steps": 10, "steps": 100})
+    factors = [toy.lr_factor(step, cfg) for step in range(100)]
     assert factors[0] == pytest.approx(0.1)
     assert factors[9] == pytest.approx(1.0)
     assert max(factors) == pytest.approx(1.0)
     assert factors[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
+
+
+@pytest.mark.parametrize("steps,warmup", [(2000, 100), (150, 15), (5, 2), (1, 0), (7, 0)])
+def test_lr_schedule_is_bit_identical_to_the_one_existing_toy_targets_were_built_with(steps: int, warmup: int) -> None:
+    """The toy now uses the project's one schedule (distill.schedule); a cached target keeps its key, so a rebuild
+    under that key must train with exactly the learning rates the old private schedule gave (this expression)."""
+    def before(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - 1 - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    cfg = toy.toy_config({**TINY_CFG, "steps": steps, "warmup_steps": warmup})
+    assert [toy.lr_factor(step, cfg) for step in range(steps)] == [before(step) for step in range(steps)]
+
+
+def test_cache_key_of_the_default_config_is_unchanged() -> None:
+    """Every user's built default target (a 30-minute build) is found by this key: the config's canonical form and
+    the format version must hash as they did when it was built (value computed on main before the toy package split;
+    the corpus fingerprint is fixed here because it depends on the machine's stdlib)."""
+    assert toy.cache_key(toy.toy_config(toy.DEFAULT_TOY_CFG), "0" * 64) == "62430a6665991ee9"
+    assert toy.cache_key(toy.ToyTargetConfig(), "0" * 64) == "62430a6665991ee9"
 
 
 def test_cache_path_honours_env_and_config(fake_stdlib: pathlib.Path, tmp_path: pathlib.Path,
@@ -251,8 +274,8 @@ def test_second_call_loads_from_cache(tiny_build, monkeypatch: pytest.MonkeyPatc
     def must_not_run(*args, **kwargs):
         raise AssertionError("rebuilt a cached toy target")
 
-    monkeypatch.setattr(toy, "pretrain", must_not_run)
-    monkeypatch.setattr(toy, "train_tokenizer", must_not_run)
+    monkeypatch.setattr(toy.build, "pretrain", must_not_run)
+    monkeypatch.setattr(toy.build, "train_tokenizer", must_not_run)
     again, _ = toy.load_or_build_toy_target(TINY_CFG, base / "cache")
     assert (path / toy.BUILD_INFO).stat().st_mtime_ns == mtime
     assert toy.toy_cache_path(TINY_CFG, base / "cache") == path
@@ -274,7 +297,7 @@ def test_incomplete_cache_dir_is_refused(tiny_build, tmp_path: pathlib.Path,
 def test_losing_the_race_keeps_the_winner(fake_stdlib: pathlib.Path, tmp_path: pathlib.Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = {**TINY_CFG, "steps": 1, "warmup_steps": 0}
-    real_build_into = toy._build_into
+    real_build_into = toy.build_into
 
     def build_then_lose(out_dir: pathlib.Path, *args, **kwargs):
         info = real_build_into(out_dir, *args, **kwargs)
@@ -286,7 +309,7 @@ def test_losing_the_race_keeps_the_winner(fake_stdlib: pathlib.Path, tmp_path: p
         (winner / "winner.marker").write_text("theirs")
         return info
 
-    monkeypatch.setattr(toy, "_build_into", build_then_lose)
+    monkeypatch.setattr(toy.build, "build_into", build_then_lose)
     toy.load_or_build_toy_target(cfg, tmp_path / "cache")
     (path,) = (tmp_path / "cache").iterdir()  # our temp dir is gone
     assert (path / "winner.marker").read_text() == "theirs"

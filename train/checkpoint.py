@@ -30,6 +30,9 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file
 
+from distill.atomic import write_file_atomically, write_text_atomically
+from distill.fingerprint import tree_digests
+from distill.toy import default_cache_dir
 from heads.base import WEIGHTS, read_drafter_config, save_drafter
 from train.engine import TrainerConfig
 
@@ -82,12 +85,12 @@ def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping,
         torch.save(state, tmp / STATE)
         if optim is not None:
             torch.save(optim, tmp / OPTIMIZER)
+        # Not distill.atomic.write_dir_atomically: every rank writes into ``tmp`` (save_shards), so it needs a name all
+        # ranks know before the main rank renames it; a killed save leaves it hidden, and the next save clears it.
         if final.exists():  # a rerun reaching the same step
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer = root / "latest.tmp"
-        pointer.write_text(name)
-        os.replace(pointer, root / "latest")
+        write_text_atomically(root / "latest", name)
         _prune(root, step, keep_last)
     engine.barrier()
     return final
@@ -270,31 +273,17 @@ def _node(drafter_cfg: Mapping) -> dict:
 
 def _signing_key() -> bytes:
     """This user's key for signing DeepSpeed checkpoints (created on first use, readable by the user only)."""
-    root = Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft").expanduser()
+    root = default_cache_dir().expanduser()
     path = root / "checkpoint-signing.key"
     if not path.is_file():
         root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".checkpoint-signing.key.tmp-{os.getpid()}"
-        tmp.write_bytes(secrets.token_bytes(32))
-        tmp.chmod(0o600)
-        os.replace(tmp, path)
+        write_file_atomically(path, lambda tmp: (tmp.write_bytes(secrets.token_bytes(32)), tmp.chmod(0o600)))
     return path.read_bytes()
-
-
-def _file_digests(root: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(q for q in root.rglob("*") if q.is_file()):
-        h = hashlib.sha256()
-        with p.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        out[p.relative_to(root).as_posix()] = h.hexdigest()
-    return out
 
 
 def sign_shards(root: Path) -> dict:
     """The sha256 of every file DeepSpeed wrote under ``root``, and an HMAC of that list with this user's key."""
-    files = _file_digests(root)
+    files = tree_digests(root)
     mac = hmac.new(_signing_key(), repr(sorted(files.items())).encode(), hashlib.sha256).hexdigest()
     return {"files": files, "hmac": mac}
 
@@ -312,7 +301,7 @@ def shard_problem(path: Path, state: Mapping) -> str | None:
     expected = hmac.new(_signing_key(), repr(sorted(shards["files"].items())).encode(), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, str(shards.get("hmac"))):
         return f"checkpoint {path}: the DeepSpeed state was not signed with this user's key; refusing to unpickle it; {fix}"
-    actual = _file_digests(root) if root.is_dir() else {}
+    actual = tree_digests(root) if root.is_dir() else {}
     if actual != shards["files"]:
         changed = sorted(set(actual) ^ set(shards["files"]) | {k for k in actual if actual[k] != shards["files"].get(k)})
         return (f"checkpoint {path}: DeepSpeed files changed since they were written ({', '.join(changed[:4])}); "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import resource
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from distill.data import rows_fingerprint
+from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
 from train.config import Config
 from train.engine import TrainerConfig
@@ -40,13 +40,10 @@ log = logging.getLogger(__name__)
 
 
 def lr_at(step: int, trainer_cfg: TrainerConfig) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
-    peak, warmup, total = trainer_cfg.lr, trainer_cfg.warmup_steps, trainer_cfg.steps
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    floor = peak * trainer_cfg.min_lr_ratio
-    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak (``distill.schedule``, shared with the toy
+    target's pretraining)."""
+    warmup = trainer_cfg.warmup_steps
+    return warmup_cosine(step, trainer_cfg.lr, warmup, trainer_cfg.steps - warmup, trainer_cfg.min_lr_ratio)
 
 
 class BatchOrder:

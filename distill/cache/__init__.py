@@ -32,7 +32,6 @@ keeps its components, so a cache opened for another target or data names what di
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import logging
 import os
@@ -49,7 +48,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from distill.atomic import write_file_atomically, write_text_atomically
 from distill.data import DataConfig, collate, source_fingerprint
+from distill.fingerprint import differences, file_digest, grouped, json_digest, vocab_digest
 from distill.teacher import FLOOR_MARGIN, TeacherOutput, dense_logits  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,7 @@ def fingerprint_components(teacher, data_cfg: DataConfig, layers: Sequence[int] 
     data = _normalise(asdict(data_cfg))
     data.pop("teacher_cache", None)  # where the cache lives is not what it holds
     tokenizer = getattr(teacher, "tokenizer", None)
-    vocab = None
-    if tokenizer is not None:
-        items = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-        vocab = hashlib.sha256(items.encode()).hexdigest()
+    vocab = vocab_digest(tokenizer) if tokenizer is not None else None
     return _normalise({"format_version": FORMAT_VERSION, "target": teacher.identity(),
                        "target_weights": teacher.weights_digest(), "tokenizer": vocab,
                        "data": data, "data_content": source_fingerprint(data_cfg), "layers": list(layers),
@@ -97,21 +95,18 @@ def fingerprint_components(teacher, data_cfg: DataConfig, layers: Sequence[int] 
 
 
 def fingerprint(components: Mapping) -> str:
-    return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()
+    return json_digest(components)
 
 
 def _differences(stored: Mapping, current: Mapping, names: Sequence[str]) -> list[str]:
     """Human-readable differences, e.g. ``data (max_length: cached 64, now 128)``."""
     out = []
-    for name in names:
-        a, b = stored.get(name), current.get(name)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            out.append(f"{name} ({', '.join(f'{k}: cached {a.get(k)!r}, now {b.get(k)!r}' for k in keys)})")
+    for name, diffs in grouped(differences(stored, current, names)).items():
+        if diffs[0].key is not None:
+            out.append(f"{name} ({', '.join(f'{d.key}: cached {d.stored!r}, now {d.current!r}' for d in diffs)})")
         else:
-            out.append(f"{name} (cached {a!r}, now {b!r})" if name != "tokenizer" else f"{name} (differs)")
+            d = diffs[0]
+            out.append(f"{name} (cached {d.stored!r}, now {d.current!r})" if name != "tokenizer" else f"{name} (differs)")
     return out
 
 
@@ -181,16 +176,6 @@ def _shard_metadata(fp: str, rows: range) -> str:
     return json.dumps({"fingerprint": fp, "rows": [rows.start, rows.stop]}, sort_keys=True)
 
 
-def _replace_atomically(path: Path, write) -> None:
-    """``write(tmp)`` into a temporary name in the same directory, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def read_manifest(cache_dir: str | os.PathLike) -> dict:
     path = Path(cache_dir) / MANIFEST
     if not path.is_file():
@@ -251,17 +236,17 @@ def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: DataCo
                 return None
             tensors = _teacher_rows(teacher, dataset, rows, layers, topk, dtype, batch_size)
             meta = {FORMAT: _shard_metadata(fp, rows)}
-            _replace_atomically(path, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
+            write_file_atomically(path, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
             written += 1
             log.info("wrote %s (rows %d..%d)", path.name, rows.start, rows.stop - 1)
         shards.append({"file": path.name, "start": rows.start, "end": rows.stop, "bytes": path.stat().st_size,
-                       "sha256": file_sha256(path)})
+                       "sha256": file_digest(path)})
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fp, "components": components,
                 "layers": layers, "topk": topk, "dtype": dtype, "logprob_dtype": "float32",
                 "hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size, "num_rows": num_rows,
                 "max_length": max_length, "bytes_per_token": per_token,
                 "total_bytes": sum(s["bytes"] for s in shards), "shards": shards}
-    _replace_atomically(cache_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2)))
+    write_text_atomically(cache_dir / MANIFEST, json.dumps(manifest, indent=2))
     log.info("teacher cache complete: %s (%d shards, %d new)", cache_dir, len(shards), written)
     return manifest
 
@@ -298,7 +283,7 @@ class CachedDataset(Dataset):
     def content_fingerprint(self) -> str:
         """What ``distill.data.rows_fingerprint`` records for a resume: the manifest's fingerprint and shard digests."""
         digests = [s.get("sha256") or str(s["bytes"]) for s in self.shards]
-        return hashlib.sha256(json.dumps([self.manifest["fingerprint"], digests]).encode()).hexdigest()[:16]
+        return json_digest([self.manifest["fingerprint"], digests])[:16]
 
     def __len__(self) -> int:
         return self.manifest["num_rows"]
@@ -359,25 +344,19 @@ def _recorded_digests(cache_dir: Path) -> dict[str, str]:
 
 
 def _damaged(path: Path, digest: str | None) -> bool:
-    if digest is None or not path.is_file() or file_sha256(path) == digest:
+    if digest is None or not path.is_file() or file_digest(path) == digest:
         return False
     log.warning("%s differs from the sha256 its manifest recorded; rewriting it", path)
     return True
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_shard_content(path: Path, shard: Mapping) -> None:
     """A shard damaged in place (same size, other bytes) would train on garbage, or to NaN: compare its content with
     the digest the manifest recorded when it was written, once per shard and process. Caches written before digests
     were recorded are not checked."""
-    if shard.get("sha256") and file_sha256(path) != shard["sha256"]:
+    if shard.get("sha256") and file_digest(path) != shard["sha256"]:
         raise _corrupt(path, "its content differs from the sha256 the manifest recorded when it was written (modified "
                              "or damaged since)")
 

@@ -32,7 +32,6 @@ the same bytes as an uninterrupted one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from distill.atomic import write_text_atomically
 from distill.data import (
     DataConfig,
     TokenBlockDataset,
@@ -54,6 +54,7 @@ from distill.data import (
     pack_examples,
     pad_examples,
 )
+from distill.fingerprint import differences, vocab_digest
 from inference.batched import BatchedDecoder
 from inference.sampling import SamplingConfig
 
@@ -122,16 +123,10 @@ def prompts_from_data(data_cfg: DataConfig, tokenizer, prompt_tokens: int, num_p
 # --------------------------------------------------------------------------- the sidecar
 
 
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 of the sorted vocabulary items: tells apart tokenizers that map ids to other tokens."""
-    items = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    return hashlib.sha256(items.encode()).hexdigest()
-
-
 def _tokenizer_fields(tokenizer) -> dict:
     if tokenizer is None:
         return {"tokenizer_vocab_size": None, "tokenizer_sha256": None}
-    return {"tokenizer_vocab_size": len(tokenizer), "tokenizer_sha256": tokenizer_digest(tokenizer)}
+    return {"tokenizer_vocab_size": len(tokenizer), "tokenizer_sha256": vocab_digest(tokenizer)}
 
 
 def build_meta(teacher, data_cfg: DataConfig, settings: Mapping) -> dict:
@@ -147,19 +142,10 @@ def build_meta(teacher, data_cfg: DataConfig, settings: Mapping) -> dict:
 
 def _differences(stored: Mapping, current: Mapping, names: Sequence[str]) -> list[str]:
     """Which fields differ, as ``data.max_length (file 64, now 128)``; hashes are only named."""
-    out = []
-    for name in names:
-        a, b = stored.get(name), current.get(name)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)):
-                out.append(f"{name}.{key} (file {a.get(key)!r}, now {b.get(key)!r})")
-        elif name.endswith("sha256"):
-            out.append(f"{name} (differs)")
-        else:
-            out.append(f"{name} (file {a!r}, now {b!r})")
-    return out
+    return [f"{d.name}.{d.key} (file {d.stored!r}, now {d.current!r})" if d.key is not None
+            else f"{d.name} (differs)" if d.name.endswith("sha256")
+            else f"{d.name} (file {d.stored!r}, now {d.current!r})"
+            for d in differences(stored, current, names)]
 
 
 def read_meta(out: str | os.PathLike) -> dict | None:
@@ -175,13 +161,7 @@ def read_meta(out: str | os.PathLike) -> dict | None:
 
 
 def _write_meta(out: Path, meta: Mapping) -> None:
-    path = meta_path(out)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomically(meta_path(out), json.dumps(meta, indent=2, sort_keys=True))
 
 
 # --------------------------------------------------------------------------- writing

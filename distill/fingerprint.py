@@ -1,0 +1,86 @@
+"""Fingerprints: what a stored artefact (teacher cache, regenerated file, training rows, DeepSpeed shards) was made
+from, as a sha256, and which of its recorded fields differ from now.
+
+Lives in ``distill`` because the caches and sidecars that need it are distill's, and every layer that also needs it
+(heads, train, eval, scripts) sits above; ``inference`` writes nothing. The toy target's cache key
+(``distill.toy.cache.cache_key``) hashes its own fixed material and must not change, so it only shares ``text_digest``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_BLOCK = 1 << 20  # read files in 1 MiB blocks: shards and checkpoints can be gigabytes
+
+
+def text_digest(text: str) -> str:
+    """sha256 hex of ``text`` (UTF-8)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def json_digest(value: Any) -> str:
+    """sha256 hex of ``value`` as JSON with sorted keys: equal for equal dicts, whatever their insertion order."""
+    return text_digest(json.dumps(value, sort_keys=True))
+
+
+def vocab_digest(tokenizer) -> str:
+    """sha256 of the sorted vocabulary items: tells apart tokenizers that map ids to other tokens."""
+    return text_digest(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False))
+
+
+def update_with_file(h: "hashlib._Hash", path: Path) -> None:
+    """Feed the bytes of ``path`` into the running hash ``h`` block by block (never the whole file in memory)."""
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(_BLOCK), b""):
+            h.update(block)
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 hex of the file's bytes."""
+    h = hashlib.sha256()
+    update_with_file(h, Path(path))
+    return h.hexdigest()
+
+
+def tree_digests(root: Path) -> dict[str, str]:
+    """``{posix relpath: sha256}`` of every file under ``root``, sorted by path."""
+    return {p.relative_to(root).as_posix(): file_digest(p) for p in sorted(q for q in root.rglob("*") if q.is_file())}
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One recorded field that differs from now: ``name`` (top-level field), ``key`` (within a dict field, else
+    None), the ``stored`` and the ``current`` value."""
+
+    name: str
+    key: str | None
+    stored: Any
+    current: Any
+
+
+def differences(stored: Mapping, current: Mapping, names: Iterable[str]) -> list[Difference]:
+    """The fields among ``names`` whose values differ, in ``names`` order; dict-valued fields are compared one level
+    down (sorted keys), so a message can say ``data.max_length`` rather than dump both dicts."""
+    out = []
+    for name in names:
+        a, b = stored.get(name), current.get(name)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [Difference(name, k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        else:
+            out.append(Difference(name, None, a, b))
+    return out
+
+
+def grouped(diffs: Sequence[Difference]) -> dict[str, list[Difference]]:
+    """``differences`` by top-level field, first-seen order."""
+    out: dict[str, list[Difference]] = {}
+    for d in diffs:
+        out.setdefault(d.name, []).append(d)
+    return out
