@@ -193,6 +193,12 @@ class Drafter(nn.Module):
     def observe(self, hidden: dict[int, Tensor]) -> None:
         """Target hidden states ([1, m, D] per requested layer) of the positions just committed."""
 
+    def accepted(self, path: list[int]) -> None:
+        """After each verification (and ``observe``): the nodes of the last proposal the target accepted, root side
+        first; the next ``propose`` gets the old context + those nodes' tokens + one token from the target. A
+        drafter with its own cache resyncs from this instead of comparing sequences on the device. Callers that do
+        not call it (a proposal on an arbitrary context) stay correct: the drafter then compares."""
+
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
         raise NotImplementedError

@@ -22,10 +22,11 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from eval.metrics import AcceptStats
-from inference.acceptance import tree_greedy_accept, tree_rejection_accept, typical_accept
+from inference.acceptance import (greedy_verdict, rejection_verdict, settle, tree_rejection_accept,
+                                  typical_accept)
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
-from inference.tree import DraftTree, compact_cache, verify_inputs
+from inference.tree import DraftTree, compact_cache, raise_bad_parents, raise_bad_tokens, verify_inputs
 
 ACCEPTANCE_RULES = ("exact", "typical")  # exact: greedy match / rejection sampling (lossless); typical: Medusa's, lossy
 
@@ -149,14 +150,30 @@ class Decoder:
         _sync(self.device)
         return Generation(new_tokens=self._finish(out, max_new_tokens), seconds=time.perf_counter() - start)
 
-    greedy = plain  # the name the greedy-only decoder had
-
-    def _accept(self, tree: DraftTree, logits_N1V: Tensor) -> tuple[list[int], Tensor]:
-        if self.acceptance == "typical":
-            return typical_accept(tree, warp(logits_N1V, self.sampling), *self.typical, generator=self.generator)
+    def _verdict(self, tree: DraftTree, logits_N1V: Tensor) -> tuple[list[int], list[int], int, Tensor, Tensor]:
+        """Accept on the device and read the verdict back once: (path, committed tokens, tree depth, and the path
+        and the committed tokens as device tensors). Malformed proposals are refused here, after the forward that saw them clamped."""
+        vocab = self.teacher.vocab_size
+        if self.acceptance == "typical":  # lossy, Medusa's comparison rule: walked on the host
+            path, new = typical_accept(tree, warp(logits_N1V, self.sampling), *self.typical, generator=self.generator)
+            tree.check(vocab)
+            return path, new.tolist(), tree.depth, torch.tensor(path, dtype=torch.long, device=self.device), new
         if self.sampling.greedy:
-            return tree_greedy_accept(tree, logits_N1V.argmax(-1))
-        return tree_rejection_accept(tree, warp(logits_N1V, self.sampling), self.generator)
+            verdict = greedy_verdict(tree, logits_N1V.argmax(-1))
+        elif tree.probs_NV is not None and not tree.is_chain:  # sampled siblings: walked on the host
+            tree.check(vocab)
+            path, new = tree_rejection_accept(tree, warp(logits_N1V, self.sampling), self.generator)
+            return path, new.tolist(), tree.depth, torch.tensor(path, dtype=torch.long, device=self.device), new
+        else:
+            verdict = rejection_verdict(tree, warp(logits_N1V, self.sampling), self.generator)
+        packed = settle(tree, *verdict, vocab)
+        count, depth, flags, *rest = packed.tolist()  # the step's one read-back
+        if flags & 2:
+            raise_bad_parents(tree.parents)
+        if flags & 1:
+            raise_bad_tokens(tree.tokens, vocab)
+        N = tree.size
+        return rest[:count], rest[N: N + count + 1], depth, packed[3: 3 + N], packed[3 + N: 4 + N + count]
 
     @torch.no_grad()
     def speculative(self, drafter, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
@@ -185,30 +202,31 @@ class Decoder:
         while len(committed) < max_new_tokens and committed[-1] != self.eos_token_id:
             t0 = time.perf_counter()
             tree = drafter.propose(tokens, min(num_draft, max_new_tokens - len(committed)), self.sampling)
-            tree.check(vocab)
+            tree.check_shape(vocab)
             _sync(device)
             t1 = time.perf_counter()
             past = tokens.shape[1] - 1
-            inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype, self.layout)
+            inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype, self.layout, vocab)
             logits, hidden = self._forward(inputs, cache, layers)
-            path, new = self._accept(tree, logits)
-            compact_cache(cache, tree.size, path)
+            path, new, depth, path_index, new_ids = self._verdict(tree, logits)
+            compact_cache(cache, tree.size, path, path_index)
             _sync(device)
             t2 = time.perf_counter()
             gen.draft_seconds += t1 - t0
             gen.verify_seconds += t2 - t1
-            gen.stats.update(tree.depth, len(path))
+            gen.stats.update(depth, len(path))
             gen.nodes_per_forward[tree.size] += 1
             if tree.size not in gen.shapes:
                 gen.shapes[tree.size] = tree.parents.cpu()
             gen.node_accepts[tree.size].update(path)
             gen.context_tokens += past + 1
             if hidden:  # the pending token's and the accepted nodes' hidden states, in path order
-                keep = torch.tensor([0] + [1 + i for i in path], device=device)
+                keep = torch.cat([path_index.new_zeros(1), 1 + path_index[: len(path)]])
                 hidden = {i: h.index_select(1, keep) for i, h in hidden.items()}
             drafter.observe(hidden)
-            tokens = torch.cat([tokens, new.view(1, -1)], dim=1)
-            committed.extend(new.tolist())
+            drafter.accepted(path)
+            tokens = torch.cat([tokens, new_ids.view(1, -1)], dim=1)
+            committed.extend(new)
         gen.new_tokens = self._finish(committed, max_new_tokens)
         _sync(device)
         gen.seconds = time.perf_counter() - start
