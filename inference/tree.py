@@ -173,7 +173,7 @@ def verify_inputs(tree: DraftTree, pending: Tensor, past_len: int, dtype: torch.
         n = 1 + tree.size
         allowed = torch.ones(1, n, past_len + n, dtype=torch.bool, device=device)
         block = allowed[0, :, past_len:]
-        block[0, 1:] = False  # the pending token sees only itself in the block; every node sees it
+        block[0, 1:].fill_(False)  # the pending token sees only itself in the block; every node sees it
         block[1:, 1:] = ancestors_NN
         layout = layout or AttentionLayout((FULL,), None)
         k_pos = torch.cat([torch.arange(past_len, device=device), past_len + depth])[None]
