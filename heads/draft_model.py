@@ -259,6 +259,10 @@ class DraftModel(Drafter):
 
     # --- decoding ------------------------------------------------------------------------------------------
     @property
+    def assistant_model(self) -> nn.Module:
+        return self.model
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 

@@ -46,7 +46,7 @@ from transformers import DynamicCache
 
 from eval.metrics import AcceptStats
 from inference.acceptance import tree_greedy_accept, tree_rejection_accept
-from inference.decoder import Generation, _check_prompt, _sync
+from inference.decoder import Generation, _check_prompt, _sync, finish
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree, ancestor_mask
@@ -353,15 +353,9 @@ class BatchedDecoder:
             return
         now = time.perf_counter() - start
         for b in done:
-            result.generations[rows.ids[b]] = Generation(new_tokens=self._finish(rows.new[b], max_new), seconds=now,
+            result.generations[rows.ids[b]] = Generation(new_tokens=finish(rows.new[b], max_new, self.eos_token_id), seconds=now,
                                                          stats=rows.stats[b])
         rows.keep([b for b in range(len(rows.ids)) if b not in done])
-
-    def _finish(self, committed: list[int], max_new: int) -> list[int]:
-        committed = committed[:max_new]
-        if self.eos_token_id is not None and self.eos_token_id in committed:
-            return committed[: committed.index(self.eos_token_id) + 1]
-        return committed
 
     def _maybe_compact(self, rows: _Rows) -> int:
         """Right-align every row's valid columns when holes cost more than ``compact_slack`` allows (1 if done)."""

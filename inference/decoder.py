@@ -67,6 +67,32 @@ class Generation:
     context_tokens: int = 0  # committed context length summed over verification forwards (mean = / forwards)
     shapes: dict = field(default_factory=dict)  # tree size -> parents of a tree of that size (to time it alone)
 
+    def merge(self, other: "Generation") -> "Generation":
+        """Add ``other`` into this one (an evaluation's total over its prompts): tokens appended, times, counts and
+        statistics summed; the first tree shape seen for a size is kept."""
+        self.new_tokens = self.new_tokens + list(other.new_tokens)
+        self.seconds += other.seconds
+        self.stats.merge(other.stats)
+        self.prefill_seconds += other.prefill_seconds
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+        self.nodes_per_forward.update(other.nodes_per_forward)
+        for size, row in other.node_accepts.items():
+            self.node_accepts[size].update(row)
+        for size, parents in other.shapes.items():
+            self.shapes.setdefault(size, parents)
+        self.context_tokens += other.context_tokens
+        return self
+
+
+def finish(committed: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """The new tokens a decode returns: at most ``max_new_tokens``, ending at the first EOS (kept) if any. Every
+    decoder and baseline cuts its output here, so their outputs compare token for token."""
+    committed = list(committed)[:max_new_tokens]
+    if eos_token_id is not None and eos_token_id in committed:
+        return committed[: committed.index(eos_token_id) + 1]
+    return committed
+
 
 def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_positions: int) -> None:
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
@@ -127,11 +153,9 @@ class Decoder:
             return logits_V.argmax(-1, keepdim=True)
         return sample(warp(logits_V[None], self.sampling), self.generator)
 
-    def _finish(self, committed: list[int], max_new_tokens: int) -> list[int]:
-        committed = committed[:max_new_tokens]
-        if self.eos_token_id is not None and self.eos_token_id in committed:
-            return committed[: committed.index(self.eos_token_id) + 1]
-        return committed
+    def finish(self, committed: list[int], max_new_tokens: int) -> list[int]:
+        """``finish`` with this decoder's EOS."""
+        return finish(committed, max_new_tokens, self.eos_token_id)
 
     @torch.no_grad()
     def plain(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
@@ -148,9 +172,9 @@ class Decoder:
             nxt = self._next_token(logits[-1])
             out.append(int(nxt))
         _sync(self.device)
-        return Generation(new_tokens=self._finish(out, max_new_tokens), seconds=time.perf_counter() - start)
+        return Generation(new_tokens=self.finish(out, max_new_tokens), seconds=time.perf_counter() - start)
 
-    def _verdict(self, tree: DraftTree, logits_N1V: Tensor) -> tuple[list[int], list[int], int, Tensor, Tensor]:
+    def verdict(self, tree: DraftTree, logits_N1V: Tensor) -> tuple[list[int], list[int], int, Tensor, Tensor]:
         """Accept on the device and read the verdict back once: (path, committed tokens, tree depth, and the path
         and the committed tokens as device tensors). Malformed proposals are refused here, after the forward that saw them clamped."""
         vocab = self.teacher.vocab_size
@@ -208,7 +232,7 @@ class Decoder:
             past = tokens.shape[1] - 1
             inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype, self.layout, vocab)
             logits, hidden = self._forward(inputs, cache, layers)
-            path, new, depth, path_index, new_ids = self._verdict(tree, logits)
+            path, new, depth, path_index, new_ids = self.verdict(tree, logits)
             compact_cache(cache, tree.size, path, path_index)
             _sync(device)
             t2 = time.perf_counter()
@@ -227,7 +251,7 @@ class Decoder:
             drafter.accepted(path)
             tokens = torch.cat([tokens, new_ids.view(1, -1)], dim=1)
             committed.extend(new)
-        gen.new_tokens = self._finish(committed, max_new_tokens)
+        gen.new_tokens = self.finish(committed, max_new_tokens)
         _sync(device)
         gen.seconds = time.perf_counter() - start
         return gen
