@@ -21,11 +21,13 @@ Rows of ``p_N1V`` / ``argmax_N1``: row 0 is the target after the pending token, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from inference.sampling import sample
-from inference.tree import DraftTree
+from inference.sampling import SamplingConfig, sample, warp
+from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 
 
 def greedy_accept(draft_K: Tensor, target_argmax_K1: Tensor) -> tuple[int, Tensor]:
@@ -241,3 +243,43 @@ def settle(tree: DraftTree, on_path_N: Tensor, last_1: Tensor, bonus_1: Tensor, 
     bad_tokens = ((tree.tokens < 0) | (tree.tokens >= vocab_size)).any(0, keepdim=True).long()
     flags = bad_tokens + 2 * tree.bad_parents().long().view(1)
     return torch.cat([count, depth.long(), flags, path, committed])
+
+
+def decide(tree: DraftTree, logits_N1V: Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+           vocab_size: int) -> Tensor | None:
+    """The exact (lossless) rule for ``sampling``, on the device: ``settle``'s packed verdict, or None for the one
+    case walked on the host (siblings drawn from draft probabilities: no drafter here proposes those)."""
+    if sampling.greedy:
+        return settle(tree, *greedy_verdict(tree, logits_N1V.argmax(-1)), vocab_size)
+    if tree.probs_NV is not None and not tree.is_chain:
+        return None
+    return settle(tree, *rejection_verdict(tree, warp(logits_N1V, sampling), generator), vocab_size)
+
+
+@dataclass
+class Verdict:
+    """A verification's outcome on the host, with the device tensors the decoder keeps using."""
+
+    path: list[int]  # accepted nodes, root side first
+    committed: list[int]  # their tokens + the target's token
+    depth: int  # the tree's depth (the acceptance histogram's row)
+    path_index: Tensor  # [N] long on the device: the path in its first len(path) entries
+    committed_ids: Tensor  # [len(committed)] long on the device
+
+
+def read_verdict(tree: DraftTree, values: list[int], packed: Tensor, vocab_size: int) -> Verdict:
+    """``settle``'s packed tensor, read back once into ``values``; raises ``DraftTree.check``'s errors."""
+    count, depth, flags = values[:3]
+    if flags & 2:
+        raise_bad_parents(tree.parents)
+    if flags & 1:
+        raise_bad_tokens(tree.tokens, vocab_size)
+    N = tree.size
+    return Verdict(values[3: 3 + count], values[3 + N: 4 + N + count], depth, packed[3: 3 + N],
+                   packed[3 + N: 4 + N + count])
+
+
+def walked(tree: DraftTree, path: list[int], committed: Tensor) -> Verdict:
+    """A host rule's (path, committed) as a ``Verdict``."""
+    index = torch.tensor(path, dtype=torch.long, device=committed.device)
+    return Verdict(list(path), committed.tolist(), tree.depth, index, committed)

@@ -45,11 +45,11 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from eval.metrics import AcceptStats
-from inference.acceptance import tree_greedy_accept, tree_rejection_accept
+from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, walked
 from inference.decoder import Generation, _check_prompt, _sync, finish
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
-from inference.tree import DraftTree, ancestor_mask
+from inference.tree import DraftTree
 
 PAD_ID = 0  # fed in padding slots; always masked, so any id would do
 Policy = Callable[[int], int]  # live batch size -> draft tokens (γ) for this step; 0 = a plain step
@@ -296,54 +296,68 @@ class BatchedDecoder:
                 trees.append(self._empty)
                 continue
             tree = drafter.propose(rows.tokens[b], depth, rows.sampling[b])
-            tree.check(self.teacher.vocab_size)
+            tree.check_shape(self.teacher.vocab_size)  # values: with the verdict (acceptance.settle)
             trees.append(tree)
         return trees
 
-    def _verify(self, rows: _Rows, trees: list[DraftTree], layers) -> tuple[list, dict]:
-        """One target forward over every row's [pending, nodes...]; per-row acceptance; holes for what was rejected.
-        Returns per row (path, committed tokens) and the forward's hidden states."""
+    def _verify(self, rows: _Rows, trees: list[DraftTree], layers) -> tuple[list[Verdict], dict]:
+        """One target forward over every row's [pending, nodes...]; per-row acceptance on the device, read back once
+        for the whole batch; holes for what was rejected. Returns per row its verdict and the forward's hidden states."""
         B, n = len(trees), 1 + max(t.size for t in trees)
-        dev = self.device
-        # Per row: the pending token (its last committed one), its nodes, padding.
-        ids = [[new[-1], *t.tokens.tolist()] + [PAD_ID] * (n - 1 - t.size) for new, t in zip(rows.new, trees)]
-        ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        dev, vocab = self.device, self.teacher.vocab_size
+        # Per row: the pending token (its last committed one), its nodes (clamped: settle reports a bad one), padding.
+        ids = torch.full((B, n), PAD_ID, dtype=torch.long, device=dev)
+        ids[:, 0] = torch.cat([t[0, -1:] for t in rows.tokens])
         offsets = torch.arange(n, device=dev).expand(B, n).clone()  # chains: depth = index
         chains = all(t.is_chain for t in trees)
         block = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
         if not chains:
             block = torch.eye(n, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # padding slots see only themselves
-        for b, t in enumerate(trees if not chains else []):
-            offsets[b, 1:1 + t.size] = torch.tensor(t.depths(), device=dev)
-            block[b, :1 + t.size, :1 + t.size] = ancestor_mask(t.parents.to(dev))
+            block[:, :, 0] = True
+        for b, t in enumerate(trees):
+            if t.size:
+                ids[b, 1:1 + t.size] = t.tokens.clamp(0, vocab - 1)
+            if not chains and t.size:
+                depth_N, ancestors_NN = t.geometry
+                offsets[b, 1:1 + t.size] = depth_N
+                block[b, 1:1 + t.size, 1:1 + t.size] = ancestors_NN
+        if not chains:  # padding slots see only themselves (column 0 is the pending token)
+            block[:, 1:, 0] &= torch.cat([torch.arange(1, n, device=dev)[None] <= t.size for t in trees])
         pos = torch.tensor(rows.pos, device=dev)[:, None] + offsets
         logits, hidden = self._forward(ids, pos, self._mask(rows.valid, block, pos), rows.cache, layers)
-        argmax = logits.argmax(-1) if any(s.greedy for s in rows.sampling) else None
-        keep = torch.zeros(B, n, dtype=torch.bool, device=dev)
-        keep[:, 0] = True
-        results = []
-        for b, t in enumerate(trees):
-            if rows.sampling[b].greedy:
-                path, new = tree_greedy_accept(t, argmax[b, :1 + t.size])
-            else:
-                path, new = tree_rejection_accept(t, warp(logits[b, :1 + t.size], rows.sampling[b]), self.generator)
-            keep[b, [1 + i for i in path]] = True
-            results.append((path, new))
-        used = int(keep.any(0).nonzero().max()) + 1  # columns past the last one any row kept are dropped now
-        if used < n:
+        packed = [decide(t, logits[b, :1 + t.size], rows.sampling[b], self.generator, vocab)
+                  for b, t in enumerate(trees)]
+        values = torch.cat([p for p in packed if p is not None]).tolist() if any(p is not None for p in packed) else []
+        results, at = [], 0
+        for b, (t, p) in enumerate(zip(trees, packed)):
+            if p is None:  # sampled siblings with draft probabilities: walked on the host
+                t.check(vocab)
+                results.append(walked(t, *tree_rejection_accept(t, warp(logits[b, :1 + t.size], rows.sampling[b]),
+                                                                 self.generator)))
+                continue
+            results.append(read_verdict(t, values[at: at + p.shape[0]], p, vocab))
+            at += p.shape[0]
+        kept = [[True] + [False] * (n - 1) for _ in trees]
+        for row, v in zip(kept, results):
+            for i in v.path:
+                row[1 + i] = True
+        used = 1 + max(max((c for c, k in enumerate(row) if k), default=0) for row in kept)
+        if used < n:  # columns past the last one any row kept are dropped now
             rows.cache.crop(-(n - used))
-        rows.valid = torch.cat([rows.valid, keep[:, :used]], dim=1)
+        keep = torch.tensor([row[:used] for row in kept], dtype=torch.bool, device=dev)
+        rows.valid = torch.cat([rows.valid, keep], dim=1)
         return results, hidden
 
-    def _commit(self, rows: _Rows, trees: list[DraftTree], results: list, hidden: dict) -> None:
-        for b, (tree, (path, new)) in enumerate(zip(trees, results)):
-            rows.stats[b].update(tree.depth, len(path))
+    def _commit(self, rows: _Rows, trees: list[DraftTree], results: list[Verdict], hidden: dict) -> None:
+        for b, (tree, v) in enumerate(zip(trees, results)):
+            rows.stats[b].update(v.depth, len(v.path))
             if rows.drafters:  # the pending token's and the accepted nodes' hidden states, in path order
-                keep = [0] + [1 + i for i in path]
-                rows.drafters[b].observe({i: h[b:b + 1, keep] for i, h in hidden.items()})
-            rows.tokens[b] = torch.cat([rows.tokens[b], new.view(1, -1).to(self.device)], dim=1)
-            rows.new[b].extend(new.tolist())
-            rows.pos[b] += 1 + len(path)
+                keep = torch.cat([v.path_index.new_zeros(1), 1 + v.path_index[: len(v.path)]])
+                rows.drafters[b].observe({i: h[b:b + 1].index_select(1, keep) for i, h in hidden.items()})
+                rows.drafters[b].accepted(v.path)
+            rows.tokens[b] = torch.cat([rows.tokens[b], v.committed_ids.view(1, -1).to(self.device)], dim=1)
+            rows.new[b].extend(v.committed)
+            rows.pos[b] += 1 + len(v.path)
 
     def _retire(self, rows: _Rows, result: BatchGeneration, max_new: int, start: float) -> None:
         """Finished rows (max_new_tokens reached, or EOS committed) leave the batch and its cache."""

@@ -22,11 +22,10 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from eval.metrics import AcceptStats
-from inference.acceptance import (greedy_verdict, rejection_verdict, settle, tree_rejection_accept,
-                                  typical_accept)
+from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, typical_accept, walked
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
-from inference.tree import DraftTree, compact_cache, raise_bad_parents, raise_bad_tokens, verify_inputs
+from inference.tree import DraftTree, compact_cache, verify_inputs
 
 ACCEPTANCE_RULES = ("exact", "typical")  # exact: greedy match / rejection sampling (lossless); typical: Medusa's, lossy
 
@@ -174,30 +173,19 @@ class Decoder:
         _sync(self.device)
         return Generation(new_tokens=self.finish(out, max_new_tokens), seconds=time.perf_counter() - start)
 
-    def verdict(self, tree: DraftTree, logits_N1V: Tensor) -> tuple[list[int], list[int], int, Tensor, Tensor]:
-        """Accept on the device and read the verdict back once: (path, committed tokens, tree depth, and the path
-        and the committed tokens as device tensors). Malformed proposals are refused here, after the forward that saw them clamped."""
+    def verdict(self, tree: DraftTree, logits_N1V: Tensor) -> Verdict:
+        """Accept on the device and read the verdict back once. Malformed proposals are refused here, after the
+        forward that saw them clamped."""
         vocab = self.teacher.vocab_size
         if self.acceptance == "typical":  # lossy, Medusa's comparison rule: walked on the host
-            path, new = typical_accept(tree, warp(logits_N1V, self.sampling), *self.typical, generator=self.generator)
             tree.check(vocab)
-            return path, new.tolist(), tree.depth, torch.tensor(path, dtype=torch.long, device=self.device), new
-        if self.sampling.greedy:
-            verdict = greedy_verdict(tree, logits_N1V.argmax(-1))
-        elif tree.probs_NV is not None and not tree.is_chain:  # sampled siblings: walked on the host
+            return walked(tree, *typical_accept(tree, warp(logits_N1V, self.sampling), *self.typical,
+                                                generator=self.generator))
+        packed = decide(tree, logits_N1V, self.sampling, self.generator, vocab)
+        if packed is None:
             tree.check(vocab)
-            path, new = tree_rejection_accept(tree, warp(logits_N1V, self.sampling), self.generator)
-            return path, new.tolist(), tree.depth, torch.tensor(path, dtype=torch.long, device=self.device), new
-        else:
-            verdict = rejection_verdict(tree, warp(logits_N1V, self.sampling), self.generator)
-        packed = settle(tree, *verdict, vocab)
-        count, depth, flags, *rest = packed.tolist()  # the step's one read-back
-        if flags & 2:
-            raise_bad_parents(tree.parents)
-        if flags & 1:
-            raise_bad_tokens(tree.tokens, vocab)
-        N = tree.size
-        return rest[:count], rest[N: N + count + 1], depth, packed[3: 3 + N], packed[3 + N: 4 + N + count]
+            return walked(tree, *tree_rejection_accept(tree, warp(logits_N1V, self.sampling), self.generator))
+        return read_verdict(tree, packed.tolist(), packed, vocab)  # the step's one read-back
 
     @torch.no_grad()
     def speculative(self, drafter, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
@@ -232,13 +220,14 @@ class Decoder:
             past = tokens.shape[1] - 1
             inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype, self.layout, vocab)
             logits, hidden = self._forward(inputs, cache, layers)
-            path, new, depth, path_index, new_ids = self.verdict(tree, logits)
+            v = self.verdict(tree, logits)
+            path, new, path_index = v.path, v.committed, v.path_index
             compact_cache(cache, tree.size, path, path_index)
             _sync(device)
             t2 = time.perf_counter()
             gen.draft_seconds += t1 - t0
             gen.verify_seconds += t2 - t1
-            gen.stats.update(depth, len(path))
+            gen.stats.update(v.depth, len(path))
             gen.nodes_per_forward[tree.size] += 1
             if tree.size not in gen.shapes:
                 gen.shapes[tree.size] = tree.parents.cpu()
@@ -249,7 +238,7 @@ class Decoder:
                 hidden = {i: h.index_select(1, keep) for i, h in hidden.items()}
             drafter.observe(hidden)
             drafter.accepted(path)
-            tokens = torch.cat([tokens, new_ids.view(1, -1)], dim=1)
+            tokens = torch.cat([tokens, v.committed_ids.view(1, -1)], dim=1)
             committed.extend(new)
         gen.new_tokens = self.finish(committed, max_new_tokens)
         _sync(device)
