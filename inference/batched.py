@@ -313,7 +313,7 @@ class BatchedDecoder:
         block = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
         if not chains:
             block = torch.eye(n, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # padding slots see only themselves
-            block[:, :, 0] = True
+            block[:, :, 0].fill_(True)
         for b, t in enumerate(trees):
             if t.size:
                 ids[b, 1:1 + t.size] = t.tokens.clamp(0, vocab - 1)
@@ -375,7 +375,7 @@ class BatchedDecoder:
         """Right-align every row's valid columns when holes cost more than ``compact_slack`` allows (1 if done)."""
         if not rows.ids:
             return 0
-        S, M = rows.valid.shape[1], int(rows.valid.sum(1).max())
+        S, M = rows.valid.shape[1], max(rows.pos)  # a row's valid columns are its cached tokens: its position
         if S - M == 0 or S - M < max(8, (self.compact_slack - 1) * M):  # few holes: cheaper to keep than to move
             return 0
         # A stable sort puts each row's invalid columns first and keeps its valid ones in order.

@@ -79,3 +79,26 @@ def test_transfers_per_decode_step_within_budget(tiny_teacher, kind, sampling):
     total, kinds = per_step(Decoder(tiny_teacher, sampling=sampling, seed=1), drafter, prompt)
     print(f"TRANSFERS {kind} {sampling.describe()}: {total:.2f} per step {kinds}")
     assert total <= BUDGET, f"{kind}: {total:.2f} transfers per decode step > {BUDGET}: {kinds}"
+
+
+@pytest.mark.parametrize("kind", ["medusa_tree", "eagle1_dynamic", "eagle3_chain", "draft_model", "lookup"])
+def test_batched_transfers_per_step_do_not_grow_with_the_drafter(tiny_teacher, kind):
+    """Batch 3: one read-back of every row's verdict, plus the step's own bookkeeping (positions, kept columns);
+    drafting adds nothing but lookup's one host copy per row."""
+    from inference.batched import BatchedDecoder
+
+    drafter = make(kind, tiny_teacher)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (9, 14, 20)]
+    prompts = [torch.cat([p, p[:6]]) for p in prompts]
+    decoder = BatchedDecoder(tiny_teacher, seed=1)
+    decoder.speculative(drafter, prompts, 30, num_draft=4)
+    counts, steps = [], []
+    for n in (6, 30):
+        with TransferCounter() as c:
+            out = decoder.speculative(drafter, prompts, n, num_draft=4)
+        counts.append(c.total)
+        steps.append(out.steps)
+    per_step = (counts[1] - counts[0]) / (steps[1] - steps[0])
+    print(f"BATCHED TRANSFERS {kind}: {per_step:.2f} per step")
+    assert per_step <= BUDGET + (len(prompts) if kind == "lookup" else 0), per_step
