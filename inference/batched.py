@@ -11,7 +11,7 @@ columns are valid, never in S, and the model's own forward runs with
 - position ids per row: row b's pending token sits at position ``pos[b]`` (its count of cached real tokens), a draft
   node at ``pos[b] + depth``, so every row's RoPE positions are exactly what batch-1 decoding gives it;
 - a 4D additive mask [B, 1, n, S + n]: each new token sees its row's valid columns and, in the new block, itself and
-  its ancestors (a chain: the tokens before it; a tree: ``inference.tree.ancestor_mask``).
+  its ancestors (a chain: the tokens before it; a tree: its ``DraftTree.geometry``, built on the device).
 Prompts are left-padded (the padding columns are invalid). A step appends n = 1 + (largest proposal) columns; row b
 keeps the pending token's column and its accepted nodes' columns, everything else becomes a *hole* (an invalid
 column). Key order is irrelevant to attention once the mask decides visibility, so a tree's accepted path needs no
@@ -24,8 +24,9 @@ is visible only within the window of the query's position; a row's valid columns
 column order, so a column's position is its rank among the row's valid columns.
 
 Drafting loops over rows: each row has its own drafter state, a shallow copy of the drafter (``fork_drafter``) that
-shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance``) runs per
-row on that row's logits, so every row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
+shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance.decide``, the
+batch-1 decoder's rule) runs per row on that row's logits, on the device, and every row's verdict is read back in
+one transfer per step, so every row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
 decoding, sampled rows are distributed as the target (tests/test_batched.py). Rows may differ in sampling settings.
 
 Shapes: B live rows, S cache columns, n tokens fed per row this step, V vocabulary.
@@ -34,7 +35,6 @@ Shapes: B live rows, S cache columns, n tokens fed per row this step, V vocabula
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -46,7 +46,7 @@ from transformers import DynamicCache
 
 from eval.metrics import AcceptStats
 from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, walked
-from inference.decoder import Generation, _check_prompt, _sync, finish
+from inference.decoder import Generation, _check_prompt, _sync, finish, prefill_kwargs
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
@@ -156,10 +156,8 @@ class BatchedDecoder:
         self.max_positions = teacher.max_positions
         self.layout = AttentionLayout.of(self.model)
         self._empty = DraftTree.empty(self.device)  # a plain step's "proposal", shared by every row (never mutated)
-        # The prefill needs logits at each row's last column only; B x prompt x vocab logits would cost more than the
-        # rest of a short decode. Models without ``logits_to_keep`` compute them all.
-        keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self._prefill_kw = {"logits_to_keep": 1} if keeps else {}
+        # The prefill needs logits at each row's last column only (left padding: every row ends there).
+        self._prefill_kw = prefill_kwargs(self.model)
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)

@@ -72,7 +72,7 @@ def measure_parts(decoder: Decoder, drafter, prompt_ids: torch.Tensor, depths: S
 
     def prefill():
         state["cache"] = DynamicCache(config=decoder.model.config)
-        state["hidden"] = decoder._forward({"input_ids": tokens[:, :-1]}, state["cache"], layers)[1]
+        state["hidden"] = decoder._forward({"input_ids": tokens[:, :-1], **decoder.prefill_kw}, state["cache"], layers)[1]
 
     def verify(parents: torch.Tensor):
         cache = state["cache"]

@@ -12,6 +12,7 @@ the target but not yet fed to it.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -109,6 +110,12 @@ def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_p
         )
 
 
+def prefill_kwargs(model) -> dict:
+    """The prefill needs the logits at the last prompt position only (V per position otherwise: at a real vocabulary
+    more than the rest of a short decode costs). Models without ``logits_to_keep`` compute them all."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":  # timings must cover the kernels, not just their launch
         torch.cuda.synchronize(device)
@@ -134,6 +141,7 @@ class Decoder:
         # (inference.masks), so a context longer than the window decodes like any other.
         self.layout = AttentionLayout.of(self.model)
         self.max_positions = teacher.max_positions
+        self.prefill_kw = prefill_kwargs(self.model)
 
     @property
     def lossless(self) -> bool:
@@ -163,7 +171,7 @@ class Decoder:
         _sync(self.device)
         start = time.perf_counter()
         cache = self.layout.new_cache()
-        logits, _ = self._forward({"input_ids": prompt_ids.to(self.device)}, cache, ())
+        logits, _ = self._forward({"input_ids": prompt_ids.to(self.device), **self.prefill_kw}, cache, ())
         nxt = self._next_token(logits[-1])
         out = [int(nxt)]
         while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
@@ -204,7 +212,7 @@ class Decoder:
         start = time.perf_counter()
         cache = self.layout.new_cache()
         drafter.reset(seed=int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device)))
-        logits, hidden = self._forward({"input_ids": prompt_ids.to(device)}, cache, layers)
+        logits, hidden = self._forward({"input_ids": prompt_ids.to(device), **self.prefill_kw}, cache, layers)
         drafter.observe(hidden)
         nxt = self._next_token(logits[-1])
         tokens = torch.cat([prompt_ids.to(device), nxt.view(1, 1)], dim=1)
