@@ -25,8 +25,8 @@ column order, so a column's position is its rank among the row's valid columns.
 
 Drafting loops over rows: each row has its own drafter state, a shallow copy of the drafter (``fork_drafter``) that
 shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance.decide``, the
-batch-1 decoder's rule) runs per row on that row's logits, on the device, and every row's verdict is read back in
-one transfer per step, so every row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
+batch-1 decoder's rule) runs per row on that row's logits, on the device; every row's verdict is read back in one
+transfer per step. Each row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
 decoding, sampled rows are distributed as the target (tests/test_batched.py). Rows may differ in sampling settings.
 
 Shapes: B live rows, S cache columns, n tokens fed per row this step, V vocabulary.
