@@ -48,6 +48,10 @@ class DecoderConfig:
     # the crossover batch size where speculation stops paying (eval.batch_sweep); null: batch 1 only
     batch_sizes: Optional[List[int]] = None
     policy: str = "always"  # batched decoding: always (γ = eval.num_draft every step) | auto (inference.policy)
+    # torch.compile the target's forward (prefill, verification, plain steps) with dynamic shapes, so a new tree size
+    # or context length does not recompile; CUDA: mode="reduce-overhead" (CUDA graphs). The first call pays the
+    # compilation (about a minute on CPU for a tiny model).
+    compile: bool = False
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.top_k)
@@ -125,7 +129,8 @@ class Decoder:
     """Decodes with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY,
-                 acceptance: str = "exact", typical_threshold: float = 0.09, typical_alpha: float = 0.3, seed: int = 0):
+                 acceptance: str = "exact", typical_threshold: float = 0.09, typical_alpha: float = 0.3, seed: int = 0,
+                 compile: bool = False):
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"decoder.acceptance={acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
         self.teacher = teacher
@@ -142,6 +147,10 @@ class Decoder:
         self.layout = AttentionLayout.of(self.model)
         self.max_positions = teacher.max_positions
         self.prefill_kw = prefill_kwargs(self.model)
+        self._target = self.model  # what ``_forward`` calls: the model, or its compiled forward (DecoderConfig.compile)
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._target = torch.compile(self.model.forward, dynamic=True, mode=mode)
 
     @property
     def lossless(self) -> bool:
@@ -151,7 +160,7 @@ class Decoder:
         self.generator.manual_seed(seed)
 
     def _forward(self, inputs: dict, cache: DynamicCache, layers: tuple[int, ...]):
-        out = self.model(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+        out = self._target(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
 
