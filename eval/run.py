@@ -8,13 +8,12 @@ them alike and the ratios stay honest. Under sampling every method on a prompt s
 from __future__ import annotations
 
 import logging
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from eval.metrics import AcceptStats
 from eval.report import DEFINITIONS, machine_info, summary_table, write_report
 from inference.cost import auto_tune, measure_parts, overhead_ratio, predict
 from inference.decoder import Decoder, DecoderConfig, Generation
