@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -24,10 +24,9 @@ from eval.baselines import hf_assisted, hf_generate
 from eval.batch_sweep import batch_sweep
 from eval.report import DEFINITIONS, machine_info, summary_table, write_report
 from heads.base import build_drafter, decode_overrides, load_drafter, read_drafter_config
-from heads.draft_model import DraftModel
 from inference.cost import auto_tune, measure_parts, overhead_ratio, predict
 from inference.decoder import Decoder, DecoderConfig, Generation
-from inference.stats import AcceptStats, simulated_tau
+from inference.stats import simulated_tau
 from train.config import Config, EvalConfig, load_config
 from train.engine import resolve_device
 
@@ -76,36 +75,17 @@ def _cpu_has_bf16() -> bool:
 
 @dataclass
 class Tally:
-    """Everything one decoding method accumulated over a set of prompts."""
+    """One decoding method over a set of prompts: the sum of its ``Generation``s, and how many matched plain greedy
+    decoding (the reference)."""
 
-    seconds: float = 0.0
-    tokens: int = 0
+    total: Generation = field(default_factory=lambda: Generation(new_tokens=[], seconds=0.0))
     prompts: int = 0
     identical: int = 0
     first_mismatch: int | None = None
-    stats: AcceptStats = field(default_factory=AcceptStats)
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    nodes_per_forward: Counter = field(default_factory=Counter)
-    node_accepts: dict = field(default_factory=lambda: defaultdict(Counter))
-    shapes: dict = field(default_factory=dict)
-    context_tokens: int = 0
 
     def add(self, gen: Generation, ref: Generation | None, index: int) -> None:
-        self.seconds += gen.seconds
-        self.tokens += len(gen.new_tokens)
+        self.total.merge(gen)
         self.prompts += 1
-        self.stats.merge(gen.stats)
-        self.prefill_s += gen.prefill_seconds
-        self.draft_s += gen.draft_seconds
-        self.verify_s += gen.verify_seconds
-        self.context_tokens += gen.context_tokens
-        self.nodes_per_forward.update(gen.nodes_per_forward)
-        for size, row in gen.node_accepts.items():
-            self.node_accepts[size].update(row)
-        for size, parents in gen.shapes.items():
-            self.shapes.setdefault(size, parents)
         if ref is not None:
             if gen.new_tokens == ref.new_tokens:
                 self.identical += 1
@@ -113,14 +93,18 @@ class Tally:
                 self.first_mismatch = index
 
     @property
+    def tokens(self) -> int:
+        return len(self.total.new_tokens)
+
+    @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+        return self.tokens / self.total.seconds if self.total.seconds else 0.0
 
 
 def build_decoder(teacher, dcfg: DecoderConfig) -> Decoder:
     return Decoder(teacher, eos_token_id=teacher.tokenizer.eos_token_id if teacher.tokenizer is not None else None,
                    sampling=dcfg.sampling(), acceptance=dcfg.acceptance, typical_threshold=dcfg.typical_threshold,
-                   typical_alpha=dcfg.typical_alpha, seed=dcfg.seed)
+                   typical_alpha=dcfg.typical_alpha, seed=dcfg.seed, compile=dcfg.compile)
 
 
 def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: EvalConfig,
@@ -186,7 +170,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         row = _result(name, per[name], plain_tps, greedy, decoder, len(prompts), depth[name])
         row["drafter_dtype"] = str(dtypes[name]).removeprefix("torch.")
         # Time the parts at the run's mean context length: the first prompt continued by its own plain decoding.
-        mean_context = per[name].stats.forwards and per[name].context_tokens // per[name].stats.forwards
+        mean_context = per[name].total.stats.forwards and per[name].total.context_tokens // per[name].total.stats.forwards
         cost_prompt = first_text[:, : max(as_tensor[0].shape[1], mean_context)]
         row["cost"] = _cost(decoder, drafter, cost_prompt, per[name], depth[name], tuning.get(name), row["tau"])
         if any(c is not None for c in categories):
@@ -202,7 +186,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         "acceptance": dcfg.acceptance,
         "lossless": decoder.lossless,
         "drafter_dtype": policy,
-        "greedy": {"new_tokens": plain.tokens, "seconds": plain.seconds, "tokens_per_s": plain_tps},
+        "greedy": {"new_tokens": plain.tokens, "seconds": plain.total.seconds, "tokens_per_s": plain_tps},
         "baselines": {name: _baseline(name, t, plain_tps, per, greedy, len(prompts)) for name, t in hf_tally.items()},
         "results": results,
         "machine": machine_info(),
@@ -232,18 +216,18 @@ def _hf_baselines(teacher, drafters: Mapping, eval_cfg: EvalConfig, decoder: Dec
     max_new, k, eos = eval_cfg.max_new_tokens, eval_cfg.num_draft, decoder.eos_token_id
 
     def wrap(out: dict) -> Generation:
-        return Generation(new_tokens=decoder._finish(out["new_tokens"], max_new), seconds=out["seconds"])
+        return Generation(new_tokens=decoder.finish(out["new_tokens"], max_new), seconds=out["seconds"])
 
     runs = {"hf_generate": lambda p, seed: wrap(hf_generate(teacher, p, max_new, decoder.sampling, eos, seed=seed))}
     for name, drafter in drafters.items():
-        if isinstance(drafter, DraftModel) and decoder.lossless:
-            runs[f"hf_assisted[{name}]"] = lambda p, seed, m=drafter.model: wrap(
+        if drafter.assistant_model is not None and decoder.lossless:
+            runs[f"hf_assisted[{name}]"] = lambda p, seed, m=drafter.assistant_model: wrap(
                 hf_assisted(teacher, m, p, max_new, k, decoder.sampling, eos, seed=seed))
     return runs
 
 
 def _baseline(name: str, t: Tally, plain_tps: float, per: Mapping[str, Tally], greedy: bool, n: int) -> dict:
-    out = {"tokens_per_s": t.tokens_per_s, "seconds": t.seconds, "new_tokens": t.tokens,
+    out = {"tokens_per_s": t.tokens_per_s, "seconds": t.total.seconds, "new_tokens": t.tokens,
            "speedup": t.tokens_per_s / plain_tps if plain_tps else None,
            "identical_to_greedy": t.identical == n if greedy else None}
     if name.startswith("hf_assisted["):
@@ -260,16 +244,16 @@ def _result(name: str, t: Tally, plain_tps: float, greedy: bool, decoder: Decode
         "label": name + lossy,
         "lossless": decoder.lossless,
         "num_draft": num_draft,
-        "tree_size": max(t.nodes_per_forward, default=0),
+        "tree_size": max(t.total.nodes_per_forward, default=0),
         "num_prompts": n,
         "new_tokens": t.tokens,
-        **t.stats.to_dict(),
+        **t.total.stats.to_dict(),
         "tokens_per_s": t.tokens_per_s,
         "greedy_tokens_per_s": plain_tps,
         "speedup": t.tokens_per_s / plain_tps if plain_tps else 0.0,
-        "prefill_seconds": t.prefill_s,
-        "draft_seconds": t.draft_s,
-        "verify_seconds": t.verify_s,
+        "prefill_seconds": t.total.prefill_seconds,
+        "draft_seconds": t.total.draft_seconds,
+        "verify_seconds": t.total.verify_seconds,
         # Token identity is the greedy guarantee; under sampling losslessness is distributional (tests prove it).
         "identical_to_greedy": (t.identical == n) if greedy else None,
         "identical_prompts": t.identical if greedy else None,
@@ -280,8 +264,8 @@ def _result(name: str, t: Tally, plain_tps: float, greedy: bool, decoder: Decode
 def _cost(decoder: Decoder, drafter, prompt, t: Tally, num_draft: int, tuning: dict | None, tau: float) -> dict:
     """Isolated timings of the parts this run used; predicted speedup (from this run's τ, or from the auto-tune
     calibration when there was one) next to the measured one; the overhead ratio."""
-    parts = measure_parts(decoder, drafter, prompt, [num_draft], t.shapes, catch_up=max(1, round(tau)))
-    full = max(t.nodes_per_forward, key=lambda n: (t.nodes_per_forward[n], n), default=0)
+    parts = measure_parts(decoder, drafter, prompt, [num_draft], t.total.shapes, catch_up=max(1, round(tau)))
+    full = max(t.total.nodes_per_forward, key=lambda n: (t.total.nodes_per_forward[n], n), default=0)
     t_draft = parts["t_draft"][num_draft]
     out = {
         "t_prefill_s": parts["t_prefill"],
@@ -291,7 +275,7 @@ def _cost(decoder: Decoder, drafter, prompt, t: Tally, num_draft: int, tuning: d
         "t_verify_measured_s": {str(n): s for n, s in parts["t_verify_measured"].items()},
         "predicted_speedup_from_measured_tau": predict(tau, parts["t_plain"], t_draft, parts["t_verify"].get(full, 0.0),
                                                        t.tokens // max(t.prompts, 1), parts["t_prefill"]),
-        "overhead_ratio": overhead_ratio(t.seconds, t.prefill_s, t.nodes_per_forward, parts["t_verify"], t_draft),
+        "overhead_ratio": overhead_ratio(t.total.seconds, t.total.prefill_seconds, t.total.nodes_per_forward, parts["t_verify"], t_draft),
     }
     if tuning is not None:
         out.update(auto_tune=tuning["candidates"], chosen=tuning["chosen"], predicted_speedup=tuning["chosen"]["predicted_speedup"],
@@ -305,7 +289,7 @@ def _categories(by_cat: Mapping, name: str, categories: Sequence[str | None]) ->
     out = {}
     for cat in sorted({c for c in categories if c is not None}):
         t, ref = by_cat[(name, cat)], by_cat[(None, cat)]
-        out[cat] = {"num_prompts": t.prompts, "tau": t.stats.tau, "alpha": t.stats.alpha, "tokens_per_s": t.tokens_per_s,
+        out[cat] = {"num_prompts": t.prompts, "tau": t.total.stats.tau, "alpha": t.total.stats.alpha, "tokens_per_s": t.tokens_per_s,
                     "speedup": t.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else None}
     return out
 

@@ -201,6 +201,16 @@ class Drafter(nn.Module):
     def observe(self, hidden: dict[int, Tensor]) -> None:
         """Target hidden states ([1, m, D] per requested layer) of the positions just committed."""
 
+    # An HF causal LM that HF's assisted generation can draft with (eval's ``hf_assisted`` baseline): a standalone
+    # draft model's own LM; None for drafters that read the target's hidden states or draft without a model.
+    assistant_model = None
+
+    def accepted(self, path: list[int]) -> None:
+        """After each verification (and ``observe``): the nodes of the last proposal the target accepted, root side
+        first; the next ``propose`` gets the old context + those nodes' tokens + one token from the target. A
+        drafter with its own cache resyncs from this instead of comparing sequences on the device. Callers that do
+        not call it (a proposal on an arbitrary context) stay correct: the drafter then compares."""
+
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
         raise NotImplementedError

@@ -259,6 +259,10 @@ class DraftModel(Drafter):
 
     # --- decoding ------------------------------------------------------------------------------------------
     @property
+    def assistant_model(self) -> nn.Module:
+        return self.model
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -268,6 +272,15 @@ class DraftModel(Drafter):
         self._cached_ids: Tensor | None = None  # [m]: the ids whose keys/values the cache holds, in order
         self._floor = 0  # cache length before the last proposal's first forward (see _sync_cache)
         self._generator: torch.Generator | None = None
+        self._proposed: tuple[int, int] | None = None  # (context length, drafts) of the last proposal
+        self._valid: int | None = None  # cached entries still right after ``accepted`` (None: compare ids)
+
+    def accepted(self, path: list[int]) -> None:
+        # The cache holds the context and every draft but the last; the accepted ones stay valid.
+        if self._proposed is not None:
+            context, drafts = self._proposed
+            self._valid = context + min(len(path), drafts - 1)
+            self._proposed = None
 
     @torch.no_grad()
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
@@ -288,6 +301,7 @@ class DraftModel(Drafter):
                 rows.append(probs_1V[0])
         draft_ids = torch.stack(drafts)
         self._cached_ids = torch.cat([seq, draft_ids[:-1]])
+        self._proposed, self._valid = (seq.shape[0], max_depth), None
         probs_NV = torch.stack(rows).to(tokens.device) if rows else None
         return DraftTree.chain(draft_ids.to(tokens.device), probs_NV)
 
@@ -297,8 +311,12 @@ class DraftModel(Drafter):
         if self._cache is not None:
             cached = self._cached_ids
             n = min(cached.shape[0], seq.shape[0] - 1)  # the last token is always re-fed: we need its logits
-            differs = (cached[:n] != seq[:n]).nonzero()
-            keep = int(differs[0]) if differs.numel() else n
+            if self._valid is not None:  # told by ``accepted``: no comparison read back from the device
+                keep = min(self._valid, n)
+            else:
+                differs = (cached[:n] != seq[:n]).nonzero()
+                keep = int(differs[0]) if differs.numel() else n
+            self._valid = self._proposed = None
             # Sliding-window layers keep only what was fed since the previous crop (activate_past_recording), so
             # they can roll back no further than the previous proposal's start; further back, start over.
             sliding = any(getattr(layer, "is_sliding", False) for layer in self._cache.layers)

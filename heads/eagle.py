@@ -31,6 +31,7 @@ keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -80,11 +81,16 @@ def vocab_maps(token_counts_V: Tensor, draft_vocab_size: int) -> tuple[Tensor, T
 def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """Rotary embedding (rotate-half form) of x [..., n, hd] at ``positions`` [n]."""
     hd = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None]  # [n, hd/2]
+    angles = positions.to(torch.float32)[:, None] * _inv_freq(hd, theta, x.device)[None]  # [n, hd/2]
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(x.dtype), torch.cat([angles.sin()] * 2, -1).to(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(hd: int, theta: float, device: torch.device) -> Tensor:
+    """The rotary frequencies [hd / 2], made once per (size, base, device) instead of on every call."""
+    return theta ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
 
 
 class RMSNorm(nn.Module):
@@ -384,6 +390,7 @@ class EagleDrafter(Drafter):
         self._ctx_ids: Tensor | None = None  # [c]: token t+1 of each processed context pair t
         self._ctx_kv: tuple[Tensor, Tensor] | None = None  # [1, h, c, hd] keys / values of the context pairs
         self._ctx_out: Tensor | None = None  # [c, D]: each context pair's output
+        self._extends = False  # set by ``accepted``: the next proposal's context extends the processed one
 
     def observe(self, hidden: dict[int, Tensor]) -> None:
         if not hidden:
@@ -398,6 +405,9 @@ class EagleDrafter(Drafter):
         self._feats[self._num_feats: end] = new
         self._num_feats = end
 
+    def accepted(self, path: list[int]) -> None:
+        self._extends = True  # the next context extends the processed one: no comparison needed (_advance)
+
     @torch.no_grad()
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         if max_depth < 1:
@@ -405,16 +415,17 @@ class EagleDrafter(Drafter):
         root_out = self._advance(tokens[0])
         depth = min(self.depth or max_depth, max_depth)
         chain = self.tree_mode == "chain"
-        nodes = _NodeStore()
+        nodes = _NodeStore(root_out)
+        context = tokens.shape[1] - 1
 
-        def score(frontier: Sequence[int], toks: Sequence[int], parents: Sequence[int]) -> Tensor:
-            if list(frontier) == [-1]:
-                return self._logits(root_out[None])[0].float().log_softmax(-1)[None]
-            return self._score_nodes(frontier, toks, parents, root_out, nodes, tokens.shape[1] - 1)
+        def score(level: int, parent_slot_F: Tensor | None, tokens_F: Tensor | None) -> Tensor:
+            if level == 0:
+                return self._logits(root_out[None])
+            return self._score_nodes(level, parent_slot_F, tokens_F, nodes, context)
 
-        tree = expand_dynamic_tree(score, 1 if chain else self.top_k, depth, depth if chain else self.total_tokens,
-                                   device=tokens.device)
-        return DraftTree(self.d2t[tree.tokens.to(self.d2t.device)].to(tokens.device), tree.parents)
+        tree = expand_dynamic_tree(score, 1 if chain else self.top_k, depth, depth if chain else self.total_tokens)
+        return DraftTree(self.d2t[tree.tokens.to(self.d2t.device)].to(tokens.device), tree.parents.to(tokens.device),
+                         chain_hint=tree.chain_hint, depth_bound=tree.depth_bound)
 
     def _advance(self, seq: Tensor) -> Tensor:
         """Run the context pairs not yet processed; return the last pair's output [D] (the root of the tree)."""
@@ -425,7 +436,12 @@ class EagleDrafter(Drafter):
         feats = self._feats
         dev, dtype = self.fc.weight.device, self.fc.weight.dtype
         seq = seq.to(dev)
-        keep = self._common_prefix(seq[1: need + 1])
+        processed = 0 if self._ctx_ids is None else self._ctx_ids.shape[0]
+        if self._extends and processed <= need:  # after ``accepted``: the processed pairs are still the context's
+            keep = processed
+        else:
+            keep = self._common_prefix(seq[1: need + 1])
+        self._extends = False
         if keep < need:
             x_feats = feats[keep:need].to(dev, dtype)[None]
             hid = self._first_hidden(x_feats)
@@ -456,26 +472,23 @@ class EagleDrafter(Drafter):
             self._ctx_ids, self._ctx_out = self._ctx_ids[:keep], self._ctx_out[:keep]
         return keep
 
-    def _score_nodes(self, frontier: Sequence[int], toks: Sequence[int], parents: Sequence[int], root_out: Tensor,
-                     nodes: _NodeStore, context: int) -> Tensor:
-        """Run the frontier nodes (each: its parent's output + its own token) over the context and its ancestors."""
-        dev = root_out.device
-        parent_out = torch.stack([root_out if parents[f] < 0 else nodes.out[parents[f]] for f in frontier])[None]
-        ids = self.d2t[torch.tensor([toks[f] for f in frontier], device=dev)]
-        emb = self._embed(ids[None], parent_out)
+    def _score_nodes(self, level: int, parent_slot_F: Tensor, tokens_F: Tensor, nodes: "_NodeStore",
+                     context: int) -> Tensor:
+        """Run one level's frontier nodes (each: its parent's output + its own token, at depth ``level``) over the
+        context and their ancestors; return their logits over the draft vocabulary."""
+        dev = parent_slot_F.device
+        parent_out = nodes.outputs(parent_slot_F)[None]
+        emb = self._embed(self.d2t[tokens_F][None], parent_out)
         x, residual = self._layer_input(emb, parent_out)
-        nodes.add(frontier, parents)
-        q, k, v = self.layer.qkv(x, torch.tensor([context - 1 + len(nodes.path[f]) for f in frontier], device=dev))
-        nodes.add_keys(k, v)
+        q, k, v = self.layer.qkv(x, torch.full(tokens_F.shape, context - 1 + level, device=dev))
         # Each frontier node sees the whole context and, among scored nodes, its ancestors and itself.
-        anc = torch.tensor([[a in nodes.path[f] for a in nodes.order] for f in frontier], dtype=torch.bool, device=dev)
+        anc = nodes.add(parent_slot_F, k, v)
         ctx_k, ctx_v = self._ctx_kv
         keys, values = torch.cat([ctx_k, nodes.k], 2), torch.cat([ctx_v, nodes.v], 2)
-        mask = torch.cat([torch.ones(len(frontier), ctx_k.shape[2], dtype=torch.bool, device=dev), anc], 1)
+        mask = torch.cat([anc.new_ones(anc.shape[0], ctx_k.shape[2]), anc], 1)
         out = self.layer.finish(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask), residual)[0]
-        for r, f in enumerate(frontier):
-            nodes.out[f] = out[r]
-        return self._logits(out).float().log_softmax(-1)
+        nodes.add_outputs(out)
+        return self._logits(out)
 
 
 def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:
@@ -493,21 +506,28 @@ def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:
 
 
 class _NodeStore:
-    """Keys, values and outputs of the draft nodes scored so far in one proposal."""
+    """Outputs, keys, values and ancestry of the draft nodes scored so far in one proposal, indexed by slot (the
+    order they were scored, ``inference.dynamic_tree``); all on the device."""
 
-    def __init__(self):
-        self.order: list[int] = []  # scored nodes, in the order their keys were stored
-        self.path: dict[int, frozenset[int]] = {-1: frozenset()}  # node -> itself and its ancestors (len = depth)
-        self.k: Tensor | None = None
+    def __init__(self, root_out_D: Tensor):
+        self.out = root_out_D[None]  # [1 + S, D]: the root's output, then each scored node's
+        self.ancestors = torch.zeros(0, 0, dtype=torch.bool, device=root_out_D.device)  # [S, S]: itself + ancestors
+        self.k: Tensor | None = None  # [1, h, S, hd]
         self.v: Tensor | None = None
-        self.out: dict[int, Tensor] = {}
 
-    def add(self, frontier: Sequence[int], parents: Sequence[int]) -> None:
-        # A frontier node's parent was scored before it (or is the root), so its path is already known.
-        for f in frontier:
-            self.path[f] = self.path[parents[f]] | {f}
-        self.order.extend(frontier)
+    def outputs(self, slot_F: Tensor) -> Tensor:
+        """[F, D]: the outputs of the nodes in ``slot_F`` (-1: the root)."""
+        return self.out.index_select(0, slot_F + 1)
 
-    def add_keys(self, k: Tensor, v: Tensor) -> None:
+    def add(self, parent_slot_F: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store F new nodes (children of ``parent_slot_F``); return their ancestry rows [F, S + F]."""
+        S, F = self.ancestors.shape[0], parent_slot_F.shape[0]
+        rows = torch.cat([self.ancestors.new_zeros(1, S), self.ancestors]).index_select(0, parent_slot_F + 1)
+        new = torch.cat([rows, torch.eye(F, dtype=torch.bool, device=rows.device)], 1)
+        self.ancestors = torch.cat([torch.cat([self.ancestors, self.ancestors.new_zeros(S, F)], 1), new])
         self.k = k if self.k is None else torch.cat([self.k, k], 2)
         self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return new
+
+    def add_outputs(self, out_FD: Tensor) -> None:
+        self.out = torch.cat([self.out, out_FD])

@@ -40,13 +40,16 @@ class PromptLookup(Drafter):
 
     def _lookup(self, tokens: Tensor, max_tokens: int) -> Tensor:
         seq = tokens[0]
-        n_tokens = seq.shape[0]
+        # The search is sequential and data-dependent: done on the host, on one read-back of the ids, so a step
+        # costs one transfer instead of a sync per n-gram size; the draft itself is a slice of the device tensor.
+        ids = seq.tolist()
+        n_tokens = len(ids)
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            # All windows of length n that end before the final n-gram itself, compared at once.
-            windows = seq[: n_tokens - 1].unfold(0, n, 1)  # [n_tokens - n, n]
-            starts = (windows == seq[-n:]).all(dim=1).nonzero().flatten() + n  # token after each match
-            if starts.numel():
-                full = starts[starts + max_tokens <= n_tokens]
-                start = int(full[-1]) if full.numel() else int(starts[0])
-                return seq[start : start + max_tokens]
+            # Every window of length n that ends before the final n-gram itself.
+            tail = ids[-n:]
+            starts = [i + n for i in range(n_tokens - n) if ids[i] == tail[0] and ids[i: i + n] == tail]
+            if starts:
+                full = [s for s in starts if s + max_tokens <= n_tokens]
+                start = full[-1] if full else starts[0]
+                return seq[start: start + max_tokens]
         return seq.new_empty(0)

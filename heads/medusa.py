@@ -95,6 +95,7 @@ class MedusaHeads(Drafter):
 
     def set_tree(self, spec) -> None:
         self.tree = parse_tree(spec, max_depth=self.num_heads)
+        self._tree_index: dict = {}  # (depth, device) -> the static tree's gather index and parents, built once
 
     def bind_target(self, teacher, initialize: bool) -> None:
         self._finish = teacher.output_logits.finish  # what the target's forward does after its lm_head (soft-capping)
@@ -147,9 +148,22 @@ class MedusaHeads(Drafter):
         h = self._last_hidden_1D.to(self.heads[0][-1].weight.dtype)
         if self.tree is None:
             return DraftTree.chain(torch.stack([self.heads[i](h).argmax(-1)[0] for i in range(depth)]))
-        tree = self.tree.limited(depth)
-        # Head i's candidates, best first, as deep into its ranking as any path at depth i + 1 reaches.
-        ranks = [1 + max((p[-1] for p in tree.paths if len(p) == i + 1), default=-1) for i in range(tree.depth)]
-        top = [self.heads[i](h)[0].topk(r).indices if r else None for i, r in enumerate(ranks)]
-        tokens = torch.stack([top[len(p) - 1][p[-1]] for p in tree.paths])
-        return DraftTree(tokens, torch.tensor(tree.parents, device=tokens.device))
+        ranks, flat, parents, tree_depth = self._static_tree(depth, h.device)
+        # Head i's candidates, best first, side by side; the tree's paths pick from them through one index.
+        top = torch.cat([self.heads[i](h)[0].topk(r).indices for i, r in enumerate(ranks) if r])
+        return DraftTree(top[flat], parents, chain_hint=False, depth_bound=tree_depth)
+
+    def _static_tree(self, depth: int, device: torch.device) -> tuple[list[int], Tensor, Tensor, int]:
+        """(candidates per head, index of each path's token among them, parents, depth) of the tree limited to
+        ``depth``, on ``device``: built on the first proposal and reused (a static tree's shape never changes)."""
+        key = (depth, str(device))
+        if key not in self._tree_index:
+            tree = self.tree.limited(depth)
+            # Head i's candidates, as deep into its ranking as any path at depth i + 1 reaches.
+            ranks = [1 + max((p[-1] for p in tree.paths if len(p) == i + 1), default=-1) for i in range(tree.depth)]
+            offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+            flat = torch.tensor([offsets[len(p) - 1] + p[-1] for p in tree.paths], dtype=torch.long, device=device)
+            parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
+            self._tree_index[key] = (ranks, flat, parents, tree.depth)
+        return self._tree_index[key]
+

@@ -21,11 +21,13 @@ Rows of ``p_N1V`` / ``argmax_N1``: row 0 is the target after the pending token, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from inference.sampling import sample
-from inference.tree import DraftTree
+from inference.sampling import SamplingConfig, sample, warp
+from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 
 
 def greedy_accept(draft_K: Tensor, target_argmax_K1: Tensor) -> tuple[int, Tensor]:
@@ -138,3 +140,146 @@ def typical_accept(tree: DraftTree, p_N1V: Tensor, threshold: float = 0.09, alph
         node = chosen
     bonus = sample(p_N1V[node + 1][None], generator)
     return path, torch.cat([tree.tokens[path], bonus]) if path else bonus
+
+
+# --- the whole tree at once, on the device (the decoder's path: one transfer per step) -------------------------
+#
+# The rules above walk the tree on the host, reading each verdict back. The functions below decide every node at
+# once and leave the result on the device: ``on_path_N`` (the accepted nodes: one root-to-node path), ``last_1``
+# (the target row after the path's last node: 0 = the pending token, 1 + i = node i) and ``bonus_1`` (the token the
+# target commits there). ``settle`` packs them into one tensor the decoder reads back once.
+
+
+def _last_row(on_path_N: Tensor) -> Tensor:
+    """[1]: 1 + the deepest accepted node (the path's nodes are each other's ancestors: the largest index), or 0."""
+    rank = on_path_N.long() * torch.arange(1, on_path_N.shape[0] + 1, device=on_path_N.device)
+    return torch.cat([rank.new_zeros(1), rank]).amax(0, keepdim=True)
+
+
+def _parent_rows(tree: DraftTree) -> Tensor:
+    """[N]: the target row each node is judged against (its parent's; 0 = the pending token's), clamped into the
+    tree when a parent does not precede its child (``settle`` reports that)."""
+    idx = torch.arange(tree.size, device=tree.parents.device)
+    return torch.minimum(tree.parents.clamp(min=-1), idx - 1) + 1
+
+
+def _on_path(ancestors_NN: Tensor, chosen_N: Tensor) -> Tensor:
+    """A node is accepted when it and every ancestor was chosen under its parent."""
+    return ~(ancestors_NN & ~chosen_N[None, :]).any(1)
+
+
+def _siblings_before(tree: DraftTree) -> tuple[Tensor, Tensor]:
+    """(earlier_NN, duplicate_N): ``earlier[i, j]``: j is an earlier sibling of i; ``duplicate[i]``: an earlier
+    sibling proposes the same token (the walk above never gets past the first of them)."""
+    idx = torch.arange(tree.size, device=tree.tokens.device)
+    earlier = (tree.parents[:, None] == tree.parents[None, :]) & (idx[None, :] < idx[:, None])
+    return earlier, (earlier & (tree.tokens[:, None] == tree.tokens[None, :])).any(1)
+
+
+def greedy_verdict(tree: DraftTree, target_argmax_N1: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``tree_greedy_accept`` for the whole tree at once: a node is chosen when its token is the target's argmax
+    after its parent (the first such sibling)."""
+    _, ancestors = tree.geometry
+    _, duplicate = _siblings_before(tree)
+    chosen = (tree.tokens == target_argmax_N1[_parent_rows(tree)]) & ~duplicate
+    on_path = _on_path(ancestors, chosen)
+    last = _last_row(on_path)
+    return on_path, last, target_argmax_N1.index_select(0, last)
+
+
+def rejection_verdict(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator | None = None
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """``tree_rejection_accept`` for the whole tree at once, for point-mass candidates (``probs_NV`` None) and for
+    chains with draft probabilities. Point masses: under its parent, child c (siblings tried in order) is accepted
+    with probability p(x_c) / (1 - sum of p over the distinct earlier siblings' tokens), the residual the walk would
+    have reached; a duplicate of an earlier sibling has probability 0. Every node draws its own uniform (those
+    below a rejected node go unused), so the committed tokens are distributed exactly as the walk's."""
+    if tree.probs_NV is not None and not tree.is_chain:
+        raise ValueError("rejection_verdict takes point-mass trees or chains; use tree_rejection_accept")
+    N, dev = tree.size, p_N1V.device
+    if p_N1V.shape[0] != N + 1:
+        raise ValueError(f"target distributions have {p_N1V.shape[0]} rows for a tree of {N}; expected {N + 1}")
+    tokens = tree.tokens.clamp(0, p_N1V.shape[1] - 1)  # out-of-range drafts are reported by ``settle``
+    p_x = p_N1V[_parent_rows(tree), tokens]  # each candidate's probability under its parent's row
+    if tree.probs_NV is not None:  # a chain drawn from q (Leviathan / Chen), same draws as chain_rejection_accept
+        q_x = tree.probs_NV[torch.arange(N, device=dev), tokens]
+        accept = (p_x / q_x).clamp(max=1)
+        q_pad = torch.cat([tree.probs_NV, p_N1V.new_zeros(1, p_N1V.shape[1])])
+    else:
+        earlier, duplicate = _siblings_before(tree)
+        removed = ((earlier & ~duplicate[None, :]).to(p_x.dtype) * p_x[None, :]).sum(1)
+        accept = torch.where(duplicate, 0.0, p_x / (1 - removed).clamp(min=torch.finfo(p_x.dtype).tiny)).clamp(max=1)
+    u = torch.rand(N, generator=generator, device=dev)
+    taken = u < accept
+    if tree.is_chain:
+        on_path = taken.long().cumprod(0).bool()
+    else:
+        earlier, _ = _siblings_before(tree)
+        on_path = _on_path(tree.geometry[1], taken & ~(earlier & taken[None, :]).any(1))
+    last = _last_row(on_path)
+    p_row = p_N1V.index_select(0, last)[0]
+    if tree.probs_NV is not None:  # norm(max(0, p - q)) at the first rejection; q = 0 past the chain's end
+        residual = (p_row - q_pad.index_select(0, last)[0]).clamp(min=0)
+    else:  # every child of the last node was rejected: remove their tokens
+        rejected = (_parent_rows(tree) == last).to(p_row.dtype)
+        dropped = p_row.new_zeros(p_row.shape).index_add_(0, tokens, rejected) > 0
+        residual = p_row.masked_fill(dropped, 0)
+    total = residual.sum()
+    # Zero only through float rounding (a rejection of probability 0): keep p.
+    residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(total.dtype).tiny), p_row)
+    return on_path, last, sample(residual[None], generator)
+
+
+def settle(tree: DraftTree, on_path_N: Tensor, last_1: Tensor, bonus_1: Tensor, vocab_size: int) -> Tensor:
+    """One long tensor for the decoder to read back: [accepted count a, tree depth, malformed flags,
+    path (N slots, the first a used), committed tokens (N + 1 slots, the first a + 1 used)]. Malformed: 1 when a
+    draft lies outside the vocabulary, 2 when a parent does not precede its child (``DraftTree.check``'s errors)."""
+    N, dev = tree.size, tree.tokens.device
+    idx = torch.arange(N, device=dev)
+    count = on_path_N.long().sum(0, keepdim=True)
+    path = torch.sort(torch.where(on_path_N, idx, N + idx)).values.clamp(max=max(N - 1, 0))  # accepted first
+    committed = torch.cat([tree.tokens[path], bonus_1.new_zeros(1)]).scatter(0, count, bonus_1.long())
+    depth = tree.geometry[0].amax(0, keepdim=True) if N else count.new_zeros(1)
+    bad_tokens = ((tree.tokens < 0) | (tree.tokens >= vocab_size)).any(0, keepdim=True).long()
+    flags = bad_tokens + 2 * tree.bad_parents().long().view(1)
+    return torch.cat([count, depth.long(), flags, path, committed])
+
+
+def decide(tree: DraftTree, logits_N1V: Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+           vocab_size: int) -> Tensor | None:
+    """The exact (lossless) rule for ``sampling``, on the device: ``settle``'s packed verdict, or None for the one
+    case walked on the host (siblings drawn from draft probabilities: no drafter here proposes those)."""
+    if sampling.greedy:
+        return settle(tree, *greedy_verdict(tree, logits_N1V.argmax(-1)), vocab_size)
+    if tree.probs_NV is not None and not tree.is_chain:
+        return None
+    return settle(tree, *rejection_verdict(tree, warp(logits_N1V, sampling), generator), vocab_size)
+
+
+@dataclass
+class Verdict:
+    """A verification's outcome on the host, with the device tensors the decoder keeps using."""
+
+    path: list[int]  # accepted nodes, root side first
+    committed: list[int]  # their tokens + the target's token
+    depth: int  # the tree's depth (the acceptance histogram's row)
+    path_index: Tensor  # [N] long on the device: the path in its first len(path) entries
+    committed_ids: Tensor  # [len(committed)] long on the device
+
+
+def read_verdict(tree: DraftTree, values: list[int], packed: Tensor, vocab_size: int) -> Verdict:
+    """``settle``'s packed tensor, read back once into ``values``; raises ``DraftTree.check``'s errors."""
+    count, depth, flags = values[:3]
+    if flags & 2:
+        raise_bad_parents(tree.parents)
+    if flags & 1:
+        raise_bad_tokens(tree.tokens, vocab_size)
+    N = tree.size
+    return Verdict(values[3: 3 + count], values[3 + N: 4 + N + count], depth, packed[3: 3 + N],
+                   packed[3 + N: 4 + N + count])
+
+
+def walked(tree: DraftTree, path: list[int], committed: Tensor) -> Verdict:
+    """A host rule's (path, committed) as a ``Verdict``."""
+    index = torch.tensor(path, dtype=torch.long, device=committed.device)
+    return Verdict(list(path), committed.tolist(), tree.depth, index, committed)

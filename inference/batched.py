@@ -11,7 +11,7 @@ columns are valid, never in S, and the model's own forward runs with
 - position ids per row: row b's pending token sits at position ``pos[b]`` (its count of cached real tokens), a draft
   node at ``pos[b] + depth``, so every row's RoPE positions are exactly what batch-1 decoding gives it;
 - a 4D additive mask [B, 1, n, S + n]: each new token sees its row's valid columns and, in the new block, itself and
-  its ancestors (a chain: the tokens before it; a tree: ``inference.tree.ancestor_mask``).
+  its ancestors (a chain: the tokens before it; a tree: its ``DraftTree.geometry``, built on the device).
 Prompts are left-padded (the padding columns are invalid). A step appends n = 1 + (largest proposal) columns; row b
 keeps the pending token's column and its accepted nodes' columns, everything else becomes a *hole* (an invalid
 column). Key order is irrelevant to attention once the mask decides visibility, so a tree's accepted path needs no
@@ -24,8 +24,9 @@ is visible only within the window of the query's position; a row's valid columns
 column order, so a column's position is its rank among the row's valid columns.
 
 Drafting loops over rows: each row has its own drafter state, a shallow copy of the drafter (``fork_drafter``) that
-shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance``) runs per
-row on that row's logits, so every row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
+shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance.decide``, the
+batch-1 decoder's rule) runs per row on that row's logits, on the device; every row's verdict is read back in one
+transfer per step. Each row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
 decoding, sampled rows are distributed as the target (tests/test_batched.py). Rows may differ in sampling settings.
 
 Shapes: B live rows, S cache columns, n tokens fed per row this step, V vocabulary.
@@ -34,7 +35,6 @@ Shapes: B live rows, S cache columns, n tokens fed per row this step, V vocabula
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -44,12 +44,12 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from inference.acceptance import tree_greedy_accept, tree_rejection_accept
-from inference.decoder import Generation, _check_prompt, _sync
+from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, walked
+from inference.decoder import Generation, _check_prompt, _sync, finish, prefill_kwargs
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.stats import AcceptStats
-from inference.tree import DraftTree, ancestor_mask
+from inference.tree import DraftTree
 
 PAD_ID = 0  # fed in padding slots; always masked, so any id would do
 Policy = Callable[[int], int]  # live batch size -> draft tokens (γ) for this step; 0 = a plain step
@@ -156,10 +156,8 @@ class BatchedDecoder:
         self.max_positions = teacher.max_positions
         self.layout = AttentionLayout.of(self.model)
         self._empty = DraftTree.empty(self.device)  # a plain step's "proposal", shared by every row (never mutated)
-        # The prefill needs logits at each row's last column only; B x prompt x vocab logits would cost more than the
-        # rest of a short decode. Models without ``logits_to_keep`` compute them all.
-        keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self._prefill_kw = {"logits_to_keep": 1} if keeps else {}
+        # The prefill needs logits at each row's last column only (left padding: every row ends there).
+        self._prefill_kw = prefill_kwargs(self.model)
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -296,54 +294,68 @@ class BatchedDecoder:
                 trees.append(self._empty)
                 continue
             tree = drafter.propose(rows.tokens[b], depth, rows.sampling[b])
-            tree.check(self.teacher.vocab_size)
+            tree.check_shape(self.teacher.vocab_size)  # values: with the verdict (acceptance.settle)
             trees.append(tree)
         return trees
 
-    def _verify(self, rows: _Rows, trees: list[DraftTree], layers) -> tuple[list, dict]:
-        """One target forward over every row's [pending, nodes...]; per-row acceptance; holes for what was rejected.
-        Returns per row (path, committed tokens) and the forward's hidden states."""
+    def _verify(self, rows: _Rows, trees: list[DraftTree], layers) -> tuple[list[Verdict], dict]:
+        """One target forward over every row's [pending, nodes...]; per-row acceptance on the device, read back once
+        for the whole batch; holes for what was rejected. Returns per row its verdict and the forward's hidden states."""
         B, n = len(trees), 1 + max(t.size for t in trees)
-        dev = self.device
-        # Per row: the pending token (its last committed one), its nodes, padding.
-        ids = [[new[-1], *t.tokens.tolist()] + [PAD_ID] * (n - 1 - t.size) for new, t in zip(rows.new, trees)]
-        ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        dev, vocab = self.device, self.teacher.vocab_size
+        # Per row: the pending token (its last committed one), its nodes (clamped: settle reports a bad one), padding.
+        ids = torch.full((B, n), PAD_ID, dtype=torch.long, device=dev)
+        ids[:, 0] = torch.cat([t[0, -1:] for t in rows.tokens])
         offsets = torch.arange(n, device=dev).expand(B, n).clone()  # chains: depth = index
         chains = all(t.is_chain for t in trees)
         block = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
         if not chains:
             block = torch.eye(n, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # padding slots see only themselves
-        for b, t in enumerate(trees if not chains else []):
-            offsets[b, 1:1 + t.size] = torch.tensor(t.depths(), device=dev)
-            block[b, :1 + t.size, :1 + t.size] = ancestor_mask(t.parents.to(dev))
+            block[:, :, 0].fill_(True)
+        for b, t in enumerate(trees):
+            if t.size:
+                ids[b, 1:1 + t.size] = t.tokens.clamp(0, vocab - 1)
+            if not chains and t.size:
+                depth_N, ancestors_NN = t.geometry
+                offsets[b, 1:1 + t.size] = depth_N
+                block[b, 1:1 + t.size, 1:1 + t.size] = ancestors_NN
+        if not chains:  # padding slots see only themselves (column 0 is the pending token)
+            block[:, 1:, 0] &= torch.cat([torch.arange(1, n, device=dev)[None] <= t.size for t in trees])
         pos = torch.tensor(rows.pos, device=dev)[:, None] + offsets
         logits, hidden = self._forward(ids, pos, self._mask(rows.valid, block, pos), rows.cache, layers)
-        argmax = logits.argmax(-1) if any(s.greedy for s in rows.sampling) else None
-        keep = torch.zeros(B, n, dtype=torch.bool, device=dev)
-        keep[:, 0] = True
-        results = []
-        for b, t in enumerate(trees):
-            if rows.sampling[b].greedy:
-                path, new = tree_greedy_accept(t, argmax[b, :1 + t.size])
-            else:
-                path, new = tree_rejection_accept(t, warp(logits[b, :1 + t.size], rows.sampling[b]), self.generator)
-            keep[b, [1 + i for i in path]] = True
-            results.append((path, new))
-        used = int(keep.any(0).nonzero().max()) + 1  # columns past the last one any row kept are dropped now
-        if used < n:
+        packed = [decide(t, logits[b, :1 + t.size], rows.sampling[b], self.generator, vocab)
+                  for b, t in enumerate(trees)]
+        values = torch.cat([p for p in packed if p is not None]).tolist() if any(p is not None for p in packed) else []
+        results, at = [], 0
+        for b, (t, p) in enumerate(zip(trees, packed)):
+            if p is None:  # sampled siblings with draft probabilities: walked on the host
+                t.check(vocab)
+                results.append(walked(t, *tree_rejection_accept(t, warp(logits[b, :1 + t.size], rows.sampling[b]),
+                                                                 self.generator)))
+                continue
+            results.append(read_verdict(t, values[at: at + p.shape[0]], p, vocab))
+            at += p.shape[0]
+        kept = [[True] + [False] * (n - 1) for _ in trees]
+        for row, v in zip(kept, results):
+            for i in v.path:
+                row[1 + i] = True
+        used = 1 + max(max((c for c, k in enumerate(row) if k), default=0) for row in kept)
+        if used < n:  # columns past the last one any row kept are dropped now
             rows.cache.crop(-(n - used))
-        rows.valid = torch.cat([rows.valid, keep[:, :used]], dim=1)
+        keep = torch.tensor([row[:used] for row in kept], dtype=torch.bool, device=dev)
+        rows.valid = torch.cat([rows.valid, keep], dim=1)
         return results, hidden
 
-    def _commit(self, rows: _Rows, trees: list[DraftTree], results: list, hidden: dict) -> None:
-        for b, (tree, (path, new)) in enumerate(zip(trees, results)):
-            rows.stats[b].update(tree.depth, len(path))
+    def _commit(self, rows: _Rows, trees: list[DraftTree], results: list[Verdict], hidden: dict) -> None:
+        for b, (tree, v) in enumerate(zip(trees, results)):
+            rows.stats[b].update(v.depth, len(v.path))
             if rows.drafters:  # the pending token's and the accepted nodes' hidden states, in path order
-                keep = [0] + [1 + i for i in path]
-                rows.drafters[b].observe({i: h[b:b + 1, keep] for i, h in hidden.items()})
-            rows.tokens[b] = torch.cat([rows.tokens[b], new.view(1, -1).to(self.device)], dim=1)
-            rows.new[b].extend(new.tolist())
-            rows.pos[b] += 1 + len(path)
+                keep = torch.cat([v.path_index.new_zeros(1), 1 + v.path_index[: len(v.path)]])
+                rows.drafters[b].observe({i: h[b:b + 1].index_select(1, keep) for i, h in hidden.items()})
+                rows.drafters[b].accepted(v.path)
+            rows.tokens[b] = torch.cat([rows.tokens[b], v.committed_ids.view(1, -1).to(self.device)], dim=1)
+            rows.new[b].extend(v.committed)
+            rows.pos[b] += 1 + len(v.path)
 
     def _retire(self, rows: _Rows, result: BatchGeneration, max_new: int, start: float) -> None:
         """Finished rows (max_new_tokens reached, or EOS committed) leave the batch and its cache."""
@@ -353,21 +365,15 @@ class BatchedDecoder:
             return
         now = time.perf_counter() - start
         for b in done:
-            result.generations[rows.ids[b]] = Generation(new_tokens=self._finish(rows.new[b], max_new), seconds=now,
+            result.generations[rows.ids[b]] = Generation(new_tokens=finish(rows.new[b], max_new, self.eos_token_id), seconds=now,
                                                          stats=rows.stats[b])
         rows.keep([b for b in range(len(rows.ids)) if b not in done])
-
-    def _finish(self, committed: list[int], max_new: int) -> list[int]:
-        committed = committed[:max_new]
-        if self.eos_token_id is not None and self.eos_token_id in committed:
-            return committed[: committed.index(self.eos_token_id) + 1]
-        return committed
 
     def _maybe_compact(self, rows: _Rows) -> int:
         """Right-align every row's valid columns when holes cost more than ``compact_slack`` allows (1 if done)."""
         if not rows.ids:
             return 0
-        S, M = rows.valid.shape[1], int(rows.valid.sum(1).max())
+        S, M = rows.valid.shape[1], max(rows.pos)  # a row's valid columns are its cached tokens: its position
         if S - M == 0 or S - M < max(8, (self.compact_slack - 1) * M):  # few holes: cheaper to keep than to move
             return 0
         # A stable sort puts each row's invalid columns first and keeps its valid ones in order.

@@ -73,13 +73,16 @@ def measure_parts(decoder: Decoder, drafter, prompt_ids: torch.Tensor, depths: S
 
     def prefill():
         state["cache"] = DynamicCache(config=decoder.model.config)
-        state["hidden"] = decoder._forward({"input_ids": tokens[:, :-1]}, state["cache"], layers)[1]
+        state["hidden"] = decoder._forward({"input_ids": tokens[:, :-1], **decoder.prefill_kw}, state["cache"], layers)[1]
 
     def verify(parents: torch.Tensor):
         cache = state["cache"]
-        tree = DraftTree(torch.randint(0, vocab, parents.shape, generator=gen).to(device), parents.to(device))
+        # The shape's facts from its host copy, as a drafter states them: timing adds no read-back a step lacks.
+        chain = parents.tolist() == list(range(-1, parents.shape[0] - 1))
+        tree = DraftTree(torch.randint(0, vocab, parents.shape, generator=gen).to(device), parents.to(device),
+                         chain_hint=chain)
         logits, _ = decoder._forward(verify_inputs(tree, tokens[0, -1], past, decoder.mask_dtype), cache, layers)
-        decoder._accept(tree, logits)
+        decoder.verdict(tree, logits)
         compact_cache(cache, tree.size, [])
         cache.crop(-1)  # the pending token too: back to the same context for the next repeat
 

@@ -12,6 +12,7 @@ the target but not yet fed to it.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from inference.acceptance import tree_greedy_accept, tree_rejection_accept, typical_accept
+from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, typical_accept, walked
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.stats import AcceptStats
@@ -47,6 +48,10 @@ class DecoderConfig:
     # the crossover batch size where speculation stops paying (eval.batch_sweep); null: batch 1 only
     batch_sizes: Optional[List[int]] = None
     policy: str = "always"  # batched decoding: always (γ = eval.num_draft every step) | auto (inference.policy)
+    # torch.compile the target's forward (prefill, verification, plain steps) with dynamic shapes, so a new tree size
+    # or context length does not recompile; CUDA: mode="reduce-overhead" (CUDA graphs). The first call pays the
+    # compilation (about a minute on CPU for a tiny model).
+    compile: bool = False
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.top_k)
@@ -66,6 +71,32 @@ class Generation:
     context_tokens: int = 0  # committed context length summed over verification forwards (mean = / forwards)
     shapes: dict = field(default_factory=dict)  # tree size -> parents of a tree of that size (to time it alone)
 
+    def merge(self, other: "Generation") -> "Generation":
+        """Add ``other`` into this one (an evaluation's total over its prompts): tokens appended, times, counts and
+        statistics summed; the first tree shape seen for a size is kept."""
+        self.new_tokens = self.new_tokens + list(other.new_tokens)
+        self.seconds += other.seconds
+        self.stats.merge(other.stats)
+        self.prefill_seconds += other.prefill_seconds
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+        self.nodes_per_forward.update(other.nodes_per_forward)
+        for size, row in other.node_accepts.items():
+            self.node_accepts[size].update(row)
+        for size, parents in other.shapes.items():
+            self.shapes.setdefault(size, parents)
+        self.context_tokens += other.context_tokens
+        return self
+
+
+def finish(committed: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """The new tokens a decode returns: at most ``max_new_tokens``, ending at the first EOS (kept) if any. Every
+    decoder and baseline cuts its output here, so their outputs compare token for token."""
+    committed = list(committed)[:max_new_tokens]
+    if eos_token_id is not None and eos_token_id in committed:
+        return committed[: committed.index(eos_token_id) + 1]
+    return committed
+
 
 def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_positions: int) -> None:
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
@@ -83,6 +114,12 @@ def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_p
         )
 
 
+def prefill_kwargs(model) -> dict:
+    """The prefill needs the logits at the last prompt position only (V per position otherwise: at a real vocabulary
+    more than the rest of a short decode costs). Models without ``logits_to_keep`` compute them all."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":  # timings must cover the kernels, not just their launch
         torch.cuda.synchronize(device)
@@ -92,7 +129,8 @@ class Decoder:
     """Decodes with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY,
-                 acceptance: str = "exact", typical_threshold: float = 0.09, typical_alpha: float = 0.3, seed: int = 0):
+                 acceptance: str = "exact", typical_threshold: float = 0.09, typical_alpha: float = 0.3, seed: int = 0,
+                 compile: bool = False):
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"decoder.acceptance={acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
         self.teacher = teacher
@@ -108,6 +146,11 @@ class Decoder:
         # (inference.masks), so a context longer than the window decodes like any other.
         self.layout = AttentionLayout.of(self.model)
         self.max_positions = teacher.max_positions
+        self.prefill_kw = prefill_kwargs(self.model)
+        self._target = self.model  # what ``_forward`` calls: the model, or its compiled forward (DecoderConfig.compile)
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._target = torch.compile(self.model.forward, dynamic=True, mode=mode)
 
     @property
     def lossless(self) -> bool:
@@ -117,7 +160,7 @@ class Decoder:
         self.generator.manual_seed(seed)
 
     def _forward(self, inputs: dict, cache: DynamicCache, layers: tuple[int, ...]):
-        out = self.model(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+        out = self._target(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
 
@@ -126,11 +169,9 @@ class Decoder:
             return logits_V.argmax(-1, keepdim=True)
         return sample(warp(logits_V[None], self.sampling), self.generator)
 
-    def _finish(self, committed: list[int], max_new_tokens: int) -> list[int]:
-        committed = committed[:max_new_tokens]
-        if self.eos_token_id is not None and self.eos_token_id in committed:
-            return committed[: committed.index(self.eos_token_id) + 1]
-        return committed
+    def finish(self, committed: list[int], max_new_tokens: int) -> list[int]:
+        """``finish`` with this decoder's EOS."""
+        return finish(committed, max_new_tokens, self.eos_token_id)
 
     @torch.no_grad()
     def plain(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
@@ -139,7 +180,7 @@ class Decoder:
         _sync(self.device)
         start = time.perf_counter()
         cache = self.layout.new_cache()
-        logits, _ = self._forward({"input_ids": prompt_ids.to(self.device)}, cache, ())
+        logits, _ = self._forward({"input_ids": prompt_ids.to(self.device), **self.prefill_kw}, cache, ())
         nxt = self._next_token(logits[-1])
         out = [int(nxt)]
         while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
@@ -147,16 +188,21 @@ class Decoder:
             nxt = self._next_token(logits[-1])
             out.append(int(nxt))
         _sync(self.device)
-        return Generation(new_tokens=self._finish(out, max_new_tokens), seconds=time.perf_counter() - start)
+        return Generation(new_tokens=self.finish(out, max_new_tokens), seconds=time.perf_counter() - start)
 
-    greedy = plain  # the name the greedy-only decoder had
-
-    def _accept(self, tree: DraftTree, logits_N1V: Tensor) -> tuple[list[int], Tensor]:
-        if self.acceptance == "typical":
-            return typical_accept(tree, warp(logits_N1V, self.sampling), *self.typical, generator=self.generator)
-        if self.sampling.greedy:
-            return tree_greedy_accept(tree, logits_N1V.argmax(-1))
-        return tree_rejection_accept(tree, warp(logits_N1V, self.sampling), self.generator)
+    def verdict(self, tree: DraftTree, logits_N1V: Tensor) -> Verdict:
+        """Accept on the device and read the verdict back once. Malformed proposals are refused here, after the
+        forward that saw them clamped."""
+        vocab = self.teacher.vocab_size
+        if self.acceptance == "typical":  # lossy, Medusa's comparison rule: walked on the host
+            tree.check(vocab)
+            return walked(tree, *typical_accept(tree, warp(logits_N1V, self.sampling), *self.typical,
+                                                generator=self.generator))
+        packed = decide(tree, logits_N1V, self.sampling, self.generator, vocab)
+        if packed is None:
+            tree.check(vocab)
+            return walked(tree, *tree_rejection_accept(tree, warp(logits_N1V, self.sampling), self.generator))
+        return read_verdict(tree, packed.tolist(), packed, vocab)  # the step's one read-back
 
     @torch.no_grad()
     def speculative(self, drafter, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
@@ -175,7 +221,7 @@ class Decoder:
         start = time.perf_counter()
         cache = self.layout.new_cache()
         drafter.reset(seed=int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device)))
-        logits, hidden = self._forward({"input_ids": prompt_ids.to(device)}, cache, layers)
+        logits, hidden = self._forward({"input_ids": prompt_ids.to(device), **self.prefill_kw}, cache, layers)
         drafter.observe(hidden)
         nxt = self._next_token(logits[-1])
         tokens = torch.cat([prompt_ids.to(device), nxt.view(1, 1)], dim=1)
@@ -185,31 +231,33 @@ class Decoder:
         while len(committed) < max_new_tokens and committed[-1] != self.eos_token_id:
             t0 = time.perf_counter()
             tree = drafter.propose(tokens, min(num_draft, max_new_tokens - len(committed)), self.sampling)
-            tree.check(vocab)
+            tree.check_shape(vocab)
             _sync(device)
             t1 = time.perf_counter()
             past = tokens.shape[1] - 1
-            inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype, self.layout)
+            inputs = verify_inputs(tree, tokens[0, -1], past, self.mask_dtype, self.layout, vocab)
             logits, hidden = self._forward(inputs, cache, layers)
-            path, new = self._accept(tree, logits)
-            compact_cache(cache, tree.size, path)
+            v = self.verdict(tree, logits)
+            path, new, path_index = v.path, v.committed, v.path_index
+            compact_cache(cache, tree.size, path, path_index)
             _sync(device)
             t2 = time.perf_counter()
             gen.draft_seconds += t1 - t0
             gen.verify_seconds += t2 - t1
-            gen.stats.update(tree.depth, len(path))
+            gen.stats.update(v.depth, len(path))
             gen.nodes_per_forward[tree.size] += 1
             if tree.size not in gen.shapes:
                 gen.shapes[tree.size] = tree.parents.cpu()
             gen.node_accepts[tree.size].update(path)
             gen.context_tokens += past + 1
             if hidden:  # the pending token's and the accepted nodes' hidden states, in path order
-                keep = torch.tensor([0] + [1 + i for i in path], device=device)
+                keep = torch.cat([path_index.new_zeros(1), 1 + path_index[: len(path)]])
                 hidden = {i: h.index_select(1, keep) for i, h in hidden.items()}
             drafter.observe(hidden)
-            tokens = torch.cat([tokens, new.view(1, -1)], dim=1)
-            committed.extend(new.tolist())
-        gen.new_tokens = self._finish(committed, max_new_tokens)
+            drafter.accepted(path)
+            tokens = torch.cat([tokens, v.committed_ids.view(1, -1)], dim=1)
+            committed.extend(new)
+        gen.new_tokens = self.finish(committed, max_new_tokens)
         _sync(device)
         gen.seconds = time.perf_counter() - start
         return gen

@@ -1,11 +1,17 @@
 """EAGLE-2 dynamic draft trees: grow the tree where the drafter is confident, then keep the best nodes.
 
 The hook a feature drafter (EAGLE, ``heads/eagle.py``) calls from ``propose``. It only needs a function that scores
-the children of a set of frontier nodes:
+one level of nodes at a time:
 
-    score_children(frontier, tokens, parents) -> logprobs [len(frontier), V]
-        frontier: node indices to score (-1 = the pending token); tokens / parents: every node created so far
-        (node i is token ``tokens[i]`` under node ``parents[i]``), so the drafter can run the frontier nodes.
+    score(level, parent_slot_F, tokens_F) -> logits [F, V] (log-probabilities up to a per-row constant)
+        level 0: the pending token alone (F = 1; parent_slot_F and tokens_F are None);
+        level d >= 1: the F frontier nodes of depth d: node f is token ``tokens_F[f]`` under the node scored in slot
+        ``parent_slot_F[f]`` (-1: the pending token). Slots number the scored nodes in the order they were scored
+        (level 1's frontier takes slots 0 .. F - 1, level 2's the next F, ...), so the drafter can keep each scored
+        node's state in a tensor indexed by slot.
+
+Every level has a fixed size (top_k, then top_k * top_k candidates), so the whole expansion runs on the device
+without reading anything back: no per-step sync however deep the tree.
 
 Expansion (Li et al. 2024, EAGLE-2): a node's value is its cumulative draft log-probability (the product of the
 confidences along its path approximates its chance of acceptance). Depth 1 takes the root's ``top_k`` children;
@@ -17,14 +23,14 @@ Candidates are top-k picks, not draws: the tree carries no draft probabilities (
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from inference.tree import DraftTree
 
-ScoreFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], Tensor]
+LevelScore = Callable[[int, Optional[Tensor], Optional[Tensor]], Tensor]
 
 
 def check_dynamic_tree_args(top_k: int, depth: int, total_tokens: int) -> None:
@@ -33,29 +39,47 @@ def check_dynamic_tree_args(top_k: int, depth: int, total_tokens: int) -> None:
             raise ValueError(f"drafter.{key} must be >= 1, got {value}")
 
 
-def expand_dynamic_tree(score_children: ScoreFn, top_k: int, depth: int, total_tokens: int,
-                        device: torch.device | str = "cpu") -> DraftTree:
+def _best(values: Tensor, k: int) -> Tensor:
+    """Indices of the k largest values, ties to the earlier index (the order a stable sort gives)."""
+    return torch.sort(values, descending=True, stable=True).indices[:k]
+
+
+def _top(logits_FV: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(log-probabilities [F, k] in float64, tokens [F, k]) of each row's k best tokens: top-k of the raw logits,
+    then minus the row's logsumexp, so no [F, V] log-softmax is written."""
+    top = logits_FV.topk(min(k, logits_FV.shape[-1]), dim=-1)
+    norm = torch.logsumexp(logits_FV.float(), -1, keepdim=True)
+    return (top.values.float() - norm).double(), top.indices
+
+
+def expand_dynamic_tree(score: LevelScore, top_k: int, depth: int, total_tokens: int) -> DraftTree:
     check_dynamic_tree_args(top_k, depth, total_tokens)
-    tokens: list[int] = []
-    parents: list[int] = []
-    values: list[float] = []
-    frontier, frontier_values = [-1], [0.0]
-    for _ in range(depth):
-        logprobs_FV = score_children(frontier, tokens, parents).float()
-        top = logprobs_FV.topk(min(top_k, logprobs_FV.shape[-1]), dim=-1)
-        level_start = len(tokens)
-        for f, (node, base) in enumerate(zip(frontier, frontier_values)):
-            for lp, tok in zip(top.values[f].tolist(), top.indices[f].tolist()):
-                tokens.append(tok)
-                parents.append(node)
-                values.append(base + lp)
-        level = range(level_start, len(tokens))
-        frontier = sorted(level, key=lambda i: (-values[i], i))[:top_k]
-        frontier_values = [values[i] for i in frontier]
-    keep = sorted(range(len(tokens)), key=lambda i: (-values[i], i))[:total_tokens]
-    keep.sort()  # creation order is topological: a parent is created before its children
-    new_index = {old: new for new, old in enumerate(keep)}
-    return DraftTree(
-        torch.tensor([tokens[i] for i in keep], dtype=torch.long, device=device),
-        torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long, device=device),
-    )
+    values, tokens = _top(score(0, None, None), top_k)
+    values, tokens = values[0], tokens[0]  # level 1: the root's children
+    dev = tokens.device
+    parents = torch.full_like(tokens, -1)  # node index of each node's parent (-1: the pending token)
+    level = (values, tokens, torch.full_like(tokens, -1), 0)  # values, tokens, parents' slots, first node index
+    all_values, all_tokens, all_parents, slots = [values], [tokens], [parents], 0
+    for d in range(1, depth):
+        lv, lt, lslot, start = level
+        front = _best(lv, top_k)  # the level's most valuable nodes (ties: created first)
+        F = front.shape[0]
+        child_v, child_t = _top(score(d, lslot[front], lt[front]), top_k)
+        k = child_t.shape[1]
+        child_v = (lv[front][:, None] + child_v).reshape(-1)
+        child_t = child_t.reshape(-1)
+        child_parent = (start + front)[:, None].expand(F, k).reshape(-1)
+        child_slot = (slots + torch.arange(F, device=dev))[:, None].expand(F, k).reshape(-1)
+        slots += F
+        level = (child_v, child_t, child_slot, start + lv.shape[0])
+        all_values.append(child_v)
+        all_tokens.append(child_t)
+        all_parents.append(child_parent)
+    values, tokens, parents = torch.cat(all_values), torch.cat(all_tokens), torch.cat(all_parents)
+    # Creation order is topological (a parent is created before its children); keep it among the kept nodes.
+    keep = _best(values, total_tokens).sort().values
+    new_index = torch.full_like(parents, -1)
+    new_index[keep] = torch.arange(keep.shape[0], device=dev)
+    kept_parents = parents[keep]
+    kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1)
+    return DraftTree(tokens[keep], kept_parents, chain_hint=top_k == 1, depth_bound=depth)

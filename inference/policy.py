@@ -22,7 +22,7 @@ last two are extrapolated.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -167,12 +167,6 @@ def calibrate(decoder: BatchedDecoder, drafter, prompts: Sequence, max_gamma: in
         raise ValueError(f"eval.num_draft must be >= 1 to calibrate a speculation policy, got {max_gamma}")
     verify, draft, stats = measure_steps(decoder, drafter, prompts, batch_sizes, max_gamma, tokens, repeats)
     return CostTable(verify, draft, tau_by_gamma(stats, max_gamma))
-
-
-def table_from_dict(data: Mapping) -> CostTable:
-    """Inverse of ``CostTable.to_dict``."""
-    return CostTable({int(b): {int(n): s for n, s in row.items()} for b, row in data["t_verify_s"].items()},
-                     {int(g): s for g, s in data["t_draft_s"].items()}, {int(g): t for g, t in data["tau"].items()})
 
 
 def check_batch_sizes(sizes) -> list[int]:

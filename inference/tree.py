@@ -38,12 +38,16 @@ class DraftTree:
     # index order). None: the candidates were chosen deterministically (argmax, top-k, n-gram lookup); sampling
     # acceptance then treats each as a point mass, which keeps it lossless.
     probs_NV: Tensor | None = None
+    # What the drafter knows about the shape on the host, so the decoder never reads ``parents`` back from the
+    # device: whether it is a chain (None: find out, one transfer) and a bound on its depth (None: the size).
+    chain_hint: bool | None = None
+    depth_bound: int | None = None
 
     @classmethod
     def chain(cls, tokens: Tensor, probs_NV: Tensor | None = None) -> "DraftTree":
         tokens = tokens.reshape(-1).long()
         parents = torch.arange(-1, tokens.shape[0] - 1, device=tokens.device)
-        return cls(tokens, parents, probs_NV)
+        return cls(tokens, parents, probs_NV, chain_hint=True, depth_bound=tokens.shape[0])
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> "DraftTree":
@@ -56,7 +60,17 @@ class DraftTree:
     # Shape facts are read several times per decode step; tokens and parents never change after proposal.
     @cached_property
     def is_chain(self) -> bool:
+        if self.chain_hint is not None:
+            return self.chain_hint
         return self.parents.tolist() == list(range(-1, self.size - 1))
+
+    @cached_property
+    def geometry(self) -> tuple[Tensor, Tensor]:
+        """(depth_N, ancestors_NN) on the tree's device, without reading anything back (``tree_geometry``)."""
+        if self.is_chain:
+            n, dev = self.size, self.parents.device
+            return torch.arange(1, n + 1, device=dev), torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        return tree_geometry(self.parents, self.depth_bound or self.size)
 
     @cached_property
     def _depths(self) -> list[int]:
@@ -79,22 +93,58 @@ class DraftTree:
             kids[p + 1].append(i)
         return kids
 
-    def check(self, vocab_size: int) -> None:
-        """Reject malformed proposals before they reach the target (a wrong vocab would index out of range)."""
+    def check_shape(self, vocab_size: int) -> None:
+        """What can be checked without reading the proposal back (its values are checked with the step's verdict,
+        ``inference.acceptance.settle``)."""
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
             raise ValueError(f"draft tree tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be equal 1-D shapes")
-        if self.size and not bool(((self.parents >= -1) & (self.parents < torch.arange(self.size, device=self.parents.device))).all()):
-            raise ValueError(f"draft tree parents must precede their children (topological order), got {self.parents.tolist()}")
-        if self.size and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
-            raise ValueError(
-                f"drafter proposed token id {int(self.tokens.max())} outside the target's vocabulary of {vocab_size}; "
-                f"the drafter was built for a different tokenizer — use one trained for this target"
-            )
         if self.probs_NV is not None and tuple(self.probs_NV.shape) != (self.size, vocab_size):
             raise ValueError(
                 f"draft probabilities have shape {tuple(self.probs_NV.shape)}, expected ({self.size}, {vocab_size}): "
                 f"the drafter's vocabulary differs from the target's"
             )
+
+    def bad_parents(self) -> Tensor:
+        """[] bool on the device: some parent does not precede its child (not in topological order)."""
+        idx = torch.arange(self.size, device=self.parents.device)
+        return ~((self.parents >= -1) & (self.parents < idx)).all()
+
+    def check(self, vocab_size: int) -> None:
+        """Reject malformed proposals before they reach the target (a wrong vocab would index out of range)."""
+        self.check_shape(vocab_size)
+        if self.size and bool(self.bad_parents()):
+            raise_bad_parents(self.parents)
+        if self.size and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
+            raise_bad_tokens(self.tokens, vocab_size)
+
+
+def raise_bad_parents(parents: Tensor):
+    raise ValueError(f"draft tree parents must precede their children (topological order), got {parents.tolist()}")
+
+
+def raise_bad_tokens(tokens: Tensor, vocab_size: int):
+    raise ValueError(
+        f"drafter proposed token id {int(tokens.max())} outside the target's vocabulary of {vocab_size}; "
+        f"the drafter was built for a different tokenizer — use one trained for this target"
+    )
+
+
+def tree_geometry(parents_N: Tensor, depth_bound: int) -> tuple[Tensor, Tensor]:
+    """(depth_N, ancestors_NN) of a tree, on the parents' device with no transfer: depth of node i (a root child
+    has depth 1) and ``ancestors[i, j]``: j is i or an ancestor of i. Round r adds the ancestors r levels up, so
+    ``depth_bound - 1`` rounds of one gather each reach the root of any tree at most that deep. Parents that do not
+    precede their child are clamped (``DraftTree.bad_parents`` reports them)."""
+    n, dev = parents_N.shape[0], parents_N.device
+    idx = torch.arange(n, device=dev)
+    parents_N = torch.minimum(parents_N.clamp(min=-1), idx - 1)
+    has_parent = parents_N >= 0
+    up = parents_N.clamp(min=0)
+    eye = torch.eye(n, dtype=torch.bool, device=dev)
+    ancestors, depth = eye, torch.ones(n, dtype=torch.long, device=dev)
+    for _ in range(max(0, depth_bound - 1)):
+        ancestors = eye | (ancestors[up] & has_parent[:, None])
+        depth = 1 + torch.where(has_parent, depth[up], 0)
+    return depth, ancestors
 
 
 def ancestor_mask(parents: Tensor) -> Tensor:
@@ -102,45 +152,41 @@ def ancestor_mask(parents: Tensor) -> Tensor:
     n = parents.shape[0] + 1
     allowed = torch.eye(n, dtype=torch.bool, device=parents.device)
     allowed[:, 0] = True
-    for i, p in enumerate(parents.tolist()):  # topological order: the parent's row is already complete
-        if p >= 0:
-            allowed[i + 1] |= allowed[p + 1]
+    allowed[1:, 1:] = tree_geometry(parents, n - 1)[1]
     return allowed
 
 
 def verify_inputs(tree: DraftTree, pending: Tensor, past_len: int, dtype: torch.dtype,
-                  layout: AttentionLayout | None = None) -> dict[str, Tensor]:
+                  layout: AttentionLayout | None = None, vocab_size: int | None = None) -> dict[str, Tensor]:
     """Keyword arguments for ``model(**inputs, past_key_values=cache)`` that verify ``tree`` in one forward.
     ``layout``: the target's attention layer types (``inference.masks``); a tree's mask is built per type, so
-    sliding-window layers keep to their window."""
+    sliding-window layers keep to their window. Built on the device from the tree's ``geometry``: nothing is read
+    back. ``vocab_size``: clamp the drafts into the vocabulary (an out-of-range draft is reported with the step's
+    verdict instead of failing inside the embedding)."""
     device = tree.tokens.device
-    input_ids = torch.cat([pending.reshape(1).to(device), tree.tokens]).view(1, -1)
-    depth = torch.tensor([0, *tree.depths()], device=device)
+    drafts = tree.tokens if vocab_size is None else tree.tokens.clamp(0, vocab_size - 1)
+    input_ids = torch.cat([pending.reshape(1).to(device), drafts]).view(1, -1)
+    depth_N, ancestors_NN = tree.geometry
+    depth = torch.cat([depth_N.new_zeros(1), depth_N])
     inputs = {"input_ids": input_ids, "position_ids": (past_len + depth).view(1, -1)}
     if not tree.is_chain:  # a chain is plain causal attention: let the model use its own fast path
-        allowed = torch.ones(1, 1 + tree.size, past_len + 1 + tree.size, dtype=torch.bool, device=device)
-        allowed[0, :, past_len:] = ancestor_mask(tree.parents)
+        n = 1 + tree.size
+        allowed = torch.ones(1, n, past_len + n, dtype=torch.bool, device=device)
+        block = allowed[0, :, past_len:]
+        block[0, 1:].fill_(False)  # the pending token sees only itself in the block; every node sees it
+        block[1:, 1:] = ancestors_NN
         layout = layout or AttentionLayout((FULL,), None)
         k_pos = torch.cat([torch.arange(past_len, device=device), past_len + depth])[None]
         inputs["attention_mask"] = layout.additive(allowed, inputs["position_ids"], k_pos, dtype)
     return inputs
 
 
-def path_to(tree: DraftTree, node: int) -> list[int]:
-    """Node indices from the root's child down to ``node`` (empty for the pending token, node -1)."""
-    path = []
-    parents = tree.parents.tolist()
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
-def compact_cache(cache, num_nodes: int, path: Sequence[int]) -> None:
+def compact_cache(cache, num_nodes: int, path: Sequence[int], path_index: Tensor | None = None) -> None:
     """Drop the verified nodes' KV entries except the accepted ``path``, which moves up behind the pending token.
 
     The last ``num_nodes`` entries of every layer belong to the tree's nodes. A prefix path (a chain's accepted
     drafts) is a plain crop, which every cache class supports; anything else is a gather along the sequence axis.
+    ``path_index``: the same path as a long tensor on the cache's device (saves building it from the list).
     """
     path = list(path)
     rejected = num_nodes - len(path)
@@ -157,7 +203,9 @@ def compact_cache(cache, num_nodes: int, path: Sequence[int]) -> None:
             )
         keys, values = layer.keys, layer.values
         start = keys.shape[-2] - num_nodes
-        keep = torch.cat([torch.arange(start, device=keys.device), start + torch.tensor(path, device=keys.device, dtype=torch.long)])
+        if path_index is None:
+            path_index = torch.tensor(path, device=keys.device, dtype=torch.long)
+        keep = torch.cat([torch.arange(start, device=keys.device), start + path_index[: len(path)]])
         layer.keys = keys.index_select(-2, keep)
         layer.values = values.index_select(-2, keep)
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they have seen

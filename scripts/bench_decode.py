@@ -170,6 +170,7 @@ def main(argv=None) -> None:
     if args.sample:
         sampled = evaluate(teacher, drafters, prompts, cfg.eval, dcfg.__class__(**{**vars(dcfg), "temperature": 1.0}), categories)
         out["runs"]["temperature_1"] = {"summary": summarize(sampled), "report": sampled}
+    out["transfers_per_step"] = transfers_per_step(teacher, drafters, prompts[0], cfg.eval, dcfg)
     out["machine"] = report["machine"]
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,6 +183,22 @@ def main(argv=None) -> None:
             print(f"  {name:<36}" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in row.items() if k != "alpha_per_position"))
     print(f"wrote {path}")
+
+
+def transfers_per_step(teacher, drafters: dict, prompt, eval_cfg, dcfg) -> dict:
+    """Host<->device transfers and syncs per verification forward (``inference.transfers``), prefill included, on
+    one prompt: the budget the decode loop keeps (issue 18: <= 4), which on a GPU is the pipeline stalls per step."""
+    from eval.run import build_decoder
+    from inference.transfers import TransferCounter
+
+    decoder = build_decoder(teacher, dcfg)
+    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    out = {}
+    for name, drafter in drafters.items():
+        with TransferCounter() as counter:
+            gen = decoder.speculative(drafter, ids, eval_cfg.max_new_tokens, eval_cfg.num_draft)
+        out[name] = counter.total / max(1, sum(gen.nodes_per_forward.values()))
+    return out
 
 
 if __name__ == "__main__":

@@ -26,3 +26,5 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
         assert row["identical_to_greedy"] and row["tau"] >= 1 and row["overhead_ratio"] > 0
     assert data["machine"]["torch"] and data["target_params"] > data["draft_params"] > 0
     assert "greedy_auto_tune" in data["runs"]
+    assert set(data["transfers_per_step"]) == {"medusa-chain", "medusa-tree[default]", "draft_model", "lookup"}
+    assert all(0 < n <= 4 for n in data["transfers_per_step"].values()), data["transfers_per_step"]

@@ -43,7 +43,7 @@ def test_greedy_accept_rule():
 def test_plain_greedy_matches_hf_generate(tiny_teacher):
     dec = Decoder(tiny_teacher)
     prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    ours = dec.greedy(prompt, 20).new_tokens
+    ours = dec.plain(prompt, 20).new_tokens
     hf = tiny_teacher.model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
     assert ours == hf[0, 12:].tolist()
 
@@ -62,7 +62,7 @@ def test_speculative_is_token_identical_to_greedy(tiny_teacher, kind):
         prompt = torch.randint(0, 128, (1, length), generator=gen)
         if kind == "lookup":  # repeat a chunk so n-gram lookup has something to find
             prompt = torch.cat([prompt, prompt[:, : length // 2]], dim=1)
-        ref = dec.greedy(prompt, 24)
+        ref = dec.plain(prompt, 24)
         spec = dec.speculative(drafter, prompt, 24, num_draft=3)
         assert spec.new_tokens == ref.new_tokens, f"prompt {i} diverged"
         hist = spec.stats.accepted_length_histogram()
@@ -77,15 +77,15 @@ def test_drafter_equal_to_target_is_fully_accepted(tiny_teacher):
     gen = dec.speculative(OracleDrafter(tiny_teacher), prompt, 1 + 5 * 6, num_draft=4)  # 6 full steps
     assert gen.stats.tau == 5.0  # γ + 1
     assert gen.stats.alpha == 1.0
-    assert gen.new_tokens == dec.greedy(prompt, 31).new_tokens
+    assert gen.new_tokens == dec.plain(prompt, 31).new_tokens
 
 
 def test_eos_stops_both_decoders_identically(tiny_teacher):
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
-    ref_free = Decoder(tiny_teacher).greedy(prompt, 20).new_tokens
+    ref_free = Decoder(tiny_teacher).plain(prompt, 20).new_tokens
     eos = ref_free[5]
     dec = Decoder(tiny_teacher, eos_token_id=eos)
-    ref = dec.greedy(prompt, 20).new_tokens
+    ref = dec.plain(prompt, 20).new_tokens
     assert ref[-1] == eos and len(ref) <= 6
     assert dec.speculative(noisy_medusa(tiny_teacher), prompt, 20, 3).new_tokens == ref
 
@@ -93,6 +93,6 @@ def test_eos_stops_both_decoders_identically(tiny_teacher):
 def test_bad_prompts(tiny_teacher):
     dec = Decoder(tiny_teacher)
     with pytest.raises(ValueError, match="empty prompt"):
-        dec.greedy(torch.zeros(1, 0, dtype=torch.long), 5)
+        dec.plain(torch.zeros(1, 0, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         dec.speculative(noisy_medusa(tiny_teacher), torch.zeros(1, 250, dtype=torch.long), 10, 3)

@@ -55,13 +55,13 @@ def test_training_time_test_equals_decoding(tiny_teacher, variant, kw):
         with torch.no_grad():
             root = drafter._advance(ids[0, : t + 2])
             torch.testing.assert_close(drafter._logits(root[None])[0], out.terms[0].student_NV[t], atol=1e-5, rtol=1e-5)
-            nodes, toks, parents = _NodeStore(), [], []
-            for j in (1, 2):  # the real continuation as a chain of draft nodes
-                toks.append(int(drafter.t2d[ids[0, t + 1 + j]]) if variant == "eagle3" else int(ids[0, t + 1 + j]))
-                parents.append(len(toks) - 2)
-                if toks[-1] < 0:
+            nodes = _NodeStore(root)
+            for j in (1, 2):  # the real continuation as a chain of draft nodes (slot j - 1, under slot j - 2)
+                tok = int(drafter.t2d[ids[0, t + 1 + j]]) if variant == "eagle3" else int(ids[0, t + 1 + j])
+                if tok < 0:
                     break  # the real token is outside the draft vocabulary: no node can carry it
-                got = drafter._score_nodes([len(toks) - 1], toks, parents, root, nodes, t + 1)[0]
+                got = drafter._score_nodes(j, torch.tensor([j - 2]), torch.tensor([tok]), nodes, t + 1)[0]
+                got = got.float().log_softmax(-1)
                 torch.testing.assert_close(got, out.terms[j].student_NV[t].log_softmax(-1), atol=1e-5, rtol=1e-5)
 
 

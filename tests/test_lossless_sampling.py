@@ -15,7 +15,8 @@ import itertools
 import pytest
 import torch
 
-from inference.acceptance import chain_rejection_accept, tree_rejection_accept, typical_accept
+from inference.acceptance import (chain_rejection_accept, rejection_verdict, settle, tree_rejection_accept,
+                                  typical_accept)
 from inference.sampling import SamplingConfig, sample, warp
 from inference.tree import DraftTree
 
@@ -72,6 +73,12 @@ def propose(kind, Q, prev, g):
             probs.append(q)
         return list(range(start, len(tokens)))
 
+    if kind == "tree-dup":  # a sibling repeating an earlier one's token: the walk never accepts it
+        top = Q[prev].topk(2).indices.tolist()
+        tokens, parents = [top[0], top[0], top[1]], [-1, -1, -1]
+        tokens += Q[top[0]].topk(2).indices.tolist()
+        parents += [0, 0]
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents))
     roots = add_children(-1, prev, 2)
     level2 = [c for r in roots for c in add_children(r, tokens[r], 2)]
     add_children(level2[0], tokens[level2[0]], 2)
@@ -93,6 +100,10 @@ def run(rule, kind, P, Q, seed=0, start=0):
                 _, new = typical_accept(tree, p_rows, generator=g)
             elif rule == "chain":
                 _, new = chain_rejection_accept(tree.tokens, tree.probs_NV, p_rows, g)
+            elif rule == "device":  # the decoder's: every node decided at once, read back once
+                packed = settle(tree, *rejection_verdict(tree, p_rows, g), V)
+                count = int(packed[0])
+                new = packed[3 + tree.size: 4 + tree.size + count]
             else:
                 _, new = tree_rejection_accept(tree, p_rows, g)
             out.extend(new.tolist())
@@ -121,10 +132,33 @@ def setup():
     ("chain", "chain-argmax"),  # deterministic drafts (Medusa top-1, n-gram): point-mass q
     ("tree", "tree-sampled"),  # recursive rejection, siblings drawn without replacement
     ("tree", "tree-topk"),  # recursive rejection over top-k candidates (Medusa / EAGLE-2 trees)
+    pytest.param("tree", "tree-dup", marks=pytest.mark.slow),  # a repeated sibling token
+    # rejection_verdict: the same rules decided for the whole tree at once (the decoder's; test_decoder_output_distribution
+    # runs it through the decoder in the fast suite). Slow: one small device step per draw, 20k draws.
+    pytest.param("device", "chain-sampled", marks=pytest.mark.slow),
+    pytest.param("device", "tree-topk", marks=pytest.mark.slow),
+    pytest.param("device", "tree-dup", marks=pytest.mark.slow),
 ])
 def test_rejection_sampling_is_lossless(setup, rule, kind):
     P, Q, exact = setup
     assert tv(run(rule, kind, P, Q), exact) < TOL
+
+
+def test_device_verdict_never_accepts_a_repeated_sibling():
+    """p = {1: .5, 2: .5}, root children [1, 1, 2]: the first is accepted half the time; after its rejection the
+    residual holds only token 2, so the repeat (probability 0) is skipped and the third child always accepted. A rule
+    that renormalised the repeat's own probability would accept it (.5 / (1 - .5) = 1)."""
+    tree = DraftTree(torch.tensor([1, 1, 2]), torch.tensor([-1, -1, -1]))
+    p = torch.zeros(4, V)
+    p[0, 1] = p[0, 2] = 0.5
+    p[1:, 0] = 1.0
+    g = torch.Generator().manual_seed(0)
+    firsts = []
+    for _ in range(200):
+        packed = settle(tree, *rejection_verdict(tree, p, g), V)
+        assert int(packed[0]) == 1  # one node accepted, then the bonus
+        firsts.append(int(packed[3]))
+    assert set(firsts) == {0, 2} and 70 < firsts.count(0) < 130
 
 
 @pytest.mark.parametrize("kind", ["tree-topk", "chain-argmax"])

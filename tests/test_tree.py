@@ -10,7 +10,7 @@ from distill.teacher import Teacher
 from heads.base import Drafter, build_drafter
 from inference.decoder import Decoder
 from inference.dynamic_tree import expand_dynamic_tree
-from inference.tree import DraftTree, ancestor_mask, compact_cache, parse_tree, path_to, verify_inputs
+from inference.tree import DraftTree, ancestor_mask, compact_cache, parse_tree, tree_geometry, verify_inputs
 from tests.test_decoder import noisy_medusa
 
 ARCHS = {
@@ -34,12 +34,28 @@ def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):
 TREE = DraftTree(torch.tensor([5, 9, 6, 7, 11, 3, 8]), torch.tensor([-1, -1, 0, 0, 1, 2, 5]))
 
 
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    """Node indices from the root's child down to ``node`` (empty for the pending token, node -1)."""
+    path, parents = [], tree.parents.tolist()
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 def test_ancestor_mask_and_paths():
     allowed = ancestor_mask(TREE.parents)
     assert allowed[0].tolist() == [True] + [False] * 7  # the pending token sees only itself in the block
     assert allowed[1 + 6].nonzero().flatten().tolist() == [0, 1, 3, 6, 7]  # pending, nodes 0, 2, 5, 6
     assert path_to(TREE, 6) == [0, 2, 5, 6] and path_to(TREE, -1) == []
     assert TREE.depths() == [1, 1, 2, 2, 2, 3, 4] and not TREE.is_chain
+    depth, ancestors = TREE.geometry
+    assert depth.tolist() == TREE.depths()
+    assert ancestors[6].nonzero().flatten().tolist() == path_to(TREE, 6) == [0, 2, 5, 6]
+    # Too small a depth bound leaves deep ancestors out: the bound is what makes the rounds enough.
+    assert tree_geometry(TREE.parents, 3)[1][6].nonzero().flatten().tolist() == [2, 5, 6]
+    chain = DraftTree.chain(torch.tensor([4, 5, 6]))
+    assert chain.geometry[1].tolist() == tree_geometry(chain.parents, 3)[1].tolist()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -128,20 +144,16 @@ class DynamicTreeDrafter(Drafter):
         self.lm, self.args = model, (top_k, depth, total_tokens)
 
     def propose(self, tokens, max_depth, sampling=None):
-        paths: dict[int, list[int]] = {-1: []}
-        created: list[tuple[int, int]] = []  # (parent, token) per node, in creation order
+        paths: list[list[int]] = []  # the tokens from the root down to each scored node, by slot
 
-        def score(frontier, *_):
-            for node in frontier:
-                if node not in paths:
-                    parent, tok = created[node]
-                    paths[node] = paths[parent] + [tok]
-            batch = torch.stack([torch.cat([tokens[0], torch.tensor(paths[f], dtype=torch.long)]) for f in frontier])
-            logprobs = self.lm(batch).logits[:, -1].log_softmax(-1)
-            top = logprobs.topk(self.args[0], dim=-1).indices
-            for f, row in zip(frontier, top.tolist()):  # mirror expand_dynamic_tree's creation order
-                created.extend((f, t) for t in row)
-            return logprobs
+        def score(level, parent_slot, toks):
+            if level == 0:
+                frontier = [[]]
+            else:
+                frontier = [(paths[s] if s >= 0 else []) + [t] for s, t in zip(parent_slot.tolist(), toks.tolist())]
+                paths.extend(frontier)
+            batch = torch.stack([torch.cat([tokens[0], torch.tensor(f, dtype=torch.long)]) for f in frontier])
+            return self.lm(batch).logits[:, -1].log_softmax(-1)
 
         top_k, depth, total = self.args
         return expand_dynamic_tree(score, top_k, min(depth, max_depth), total)
@@ -152,16 +164,47 @@ def test_dynamic_tree_shape():
     logits = torch.randn(64, 16)
     calls = []
 
-    def score(frontier, *_):
-        calls.append(len(frontier))
-        return logits[: len(frontier)].log_softmax(-1)
+    def score(level, parent_slot, toks):
+        calls.append((level, None if parent_slot is None else parent_slot.tolist()))
+        return logits[: 1 if level == 0 else len(toks)].log_softmax(-1)
 
     tree = expand_dynamic_tree(score, top_k=3, depth=4, total_tokens=10)
-    assert calls == [1, 3, 3, 3]  # the root, then the top_k nodes of each depth
+    # The root, then the top_k nodes of each depth; slots number scored nodes, so level 3's parents are slots 0-2.
+    assert [c[0] for c in calls] == [0, 1, 2, 3] and calls[1][1] == [-1, -1, -1]
+    assert all(0 <= s < 3 for s in calls[2][1]) and all(3 <= s < 6 for s in calls[3][1])
     assert tree.size == 10 and tree.depth <= 4
     assert all(p < i for i, p in enumerate(tree.parents.tolist()))  # topological, closed under ancestors
     with pytest.raises(ValueError, match="top_k"):
         expand_dynamic_tree(score, top_k=0, depth=2, total_tokens=4)
+
+
+def test_dynamic_tree_keeps_the_most_valuable_nodes():
+    """Against a walk over every candidate on the host: the kept nodes are the total_tokens best paths."""
+    torch.manual_seed(1)
+    table = torch.randn(5, 6).log_softmax(-1)  # a node's children scores depend on its depth only
+    tree = expand_dynamic_tree(lambda level, s, t: table[level].expand(1 if level == 0 else len(t), 6),
+                               top_k=2, depth=3, total_tokens=5)
+    best = table.topk(2, -1)
+    values = {(): 0.0}
+    for d in range(3):  # every node of the full top-2 tree and its value (the expansion scores only the best 2)
+        for path in [p for p in values if len(p) == d]:
+            for r in range(2):
+                values[path + (r,)] = values[path] + float(best.values[d, r])
+    kept_values = sorted((v for p, v in values.items() if p), reverse=True)[:5]
+    got = [sum(float(table[d, t]) for d, t in enumerate(tokens)) for tokens in _paths_tokens(tree)]
+    assert sorted(got, reverse=True) == pytest.approx(kept_values, abs=1e-5)
+
+
+def _paths_tokens(tree):
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for i in range(tree.size):
+        path, node = [], i
+        while node >= 0:
+            path.append(toks[node])
+            node = parents[node]
+        out.append(path[::-1])
+    return out
 
 
 def test_dynamic_tree_drafter_is_greedy_identical(tiny_teacher):

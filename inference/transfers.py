@@ -1,0 +1,93 @@
+"""Counting host<->device transfers and syncs, so a decode step's budget of them cannot silently regress.
+
+On a GPU every value the host reads back (``int(t)``, ``t.item()``, ``t.tolist()``, ``if t.any():``), every tensor
+built from Python data (``torch.tensor([...])``: a host-to-device copy) and every op whose output shape depends on
+the data (``nonzero``) stalls the pipeline until the device catches up. On a CPU they cost little, which is how they
+creep in; this counter sees them on any device, so a CPU test can hold the GPU budget.
+
+``TransferCounter`` is a ``TorchDispatchMode`` (it sees every aten op under it) that counts:
+- ``item``: ``aten._local_scalar_dense`` (``int()``, ``float()``, ``bool()``, ``.item()`` of a tensor);
+- ``tolist``: ``Tensor.tolist()`` (which reads a CPU tensor's memory directly, below the dispatcher, so it is counted
+  by wrapping the method while the counter is active);
+- ``from_python``: ``aten.lift_fresh`` (a tensor built from Python data: ``torch.tensor``, ``as_tensor`` of a list,
+  indexing with a Python list);
+- ``sync_shape``: ops whose output size depends on the data (``nonzero``, ``masked_select``, ``unique``...);
+- ``copy``: a copy between two devices (``.to``, ``.cpu()``, ``copy_``) — none on a CPU-only run.
+
+Usage::
+
+    with TransferCounter() as counter:
+        decoder.speculative(...)
+    counter.total, counter.counts
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+_ITEM = {aten._local_scalar_dense.default}
+_FROM_PYTHON = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+_SYNC_SHAPE = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+               aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.equal.default}
+_COPIES = {aten._to_copy.default, aten.copy_.default}
+
+
+def _devices(args, kwargs) -> set[torch.device]:
+    found = set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.add(a.device)
+        elif isinstance(a, torch.device):
+            found.add(a)
+        elif isinstance(a, str) and a in ("cpu", "cuda", "mps") or isinstance(a, str) and a.startswith("cuda:"):
+            found.add(torch.device(a))
+    return found
+
+
+class TransferCounter(TorchDispatchMode):
+    """Counts host<->device transfers and syncs (see the module docstring) by kind, in ``counts``."""
+
+    KINDS = ("item", "tolist", "from_python", "sync_shape", "copy")
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+        self._tolist = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self):
+        original = self._tolist = torch.Tensor.tolist
+        counter = self
+
+        def tolist(tensor, *args, **kwargs):
+            counter.counts["tolist"] += 1
+            return original(tensor, *args, **kwargs)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ITEM:
+            self.counts["item"] += 1
+        elif func in _FROM_PYTHON:
+            self.counts["from_python"] += 1
+        elif func in _SYNC_SHAPE:
+            self.counts["sync_shape"] += 1
+        elif func in _COPIES:
+            devices = _devices(args, kwargs)
+            if len(devices) > 1 and any(d.type == "cpu" for d in devices):
+                self.counts["copy"] += 1
+        return func(*args, **kwargs)
