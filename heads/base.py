@@ -192,7 +192,10 @@ class Drafter(nn.Module):
         """[B, num_new] tokens drawn from the drafter's own distribution after each prompt row (no gradient)."""
         raise NotImplementedError(f"drafter {self.name!r} cannot sample continuations")
 
-    # --- decoding ------------------------------------------------------------------------------------------
+    # --- decoding (``inference.proposer.Proposer``: all the decoders call) ---------------------------------------
+    dynamic_tree: bool = False  # EAGLE-2 dynamic trees (EAGLE overrides)
+    tree: DraftTree | None = None  # a static tree the cost model may prune (Medusa)
+
     def reset(self, seed: int = 0) -> None:
         """Forget the previous sequence. ``seed``: for drafters that sample their drafts; the decoder passes a fresh
         one per sequence from its own generator, so drafts are independent draws (the premise of rejection

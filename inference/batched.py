@@ -47,6 +47,7 @@ from transformers import DynamicCache
 from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, walked
 from inference.decoder import Generation, _check_prompt, _sync, finish, prefill_kwargs
 from inference.masks import AttentionLayout
+from inference.proposer import Proposer
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.stats import AcceptStats
 from inference.tree import DraftTree
@@ -168,7 +169,7 @@ class BatchedDecoder:
         return self._run(None, prompts, max_new_tokens, 0, None, sampling)
 
     @torch.no_grad()
-    def speculative(self, drafter, prompts: Sequence, max_new_tokens: int, num_draft: int, policy: Policy | None = None,
+    def speculative(self, drafter: Proposer, prompts: Sequence, max_new_tokens: int, num_draft: int, policy: Policy | None = None,
                     sampling=None) -> BatchGeneration:
         """Speculative decoding of every prompt; lossless per row. ``policy(live rows) -> γ`` picks each step's draft
         length (0: a plain step); None drafts ``num_draft`` every step. ``sampling``: one ``SamplingConfig`` for all

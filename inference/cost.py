@@ -26,8 +26,9 @@ import torch
 from transformers import DynamicCache
 
 from inference.decoder import Decoder, _sync
-from inference.tree import DraftTree, compact_cache, verify_inputs
+from inference.proposer import Proposer
 from inference.stats import AcceptStats, chain_tau
+from inference.tree import DraftTree, compact_cache, verify_inputs
 
 
 def _seconds(fn, device: torch.device) -> float:
@@ -52,7 +53,7 @@ def _fit_linear(medians: Mapping[int, float]) -> dict[int, float]:
 
 
 @torch.no_grad()
-def measure_parts(decoder: Decoder, drafter, prompt_ids: torch.Tensor, depths: Sequence[int],
+def measure_parts(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
                   shapes: Mapping[int, torch.Tensor], repeats: int = 15, catch_up: int = 1) -> dict:
     """t_prefill, t_plain, t_verify(n) for each tree shape (n -> parents), t_draft(d) for each depth: medians.
 
@@ -126,19 +127,19 @@ def choose(candidates: list[dict]) -> dict:
     return max(candidates, key=lambda c: (round(c["predicted_speedup"], 6), -c["size"]))
 
 
-def auto_tune(decoder: Decoder, drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int, max_depth: int,
+def auto_tune(decoder: Decoder, drafter: Proposer, prompts: Sequence[torch.Tensor], max_new_tokens: int, max_depth: int,
               repeats: int = 15) -> dict:
     """Decode ``prompts`` at the largest setting, predict every smaller one, apply the best to ``drafter``.
 
     Chains: γ = 1..max_depth. Static trees (a drafter with a ``tree``): the first n nodes, n = 1..size (paths are
     sorted breadth-first, so every prefix is a tree). Returns {"candidates": [...], "chosen": {...}}."""
-    if getattr(drafter, "dynamic_tree", False):
+    if drafter.dynamic_tree:
         raise ValueError(
             f"decoder.auto_tune models chains and static trees, not {drafter.name}'s EAGLE-2 dynamic tree (its shape "
             f"changes every step); tune it as a chain (decoder.tree=chain decoder.auto_tune=true) or size the tree by "
             f"hand (drafter top_k / total_tokens, eval.num_draft)")
     stats, forwards, accepts = AcceptStats(), Counter(), Counter()
-    static = getattr(drafter, "tree", None)
+    static = drafter.tree
     full = len(static.paths) if static is not None else None
     for p in prompts:
         gen = decoder.speculative(drafter, p, max_new_tokens, max_depth)

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, typical_accept, walked
 from inference.masks import AttentionLayout
+from inference.proposer import Proposer
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.stats import AcceptStats
 from inference.tree import DraftTree, compact_cache, verify_inputs
@@ -205,7 +206,7 @@ class Decoder:
         return read_verdict(tree, packed.tolist(), packed, vocab)  # the step's one read-back
 
     @torch.no_grad()
-    def speculative(self, drafter, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
+    def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
         """Speculative decoding; with ``acceptance="exact"`` the output is distributed exactly as ``plain``'s (and is
         token-identical to it when greedy). ``num_draft`` bounds the depth of each proposal."""
         if drafter.dims.vocab_size != self.teacher.vocab_size:

@@ -1,6 +1,6 @@
-"""Every trained drafter's loss normaliser: ``count_valid(batch)`` (summed over micro-batches and ranks before any
-forward) must equal the ``num_valid`` its forward reports, and each draft term's rows must be exactly the positions
-``train_mask(batch, k)`` selects, under padding and partial loss masks."""
+"""The drafter interface. Training: ``count_valid(batch)`` (summed over micro-batches and ranks before any forward)
+is what forward normalises by, and each draft term's rows are exactly the positions ``train_mask(batch, k)`` selects,
+under padding and partial loss masks. Decoding: every drafter kind is an ``inference.proposer.Proposer``."""
 
 from __future__ import annotations
 
@@ -63,3 +63,14 @@ def test_masking_everything_leaves_nothing_to_train(tiny_teacher, name):
     batch = ragged_batch()
     batch["loss_mask"][:] = False
     assert int(drafter.count_valid(batch)) == 0
+
+
+@pytest.mark.parametrize("name", [*sorted(DRAFTERS), "lookup"])
+def test_every_drafter_is_a_proposer(tiny_teacher, name):
+    """The decoders type against ``inference.proposer.Proposer`` only: every drafter kind must provide all of it."""
+    from inference.proposer import Proposer
+
+    cfg = {"_target_": "heads.lookup.PromptLookup"} if name == "lookup" else DRAFTERS[name]
+    drafter = build_drafter(cfg, tiny_teacher)
+    assert isinstance(drafter, Proposer)
+    assert isinstance(drafter.dynamic_tree, bool)

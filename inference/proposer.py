@@ -1,0 +1,40 @@
+"""What the decoders need from a drafter: the proposing interface, apart from training, saving and exporting.
+
+``heads.base.Drafter`` implements it for every drafter kind; ``inference`` only ever types against this protocol,
+so the decoder reads nothing drafter-specific (no EAGLE- or Medusa-only attribute) and sits below ``heads``.
+One decode step calls, in order: ``propose`` (a chain or tree continuing the committed tokens), then after the
+target's verification ``observe`` (its hidden states of the newly committed positions, the layers named by
+``teacher_layers``) and ``accepted`` (which proposed nodes were kept). ``reset`` starts a new sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from inference.sampling import SamplingConfig
+from inference.tree import DraftTree
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    name: str  # how reports label it
+    teacher_layers: tuple[int, ...]  # hidden-state indices ``observe`` receives
+    # Capabilities the cost model reads: an EAGLE-2 dynamic tree changes shape every step (not modelled); a static
+    # ``tree`` (Medusa's top-k paths) can be pruned to its first n nodes with ``set_tree``.
+    dynamic_tree: bool
+    tree: DraftTree | None
+
+    @property
+    def dims(self): ...  # the target sizes it was built for (``vocab_size`` must match the target's)
+
+    def reset(self, seed: int = 0) -> None: ...
+
+    def observe(self, hidden: dict[int, Tensor]) -> None: ...
+
+    def accepted(self, path: list[int]) -> None: ...
+
+    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig) -> DraftTree: ...
+
+    def set_tree(self, spec) -> None: ...
