@@ -231,16 +231,21 @@ def _f(x, spec: str = ".1f") -> str:
 
 
 def ab_pairs(base: Path, target: Path, kinds: list[str], seqs: list[int], args, out: Path) -> None:
-    """``--ab``: before (``base``) and after (this checkout) alternately, ``args.rounds`` pairs per kind and length.
+    """``--ab``: before (``base``) and after (this checkout) back to back, ``args.rounds`` pairs per kind and length,
+    which of the two runs first alternating from round to round (use an even number of rounds).
     The last after run is also this length's ``after`` row (its peak RSS does not depend on the load)."""
     for kind in kinds:
         for seq in seqs:
             pairs = []
-            for _ in range(args.rounds):
-                pair = {}
-                for label, code in (("before", base), ("after", ROOT)):
+            for round_ in range(args.rounds):
+                pair = {"first": "before" if round_ % 2 == 0 else "after"}
+                # The second run of a pair measured 3-6% slower with identical code (EAGLE-1, seq 1024, quiet
+                # machine): odd rounds run after first, so --rounds 2k cancels the order.
+                order = (("before", base), ("after", ROOT))
+                for label, code in (order if round_ % 2 == 0 else order[::-1]):
                     r = run_once(code, target, kind, seq, args.work, args.threads, args.max_gb, args.extra, args.steps)
-                    last_after = r if label == "after" else None
+                    if label == "after":
+                        last_after = r
                     pair[label] = {k: r.get(k) for k in ("peak_rss_gb", "tokens_per_s", "exit_status", "load_before",
                                                           "load_after", "wall_s", "log_tail") if k in r}
                 ok = all(pair[x].get("tokens_per_s") for x in ("before", "after"))
