@@ -104,9 +104,6 @@ class LabelRows:
     def raw(self, start: int = 0, end: int | None = None) -> Tensor:
         return self.labels_N[start:end]
 
-    def labels(self) -> Tensor:
-        return self.labels_N
-
 
 def cross_entropy_sum(logits_CV: Tensor, labels_C: Tensor, _mask=None) -> tuple[Tensor, None]:
     """float32 next-token cross-entropy summed over a chunk's rows (``LabelRows``' loss_fn)."""

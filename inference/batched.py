@@ -45,7 +45,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, walked
-from inference.decoder import Generation, _check_prompt, _sync, finish, prefill_kwargs
+from inference.decoder import Generation, _check_prompt, _sync, check_vocab, finish, prefill_kwargs
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
@@ -174,11 +174,7 @@ class BatchedDecoder:
         """Speculative decoding of every prompt; lossless per row. ``policy(live rows) -> γ`` picks each step's draft
         length (0: a plain step); None drafts ``num_draft`` every step. ``sampling``: one ``SamplingConfig`` for all
         rows, a list with one per prompt (mixed settings), or None for the decoder's."""
-        if drafter.dims.vocab_size != self.teacher.vocab_size:
-            raise ValueError(
-                f"drafter {drafter.name!r} has vocab_size={drafter.dims.vocab_size} but the target has "
-                f"{self.teacher.vocab_size}; a drafter must share the target's tokenizer"
-            )
+        check_vocab(drafter, self.teacher.vocab_size)
         if num_draft < 0:
             raise ValueError(f"num_draft must be >= 0, got {num_draft}")
         return self._run(drafter, prompts, max_new_tokens, num_draft, policy, sampling)

@@ -99,6 +99,15 @@ def finish(committed: list[int], max_new_tokens: int, eos_token_id: int | None) 
     return committed
 
 
+def check_vocab(drafter: Proposer, vocab_size: int) -> None:
+    """A drafter proposes ids of the target's vocabulary (both decoders check it before the first step)."""
+    if drafter.dims.vocab_size != vocab_size:
+        raise ValueError(
+            f"drafter {drafter.name!r} has vocab_size={drafter.dims.vocab_size} but the target has "
+            f"{vocab_size}; a drafter must share the target's tokenizer"
+        )
+
+
 def _check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_positions: int) -> None:
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"prompt_ids must have shape [1, n], got {tuple(prompt_ids.shape)}")
@@ -209,11 +218,7 @@ class Decoder:
     def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
         """Speculative decoding; with ``acceptance="exact"`` the output is distributed exactly as ``plain``'s (and is
         token-identical to it when greedy). ``num_draft`` bounds the depth of each proposal."""
-        if drafter.dims.vocab_size != self.teacher.vocab_size:
-            raise ValueError(
-                f"drafter {drafter.name!r} has vocab_size={drafter.dims.vocab_size} but the target has "
-                f"{self.teacher.vocab_size}; a drafter must share the target's tokenizer"
-            )
+        check_vocab(drafter, self.teacher.vocab_size)
         _check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
         layers = tuple(drafter.teacher_layers)
         device, vocab = self.device, self.teacher.vocab_size
