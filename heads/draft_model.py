@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from distill.chunked import TeacherRows, positions
-from distill.teacher import DTYPES, TeacherOutput
+from distill.teacher import DTYPES
+from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from heads.lora import check_lora_spec, check_targets_exist, lora_config

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distill.chunked import Finished, TeacherRows, positions
-from distill.teacher import TeacherOutput
+from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from inference.dynamic_tree import check_dynamic_tree_args, expand_dynamic_tree
 from inference.sampling import GREEDY, SamplingConfig

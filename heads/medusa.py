@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from distill.chunked import Finished, TeacherRows, chunked_divergence, positions
-from distill.teacher import TeacherOutput
+from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree, parse_tree

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from distill.chunked import Finished, chunked_cross_entropy
 from distill.prompts import heldout_prompts
-from distill.teacher import TeacherOutput
+from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, TargetDims
 from heads.lora import ADAPTER, check_lora_spec, inject_lora, remove_lora
 from heads.medusa import MedusaHeads

@@ -16,7 +16,7 @@ from torch import nn
 
 from distill import losses
 from distill.chunked import Finished, TeacherRows, chunked_cross_entropy, chunked_divergence, positions
-from distill.teacher import TeacherOutput, dense_logits
+from distill.teacher_output import TeacherOutput, dense_logits
 from heads.base import build_drafter
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -192,7 +192,7 @@ def test_every_drafter_kind_matches_the_materialised_loss(tiny_teacher, kind, lo
 def test_projected_teacher_equals_the_dense_logits(tiny_teacher, monkeypatch):
     """The projected form (final hidden state + read-out) answers rows, a vocabulary slice, normalisers and argmax as
     the dense logits do, projecting at most ``PROJECT_CHUNK_ELEMENTS // V`` rows at a time and never [B, T, V]."""
-    import distill.teacher as dt
+    import distill.teacher_output as dt
 
     monkeypatch.setattr(dt, "PROJECT_CHUNK_ELEMENTS", 5 * 128)  # 5 rows per projection
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))

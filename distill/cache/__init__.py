@@ -51,7 +51,7 @@ from torch.utils.data import Dataset
 from distill.atomic import write_file_atomically, write_text_atomically
 from distill.data import DataConfig, collate, source_fingerprint
 from distill.fingerprint import differences, file_digest, grouped, json_digest, vocab_digest
-from distill.teacher import FLOOR_MARGIN, TeacherOutput, dense_logits  # noqa: F401  (re-exported)
+from distill.teacher_output import TeacherOutput
 
 log = logging.getLogger(__name__)
 
