@@ -156,36 +156,59 @@ _CORES = {forward_kl: (_fkl_core, {}), reverse_kl: (_rkl_core, {}), total_variat
           jsd: (_jsd_core, {"beta": (0.5, _check_beta)}), topk_forward_kl: (_topk_core, {"k": (32, _check_k)})}
 
 
-_FUSED = {forward_kl: _fkl_fused}  # divergences whose gradient w.r.t. the logits is written by hand
+def _topk_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, k: int) -> tuple[Tensor, Tensor]:
+    """``_topk_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p_k) with p_k the
+    teacher renormalised on its top k (scattered; it sums to 1), by hand like ``_fkl_fused``: the teacher's rows are
+    reduced to k columns first and dropped, so two [C, V] float32 buffers remain. Both arguments are consumed."""
+    top = log_p_CV.topk(min(k, log_p_CV.shape[-1]), dim=-1)
+    del log_p_CV
+    log_pk = F.log_softmax(top.values, dim=-1)
+    p_k = log_pk.exp()
+    z = logits_CV.float()
+    if temperature != 1:
+        z.div_(temperature)
+    log_q = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+    loss = (p_k * (log_pk - log_q.gather(-1, top.indices))).sum() * temperature**2
+    return loss, log_q.exp_().scatter_add_(-1, top.indices, -p_k).mul_(temperature)
+
+
+_FUSED = {forward_kl: _fkl_fused, topk_forward_kl: _topk_fused}  # divergences whose logit gradient is written by hand
+
+
+def _menu_entry(loss_fn) -> tuple[Callable, float, dict] | None:
+    """(menu function, temperature, its other keyword arguments, checked) for a menu loss given as the function or a
+    ``functools.partial`` of it (what ``loss=`` instantiates); None for any other callable."""
+    func, kwargs = (loss_fn.func, dict(loss_fn.keywords)) if isinstance(loss_fn, functools.partial) else (loss_fn, {})
+    if isinstance(loss_fn, functools.partial) and loss_fn.args or func not in _CORES:
+        return None
+    temperature = kwargs.pop("temperature", 1.0)
+    if not temperature > 0:
+        raise ValueError(f"loss.temperature must be > 0, got {temperature}")
+    values = {}
+    for name, (default, check) in _CORES[func][1].items():
+        values[name] = kwargs.pop(name, default)
+        check(values[name])
+    return None if kwargs else (func, temperature, values)
 
 
 def fused_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], float] | None:
     """(fused(logits_CV, log_p_CV) -> (summed divergence, its gradient w.r.t. the logits), temperature) for a menu
-    loss with a hand-written gradient (forward KL, the default loss); None for the others, which autograd
-    differentiates. ``fused`` overwrites both its arguments."""
-    got = row_divergence(loss_fn)
-    func = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
-    if got is None or func not in _FUSED:
+    loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL); None for the others,
+    which autograd differentiates. ``fused`` overwrites both its arguments."""
+    entry = _menu_entry(loss_fn)
+    if entry is None or entry[0] not in _FUSED:
         return None
-    temperature = got[1]
-    return (lambda logits_CV, log_p_CV: _FUSED[func](logits_CV, log_p_CV, temperature)), temperature
+    func, temperature, values = entry
+    return (lambda logits_CV, log_p_CV: _FUSED[func](logits_CV, log_p_CV, temperature, **values)), temperature
 
 
 def row_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], Tensor], float] | None:
     """(core(log_q, log_p) -> summed divergence of those rows, temperature) for a menu loss given as the function or
     a ``functools.partial`` of it (what ``loss=`` instantiates); None for any other callable, which
     ``distill.chunked`` then calls on each chunk's logits instead."""
-    func, kwargs = (loss_fn.func, dict(loss_fn.keywords)) if isinstance(loss_fn, functools.partial) else (loss_fn, {})
-    if isinstance(loss_fn, functools.partial) and loss_fn.args or func not in _CORES:
+    entry = _menu_entry(loss_fn)
+    if entry is None:
         return None
-    core, extras = _CORES[func]
-    temperature = kwargs.pop("temperature", 1.0)
-    if not temperature > 0:
-        raise ValueError(f"loss.temperature must be > 0, got {temperature}")
-    values = {}
-    for name, (default, check) in extras.items():
-        values[name] = kwargs.pop(name, default)
-        check(values[name])
-    if kwargs:
-        return None
+    func, temperature, values = entry
+    core = _CORES[func][0]
     return (lambda log_q, log_p: core(log_q, log_p, temperature, **values)), temperature

@@ -20,7 +20,9 @@ target and data. Results merge into ``--out`` keyed by label / kind / seq, so ru
 projection (``project_8b``). ``--ab <checkout>`` measures
 tokens/s fairly on a shared machine: per kind and length, that checkout's run and this one's back to back (``--rounds``
 times, alternating), so both see the same load; each pair is kept under ``ab`` with its after/before ratio (pairs
-of later invocations against the same checkout are added).
+of later invocations against the same checkout are added). ``--cpu-steps S`` adds tokens per CPU second to each
+side of a pair: the CPU time of an S-step run minus a 1-step run's, i.e. S - 1 training steps with start-up, target
+load and data excluded; at 1 thread this barely moves with the machine's load, where wall tokens/s moves 2-3x.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads:
     wall = time.perf_counter() - start
     result = {"kind": kind, "seq": seq, "steps": steps, "overrides": overrides, "wall_s": wall, "load_before": load_before,
               "load_after": os.getloadavg()[0], "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9,
-              "exit_status": os.waitstatus_to_exitcode(status), "address_space_cap_gb": max_gb}
+              "exit_status": os.waitstatus_to_exitcode(status), "address_space_cap_gb": max_gb,
+              "cpu_s": usage.ru_utime + usage.ru_stime}
     metrics = run_dir / "metrics.jsonl"
     if result["exit_status"] == 0 and metrics.is_file():
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -247,12 +250,24 @@ def ab_pairs(base: Path, target: Path, kinds: list[str], seqs: list[int], args, 
                     if label == "after":
                         last_after = r
                     pair[label] = {k: r.get(k) for k in ("peak_rss_gb", "tokens_per_s", "exit_status", "load_before",
-                                                          "load_after", "wall_s", "log_tail") if k in r}
+                                                          "load_after", "wall_s", "cpu_s", "log_tail") if k in r}
+                    if args.cpu_steps and r["exit_status"] == 0:
+                        # CPU seconds of (cpu_steps - 1) steps: a 1-step run's CPU (start-up, target, data, step 1)
+                        # subtracted from a cpu_steps run's, so the figure is the loop's own and the machine's load
+                        # barely moves it (wall tokens/s on a shared machine moves 2-3x)
+                        short = run_once(code, target, kind, seq, args.work, args.threads, args.max_gb, args.extra, 1)
+                        long = run_once(code, target, kind, seq, args.work, args.threads, args.max_gb, args.extra,
+                                        args.cpu_steps)
+                        if short["exit_status"] == 0 and long["exit_status"] == 0:
+                            pair[label]["tokens_per_cpu_s"] = (args.cpu_steps - 1) * seq / (long["cpu_s"] - short["cpu_s"])
                 ok = all(pair[x].get("tokens_per_s") for x in ("before", "after"))
                 pair["tokens_per_s_ratio"] = pair["after"]["tokens_per_s"] / pair["before"]["tokens_per_s"] if ok else None
+                if all(pair[x].get("tokens_per_cpu_s") for x in ("before", "after")):
+                    pair["tokens_per_cpu_s_ratio"] = pair["after"]["tokens_per_cpu_s"] / pair["before"]["tokens_per_cpu_s"]
                 pairs.append(pair)
                 print(f"ab {kind} seq {seq}: before {pair['before'].get('tokens_per_s')} after "
-                      f"{pair['after'].get('tokens_per_s')} tokens/s, ratio {pair['tokens_per_s_ratio']}", flush=True)
+                      f"{pair['after'].get('tokens_per_s')} tokens/s, ratio {pair['tokens_per_s_ratio']}; per CPU s "
+                      f"{pair.get('tokens_per_cpu_s_ratio')}", flush=True)
             data = json.loads(out.read_text()) if out.is_file() else {}
             data.setdefault("after", {}).setdefault(kind, {})[str(seq)] = {**last_after, "code": str(ROOT),
                                                                             "note": "the --ab pair's after run"}
@@ -265,14 +280,15 @@ def ab_pairs(base: Path, target: Path, kinds: list[str], seqs: list[int], args, 
 
 
 def ab_table(data: dict) -> str:
-    lines = ["| drafter | seq | before tokens/s | after tokens/s | after / before (per pair) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| drafter | seq | before tokens/s | after tokens/s | after / before (per pair) | per CPU second (per pair) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for kind in KINDS:
         for seq, row in sorted(data.get("ab", {}).get(kind, {}).items(), key=lambda kv: int(kv[0])):
             pairs = row["pairs"]
             mean = lambda label: sum(p[label].get("tokens_per_s") or 0 for p in pairs) / len(pairs)
             ratios = ", ".join("-" if p["tokens_per_s_ratio"] is None else f"{p['tokens_per_s_ratio']:.2f}" for p in pairs)
-            lines.append(f"| {kind} | {seq} | {mean('before'):.0f} | {mean('after'):.0f} | {ratios} |")
+            cpu = ", ".join(f"{p['tokens_per_cpu_s_ratio']:.2f}" for p in pairs if p.get("tokens_per_cpu_s_ratio"))
+            lines.append(f"| {kind} | {seq} | {mean('before'):.0f} | {mean('after'):.0f} | {ratios} | {cpu or '-'} |")
     return "\n".join(lines)
 
 
@@ -291,6 +307,8 @@ def main() -> None:
     parser.add_argument("--table", type=Path, default=None, help="print the README table of this JSON and exit")
     parser.add_argument("--ab", type=Path, default=None, help="a 'before' checkout: tokens/s A/B against this one")
     parser.add_argument("--rounds", type=int, default=1, help="--ab: before/after pairs per kind and length")
+    parser.add_argument("--cpu-steps", type=int, default=0, help="--ab: also tokens per CPU second, from a 1-step and "
+                        "a this-many-step run of each side (robust to the machine's load)")
     parser.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     if args.table:

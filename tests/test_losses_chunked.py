@@ -85,6 +85,26 @@ def test_chunked_equals_unchunked_loss_and_gradients(name):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("loss_fn", [MENU["fkl"], MENU["fkl_T2"], MENU["topk_fkl"],
+                                     functools.partial(losses.topk_forward_kl, temperature=0.5, k=1)])
+def test_hand_written_gradients_equal_autograd(loss_fn):
+    """Forward KL and top-k forward KL skip autograd (``fused_divergence``: T·(q − p), p the teacher or its top k
+    renormalised and scattered): loss and logit gradient equal autograd through the menu function, ties included."""
+    fused, temperature = losses.fused_divergence(loss_fn)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 40, generator=g) * 2
+    teacher = torch.randn(7, 40, generator=g) * 3
+    teacher[0, :6] = teacher[0].max() + 1  # six tied top tokens in one row (k = 5 picks some of them)
+    log_p = F.log_softmax(teacher / temperature, dim=-1)
+    want_logits = logits.clone().requires_grad_()
+    want = loss_fn(want_logits, teacher, None)[0]
+    (want_grad,) = torch.autograd.grad(want, [want_logits])
+    got, got_grad = fused(logits.clone(), log_p.clone())
+    torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=ATOL)
+    assert losses.fused_divergence(MENU["jsd"]) is None  # the others go through autograd on the chunk
+
+
 @pytest.mark.parametrize("name", ["fkl", "jsd", "topk_fkl"])
 def test_reduced_vocabulary_gathers_columns_like_the_full_row_copy(name):
     """EAGLE-3: the teacher restricted to the draft vocabulary ``cols``, as the old ``teacher_NV[:, d2t]``."""
