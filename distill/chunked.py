@@ -20,8 +20,10 @@ per-row log-normaliser is computed once per batch and shared by every term (``Te
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,22 @@ from distill.losses import fused_divergence, row_divergence
 
 CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per float32 [rows, V] temporary; CPU
 # matmuls with fewer rows run 2-3x slower per row on 2 threads (measured: 65 vs 261 vs 1024 rows)
+_budget = contextvars.ContextVar("chunk_elements", default=CHUNK_ELEMENTS)
+
+
+@contextlib.contextmanager
+def chunk_budget(elements: int) -> Iterator[None]:
+    """Inside this block, chunked losses that are not given ``chunk_elements`` project ``elements // V`` rows per
+    chunk (``trainer.loss_chunk_elements``): fewer, larger chunks read the vocabulary head's weight fewer times (each
+    chunk reads it for the student's and the teacher's projection and the backward matmul; on a CPU at V 128k that is
+    ~10% of an EAGLE-1 step at 4 chunks per 1k rows), at 3 float32 [rows, V] buffers of memory per chunk."""
+    if elements < 1:
+        raise ValueError(f"trainer.loss_chunk_elements={elements} must be >= 1 (rows x vocabulary per loss chunk)")
+    token = _budget.set(elements)
+    try:
+        yield
+    finally:
+        _budget.reset(token)
 
 
 class Finished(nn.Module):
@@ -111,7 +129,7 @@ def cross_entropy_sum(logits_CV: Tensor, labels_C: Tensor, _mask=None) -> tuple[
 
 
 def chunked_cross_entropy(hidden_ND: Tensor, head: Callable[[Tensor], Tensor], labels_N: Tensor, vocab_size: int,
-                          chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+                          chunk_elements: int | None = None) -> Tensor:
     """``F.cross_entropy(head(hidden_ND), labels_N, reduction="sum")`` without the [N, V] logits (chunked, with the
     same hand-made backward as the divergences)."""
     return chunked_divergence(hidden_ND, head, LabelRows(labels_N, vocab_size), cross_entropy_sum, chunk_elements)[0]
@@ -124,14 +142,14 @@ def positions(mask_BT: Tensor, shift: int = 0) -> tuple[Tensor, Tensor]:
 
 
 def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], teacher: TeacherRows | LabelRows, loss_fn,
-                       chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+                       chunk_elements: int | None = None) -> tuple[Tensor, Tensor]:
     """(loss summed over the N rows, the student's argmax per row [N]) for ``loss_fn`` (a ``distill.losses`` menu
     function or partial; any other ``loss_fn(student_CV, teacher_CV, None)`` is called per chunk) between
     ``head(student_ND)`` and the teacher rows. Differentiable w.r.t. ``student_ND`` and ``head``'s parameters
     that require grad (``head`` an ``nn.Module``; a plain function's captured tensors are treated as constants)."""
     if len(teacher) != student_ND.shape[0]:
         raise ValueError(f"{student_ND.shape[0]} student rows but {len(teacher)} teacher rows")
-    job = _Job(head, teacher, loss_fn, chunk_elements)
+    job = _Job(head, teacher, loss_fn, chunk_elements or _budget.get())
     params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, nn.Module) else []
     if torch.is_grad_enabled() and (student_ND.requires_grad or params):
         loss = _ChunkedDivergence.apply(job, student_ND, *params)

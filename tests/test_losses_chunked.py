@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distill import losses
-from distill.chunked import Finished, TeacherRows, chunked_cross_entropy, chunked_divergence, positions
+from distill.chunked import Finished, TeacherRows, chunk_budget, chunked_cross_entropy, chunked_divergence, positions
 from distill.teacher_output import TeacherOutput, dense_logits
 from heads.base import build_drafter
 
@@ -320,3 +320,23 @@ def test_chunked_cross_entropy_equals_the_unchunked_loss_and_its_gradients():
     torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5)
     for a, b in zip(g_chunked, g_full):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_budget_sets_the_rows_per_chunk_and_leaves_the_loss_unchanged():
+    """``trainer.loss_chunk_elements`` (``chunk_budget``): rows per chunk = elements // V inside the block, the default
+    outside it; loss and gradients equal whatever the chunking; a budget below 1 is refused naming the key."""
+    head, teacher, mask, x = setup()
+    rows = TeacherRows(teacher, *positions(mask))
+    V = teacher.logits_BTV.shape[-1]
+    with chunk_budget(3 * V):
+        small, small_grads, _ = chunked(x, head, rows, MENU["jsd"], None)
+    assert set(head.calls[:-1]) == {3} and len(head.calls) == -(-x.shape[0] // 3)
+    head.calls.clear()
+    whole, whole_grads, _ = chunked(x, head, rows, MENU["jsd"], None)
+    assert head.calls == [x.shape[0]]  # the default budget (2^25) holds every row of this batch
+    torch.testing.assert_close(small, whole, rtol=RTOL, atol=ATOL)
+    for a, b in zip(small_grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="trainer.loss_chunk_elements=0"):
+        with chunk_budget(0):
+            pass

@@ -55,6 +55,7 @@ def saved_medusa(teacher, path, target_cfg=None, drafter_cfg=MEDUSA):
     ("trainer.warmup_steps=-1", "warmup_steps=-1 must be >= 0"),
     ("trainer.grad_clip=-1", "grad_clip=-1.0 must be >= 0"),
     ("trainer.keep_last=0", "keep_last=0 must be >= 1"),
+    ("trainer.loss_chunk_elements=0", "loss_chunk_elements=0 must be >= 1"),
 ])
 def test_out_of_range_schedule_values_are_refused_at_start_up(override, match):
     with pytest.raises(ValueError, match=match):
