@@ -23,8 +23,10 @@ ones included, keeps its whole row, and sliding-window layers get their own mask
 is visible only within the window of the query's position; a row's valid columns hold its positions 0, 1, ... in
 column order, so a column's position is its rank among the row's valid columns.
 
-Drafting loops over rows: each row has its own drafter state, a shallow copy of the drafter (``fork_drafter``) that
-shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance.decide``, the
+Drafting is one call for the whole batch: ``drafter.rows(seeds)`` holds every row's drafter state
+(``inference.proposer.ProposerRows``); EAGLE drafts all rows in one drafter forward per tree level over a ragged
+context cache (``heads.eagle_decode``), drafters without a batched path loop over per-row copies that share the
+weights (``heads.base.ForkedRows``). Verification is batched; acceptance (``inference.acceptance.decide``, the
 batch-1 decoder's rule) runs per row on that row's logits, on the device; every row's verdict is read back in one
 transfer per step. Each row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
 decoding, sampled rows are distributed as the target (tests/test_batched.py). Rows may differ in sampling settings.
@@ -34,7 +36,6 @@ Shapes: B live rows, S cache columns, n tokens fed per row this step, V vocabula
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -47,7 +48,7 @@ from transformers import DynamicCache
 from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, walked
 from inference.decoder import Generation, _check_prompt, _sync, check_vocab, finish, prefill_kwargs
 from inference.masks import AttentionLayout
-from inference.proposer import Proposer
+from inference.proposer import Proposer, ProposerRows
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.stats import AcceptStats
 from inference.tree import DraftTree
@@ -69,16 +70,6 @@ def check_batch(prompts: Sequence, max_new_tokens: int, lookahead: int, max_posi
             raise ValueError(f"prompt {i} of the batch of {len(prompts)}: {e}") from None
         out.append(ids[0])
     return out
-
-
-def fork_drafter(drafter, seed: int):
-    """A per-sequence drafter: a shallow copy (same modules and weights, own attributes), reset with ``seed``.
-
-    Every drafter keeps its decoding state in plain attributes that ``reset`` (re)creates, so after the reset the
-    copy's state is its own; weights live in the shared ``_modules`` / ``_parameters``."""
-    fork = copy.copy(drafter)
-    fork.reset(seed=seed)
-    return fork
 
 
 @dataclass
@@ -123,16 +114,17 @@ class _Rows:
     new: list[list[int]]  # committed new tokens
     pos: list[int]  # position of the pending token = real tokens cached
     sampling: list[SamplingConfig]
-    drafters: list
+    draft: ProposerRows | None  # every row's drafter state; None in plain decoding
     stats: list[AcceptStats]
     valid: Tensor  # [B, S] bool
     cache: DynamicCache
 
     def keep(self, rows: list[int]) -> None:
-        for name in ("ids", "tokens", "new", "pos", "sampling", "drafters", "stats"):
+        for name in ("ids", "tokens", "new", "pos", "sampling", "stats"):
             values = getattr(self, name)
-            if values:  # drafters is empty in plain decoding
-                setattr(self, name, [values[r] for r in rows])
+            setattr(self, name, [values[r] for r in rows])
+        if self.draft is not None:
+            self.draft.keep(rows)
         index = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
         self.valid = self.valid.index_select(0, index)
         self.cache.batch_select_indices(index)
@@ -264,35 +256,30 @@ class BatchedDecoder:
         pos = (valid.long().cumsum(1) - 1).clamp(min=0)
         causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
         block = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)  # padding sees itself
-        drafters = []
+        draft = None
         if drafter is not None:
-            for _ in range(B):
-                seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
-                drafters.append(fork_drafter(drafter, seed))
+            draft = drafter.rows([int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
+                                  for _ in range(B)])
         cache = self._new_cache()
         logits, hidden = self._forward(ids, pos, self._mask(valid[:, :0], block, pos), cache, layers, **self._prefill_kw)
         rows = _Rows(ids=list(range(B)), tokens=[], new=[], pos=[p.shape[0] for p in prompts], sampling=samplings,
-                     drafters=drafters, stats=[AcceptStats() for _ in range(B)], valid=valid, cache=cache)
+                     draft=draft, stats=[AcceptStats() for _ in range(B)], valid=valid, cache=cache)
         for b, p in enumerate(prompts):
             nxt = self._next_token(logits[b, -1], samplings[b])
             rows.tokens.append(torch.cat([p.to(self.device), nxt]).view(1, -1))
             rows.new.append([int(nxt)])
-            if drafters:
-                drafters[b].observe({i: h[b:b + 1, P - p.shape[0]:] for i, h in hidden.items()})
+            if draft is not None:
+                draft.observe(b, {i: h[b:b + 1, P - p.shape[0]:] for i, h in hidden.items()})
         return rows
 
     def _draft(self, rows: _Rows, gamma: int, max_new: int) -> list[DraftTree]:
-        if gamma == 0 or not rows.drafters:
+        """Every row's proposal, from one call to the drafter's batch state (a plain step: none)."""
+        if gamma == 0 or rows.draft is None:
             return [self._empty] * len(rows.ids)
-        trees = []
-        for b, drafter in enumerate(rows.drafters):
-            depth = min(gamma, max_new - len(rows.new[b]))
-            if depth < 1:
-                trees.append(self._empty)
-                continue
-            tree = drafter.propose(rows.tokens[b], depth, rows.sampling[b])
+        depths = [min(gamma, max_new - len(new)) for new in rows.new]
+        trees = rows.draft.propose(rows.tokens, depths, rows.sampling)
+        for tree in trees:
             tree.check_shape(self.teacher.vocab_size)  # values: with the verdict (acceptance.settle)
-            trees.append(tree)
         return trees
 
     def _verify(self, rows: _Rows, trees: list[DraftTree], layers) -> tuple[list[Verdict], dict]:
@@ -346,10 +333,10 @@ class BatchedDecoder:
     def _commit(self, rows: _Rows, trees: list[DraftTree], results: list[Verdict], hidden: dict) -> None:
         for b, (tree, v) in enumerate(zip(trees, results)):
             rows.stats[b].update(v.depth, len(v.path))
-            if rows.drafters:  # the pending token's and the accepted nodes' hidden states, in path order
+            if rows.draft is not None:  # the pending token's and the accepted nodes' hidden states, in path order
                 keep = torch.cat([v.path_index.new_zeros(1), 1 + v.path_index[: len(v.path)]])
-                rows.drafters[b].observe({i: h[b:b + 1].index_select(1, keep) for i, h in hidden.items()})
-                rows.drafters[b].accepted(v.path)
+                rows.draft.observe(b, {i: h[b:b + 1].index_select(1, keep) for i, h in hidden.items()})
+                rows.draft.accepted(b, v.path)
             rows.tokens[b] = torch.cat([rows.tokens[b], v.committed_ids.view(1, -1).to(self.device)], dim=1)
             rows.new[b].extend(v.committed)
             rows.pos[b] += 1 + len(v.path)

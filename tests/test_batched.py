@@ -19,7 +19,8 @@ from distill.teacher import Teacher
 from heads.base import TargetDims, build_drafter
 from heads.draft_model import DraftModel
 from heads.eagle import EagleDrafter
-from inference.batched import BatchedDecoder, fork_drafter
+from heads.base import fork_drafter
+from inference.batched import BatchedDecoder
 from inference.decoder import Decoder, DecoderConfig
 from inference.policy import (
     CostTable,

@@ -9,7 +9,8 @@ import torch
 from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import TargetDims, load_drafter, save_drafter
-from heads.eagle import EagleDrafter, _NodeStore, default_feature_layers, ttt_mask, vocab_maps
+from heads.eagle import EagleDrafter, default_feature_layers, ttt_mask, vocab_maps
+from heads.eagle_decode import BatchNodes, score_level
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
 from inference.stats import simulated_tau
@@ -55,12 +56,14 @@ def test_training_time_test_equals_decoding(tiny_teacher, variant, kw):
         with torch.no_grad():
             root = drafter._advance(ids[0, : t + 2])
             torch.testing.assert_close(drafter._logits(root[None])[0], out.terms[0].student_NV[t], atol=1e-5, rtol=1e-5)
-            nodes = _NodeStore(root)
+            nodes = BatchNodes(root[None])
+            ctx_k, ctx_v = drafter._ctx_kv
+            ctx = (ctx_k, ctx_v, torch.ones(1, ctx_k.shape[2], dtype=torch.bool), torch.tensor([t + 1]))
             for j in (1, 2):  # the real continuation as a chain of draft nodes (slot j - 1, under slot j - 2)
                 tok = int(drafter.t2d[ids[0, t + 1 + j]]) if variant == "eagle3" else int(ids[0, t + 1 + j])
                 if tok < 0:
                     break  # the real token is outside the draft vocabulary: no node can carry it
-                got = drafter._score_nodes(j, torch.tensor([j - 2]), torch.tensor([tok]), nodes, t + 1)[0]
+                got = score_level(drafter, j, torch.tensor([[j - 2]]), torch.tensor([[tok]]), nodes, *ctx)[0, 0]
                 got = got.float().log_softmax(-1)
                 torch.testing.assert_close(got, out.terms[j].student_NV[t].log_softmax(-1), atol=1e-5, rtol=1e-5)
 
