@@ -172,7 +172,7 @@ class EagleRows:
         for b, (n, m) in enumerate(zip(self.lengths, new)):
             self.k[b, :, n: n + m] = k[b, :, :m]
             self.v[b, :, n: n + m] = v[b, :, :m]
-            self.valid[b, n: n + m] = True
+            self.valid[b, n: n + m].fill_(True)
         C = max(n + m for n, m in zip(self.lengths, new))
         cols = torch.arange(C, device=dev)
         mask = self.valid[:, None, :C] & (cols[None, None, :] <= pos[:, :, None])  # [B, M, C]: causal, own row

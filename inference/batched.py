@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, walked
-from inference.decoder import Generation, _check_prompt, _sync, check_vocab, finish, prefill_kwargs
+from inference.acceptance import Verdict, verdicts
+from inference.generation import ACCEPTANCE_RULES, Generation, check_prompt, check_vocab, finish, prefill_kwargs, sync
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer, ProposerRows
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
@@ -65,7 +65,7 @@ def check_batch(prompts: Sequence, max_new_tokens: int, lookahead: int, max_posi
     for i, p in enumerate(prompts):
         ids = torch.as_tensor(p, dtype=torch.long).reshape(1, -1)
         try:
-            _check_prompt(ids, max_new_tokens, lookahead, max_positions)
+            check_prompt(ids, max_new_tokens, lookahead, max_positions)
         except ValueError as e:
             raise ValueError(f"prompt {i} of the batch of {len(prompts)}: {e}") from None
         out.append(ids[0])
@@ -115,12 +115,12 @@ class _Rows:
     pos: list[int]  # position of the pending token = real tokens cached
     sampling: list[SamplingConfig]
     draft: ProposerRows | None  # every row's drafter state; None in plain decoding
-    stats: list[AcceptStats]
+    gens: list[Generation]  # per row: its acceptance counts and proposal shapes so far (tokens and time: at the end)
     valid: Tensor  # [B, S] bool
     cache: DynamicCache
 
     def keep(self, rows: list[int]) -> None:
-        for name in ("ids", "tokens", "new", "pos", "sampling", "stats"):
+        for name in ("ids", "tokens", "new", "pos", "sampling", "gens"):
             values = getattr(self, name)
             setattr(self, name, [values[r] for r in rows])
         if self.draft is not None:
@@ -134,15 +134,20 @@ class BatchedDecoder:
     """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
-                 compact_slack: float = 1.5):
+                 compact_slack: float = 1.5, acceptance: str = "exact", typical_threshold: float = 0.09,
+                 typical_alpha: float = 0.3, compile: bool = False):
         if compact_slack < 1:
             raise ValueError(f"compact_slack must be >= 1 (cache columns per valid column before compaction), "
                              f"got {compact_slack}")
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"decoder.acceptance={acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
         self.teacher = teacher
         self.model = teacher.model
         self.eos_token_id = eos_token_id
         self.sampling = sampling
         self.compact_slack = compact_slack
+        # (threshold, alpha) of Medusa's typical acceptance (lossy), or None: the exact rule (lossless)
+        self.typical = (typical_threshold, typical_alpha) if acceptance == "typical" else None
         self.device = teacher.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.mask_dtype = next(self.model.parameters()).dtype
@@ -151,6 +156,10 @@ class BatchedDecoder:
         self._empty = DraftTree.empty(self.device)  # a plain step's "proposal", shared by every row (never mutated)
         # The prefill needs logits at each row's last column only (left padding: every row ends there).
         self._prefill_kw = prefill_kwargs(self.model)
+        self._target = self.model  # what ``_forward`` calls: the model, or its compiled forward (DecoderConfig.compile)
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._target = torch.compile(self.model.forward, dynamic=True, mode=mode)
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -182,10 +191,10 @@ class BatchedDecoder:
             drafter = None
         layers = tuple(drafter.teacher_layers) if drafter is not None else ()
         result = BatchGeneration(generations=[None] * len(prompts))
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         rows = self._prefill(prompts, samplings, drafter, layers)
-        _sync(self.device)
+        sync(self.device)
         result.prefill_seconds = time.perf_counter() - start
         self._retire(rows, result, max_new, start)
         while rows.ids:
@@ -194,14 +203,14 @@ class BatchedDecoder:
             gamma = 0 if drafter is None else gamma
             t0 = time.perf_counter()
             trees = self._draft(rows, gamma, max_new)
-            _sync(self.device)
+            sync(self.device)
             t1 = time.perf_counter()
             results, hidden = self._verify(rows, trees, layers)
             self._commit(rows, trees, results, hidden)
             result.max_columns = max(result.max_columns, rows.valid.shape[1])
             self._retire(rows, result, max_new, start)
             result.compactions += self._maybe_compact(rows)
-            _sync(self.device)
+            sync(self.device)
             t2 = time.perf_counter()
             result.draft_seconds += t1 - t0
             result.verify_seconds += t2 - t1
@@ -228,7 +237,7 @@ class BatchedDecoder:
 
     def _forward(self, ids_BN: Tensor, pos_BN: Tensor, mask: Tensor, cache: DynamicCache, layers: tuple[int, ...],
                  **kw):
-        out = self.model(input_ids=ids_BN, position_ids=pos_BN, attention_mask=mask, past_key_values=cache,
+        out = self._target(input_ids=ids_BN, position_ids=pos_BN, attention_mask=mask, past_key_values=cache,
                          use_cache=True, output_hidden_states=bool(layers), **kw)
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits, hidden  # [B, n, V], {layer: [B, n, D]}
@@ -263,7 +272,8 @@ class BatchedDecoder:
         cache = self._new_cache()
         logits, hidden = self._forward(ids, pos, self._mask(valid[:, :0], block, pos), cache, layers, **self._prefill_kw)
         rows = _Rows(ids=list(range(B)), tokens=[], new=[], pos=[p.shape[0] for p in prompts], sampling=samplings,
-                     draft=draft, stats=[AcceptStats() for _ in range(B)], valid=valid, cache=cache)
+                     draft=draft, gens=[Generation(new_tokens=[], seconds=0.0) for _ in range(B)], valid=valid,
+                     cache=cache)
         for b, p in enumerate(prompts):
             nxt = self._next_token(logits[b, -1], samplings[b])
             rows.tokens.append(torch.cat([p.to(self.device), nxt]).view(1, -1))
@@ -305,35 +315,32 @@ class BatchedDecoder:
                 block[b, 1:1 + t.size, 1:1 + t.size] = ancestors_NN
         if not chains:  # padding slots see only themselves (column 0 is the pending token)
             block[:, 1:, 0] &= torch.cat([torch.arange(1, n, device=dev)[None] <= t.size for t in trees])
-        pos = torch.tensor(rows.pos, device=dev)[:, None] + offsets
+        pos = rows.valid.sum(1, keepdim=True) + offsets  # a row's valid columns are its cached tokens: its position
         logits, hidden = self._forward(ids, pos, self._mask(rows.valid, block, pos), rows.cache, layers)
-        packed = [decide(t, logits[b, :1 + t.size], rows.sampling[b], self.generator, vocab)
-                  for b, t in enumerate(trees)]
-        values = torch.cat([p for p in packed if p is not None]).tolist() if any(p is not None for p in packed) else []
-        results, at = [], 0
-        for b, (t, p) in enumerate(zip(trees, packed)):
-            if p is None:  # sampled siblings with draft probabilities: walked on the host
-                t.check(vocab)
-                results.append(walked(t, *tree_rejection_accept(t, warp(logits[b, :1 + t.size], rows.sampling[b]),
-                                                                 self.generator)))
-                continue
-            results.append(read_verdict(t, values[at: at + p.shape[0]], p, vocab))
-            at += p.shape[0]
-        kept = [[True] + [False] * (n - 1) for _ in trees]
-        for row, v in zip(kept, results):
-            for i in v.path:
-                row[1 + i] = True
-        used = 1 + max(max((c for c, k in enumerate(row) if k), default=0) for row in kept)
+        results = verdicts(trees, logits, rows.sampling, self.generator, vocab, self.typical)
+        used = 1 + max(1 + max(v.path) if v.path else 0 for v in results)  # the last column any row kept, + 1
         if used < n:  # columns past the last one any row kept are dropped now
             rows.cache.crop(-(n - used))
-        keep = torch.tensor([row[:used] for row in kept], dtype=torch.bool, device=dev)
+        keep = torch.zeros(B, used, dtype=torch.bool, device=dev)  # the pending token and the accepted nodes
+        keep[:, 0].fill_(True)
+        for b, v in enumerate(results):
+            if v.path:
+                keep[b].index_fill_(0, 1 + v.path_index[: len(v.path)], True)
         rows.valid = torch.cat([rows.valid, keep], dim=1)
         return results, hidden
 
     def _commit(self, rows: _Rows, trees: list[DraftTree], results: list[Verdict], hidden: dict) -> None:
+        """The one hand-off after a verification: each row's counts, its drafter's ``observe`` (the pending token's
+        and the accepted nodes' hidden states, in path order) and ``accepted`` (the path), its committed tokens."""
         for b, (tree, v) in enumerate(zip(trees, results)):
-            rows.stats[b].update(v.depth, len(v.path))
-            if rows.draft is not None:  # the pending token's and the accepted nodes' hidden states, in path order
+            gen = rows.gens[b]
+            gen.stats.update(v.depth, len(v.path))
+            if rows.draft is not None:
+                gen.nodes_per_forward[tree.size] += 1
+                if tree.size not in gen.shapes:
+                    gen.shapes[tree.size] = tree.parents.cpu()
+                gen.node_accepts[tree.size].update(v.path)
+                gen.context_tokens += rows.pos[b] + 1
                 keep = torch.cat([v.path_index.new_zeros(1), 1 + v.path_index[: len(v.path)]])
                 rows.draft.observe(b, {i: h[b:b + 1].index_select(1, keep) for i, h in hidden.items()})
                 rows.draft.accepted(b, v.path)
@@ -349,8 +356,9 @@ class BatchedDecoder:
             return
         now = time.perf_counter() - start
         for b in done:
-            result.generations[rows.ids[b]] = Generation(new_tokens=finish(rows.new[b], max_new, self.eos_token_id), seconds=now,
-                                                         stats=rows.stats[b])
+            gen = rows.gens[b]
+            gen.new_tokens, gen.seconds = finish(rows.new[b], max_new, self.eos_token_id), now
+            result.generations[rows.ids[b]] = gen
         rows.keep([b for b in range(len(rows.ids)) if b not in done])
 
     def _maybe_compact(self, rows: _Rows) -> int:
