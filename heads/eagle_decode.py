@@ -175,7 +175,9 @@ class EagleRows:
             self.valid[b, n: n + m].fill_(True)
         C = max(n + m for n, m in zip(self.lengths, new))
         cols = torch.arange(C, device=dev)
-        mask = self.valid[:, None, :C] & (cols[None, None, :] <= pos[:, :, None])  # [B, M, C]: causal, own row
+        # [B, M, C]: a row's columns below its position are its own pairs (contiguous from 0); the columns a padding
+        # query (m <= i < M) may see past them hold stale keys, and its output is never used.
+        mask = cols[None, None, :] <= pos[:, :, None]
         out = d.layer.finish(F.scaled_dot_product_attention(q, self.k[:, :, :C], self.v[:, :, :C],
                                                             attn_mask=mask[:, None]), residual)
         last = torch.stack([out[b, max(m - 1, 0)] for b, m in enumerate(new)])
