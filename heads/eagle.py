@@ -27,6 +27,9 @@ Decoding: context pairs (target feature at t, token t+1) only ever come from com
 context KV cache only grows (cropped to the common prefix if asked to re-propose an earlier context); draft nodes
 keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.dynamic_tree``) or a top-1 chain
 (``tree: chain``); candidates are top-k picks, so they carry no draft probabilities and sampling stays lossless.
+The decode loop drafts through ``rows`` (``heads.eagle_decode.EagleRows``: every row of a batch, batch 1 included,
+in one forward per tree level over a ragged context cache); ``propose`` below is the one-sequence entry on an
+arbitrary context, and both grow their trees with ``heads.eagle_decode.draft_trees``.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from inference.acceptance import Verdict, verdicts
-from inference.generation import ACCEPTANCE_RULES, Generation, check_prompt, check_vocab, finish, prefill_kwargs, sync
+from inference.generation import (ACCEPTANCE_RULES, Generation, check_prompt, check_vocab, finish, prefill_kwargs,
+                                  sync)
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer, ProposerRows
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
