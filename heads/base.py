@@ -16,6 +16,7 @@ Saving:    ``save_drafter`` / ``load_drafter`` write and read a directory of ``m
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -218,6 +219,11 @@ class Drafter(nn.Module):
         """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
         raise NotImplementedError
 
+    def rows(self, seeds: list[int]) -> "ForkedRows":
+        """The decoding state of a batch of ``len(seeds)`` new sequences (``inference.proposer.ProposerRows``).
+        This default drafts row by row with per-row copies; drafters with a batched forward override it."""
+        return ForkedRows(self, seeds)
+
     def saved_config(self, drafter_cfg: Mapping[str, Any]) -> dict:
         """The node ``save_drafter`` records and ``load_drafter`` rebuilds from; most drafters: as configured."""
         return dict(drafter_cfg)
@@ -230,6 +236,39 @@ class Drafter(nn.Module):
         """Decode with the static tree ``spec`` (``decoder.tree``); only drafters with top-k candidates have one."""
         if spec is not None and spec != "chain":
             raise ValueError(f"decoder.tree={spec!r}: drafter {self.name!r} drafts a chain; set decoder.tree=null")
+
+
+def fork_drafter(drafter: Drafter, seed: int) -> Drafter:
+    """A per-sequence drafter: a shallow copy (same modules and weights, own attributes), reset with ``seed``.
+
+    Every drafter keeps its decoding state in plain attributes that ``reset`` (re)creates, so after the reset the
+    copy's state is its own; weights live in the shared ``_modules`` / ``_parameters``."""
+    fork = copy.copy(drafter)
+    fork.reset(seed=seed)
+    return fork
+
+
+class ForkedRows:
+    """``ProposerRows`` for drafters without a batched path: one ``fork_drafter`` copy per row, drafted in turn."""
+
+    def __init__(self, drafter: Drafter, seeds: list[int]):
+        self.forks = [fork_drafter(drafter, s) for s in seeds]
+
+    def __len__(self) -> int:
+        return len(self.forks)
+
+    def observe(self, row: int, hidden: dict[int, Tensor]) -> None:
+        self.forks[row].observe(hidden)
+
+    def accepted(self, row: int, path: list[int]) -> None:
+        self.forks[row].accepted(path)
+
+    def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
+        return [f.propose(t, d, s) if d >= 1 else DraftTree.empty(t.device)
+                for f, t, d, s in zip(self.forks, tokens, depths, samplings)]
+
+    def keep(self, rows: list[int]) -> None:
+        self.forks = [self.forks[r] for r in rows]
 
 
 # --- save / load -------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ Decoding: context pairs (target feature at t, token t+1) only ever come from com
 context KV cache only grows (cropped to the common prefix if asked to re-propose an earlier context); draft nodes
 keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.dynamic_tree``) or a top-1 chain
 (``tree: chain``); candidates are top-k picks, so they carry no draft probabilities and sampling stays lossless.
+The decode loop drafts through ``rows`` (``heads.eagle_decode.EagleRows``: every row of a batch, batch 1 included,
+in one forward per tree level over a ragged context cache); ``propose`` below is the one-sequence entry on an
+arbitrary context, and both grow their trees with ``heads.eagle_decode.draft_trees``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from torch import Tensor, nn
 from distill.chunked import Finished, TeacherRows, positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
-from inference.dynamic_tree import check_dynamic_tree_args, expand_dynamic_tree
+from heads.eagle_decode import EagleRows, draft_trees
+from inference.dynamic_tree import check_dynamic_tree_args
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 
@@ -79,10 +83,13 @@ def vocab_maps(token_counts_V: Tensor, draft_vocab_size: int) -> tuple[Tensor, T
 
 
 def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotary embedding (rotate-half form) of x [..., n, hd] at ``positions`` [n]."""
+    """Rotary embedding (rotate-half form) of x [..., n, hd] at ``positions`` [n], or [B, n] for x [B, h, n, hd]
+    (each row its own positions: the batched decoder's ragged rows)."""
     hd = x.shape[-1]
-    angles = positions.to(torch.float32)[:, None] * _inv_freq(hd, theta, x.device)[None]  # [n, hd/2]
+    angles = positions.to(torch.float32)[..., None] * _inv_freq(hd, theta, x.device)  # [(B,) n, hd/2]
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(x.dtype), torch.cat([angles.sin()] * 2, -1).to(x.dtype)
+    if positions.dim() == 2:
+        cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -408,24 +415,23 @@ class EagleDrafter(Drafter):
     def accepted(self, path: list[int]) -> None:
         self._extends = True  # the next context extends the processed one: no comparison needed (_advance)
 
+    def rows(self, seeds: list[int]):
+        """The decoding state of a batch: every row drafted in one forward per tree level (``heads.eagle_decode``)."""
+        return EagleRows(self, len(seeds))
+
     @torch.no_grad()
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         if max_depth < 1:
             return DraftTree.empty(tokens.device)
         root_out = self._advance(tokens[0])
         depth = min(self.depth or max_depth, max_depth)
-        chain = self.tree_mode == "chain"
-        nodes = _NodeStore(root_out)
-        context = tokens.shape[1] - 1
-
-        def score(level: int, parent_slot_F: Tensor | None, tokens_F: Tensor | None) -> Tensor:
-            if level == 0:
-                return self._logits(root_out[None])
-            return self._score_nodes(level, parent_slot_F, tokens_F, nodes, context)
-
-        tree = expand_dynamic_tree(score, 1 if chain else self.top_k, depth, depth if chain else self.total_tokens)
-        return DraftTree(self.d2t[tree.tokens.to(self.d2t.device)].to(tokens.device), tree.parents.to(tokens.device),
-                         chain_hint=tree.chain_hint, depth_bound=tree.depth_bound)
+        ctx_k, ctx_v = self._ctx_kv
+        dev = ctx_k.device
+        context = torch.full((1,), tokens.shape[1] - 1, dtype=torch.long, device=dev)
+        everything = torch.ones(1, ctx_k.shape[2], dtype=torch.bool, device=dev)
+        tree = draft_trees(self, root_out[None], ctx_k, ctx_v, everything, context, depth)[0]
+        return DraftTree(tree.tokens.to(tokens.device), tree.parents.to(tokens.device), chain_hint=tree.chain_hint,
+                         depth_bound=tree.depth_bound)
 
     def _advance(self, seq: Tensor) -> Tensor:
         """Run the context pairs not yet processed; return the last pair's output [D] (the root of the tree)."""
@@ -472,24 +478,6 @@ class EagleDrafter(Drafter):
             self._ctx_ids, self._ctx_out = self._ctx_ids[:keep], self._ctx_out[:keep]
         return keep
 
-    def _score_nodes(self, level: int, parent_slot_F: Tensor, tokens_F: Tensor, nodes: "_NodeStore",
-                     context: int) -> Tensor:
-        """Run one level's frontier nodes (each: its parent's output + its own token, at depth ``level``) over the
-        context and their ancestors; return their logits over the draft vocabulary."""
-        dev = parent_slot_F.device
-        parent_out = nodes.outputs(parent_slot_F)[None]
-        emb = self._embed(self.d2t[tokens_F][None], parent_out)
-        x, residual = self._layer_input(emb, parent_out)
-        q, k, v = self.layer.qkv(x, torch.full(tokens_F.shape, context - 1 + level, device=dev))
-        # Each frontier node sees the whole context and, among scored nodes, its ancestors and itself.
-        anc = nodes.add(parent_slot_F, k, v)
-        ctx_k, ctx_v = self._ctx_kv
-        keys, values = torch.cat([ctx_k, nodes.k], 2), torch.cat([ctx_v, nodes.v], 2)
-        mask = torch.cat([anc.new_ones(anc.shape[0], ctx_k.shape[2]), anc], 1)
-        out = self.layer.finish(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask), residual)[0]
-        nodes.add_outputs(out)
-        return self._logits(out)
-
 
 def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:
     """[B, 1, T, steps*T] bool: query t may see step 0's keys <= t that are real tokens (and always its own, so a
@@ -503,31 +491,3 @@ def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:
     for i in range(1, steps):
         mask[:, 0, :, i * T: (i + 1) * T].diagonal(dim1=-2, dim2=-1).fill_(True)
     return mask
-
-
-class _NodeStore:
-    """Outputs, keys, values and ancestry of the draft nodes scored so far in one proposal, indexed by slot (the
-    order they were scored, ``inference.dynamic_tree``); all on the device."""
-
-    def __init__(self, root_out_D: Tensor):
-        self.out = root_out_D[None]  # [1 + S, D]: the root's output, then each scored node's
-        self.ancestors = torch.zeros(0, 0, dtype=torch.bool, device=root_out_D.device)  # [S, S]: itself + ancestors
-        self.k: Tensor | None = None  # [1, h, S, hd]
-        self.v: Tensor | None = None
-
-    def outputs(self, slot_F: Tensor) -> Tensor:
-        """[F, D]: the outputs of the nodes in ``slot_F`` (-1: the root)."""
-        return self.out.index_select(0, slot_F + 1)
-
-    def add(self, parent_slot_F: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Store F new nodes (children of ``parent_slot_F``); return their ancestry rows [F, S + F]."""
-        S, F = self.ancestors.shape[0], parent_slot_F.shape[0]
-        rows = torch.cat([self.ancestors.new_zeros(1, S), self.ancestors]).index_select(0, parent_slot_F + 1)
-        new = torch.cat([rows, torch.eye(F, dtype=torch.bool, device=rows.device)], 1)
-        self.ancestors = torch.cat([torch.cat([self.ancestors, self.ancestors.new_zeros(S, F)], 1), new])
-        self.k = k if self.k is None else torch.cat([self.k, k], 2)
-        self.v = v if self.v is None else torch.cat([self.v, v], 2)
-        return new
-
-    def add_outputs(self, out_FD: Tensor) -> None:
-        self.out = torch.cat([self.out, out_FD])

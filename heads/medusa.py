@@ -144,14 +144,24 @@ class MedusaHeads(Drafter):
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         if self._last_hidden_1D is None:
             raise RuntimeError("MedusaHeads.propose called before observe(); the decoder must prefill first")
+        return self.draft(self._last_hidden_1D, max_depth)[0]
+
+    def rows(self, seeds: list[int]) -> "MedusaRows":
+        """A batch's state: every row's newest hidden state; all rows' heads run in one call."""
+        return MedusaRows(self, len(seeds))
+
+    @torch.no_grad()
+    def draft(self, hidden_BD: Tensor, max_depth: int) -> list[DraftTree]:
+        """One proposal per row from the target's newest hidden state of each row: the heads run once on [B, D]."""
         depth = min(max_depth, self.num_heads)
-        h = self._last_hidden_1D.to(self.heads[0][-1].weight.dtype)
+        h = hidden_BD.to(self.heads[0][-1].weight.dtype)
         if self.tree is None:
-            return DraftTree.chain(torch.stack([self.heads[i](h).argmax(-1)[0] for i in range(depth)]))
+            chains = torch.stack([self.heads[i](h).argmax(-1) for i in range(depth)], 1)  # [B, depth]
+            return [DraftTree.chain(chain) for chain in chains]
         ranks, flat, parents, tree_depth = self._static_tree(depth, h.device)
         # Head i's candidates, best first, side by side; the tree's paths pick from them through one index.
-        top = torch.cat([self.heads[i](h)[0].topk(r).indices for i, r in enumerate(ranks) if r])
-        return DraftTree(top[flat], parents, chain_hint=False, depth_bound=tree_depth)
+        top = torch.cat([self.heads[i](h).topk(r, dim=-1).indices for i, r in enumerate(ranks) if r], 1)
+        return [DraftTree(row[flat], parents, chain_hint=False, depth_bound=tree_depth) for row in top]
 
     def _static_tree(self, depth: int, device: torch.device) -> tuple[list[int], Tensor, Tensor, int]:
         """(candidates per head, index of each path's token among them, parents, depth) of the tree limited to
@@ -167,3 +177,29 @@ class MedusaHeads(Drafter):
             self._tree_index[key] = (ranks, flat, parents, tree.depth)
         return self._tree_index[key]
 
+
+
+class MedusaRows:
+    """``inference.proposer.ProposerRows`` for Medusa: each row's newest target hidden state, drafted together."""
+
+    def __init__(self, drafter: MedusaHeads, batch_size: int):
+        self.drafter = drafter
+        self.last: list[Tensor | None] = [None] * batch_size  # per row: [1, D]
+
+    def observe(self, row: int, hidden: dict[int, Tensor]) -> None:
+        self.last[row] = hidden[-1][:, -1]
+
+    def accepted(self, row: int, path: list[int]) -> None:
+        """Nothing to keep: the heads read the newest position only."""
+
+    def keep(self, rows: list[int]) -> None:
+        self.last = [self.last[r] for r in rows]
+
+    def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
+        """Every row drafted to depth min(depths) (candidates are argmax / top-k picks: sampling does not change
+        them)."""
+        if min(depths) < 1:
+            return [DraftTree.empty(t.device) for t in tokens]
+        if any(h is None for h in self.last):
+            raise RuntimeError("MedusaRows.propose called before observe(); the decoder must prefill first")
+        return self.drafter.draft(torch.cat(self.last), min(depths))

@@ -283,3 +283,29 @@ def walked(tree: DraftTree, path: list[int], committed: Tensor) -> Verdict:
     """A host rule's (path, committed) as a ``Verdict``."""
     index = torch.tensor(path, dtype=torch.long, device=committed.device)
     return Verdict(list(path), committed.tolist(), tree.depth, index, committed)
+
+
+def verdicts(trees: list[DraftTree], logits_BnV: Tensor, samplings: list[SamplingConfig],
+             generator: torch.Generator | None, vocab_size: int,
+             typical: tuple[float, float] | None = None) -> list[Verdict]:
+    """Every row's verdict for one verification forward (row b's logits: ``logits_BnV[b, :1 + trees[b].size]``), the
+    one acceptance dispatch of the decode loop. Exact rules are decided on the device and read back once for the
+    whole batch; a row walked on the host (``typical``: Medusa's lossy rule, given as (threshold, alpha); or sampled
+    siblings with draft probabilities) is refused here if malformed, after the forward that saw it clamped."""
+    packed: list[Tensor | None] = []
+    for b, t in enumerate(trees):
+        packed.append(None if typical else decide(t, logits_BnV[b, :1 + t.size], samplings[b], generator, vocab_size))
+    ready = [p for p in packed if p is not None]
+    values = torch.cat(ready).tolist() if ready else []  # the step's one read-back
+    out, at = [], 0
+    for b, (t, p) in enumerate(zip(trees, packed)):
+        if p is not None:
+            out.append(read_verdict(t, values[at: at + p.shape[0]], p, vocab_size))
+            at += p.shape[0]
+            continue
+        t.check(vocab_size)
+        p_N1V = warp(logits_BnV[b, :1 + t.size], samplings[b])
+        rule = typical_accept(t, p_N1V, *typical, generator=generator) if typical else \
+            tree_rejection_accept(t, p_N1V, generator)
+        out.append(walked(t, *rule))
+    return out

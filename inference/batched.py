@@ -23,8 +23,10 @@ ones included, keeps its whole row, and sliding-window layers get their own mask
 is visible only within the window of the query's position; a row's valid columns hold its positions 0, 1, ... in
 column order, so a column's position is its rank among the row's valid columns.
 
-Drafting loops over rows: each row has its own drafter state, a shallow copy of the drafter (``fork_drafter``) that
-shares its weights, reset with its own seed. Verification is batched; acceptance (``inference.acceptance.decide``, the
+Drafting is one call for the whole batch: ``drafter.rows(seeds)`` holds every row's drafter state
+(``inference.proposer.ProposerRows``); EAGLE drafts all rows in one drafter forward per tree level over a ragged
+context cache (``heads.eagle_decode``), drafters without a batched path loop over per-row copies that share the
+weights (``heads.base.ForkedRows``). Verification is batched; acceptance (``inference.acceptance.decide``, the
 batch-1 decoder's rule) runs per row on that row's logits, on the device; every row's verdict is read back in one
 transfer per step. Each row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
 decoding, sampled rows are distributed as the target (tests/test_batched.py). Rows may differ in sampling settings.
@@ -34,7 +36,6 @@ Shapes: B live rows, S cache columns, n tokens fed per row this step, V vocabula
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -44,10 +45,11 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, walked
-from inference.decoder import Generation, _check_prompt, _sync, check_vocab, finish, prefill_kwargs
+from inference.acceptance import Verdict, verdicts
+from inference.generation import (ACCEPTANCE_RULES, Generation, check_prompt, check_vocab, finish, prefill_kwargs,
+                                  sync)
 from inference.masks import AttentionLayout
-from inference.proposer import Proposer
+from inference.proposer import Proposer, ProposerRows
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.stats import AcceptStats
 from inference.tree import DraftTree
@@ -64,21 +66,11 @@ def check_batch(prompts: Sequence, max_new_tokens: int, lookahead: int, max_posi
     for i, p in enumerate(prompts):
         ids = torch.as_tensor(p, dtype=torch.long).reshape(1, -1)
         try:
-            _check_prompt(ids, max_new_tokens, lookahead, max_positions)
+            check_prompt(ids, max_new_tokens, lookahead, max_positions)
         except ValueError as e:
             raise ValueError(f"prompt {i} of the batch of {len(prompts)}: {e}") from None
         out.append(ids[0])
     return out
-
-
-def fork_drafter(drafter, seed: int):
-    """A per-sequence drafter: a shallow copy (same modules and weights, own attributes), reset with ``seed``.
-
-    Every drafter keeps its decoding state in plain attributes that ``reset`` (re)creates, so after the reset the
-    copy's state is its own; weights live in the shared ``_modules`` / ``_parameters``."""
-    fork = copy.copy(drafter)
-    fork.reset(seed=seed)
-    return fork
 
 
 @dataclass
@@ -123,16 +115,17 @@ class _Rows:
     new: list[list[int]]  # committed new tokens
     pos: list[int]  # position of the pending token = real tokens cached
     sampling: list[SamplingConfig]
-    drafters: list
-    stats: list[AcceptStats]
+    draft: ProposerRows | None  # every row's drafter state; None in plain decoding
+    gens: list[Generation]  # per row: its acceptance counts and proposal shapes so far (tokens and time: at the end)
     valid: Tensor  # [B, S] bool
     cache: DynamicCache
 
     def keep(self, rows: list[int]) -> None:
-        for name in ("ids", "tokens", "new", "pos", "sampling", "drafters", "stats"):
+        for name in ("ids", "tokens", "new", "pos", "sampling", "gens"):
             values = getattr(self, name)
-            if values:  # drafters is empty in plain decoding
-                setattr(self, name, [values[r] for r in rows])
+            setattr(self, name, [values[r] for r in rows])
+        if self.draft is not None:
+            self.draft.keep(rows)
         index = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
         self.valid = self.valid.index_select(0, index)
         self.cache.batch_select_indices(index)
@@ -142,15 +135,20 @@ class BatchedDecoder:
     """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
-                 compact_slack: float = 1.5):
+                 compact_slack: float = 1.5, acceptance: str = "exact", typical_threshold: float = 0.09,
+                 typical_alpha: float = 0.3, compile: bool = False):
         if compact_slack < 1:
             raise ValueError(f"compact_slack must be >= 1 (cache columns per valid column before compaction), "
                              f"got {compact_slack}")
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"decoder.acceptance={acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
         self.teacher = teacher
         self.model = teacher.model
         self.eos_token_id = eos_token_id
         self.sampling = sampling
         self.compact_slack = compact_slack
+        # (threshold, alpha) of Medusa's typical acceptance (lossy), or None: the exact rule (lossless)
+        self.typical = (typical_threshold, typical_alpha) if acceptance == "typical" else None
         self.device = teacher.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.mask_dtype = next(self.model.parameters()).dtype
@@ -159,6 +157,10 @@ class BatchedDecoder:
         self._empty = DraftTree.empty(self.device)  # a plain step's "proposal", shared by every row (never mutated)
         # The prefill needs logits at each row's last column only (left padding: every row ends there).
         self._prefill_kw = prefill_kwargs(self.model)
+        self._target = self.model  # what ``_forward`` calls: the model, or its compiled forward (DecoderConfig.compile)
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._target = torch.compile(self.model.forward, dynamic=True, mode=mode)
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -190,10 +192,10 @@ class BatchedDecoder:
             drafter = None
         layers = tuple(drafter.teacher_layers) if drafter is not None else ()
         result = BatchGeneration(generations=[None] * len(prompts))
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         rows = self._prefill(prompts, samplings, drafter, layers)
-        _sync(self.device)
+        sync(self.device)
         result.prefill_seconds = time.perf_counter() - start
         self._retire(rows, result, max_new, start)
         while rows.ids:
@@ -202,14 +204,14 @@ class BatchedDecoder:
             gamma = 0 if drafter is None else gamma
             t0 = time.perf_counter()
             trees = self._draft(rows, gamma, max_new)
-            _sync(self.device)
+            sync(self.device)
             t1 = time.perf_counter()
             results, hidden = self._verify(rows, trees, layers)
             self._commit(rows, trees, results, hidden)
             result.max_columns = max(result.max_columns, rows.valid.shape[1])
             self._retire(rows, result, max_new, start)
             result.compactions += self._maybe_compact(rows)
-            _sync(self.device)
+            sync(self.device)
             t2 = time.perf_counter()
             result.draft_seconds += t1 - t0
             result.verify_seconds += t2 - t1
@@ -236,7 +238,7 @@ class BatchedDecoder:
 
     def _forward(self, ids_BN: Tensor, pos_BN: Tensor, mask: Tensor, cache: DynamicCache, layers: tuple[int, ...],
                  **kw):
-        out = self.model(input_ids=ids_BN, position_ids=pos_BN, attention_mask=mask, past_key_values=cache,
+        out = self._target(input_ids=ids_BN, position_ids=pos_BN, attention_mask=mask, past_key_values=cache,
                          use_cache=True, output_hidden_states=bool(layers), **kw)
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits, hidden  # [B, n, V], {layer: [B, n, D]}
@@ -264,35 +266,31 @@ class BatchedDecoder:
         pos = (valid.long().cumsum(1) - 1).clamp(min=0)
         causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
         block = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)  # padding sees itself
-        drafters = []
+        draft = None
         if drafter is not None:
-            for _ in range(B):
-                seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
-                drafters.append(fork_drafter(drafter, seed))
+            draft = drafter.rows([int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
+                                  for _ in range(B)])
         cache = self._new_cache()
         logits, hidden = self._forward(ids, pos, self._mask(valid[:, :0], block, pos), cache, layers, **self._prefill_kw)
         rows = _Rows(ids=list(range(B)), tokens=[], new=[], pos=[p.shape[0] for p in prompts], sampling=samplings,
-                     drafters=drafters, stats=[AcceptStats() for _ in range(B)], valid=valid, cache=cache)
+                     draft=draft, gens=[Generation(new_tokens=[], seconds=0.0) for _ in range(B)], valid=valid,
+                     cache=cache)
         for b, p in enumerate(prompts):
             nxt = self._next_token(logits[b, -1], samplings[b])
             rows.tokens.append(torch.cat([p.to(self.device), nxt]).view(1, -1))
             rows.new.append([int(nxt)])
-            if drafters:
-                drafters[b].observe({i: h[b:b + 1, P - p.shape[0]:] for i, h in hidden.items()})
+            if draft is not None:
+                draft.observe(b, {i: h[b:b + 1, P - p.shape[0]:] for i, h in hidden.items()})
         return rows
 
     def _draft(self, rows: _Rows, gamma: int, max_new: int) -> list[DraftTree]:
-        if gamma == 0 or not rows.drafters:
+        """Every row's proposal, from one call to the drafter's batch state (a plain step: none)."""
+        if gamma == 0 or rows.draft is None:
             return [self._empty] * len(rows.ids)
-        trees = []
-        for b, drafter in enumerate(rows.drafters):
-            depth = min(gamma, max_new - len(rows.new[b]))
-            if depth < 1:
-                trees.append(self._empty)
-                continue
-            tree = drafter.propose(rows.tokens[b], depth, rows.sampling[b])
+        depths = [min(gamma, max_new - len(new)) for new in rows.new]
+        trees = rows.draft.propose(rows.tokens, depths, rows.sampling)
+        for tree in trees:
             tree.check_shape(self.teacher.vocab_size)  # values: with the verdict (acceptance.settle)
-            trees.append(tree)
         return trees
 
     def _verify(self, rows: _Rows, trees: list[DraftTree], layers) -> tuple[list[Verdict], dict]:
@@ -318,38 +316,35 @@ class BatchedDecoder:
                 block[b, 1:1 + t.size, 1:1 + t.size] = ancestors_NN
         if not chains:  # padding slots see only themselves (column 0 is the pending token)
             block[:, 1:, 0] &= torch.cat([torch.arange(1, n, device=dev)[None] <= t.size for t in trees])
-        pos = torch.tensor(rows.pos, device=dev)[:, None] + offsets
+        pos = rows.valid.sum(1, keepdim=True) + offsets  # a row's valid columns are its cached tokens: its position
         logits, hidden = self._forward(ids, pos, self._mask(rows.valid, block, pos), rows.cache, layers)
-        packed = [decide(t, logits[b, :1 + t.size], rows.sampling[b], self.generator, vocab)
-                  for b, t in enumerate(trees)]
-        values = torch.cat([p for p in packed if p is not None]).tolist() if any(p is not None for p in packed) else []
-        results, at = [], 0
-        for b, (t, p) in enumerate(zip(trees, packed)):
-            if p is None:  # sampled siblings with draft probabilities: walked on the host
-                t.check(vocab)
-                results.append(walked(t, *tree_rejection_accept(t, warp(logits[b, :1 + t.size], rows.sampling[b]),
-                                                                 self.generator)))
-                continue
-            results.append(read_verdict(t, values[at: at + p.shape[0]], p, vocab))
-            at += p.shape[0]
-        kept = [[True] + [False] * (n - 1) for _ in trees]
-        for row, v in zip(kept, results):
-            for i in v.path:
-                row[1 + i] = True
-        used = 1 + max(max((c for c, k in enumerate(row) if k), default=0) for row in kept)
+        results = verdicts(trees, logits, rows.sampling, self.generator, vocab, self.typical)
+        used = 1 + max(1 + max(v.path) if v.path else 0 for v in results)  # the last column any row kept, + 1
         if used < n:  # columns past the last one any row kept are dropped now
             rows.cache.crop(-(n - used))
-        keep = torch.tensor([row[:used] for row in kept], dtype=torch.bool, device=dev)
+        keep = torch.zeros(B, used, dtype=torch.bool, device=dev)  # the pending token and the accepted nodes
+        keep[:, 0].fill_(True)
+        for b, v in enumerate(results):
+            if v.path:
+                keep[b].index_fill_(0, 1 + v.path_index[: len(v.path)], True)
         rows.valid = torch.cat([rows.valid, keep], dim=1)
         return results, hidden
 
     def _commit(self, rows: _Rows, trees: list[DraftTree], results: list[Verdict], hidden: dict) -> None:
+        """The one hand-off after a verification: each row's counts, its drafter's ``observe`` (the pending token's
+        and the accepted nodes' hidden states, in path order) and ``accepted`` (the path), its committed tokens."""
         for b, (tree, v) in enumerate(zip(trees, results)):
-            rows.stats[b].update(v.depth, len(v.path))
-            if rows.drafters:  # the pending token's and the accepted nodes' hidden states, in path order
+            gen = rows.gens[b]
+            gen.stats.update(v.depth, len(v.path))
+            if rows.draft is not None:
+                gen.nodes_per_forward[tree.size] += 1
+                if tree.size not in gen.shapes:
+                    gen.shapes[tree.size] = tree.parents.cpu()
+                gen.node_accepts[tree.size].update(v.path)
+                gen.context_tokens += rows.pos[b] + 1
                 keep = torch.cat([v.path_index.new_zeros(1), 1 + v.path_index[: len(v.path)]])
-                rows.drafters[b].observe({i: h[b:b + 1].index_select(1, keep) for i, h in hidden.items()})
-                rows.drafters[b].accepted(v.path)
+                rows.draft.observe(b, {i: h[b:b + 1].index_select(1, keep) for i, h in hidden.items()})
+                rows.draft.accepted(b, v.path)
             rows.tokens[b] = torch.cat([rows.tokens[b], v.committed_ids.view(1, -1).to(self.device)], dim=1)
             rows.new[b].extend(v.committed)
             rows.pos[b] += 1 + len(v.path)
@@ -362,8 +357,9 @@ class BatchedDecoder:
             return
         now = time.perf_counter() - start
         for b in done:
-            result.generations[rows.ids[b]] = Generation(new_tokens=finish(rows.new[b], max_new, self.eos_token_id), seconds=now,
-                                                         stats=rows.stats[b])
+            gen = rows.gens[b]
+            gen.new_tokens, gen.seconds = finish(rows.new[b], max_new, self.eos_token_id), now
+            result.generations[rows.ids[b]] = gen
         rows.keep([b for b in range(len(rows.ids)) if b not in done])
 
     def _maybe_compact(self, rows: _Rows) -> int:

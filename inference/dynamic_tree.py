@@ -40,46 +40,60 @@ def check_dynamic_tree_args(top_k: int, depth: int, total_tokens: int) -> None:
 
 
 def _best(values: Tensor, k: int) -> Tensor:
-    """Indices of the k largest values, ties to the earlier index (the order a stable sort gives)."""
-    return torch.sort(values, descending=True, stable=True).indices[:k]
+    """Indices of the k largest values along the last axis, ties to the earlier index (a stable sort's order)."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def _top(logits_FV: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """(log-probabilities [F, k] in float64, tokens [F, k]) of each row's k best tokens: top-k of the raw logits,
-    then minus the row's logsumexp, so no [F, V] log-softmax is written."""
+    """(log-probabilities [..., k] in float64, tokens [..., k]) of each row's k best tokens: top-k of the raw logits,
+    then minus the row's logsumexp, so no [..., V] log-softmax is written."""
     top = logits_FV.topk(min(k, logits_FV.shape[-1]), dim=-1)
     norm = torch.logsumexp(logits_FV.float(), -1, keepdim=True)
     return (top.values.float() - norm).double(), top.indices
 
 
 def expand_dynamic_tree(score: LevelScore, top_k: int, depth: int, total_tokens: int) -> DraftTree:
+    """One sequence's tree: ``expand_dynamic_trees`` with a batch of one (``score`` as in the module docstring)."""
+
+    def batched(level: int, parent_slot_BF: Optional[Tensor], tokens_BF: Optional[Tensor]) -> Tensor:
+        if level == 0:
+            return score(0, None, None)
+        return score(level, parent_slot_BF[0], tokens_BF[0])[None]
+
+    tokens, parents = expand_dynamic_trees(batched, top_k, depth, total_tokens)
+    return DraftTree(tokens[0], parents[0], chain_hint=top_k == 1, depth_bound=depth)
+
+
+def expand_dynamic_trees(score: LevelScore, top_k: int, depth: int, total_tokens: int) -> tuple[Tensor, Tensor]:
+    """B trees grown side by side (every row the same shape of expansion, its own values): (tokens [B, T], parents
+    [B, T]), T = min(total_tokens, nodes scored). ``score(0, None, None)`` gives the roots' logits [B, V];
+    ``score(d, parent_slot_BF, tokens_BF)`` row b's F frontier nodes' logits [B, F, V] (slots per row, as above)."""
     check_dynamic_tree_args(top_k, depth, total_tokens)
-    values, tokens = _top(score(0, None, None), top_k)
-    values, tokens = values[0], tokens[0]  # level 1: the root's children
-    dev = tokens.device
+    values, tokens = _top(score(0, None, None), top_k)  # level 1: the roots' children, [B, k]
+    B, dev = tokens.shape[0], tokens.device
     parents = torch.full_like(tokens, -1)  # node index of each node's parent (-1: the pending token)
     level = (values, tokens, torch.full_like(tokens, -1), 0)  # values, tokens, parents' slots, first node index
     all_values, all_tokens, all_parents, slots = [values], [tokens], [parents], 0
     for d in range(1, depth):
         lv, lt, lslot, start = level
-        front = _best(lv, top_k)  # the level's most valuable nodes (ties: created first)
-        F = front.shape[0]
-        child_v, child_t = _top(score(d, lslot[front], lt[front]), top_k)
-        k = child_t.shape[1]
-        child_v = (lv[front][:, None] + child_v).reshape(-1)
-        child_t = child_t.reshape(-1)
-        child_parent = (start + front)[:, None].expand(F, k).reshape(-1)
-        child_slot = (slots + torch.arange(F, device=dev))[:, None].expand(F, k).reshape(-1)
+        front = _best(lv, top_k)  # [B, F]: the level's most valuable nodes (ties: created first)
+        F = front.shape[1]
+        child_v, child_t = _top(score(d, lslot.gather(1, front), lt.gather(1, front)), top_k)  # [B, F, k]
+        k = child_t.shape[2]
+        child_v = (lv.gather(1, front)[:, :, None] + child_v).reshape(B, -1)
+        child_t = child_t.reshape(B, -1)
+        child_parent = (start + front)[:, :, None].expand(B, F, k).reshape(B, -1)
+        child_slot = (slots + torch.arange(F, device=dev))[None, :, None].expand(B, F, k).reshape(B, -1)
         slots += F
-        level = (child_v, child_t, child_slot, start + lv.shape[0])
+        level = (child_v, child_t, child_slot, start + lv.shape[1])
         all_values.append(child_v)
         all_tokens.append(child_t)
         all_parents.append(child_parent)
-    values, tokens, parents = torch.cat(all_values), torch.cat(all_tokens), torch.cat(all_parents)
+    values, tokens, parents = torch.cat(all_values, 1), torch.cat(all_tokens, 1), torch.cat(all_parents, 1)
     # Creation order is topological (a parent is created before its children); keep it among the kept nodes.
-    keep = _best(values, total_tokens).sort().values
-    new_index = torch.full_like(parents, -1)
-    new_index[keep] = torch.arange(keep.shape[0], device=dev)
-    kept_parents = parents[keep]
-    kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1)
-    return DraftTree(tokens[keep], kept_parents, chain_hint=top_k == 1, depth_bound=depth)
+    keep = _best(values, total_tokens).sort(dim=-1).values  # [B, T]
+    T = keep.shape[1]
+    new_index = torch.full_like(parents, -1).scatter_(1, keep, torch.arange(T, device=dev).expand(B, T))
+    kept_parents = parents.gather(1, keep)
+    kept_parents = torch.where(kept_parents >= 0, new_index.gather(1, kept_parents.clamp(min=0)), -1)
+    return tokens.gather(1, keep), kept_parents

@@ -1,15 +1,17 @@
 """Load-aware speculation: per step, draft γ tokens (0 = a plain step) where the measured costs say it pays.
 
-Under a batch the target forward is shared: its cost grows with the live batch size B and the tokens per row n,
-and drafting loops over rows (``inference.batched``). From three parts, measured in the decode loop itself
+Under a batch the target forward is shared: its cost grows with the live batch size B and the tokens per row n;
+drafting is one call for the batch (``inference.batched``), one forward per level for every row (EAGLE) or a loop
+over rows (the others), so its cost is measured per batch size too. From three parts, measured in the decode loop itself
 (``measure_steps``: decodes at every B and fixed γ)
     t_verify(B, n)  one batched verification step (forward, per-row acceptance, cache bookkeeping), n = 1 + γ
     t_draft(γ)      one proposal of depth γ for one sequence, catch-up included (t_draft(0) = 0: no proposal)
+    t_draft(B, γ)   one step's proposals for B live rows (whatever the drafter batches), where measured
     τ(γ)            tokens committed per sequence per step when drafting γ, from the calibration decodes at
                     the largest γ: τ(γ) = 1 + E[min(accepted, γ)] over their steps (exact for greedy chains whose
                     shorter proposal is a prefix of the longer one; an estimate otherwise)
 the expected throughput of a step is
-    tokens/s(B, γ) = B · τ(γ) / (t_verify(B, 1 + γ) + B · t_draft(γ))
+    tokens/s(B, γ) = B · τ(γ) / (t_verify(B, 1 + γ) + t_draft(B, γ))      (t_draft(B, γ) = B · t_draft(γ) if unmeasured)
 and the policy picks the γ in 0..γ_max that maximises it for the current live batch (ties: the smaller γ; and γ = 0
 unless the best beats a plain step by more than a small margin, as calibration is noisy). As B grows, verification
 stops being free and γ shrinks, down to 0 where speculation no longer pays.
@@ -39,6 +41,8 @@ class CostTable:
     t_verify: dict[int, dict[int, float]]  # batch size -> tokens per row n (1 = plain step) -> seconds per step
     t_draft: dict[int, float]  # γ -> seconds per proposal per sequence
     tau: dict[int, float]  # γ -> expected tokens committed per sequence per step; tau[0] = 1
+    # batch size -> γ -> seconds of one step's proposals for all live rows (batched drafting); None: B · t_draft[γ]
+    t_draft_batch: dict[int, dict[int, float]] | None = None
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,16 +57,18 @@ class CostTable:
         return sorted(g for g in self.tau if g in self.t_draft and g + 1 in sizes)
 
     def verify_seconds(self, batch: int, n: int) -> float:
-        sizes = sorted(self.t_verify)
-        if batch <= sizes[0] or len(sizes) == 1:
-            return self.t_verify[sizes[0]][n]
-        hi = next((s for s in sizes if s >= batch), sizes[-1])
-        lo = sizes[sizes.index(hi) - 1]
-        t_lo, t_hi = self.t_verify[lo][n], self.t_verify[hi][n]
-        return max(t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo), min(t_lo, t_hi))
+        return _interpolate(self.t_verify, batch, n)
+
+    def draft_seconds(self, batch: int, gamma: int) -> float:
+        """One step's proposals for ``batch`` live rows."""
+        if gamma == 0:
+            return 0.0
+        if self.t_draft_batch:
+            return _interpolate(self.t_draft_batch, batch, gamma)
+        return batch * self.t_draft[gamma]
 
     def step_seconds(self, batch: int, gamma: int) -> float:
-        return self.verify_seconds(batch, gamma + 1) + batch * self.t_draft[gamma]
+        return self.verify_seconds(batch, gamma + 1) + self.draft_seconds(batch, gamma)
 
     def throughput(self, batch: int, gamma: int) -> float:
         """Expected committed tokens per second of one step with ``batch`` live sequences drafting ``gamma``."""
@@ -83,7 +89,21 @@ class CostTable:
         """JSON-able (string keys), for reports."""
         return {"t_verify_s": {str(b): {str(n): s for n, s in row.items()} for b, row in self.t_verify.items()},
                 "t_draft_s": {str(g): s for g, s in self.t_draft.items()},
-                "tau": {str(g): t for g, t in self.tau.items()}}
+                "tau": {str(g): t for g, t in self.tau.items()},
+                "t_draft_batch_s": {str(b): {str(g): s for g, s in row.items()}
+                                    for b, row in (self.t_draft_batch or {}).items()}}
+
+
+def _interpolate(by_batch: dict[int, dict[int, float]], batch: int, key: int) -> float:
+    """``by_batch[B][key]`` at ``batch``: linear between measured batch sizes, the smallest's below them, the last
+    two's line above them (never below the smaller of those two)."""
+    sizes = sorted(by_batch)
+    if batch <= sizes[0] or len(sizes) == 1:
+        return by_batch[sizes[0]][key]
+    hi = next((s for s in sizes if s >= batch), sizes[-1])
+    lo = sizes[sizes.index(hi) - 1]
+    t_lo, t_hi = by_batch[lo][key], by_batch[hi][key]
+    return max(t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo), min(t_lo, t_hi))
 
 
 class LoadAwarePolicy:
@@ -127,7 +147,7 @@ def tau_by_gamma(stats: AcceptStats, max_gamma: int) -> dict[int, float]:
 
 @torch.no_grad()
 def measure_steps(decoder: BatchedDecoder, drafter, prompts: Sequence, batch_sizes: Sequence[int], max_gamma: int,
-                  tokens: int = 16, repeats: int = 2, min_rows: int = 16) -> tuple[dict, dict, AcceptStats]:
+                  tokens: int = 16, repeats: int = 2, min_rows: int = 16) -> tuple[dict, dict, AcceptStats, dict]:
     """Step costs measured in the decode loop itself, so they include everything a real step pays (the drafter's
     catch-up on accepted tokens, cache bookkeeping, a cache warmed by the other model's last call).
 
@@ -135,14 +155,17 @@ def measure_steps(decoder: BatchedDecoder, drafter, prompts: Sequence, batch_siz
     prompts for ``tokens`` new tokens at fixed γ (small B gets more rounds, at least ``min_rows`` rows per γ: a single
     prompt's step times and acceptance are too noisy to decide on, and small batches are cheap to repeat). t_verify(B, 1 + γ) = mean verification time of the steps where all
     B rows were live, fitted linearly in γ >= 1 per B (``inference.cost._fit_linear``: one noisy size must not steer
-    a decision); t_draft(γ) = mean draft time per row over those steps at every B. Means, not medians: throughput is
-    set by the mean, and step times are skewed. Returns them and the acceptance of the γ = max runs."""
+    a decision); t_draft(γ) = mean draft time per row over those steps at every B, t_draft(B, γ) = mean draft time
+    per step at B (a batched drafter's cost is not B times one row's). Means, not medians: throughput is set by the
+    mean, and step times are skewed. Returns (t_verify, t_draft, the acceptance of the γ = max runs, t_draft(B, γ))."""
     verify: dict[int, dict[int, float]] = {}
     draft: dict[int, list[float]] = {g: [] for g in range(1, max_gamma + 1)}
+    draft_batch: dict[int, dict[int, float]] = {}
     stats = AcceptStats()
     for B in sorted(set(batch_sizes)):
         decoder.speculative(drafter, prompts[:B], min(tokens, 3), max_gamma)  # first calls of a shape pay allocations
         times: dict[int, list[float]] = {g: [] for g in range(max_gamma + 1)}
+        step_draft: dict[int, list[float]] = {g: [] for g in range(1, max_gamma + 1)}
         for r in range(max(repeats, -(-min_rows // B))):
             batch = [prompts[(r * B + i) % len(prompts)] for i in range(B)]
             for g in times:
@@ -151,13 +174,15 @@ def measure_steps(decoder: BatchedDecoder, drafter, prompts: Sequence, batch_siz
                 times[g] += [verify_s for _, _, _, verify_s in full]
                 if g:
                     draft[g] += [draft_s / live for live, _, draft_s, _ in full]
+                    step_draft[g] += [draft_s * B / live for live, _, draft_s, _ in full]
                 if g == max_gamma:
                     stats.merge(gen.stats)
         # Fitted over γ >= 1 with the plain step (γ = 0) as measured: a first draft token can cost more than each
         # further one (another attention / acceptance path), as in inference.cost, which keys by draft nodes too.
         fitted = _fit_linear({g: statistics.fmean(t) for g, t in times.items() if t})
         verify[B] = {g + 1: s for g, s in fitted.items()}
-    return verify, {g: statistics.fmean(t) for g, t in draft.items() if t}, stats
+        draft_batch[B] = {g: statistics.fmean(t) for g, t in step_draft.items() if t}
+    return verify, {g: statistics.fmean(t) for g, t in draft.items() if t}, stats, draft_batch
 
 
 def calibrate(decoder: BatchedDecoder, drafter, prompts: Sequence, max_gamma: int, batch_sizes: Sequence[int],
@@ -165,8 +190,8 @@ def calibrate(decoder: BatchedDecoder, drafter, prompts: Sequence, max_gamma: in
     """The policy's cost table for ``drafter``: ``measure_steps`` at every batch size, τ(γ) from its γ = max runs."""
     if max_gamma < 1:
         raise ValueError(f"eval.num_draft must be >= 1 to calibrate a speculation policy, got {max_gamma}")
-    verify, draft, stats = measure_steps(decoder, drafter, prompts, batch_sizes, max_gamma, tokens, repeats)
-    return CostTable(verify, draft, tau_by_gamma(stats, max_gamma))
+    verify, draft, stats, draft_batch = measure_steps(decoder, drafter, prompts, batch_sizes, max_gamma, tokens, repeats)
+    return CostTable(verify, draft, tau_by_gamma(stats, max_gamma), draft_batch)
 
 
 def check_batch_sizes(sizes) -> list[int]:

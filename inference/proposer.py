@@ -5,6 +5,10 @@ so the decoder reads nothing drafter-specific (no EAGLE- or Medusa-only attribut
 One decode step calls, in order: ``propose`` (a chain or tree continuing the committed tokens), then after the
 target's verification ``observe`` (its hidden states of the newly committed positions, the layers named by
 ``teacher_layers``) and ``accepted`` (which proposed nodes were kept). ``reset`` starts a new sequence.
+
+A batch of sequences (``inference.batched``) is drafted through ``rows(seeds)``: a ``ProposerRows`` holding every
+row's state, whose ``propose`` drafts all rows at once (EAGLE: one drafter forward per tree level for the whole
+batch; drafters without a batched path loop over per-row copies, ``heads.base.ForkedRows``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,20 @@ from torch import Tensor
 
 from inference.sampling import SamplingConfig
 from inference.tree import DraftTree
+
+
+@runtime_checkable
+class ProposerRows(Protocol):
+    """The decoding state of B sequences (row order = the batch's). The same calls as ``Proposer``'s, per row,
+    except ``propose``, which drafts every row in one call; ``keep`` drops the rows that left the batch."""
+
+    def observe(self, row: int, hidden: dict[int, Tensor]) -> None: ...
+
+    def accepted(self, row: int, path: list[int]) -> None: ...
+
+    def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]: ...
+
+    def keep(self, rows: list[int]) -> None: ...
 
 
 @runtime_checkable
@@ -38,3 +56,5 @@ class Proposer(Protocol):
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig) -> DraftTree: ...
 
     def set_tree(self, spec) -> None: ...
+
+    def rows(self, seeds: list[int]) -> ProposerRows: ...  # a batch of len(seeds) new sequences

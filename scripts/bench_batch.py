@@ -7,7 +7,8 @@
 What it does, in one process so every ratio is measured side by side (``eval.batch_sweep``):
 1. builds (or loads from cache) the target and a small draft LM pretrained on this interpreter's stdlib source,
 2. calibrates the load-aware policy per drafter (``inference.policy.calibrate``: short decodes at every batch size
-   and γ give t_verify(B, n), t_draft(γ) and τ(γ)),
+   and γ give t_verify(B, n), t_draft(B, γ) (one step's proposals for B rows: EAGLE and Medusa draft every row in one
+   call) and τ(γ)),
 3. for each batch size decodes the same held-out prompts in batches: plain, always-on (γ = eval.num_draft) and
    policy=auto, for the draft model (chain) and prompt lookup (``--drafter-path`` adds a trained drafter),
 4. writes JSON: machine, settings, per batch size tokens/s, latency, τ, speedup, auto / best; the crossover batch

@@ -19,7 +19,8 @@ from distill.teacher import Teacher
 from heads.base import TargetDims, build_drafter
 from heads.draft_model import DraftModel
 from heads.eagle import EagleDrafter
-from inference.batched import BatchedDecoder, fork_drafter
+from heads.base import fork_drafter
+from inference.batched import BatchedDecoder
 from inference.decoder import Decoder, DecoderConfig
 from inference.policy import (
     CostTable,
@@ -240,11 +241,11 @@ def test_unsupported_attention_layer_types_are_refused_with_the_list():
 
 
 @pytest.mark.parametrize("batches", [pytest.param(700, id="700"), pytest.param(5_000, id="5k", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", ["draft_model", "medusa_tree"])
+@pytest.mark.parametrize("kind", ["draft_model", "medusa_tree", "eagle_tree"])
 def test_sampling_distribution_at_batch_4(batches, kind):
     """Rows of two prompts of different lengths (left padding, ragged acceptance) decoded 4 at a time with a sampled
-    draft model (Leviathan/Chen) or a top-k Medusa tree (recursive rejection): each prompt's first 3 tokens must match
-    the target's exact distribution."""
+    draft model (Leviathan/Chen), a top-k Medusa tree or an EAGLE dynamic tree drafted for all rows at once (recursive
+    rejection): each prompt's first 3 tokens must match the target's exact distribution."""
     teacher, drafter = _decoder_setup(kind)
     short, long = torch.tensor([[1, 2, 3]]), torch.tensor([[3, 0, 2, 1, 1, 0, 2]])
     decoder = BatchedDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)

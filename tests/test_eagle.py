@@ -9,7 +9,8 @@ import torch
 from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import TargetDims, load_drafter, save_drafter
-from heads.eagle import EagleDrafter, _NodeStore, default_feature_layers, ttt_mask, vocab_maps
+from heads.eagle import EagleDrafter, default_feature_layers, ttt_mask, vocab_maps
+from heads.eagle_decode import BatchNodes, score_level
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
 from inference.stats import simulated_tau
@@ -55,12 +56,14 @@ def test_training_time_test_equals_decoding(tiny_teacher, variant, kw):
         with torch.no_grad():
             root = drafter._advance(ids[0, : t + 2])
             torch.testing.assert_close(drafter._logits(root[None])[0], out.terms[0].student_NV[t], atol=1e-5, rtol=1e-5)
-            nodes = _NodeStore(root)
+            nodes = BatchNodes(root[None])
+            ctx_k, ctx_v = drafter._ctx_kv
+            ctx = (ctx_k, ctx_v, torch.ones(1, ctx_k.shape[2], dtype=torch.bool), torch.tensor([t + 1]))
             for j in (1, 2):  # the real continuation as a chain of draft nodes (slot j - 1, under slot j - 2)
                 tok = int(drafter.t2d[ids[0, t + 1 + j]]) if variant == "eagle3" else int(ids[0, t + 1 + j])
                 if tok < 0:
                     break  # the real token is outside the draft vocabulary: no node can carry it
-                got = drafter._score_nodes(j, torch.tensor([j - 2]), torch.tensor([tok]), nodes, t + 1)[0]
+                got = score_level(drafter, j, torch.tensor([[j - 2]]), torch.tensor([[tok]]), nodes, *ctx)[0, 0]
                 got = got.float().log_softmax(-1)
                 torch.testing.assert_close(got, out.terms[j].student_NV[t].log_softmax(-1), atol=1e-5, rtol=1e-5)
 
@@ -236,3 +239,39 @@ def test_auto_tune_refuses_dynamic_trees_but_tunes_chains(tiny_teacher):
         auto_tune(dec, drafter, prompts, 12, 3, repeats=2)
     drafter.set_tree("chain")
     assert auto_tune(dec, drafter, prompts, 12, 3, repeats=2)["chosen"]["num_draft"] in (1, 2, 3)
+
+
+@pytest.mark.parametrize("variant,kw", VARIANTS)
+@pytest.mark.parametrize("tree", ["dynamic", "chain"])
+def test_batched_rows_draft_what_each_row_drafts_alone(tiny_teacher, variant, kw, tree):
+    """``EagleRows`` drafts three rows of different lengths in one forward per level (ragged context cache, several
+    steps of ragged catch-up): every row's tree equals the one the drafter proposes for that sequence alone."""
+    drafter = make(tiny_teacher, variant, tree=tree, **kw)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (5, 11, 8)]
+    rows = drafter.rows([0, 1, 2])
+    observed = [0, 0, 0]
+    for step, grow in enumerate([(0, 0, 0), (1, 3, 2), (4, 1, 1)]):
+        for b, extra in enumerate(grow):  # the rows' contexts grow by different amounts between proposals
+            if extra:
+                seqs[b] = torch.cat([seqs[b], torch.randint(0, 128, (1, extra), generator=g)], 1)
+        for b, seq in enumerate(seqs):  # features of every fed token (all but the last), once each
+            hidden = tiny_teacher(seq[:, :-1], None, drafter.teacher_layers).hidden
+            rows.observe(b, {i: h[:, observed[b]:] for i, h in hidden.items()})
+            observed[b] = seq.shape[1] - 1
+        together = rows.propose(seqs, [3, 3, 3], [None] * 3)
+        for b, seq in enumerate(seqs):
+            drafter.reset()
+            drafter.observe(tiny_teacher(seq[:, :-1], None, drafter.teacher_layers).hidden)
+            alone = drafter.propose(seq, 3)
+            assert together[b].tokens.tolist() == alone.tokens.tolist(), f"step {step}, row {b}: tokens differ"
+            assert together[b].parents.tolist() == alone.parents.tolist(), f"step {step}, row {b}: shape differs"
+    rows.keep([2, 0])  # a row leaves the batch: the others keep their state
+    seqs = [torch.cat([seqs[2], seqs[2][:, :1]], 1), torch.cat([seqs[0], seqs[0][:, :1]], 1)]
+    for b, seq in enumerate(seqs):
+        rows.observe(b, {i: h[:, -1:] for i, h in tiny_teacher(seq[:, :-1], None, drafter.teacher_layers).hidden.items()})
+    together = rows.propose(seqs, [2, 2], [None] * 2)
+    for b, seq in enumerate(seqs):
+        drafter.reset()
+        drafter.observe(tiny_teacher(seq[:, :-1], None, drafter.teacher_layers).hidden)
+        assert together[b].tokens.tolist() == drafter.propose(seq, 2).tokens.tolist()

@@ -211,6 +211,16 @@ def _decoder_setup(kind):
     dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
     if kind == "draft_model":  # a chain sampled from a different LM: Leviathan/Chen through the loop
         return teacher, DraftModel(dims, model=_tiny(1))
+    if kind == "eagle_tree":  # a top-k dynamic tree (point masses) from a feature drafter: recursive rejection
+        from heads.eagle import EagleDrafter
+
+        torch.manual_seed(3)
+        eagle = EagleDrafter(dims, variant="eagle1", top_k=2, total_tokens=4)
+        eagle.bind_target(teacher, initialize=False)
+        with torch.no_grad():
+            for p in eagle.parameters():
+                p.normal_(0, 0.5)
+        return teacher, eagle.eval()
     medusa = MedusaHeads(dims, num_heads=2, tree=[[0], [1], [0, 0], [1, 0], [0, 1]])
     torch.manual_seed(2)
     with torch.no_grad():

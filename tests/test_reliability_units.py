@@ -306,7 +306,7 @@ def test_damaged_checkpoint_files_are_one_clear_error(tiny_teacher, tmp_path):
 
 
 def test_context_overflow_advice_includes_num_draft():
-    from inference.decoder import _check_prompt
+    from inference.generation import check_prompt
 
     with pytest.raises(ValueError, match="eval.num_draft"):
-        _check_prompt(torch.ones(1, 10, dtype=torch.long), 10, 200, 128)
+        check_prompt(torch.ones(1, 10, dtype=torch.long), 10, 200, 128)

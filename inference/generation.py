@@ -1,0 +1,95 @@
+"""What a decode returns and the checks every decoder shares: ``Generation`` (one sequence's new tokens, times and
+acceptance counts), ``finish`` (where every decoder and baseline cuts its output), the vocabulary and prompt checks,
+and the prefill's ``logits_to_keep``. Below both ``inference.decoder`` (batch 1) and ``inference.batched`` (the one
+decode loop they share)."""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from inference.proposer import Proposer
+from inference.stats import AcceptStats
+
+ACCEPTANCE_RULES = ("exact", "typical")  # exact: greedy match / rejection sampling (lossless); typical: Medusa's, lossy
+
+
+@dataclass
+class Generation:
+    new_tokens: list[int]
+    seconds: float
+    stats: AcceptStats = field(default_factory=AcceptStats)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    nodes_per_forward: Counter = field(default_factory=Counter)  # tree size -> verification forwards
+    # tree size -> node index -> times that node was on the accepted path (static trees: the cost model's input)
+    node_accepts: dict = field(default_factory=lambda: defaultdict(Counter))
+    context_tokens: int = 0  # committed context length summed over verification forwards (mean = / forwards)
+    shapes: dict = field(default_factory=dict)  # tree size -> parents of a tree of that size (to time it alone)
+
+    def merge(self, other: "Generation") -> "Generation":
+        """Add ``other`` into this one (an evaluation's total over its prompts): tokens appended, times, counts and
+        statistics summed; the first tree shape seen for a size is kept."""
+        self.new_tokens = self.new_tokens + list(other.new_tokens)
+        self.seconds += other.seconds
+        self.stats.merge(other.stats)
+        self.prefill_seconds += other.prefill_seconds
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+        self.nodes_per_forward.update(other.nodes_per_forward)
+        for size, row in other.node_accepts.items():
+            self.node_accepts[size].update(row)
+        for size, parents in other.shapes.items():
+            self.shapes.setdefault(size, parents)
+        self.context_tokens += other.context_tokens
+        return self
+
+
+def finish(committed: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """The new tokens a decode returns: at most ``max_new_tokens``, ending at the first EOS (kept) if any. Every
+    decoder and baseline cuts its output here, so their outputs compare token for token."""
+    committed = list(committed)[:max_new_tokens]
+    if eos_token_id is not None and eos_token_id in committed:
+        return committed[: committed.index(eos_token_id) + 1]
+    return committed
+
+
+def check_vocab(drafter: Proposer, vocab_size: int) -> None:
+    """A drafter proposes ids of the target's vocabulary (both decoders check it before the first step)."""
+    if drafter.dims.vocab_size != vocab_size:
+        raise ValueError(
+            f"drafter {drafter.name!r} has vocab_size={drafter.dims.vocab_size} but the target has "
+            f"{vocab_size}; a drafter must share the target's tokenizer"
+        )
+
+
+def check_prompt(prompt_ids: Tensor, max_new_tokens: int, lookahead: int, max_positions: int) -> None:
+    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+        raise ValueError(f"prompt_ids must have shape [1, n], got {tuple(prompt_ids.shape)}")
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("empty prompt: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    needed = prompt_ids.shape[1] + max_new_tokens + lookahead
+    if max_positions and needed > max_positions:
+        raise ValueError(
+            f"prompt of {prompt_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} + {lookahead} draft tokens "
+            f"needs {needed} positions, more than the target's max_position_embeddings={max_positions}; "
+            f"shorten the prompt (eval.prompt_tokens), or lower eval.max_new_tokens or eval.num_draft"
+        )
+
+
+def prefill_kwargs(model) -> dict:
+    """The prefill needs the logits at the last prompt position only (V per position otherwise: at a real vocabulary
+    more than the rest of a short decode costs). Models without ``logits_to_keep`` compute them all."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":  # timings must cover the kernels, not just their launch
+        torch.cuda.synchronize(device)
