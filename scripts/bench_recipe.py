@@ -58,6 +58,7 @@ ROWS = {
     "eagle1_tvd_kl1": ([*E1, "loss=tvd", "drafter.kl_weight=1.0"], 350),
     "eagle1_topk_kl1": ([*E1, "loss=topk_fkl", "drafter.kl_weight=1.0"], 350),
     "eagle1_top1ce_kl1": ([*E1, "loss=topk_fkl", "loss.k=1", "drafter.kl_weight=1.0"], 350),  # CE on the target's argmax
+    "eagle1_top1ce": ([*E1, "loss=topk_fkl", "loss.k=1"], 350),  # the same at the default kl_weight 0.1
     "eagle1_fkl_t0.5_kl1": ([*E1, "loss.temperature=0.5", "drafter.kl_weight=1.0"], 350),
     # The target's greedy answers (REGEN_T0, written by `python -m distill.regenerate`, cost reported apart).
     "eagle1_regen0": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}"], 350),
@@ -65,6 +66,7 @@ ROWS = {
                                    "drafter.feature_loss_weight=0.1"], 350),
     "eagle1_regen0_top1ce_kl1": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1",
                                   "drafter.kl_weight=1.0"], 350),
+    "eagle1_regen0_top1ce": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1"], 350),
     "eagle1_regen0_10cpumin": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}"], 1000),
     "eagle1_10cpumin": (E1, 1000),  # 0.57 CPU s/step measured at load ~5 (lr 1e-2 row): 1,200 would overrun
     "eagle3_10cpumin": (E3, 280),
