@@ -35,6 +35,9 @@ from statistics import mean
 ROOT = Path(__file__).resolve().parents[1]
 
 E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
+# Regenerated data for the "_regen" rows: `python -m distill.regenerate regenerate.out=<this> regenerate.temperature=0
+# regenerate.num_prompts=1400` (the toy target's greedy answers to the first 64 tokens of 1,400 training rows).
+REGEN_T0 = os.environ.get("SPECDRAFT_REGEN_T0", "/tmp/h21/regen_t0.jsonl")
 # name -> (overrides, steps). Step counts of the equal-CPU rows come from the measured CPU per step (startup
 # excluded, load ~3): EAGLE-1 0.49 s, with TTT 2 0.66 s, TTT 3 0.88 s; EAGLE-3 TTT 2 0.78 s, TTT 4 1.29 s (TTT 7
 # extrapolated: ~2.0 s). "_eqcpu" matches EAGLE-1's 350 steps (~184 CPU s); "_10cpumin" stays under 600 CPU s.
@@ -49,7 +52,23 @@ ROWS = {
     "eagle1_noise0.2": ([*E1, "drafter.feature_noise=0.2"], 350),
     "eagle1_kl1": ([*E1, "drafter.kl_weight=1.0"], 350),
     "eagle1_kl0": ([*E1, "drafter.kl_weight=0.0"], 350),
-    "eagle1_10cpumin": (E1, 1200),
+    "eagle1_lr5e-3": ([*E1, "trainer.lr=5e-3"], 350),
+    "eagle1_lr1e-2": ([*E1, "trainer.lr=1e-2"], 350),
+    "eagle1_kl1_feat0.1": ([*E1, "drafter.kl_weight=1.0", "drafter.feature_loss_weight=0.1"], 350),
+    "eagle1_tvd_kl1": ([*E1, "loss=tvd", "drafter.kl_weight=1.0"], 350),
+    "eagle1_topk_kl1": ([*E1, "loss=topk_fkl", "drafter.kl_weight=1.0"], 350),
+    "eagle1_top1ce_kl1": ([*E1, "loss=topk_fkl", "loss.k=1", "drafter.kl_weight=1.0"], 350),  # CE on the target's argmax
+    "eagle1_top1ce": ([*E1, "loss=topk_fkl", "loss.k=1"], 350),  # the same at the default kl_weight 0.1
+    "eagle1_fkl_t0.5_kl1": ([*E1, "loss.temperature=0.5", "drafter.kl_weight=1.0"], 350),
+    # The target's greedy answers (REGEN_T0, written by `python -m distill.regenerate`, cost reported apart).
+    "eagle1_regen0": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}"], 350),
+    "eagle1_regen0_kl1_feat0.1": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}", "drafter.kl_weight=1.0",
+                                   "drafter.feature_loss_weight=0.1"], 350),
+    "eagle1_regen0_top1ce_kl1": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1",
+                                  "drafter.kl_weight=1.0"], 350),
+    "eagle1_regen0_top1ce": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1"], 350),
+    "eagle1_regen0_10cpumin": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}"], 1000),
+    "eagle1_10cpumin": (E1, 1000),  # 0.57 CPU s/step measured at load ~5 (lr 1e-2 row): 1,200 would overrun
     "eagle3_10cpumin": (E3, 280),
     "eagle3_ttt4_10cpumin": ([*E3, "drafter.ttt_steps=4"], 500),  # measured 661 CPU s: over the budget
     "eagle3_ttt2_10cpumin": ([*E3, "drafter.ttt_steps=2"], 600),

@@ -41,3 +41,23 @@ def test_bench_recipe_tiny_rows_are_lossless_and_resume(tmp_path, monkeypatch, c
     assert "eagle1/s0: done already" in capsys.readouterr().out
     bench.main([*argv[:4], "--table"])
     assert "| eagle1_ttt2 | 0 |" in capsys.readouterr().out
+
+
+def test_every_row_composes_into_a_valid_config():
+    """A row whose override is misspelt (or names a key its drafter / loss lacks) fails here, not after minutes of
+    training; a row must also change something, or it measures the baseline twice."""
+    from hydra import compose, initialize_config_dir
+
+    from train.config import load_config, register_configs
+
+    bench = _load()
+    register_configs()
+    conf = str(SCRIPT.parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        base = load_config(compose(config_name="config", overrides=["drafter=eagle1"]))
+        for name, (overrides, steps) in bench.ROWS.items():
+            cfg = load_config(compose(config_name="config", overrides=[*overrides, *bench.TRAIN, f"trainer.steps={steps}"]))
+            assert cfg.trainer.steps == steps > 0, name
+            if name != "eagle1" and steps == 350:
+                assert (cfg.drafter, cfg.loss, cfg.data, cfg.trainer.lr) != (base.drafter, base.loss, base.data,
+                                                                            base.trainer.lr), name
