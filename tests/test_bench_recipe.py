@@ -61,3 +61,25 @@ def test_every_row_composes_into_a_valid_config():
             if name != "eagle1" and steps == 350:
                 assert (cfg.drafter, cfg.loss, cfg.data, cfg.trainer.lr) != (base.drafter, base.loss, base.data,
                                                                             base.trainer.lr), name
+
+
+def test_experiment_preset_is_the_winning_recipe_row_and_asks_for_its_data(tmp_path):
+    """conf/experiment/eagle1_regen_top1.yaml composes to the overrides of bench_recipe's winning row
+    (eagle1_regen0_top1ce_kl1); without data.regenerated it is refused, naming the key."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from train.config import load_config, register_configs
+
+    register_configs()
+    conf = str(SCRIPT.parents[1] / "conf")
+    row = _load().ROWS["eagle1_regen0_top1ce_kl1"][0]
+    regen = str(tmp_path / "regen.jsonl")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        preset = compose(config_name="config", overrides=["experiment=eagle1_regen_top1", f"data.regenerated={regen}"])
+        by_hand = compose(config_name="config", overrides=[o if not o.startswith("data.regenerated=") else
+                                                           f"data.regenerated={regen}" for o in row])
+        missing = compose(config_name="config", overrides=["experiment=eagle1_regen_top1"])
+    for node in ("data", "loss", "drafter"):
+        assert OmegaConf.to_container(preset[node]) == OmegaConf.to_container(by_hand[node])
+    with pytest.raises(Exception, match="data.regenerated"):
+        load_config(missing)
