@@ -47,7 +47,7 @@ def rss_gb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 1e9
 
 
-def worker(impl: str, code: str, kind: str, loss: str, n: int, vocab: int, dim: int) -> dict:
+def worker(impl: str, code: str, kind: str, loss: str, n: int, vocab: int, dim: int, chunk: int) -> dict:
     """One measurement in this (fresh) process; ``impl`` before | after | after_projected."""
     sys.path.insert(0, code)
     import functools
@@ -58,7 +58,7 @@ def worker(impl: str, code: str, kind: str, loss: str, n: int, vocab: int, dim: 
     import distill.losses as losses
 
     if impl != "before":  # imported before the first RSS reading: their code is not the loss path's memory
-        from distill.chunked import TeacherRows, chunked_divergence
+        from distill.chunked import CHUNK_ELEMENTS, TeacherRows, chunked_divergence
         from distill.teacher_output import TeacherOutput
     torch.manual_seed(0)
     terms, draft_vocab, trainable = KINDS[kind]
@@ -97,7 +97,8 @@ def worker(impl: str, code: str, kind: str, loss: str, n: int, vocab: int, dim: 
         b_N, t_N = torch.zeros(n, dtype=torch.long), torch.arange(n)
         total = 0
         for k in range(terms):
-            total = total + chunked_divergence(hidden[k], heads[k], TeacherRows(signal, b_N, t_N, cols), fn)[0]
+            total = total + chunked_divergence(hidden[k], heads[k], TeacherRows(signal, b_N, t_N, cols), fn,
+                                               chunk or CHUNK_ELEMENTS)[0]
     total.backward()
     cpu = time.process_time() - cpu0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
@@ -105,11 +106,13 @@ def worker(impl: str, code: str, kind: str, loss: str, n: int, vocab: int, dim: 
     return {"impl": impl, "kind": kind, "loss": loss, "n": n, "vocab": vocab, "dim": dim, "terms": terms,
             "draft_vocab": draft_vocab, "loss_value": float(total.detach()), "rss_start_gb": round(rss0, 3),
             "inputs_gb": round(rss_in - rss0, 3), "peak_gb": round(peak, 3), "loss_gb": round(peak - max(rss_in, peak_in), 3),
-            "total_gb": round(peak - rss0, 3), "loss_cpu_s": round(cpu, 2)}
+            "total_gb": round(peak - rss0, 3), "loss_cpu_s": round(cpu, 2),
+            "chunk_elements": None if impl == "before" else chunk or CHUNK_ELEMENTS}
 
 
 def run(impl: str, code: Path, kind: str, loss: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", impl, str(code), kind, loss, str(args.n), str(args.vocab), str(args.dim)]
+    cmd = [sys.executable, __file__, "--worker", impl, str(code), kind, loss, str(args.n), str(args.vocab), str(args.dim),
+           str(args.chunk_elements or 0)]
     cap = int(args.max_gb * 1e9)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": str(args.threads)},
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
@@ -128,14 +131,15 @@ def table(data: dict) -> str:
         ratio = f"{a['loss_gb'] / b['loss_gb']:.2f}×" if "loss_gb" in a and "loss_gb" in b else "-"
         pr = f"{p['total_gb'] / b['total_gb']:.2f}×" if "total_gb" in p and "total_gb" in b else "-"
         kind, loss = key.split("/")
+        loss = loss.replace(" @", ", chunk elements ")
         lines.append(f"| {kind} | {loss} | {f(b, 'loss_gb')} | {f(a, 'loss_gb')} | {ratio} | {f(p, 'total_gb')} | {pr} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        impl, code, kind, loss, n, vocab, dim = sys.argv[2:9]
-        print(json.dumps(worker(impl, code, kind, loss, int(n), int(vocab), int(dim))))
+        impl, code, kind, loss, n, vocab, dim, chunk = sys.argv[2:10]
+        print(json.dumps(worker(impl, code, kind, loss, int(n), int(vocab), int(dim), int(chunk))))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", type=Path, help="a checkout with the materialised losses (e.g. git worktree at 806e297)")
@@ -145,6 +149,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunk-elements", type=int, default=None, help="after: trainer.loss_chunk_elements (default 2^25)")
     ap.add_argument("--max-gb", type=float, default=18.0, help="address-space cap per run")
     ap.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "bench_loss_memory_cpu.json")
     ap.add_argument("--table", action="store_true")
@@ -161,7 +166,8 @@ def main() -> None:
                        "torch": torch.__version__, "threads": args.threads}
     for kind in args.kinds:
         for loss in args.losses:
-            row = data["rows"].setdefault(f"{kind}/{loss}", {})
+            suffix = f" @{args.chunk_elements}" if args.chunk_elements else ""
+            row = data["rows"].setdefault(f"{kind}/{loss}{suffix}", {})
             impls = [("before", args.before.resolve()), ("after", ROOT)]
             if KINDS[kind][1] is None:  # a full-vocabulary teacher: the projected form applies
                 impls.append(("after_projected", ROOT))
