@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import Cache
 
 from inference.acceptance import Verdict, decide, read_verdict, tree_rejection_accept, typical_accept, walked
 from inference.masks import AttentionLayout
@@ -29,6 +29,7 @@ from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.stats import AcceptStats
 from inference.tree import DraftTree, compact_cache, verify_inputs
 
+TREE_HEADROOM = 64  # preallocated cache columns for the nodes of one verification forward
 ACCEPTANCE_RULES = ("exact", "typical")  # exact: greedy match / rejection sampling (lossless); typical: Medusa's, lossy
 
 
@@ -169,7 +170,7 @@ class Decoder:
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
-    def _forward(self, inputs: dict, cache: DynamicCache, layers: tuple[int, ...]):
+    def _forward(self, inputs: dict, cache: Cache, layers: tuple[int, ...]):
         out = self._target(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
@@ -189,7 +190,7 @@ class Decoder:
         _check_prompt(prompt_ids, max_new_tokens, 0, self.max_positions)
         _sync(self.device)
         start = time.perf_counter()
-        cache = self.layout.new_cache()
+        cache = self.layout.new_cache(capacity=prompt_ids.shape[1] + max_new_tokens)
         logits, _ = self._forward({"input_ids": prompt_ids.to(self.device), **self.prefill_kw}, cache, ())
         nxt = self._next_token(logits[-1])
         out = [int(nxt)]
@@ -225,7 +226,8 @@ class Decoder:
         gen = Generation(new_tokens=[], seconds=0.0)
         _sync(device)
         start = time.perf_counter()
-        cache = self.layout.new_cache()
+        # Room for the whole decode plus one verified tree (a larger tree makes the cache grow once)
+        cache = self.layout.new_cache(capacity=prompt_ids.shape[1] + max_new_tokens + TREE_HEADROOM)
         drafter.reset(seed=int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device)))
         logits, hidden = self._forward({"input_ids": prompt_ids.to(device), **self.prefill_kw}, cache, layers)
         drafter.observe(hidden)
