@@ -48,6 +48,7 @@ from transformers import DynamicCache
 from inference.acceptance import Verdict, verdicts
 from inference.generation import (ACCEPTANCE_RULES, Generation, check_prompt, check_vocab, finish, prefill_kwargs,
                                   sync)
+from inference.kv_cache import TREE_HEADROOM, PreallocatedCache
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer, ProposerRows
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
@@ -194,7 +195,7 @@ class BatchedDecoder:
         result = BatchGeneration(generations=[None] * len(prompts))
         sync(self.device)
         start = time.perf_counter()
-        rows = self._prefill(prompts, samplings, drafter, layers)
+        rows = self._prefill(prompts, samplings, drafter, layers, max_new)
         sync(self.device)
         result.prefill_seconds = time.perf_counter() - start
         self._retire(rows, result, max_new, start)
@@ -233,8 +234,10 @@ class BatchedDecoder:
                              f"prompt, or a single one for the whole batch")
         return sampling
 
-    def _new_cache(self) -> DynamicCache:
-        return self.layout.new_cache()  # plain layers only: see the module docstring
+    def _new_cache(self, capacity: int) -> DynamicCache | PreallocatedCache:
+        """Room for ``capacity`` columns per row, appended in place (``inference.kv_cache``; it grows if holes
+        need more); plain layers only: see the module docstring."""
+        return self.layout.new_cache(capacity=capacity)
 
     def _forward(self, ids_BN: Tensor, pos_BN: Tensor, mask: Tensor, cache: DynamicCache, layers: tuple[int, ...],
                  **kw):
@@ -256,7 +259,7 @@ class BatchedDecoder:
             return logits_V.argmax(-1, keepdim=True)
         return sample(warp(logits_V[None], sampling), self.generator)
 
-    def _prefill(self, prompts: list[Tensor], samplings: list[SamplingConfig], drafter, layers) -> _Rows:
+    def _prefill(self, prompts: list[Tensor], samplings: list[SamplingConfig], drafter, layers, max_new: int) -> _Rows:
         B, P = len(prompts), max(p.shape[0] for p in prompts)
         ids = torch.full((B, P), PAD_ID, dtype=torch.long, device=self.device)
         valid = torch.zeros(B, P, dtype=torch.bool, device=self.device)
@@ -270,7 +273,7 @@ class BatchedDecoder:
         if drafter is not None:
             draft = drafter.rows([int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
                                   for _ in range(B)])
-        cache = self._new_cache()
+        cache = self._new_cache(P + max_new + TREE_HEADROOM)
         logits, hidden = self._forward(ids, pos, self._mask(valid[:, :0], block, pos), cache, layers, **self._prefill_kw)
         rows = _Rows(ids=list(range(B)), tokens=[], new=[], pos=[p.shape[0] for p in prompts], sampling=samplings,
                      draft=draft, gens=[Generation(new_tokens=[], seconds=0.0) for _ in range(B)], valid=valid,
@@ -372,6 +375,9 @@ class BatchedDecoder:
         # A stable sort puts each row's invalid columns first and keeps its valid ones in order.
         order = torch.sort(rows.valid.to(torch.int8), dim=1, stable=True).indices[:, S - M:]  # [B, M]
         rows.valid = rows.valid.gather(1, order)
+        if isinstance(rows.cache, PreallocatedCache):  # in place, inside each layer's buffer
+            rows.cache.gather_columns(order)
+            return 1
         for layer in rows.cache.layers:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, index)

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import Cache
 
 from inference.acceptance import Verdict, verdicts
 from inference.batched import BatchedDecoder
@@ -57,9 +57,10 @@ class DecoderConfig:
     # the crossover batch size where speculation stops paying (eval.batch_sweep); null: batch 1 only
     batch_sizes: Optional[List[int]] = None
     policy: str = "always"  # batched decoding: always (γ = eval.num_draft every step) | auto (inference.policy)
-    # torch.compile the target's forward (prefill, verification, plain steps) with dynamic shapes, so a new tree size
-    # or context length does not recompile; CUDA: mode="reduce-overhead" (CUDA graphs). The first call pays the
-    # compilation (about a minute on CPU for a tiny model).
+    # torch.compile the target's forward for verification and plain steps (the prefill runs eager) with dynamic
+    # shapes and one call signature, so a new tree size or context length does not recompile: two graphs, with and
+    # without a tree mask; CUDA: mode="reduce-overhead" (CUDA graphs). The first calls pay the compilation (about a
+    # minute on CPU for a tiny model).
     compile: bool = False
 
     def sampling(self) -> SamplingConfig:
@@ -103,8 +104,15 @@ class Decoder:
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
-    def _forward(self, inputs: dict, cache: DynamicCache, layers: tuple[int, ...]):
-        out = self._target(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+    def _forward(self, inputs: dict, cache: Cache, layers: tuple[int, ...]):
+        past = cache.get_seq_length()
+        if self._target is self.model or not past:  # eager; the prefill always (once per decode, any prompt length)
+            out = self.model(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+        else:  # compiled steps see one call signature, so plain steps, chains and trees share graphs: 2 (mask or not)
+            if "position_ids" not in inputs:
+                n = inputs["input_ids"].shape[1]
+                inputs = {**inputs, "position_ids": torch.arange(past, past + n, device=self.device)[None]}
+            out = self._target(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
 
@@ -123,7 +131,7 @@ class Decoder:
         check_prompt(prompt_ids, max_new_tokens, 0, self.max_positions)
         sync(self.device)
         start = time.perf_counter()
-        cache = self.layout.new_cache()
+        cache = self.layout.new_cache(capacity=prompt_ids.shape[1] + max_new_tokens)
         logits, _ = self._forward({"input_ids": prompt_ids.to(self.device), **self.prefill_kw}, cache, ())
         nxt = self._next_token(logits[-1])
         out = [int(nxt)]

@@ -3,16 +3,21 @@
     python scripts/bench_decode.py                      # CPU: the toy target (cached), writes bench_decode.json
     python scripts/bench_decode.py --preset gpu         # GPU: builds a ~85M-param stdlib target first (minutes)
     python scripts/bench_decode.py --preset tiny        # seconds: checks the script end to end (numbers meaningless)
+    python scripts/bench_decode.py --methods eagle1,eagle3 --eagle1-dir RUN --eagle3-dir RUN   # EAGLE rows only
 
 What it does, all in one process so every ratio is measured side by side:
 1. builds (or loads from cache) the target and a small draft LM pretrained on this interpreter's stdlib source,
-2. trains Medusa heads briefly on the frozen target (``--medusa-steps``),
-3. evaluates, on held-out stdlib prompts, Medusa as a top-1 chain and with a static tree, the draft model (chain),
-   and prompt lookup, next to plain decoding, HF ``generate()`` and HF assisted generation with the same draft
-   model and γ; then the draft model again with ``decoder.auto_tune`` (predicted vs measured speedup),
-4. optionally repeats at temperature 1 (``--sample``),
-5. writes JSON: machine, dtype, and per method τ, α, tokens/s, speedup, predicted speedup, overhead ratio; plus the
-   full evaluation reports.
+2. trains Medusa heads briefly on the frozen target (``--medusa-steps``), and EAGLE-1 / EAGLE-3 drafters with
+   ``python -m train``'s defaults for the preset (EAGLE-1: the README demo's drafter, 600 steps), or reuses the
+   drafters in ``--medusa-dir`` / ``--eagle1-dir`` / ``--eagle3-dir`` (run dirs of ``python -m train``),
+3. evaluates, on held-out stdlib prompts, the selected ``--methods`` (default all: Medusa as a top-1 chain and with
+   a static tree, the draft model (chain), prompt lookup, EAGLE-1 and EAGLE-3 with their dynamic trees) next to
+   plain decoding, HF ``generate()`` and HF assisted generation with the same draft model and γ; then the draft
+   model and the Medusa tree again with ``decoder.auto_tune`` (predicted vs measured speedup),
+4. optionally repeats at temperature 1 (``--sample``) and with ``decoder.compile`` (``--compile``: the target's
+   forward under torch.compile, plain decoding included),
+5. writes JSON: machine, dtype, and per method τ, α, tokens/s, speedup, speedup over the faster of plain decoding
+   and HF generate(), predicted speedup, overhead ratio, transfers per step; plus the full evaluation reports.
 """
 
 from __future__ import annotations
@@ -47,12 +52,14 @@ PRESETS = {
         "overrides": ["eval.num_prompts=4", "eval.prompt_tokens=48", "eval.max_new_tokens=32", "data.max_length=128",
                       "data.corpus_max_bytes=400000", "trainer.micro_batch_size=4"],
         "medusa_steps": 20,
+        "eagle_steps": 20,
     },
     "toy": {
         "target": "toy",
         "draft_toy": {},  # conf/drafter/draft_model.yaml as is
         "overrides": ["eval.num_prompts=20"],
         "medusa_steps": 600,
+        "eagle_steps": None,  # python -m train's default (conf/trainer/single.yaml: 600)
     },
     "gpu": {
         "target": "toy",
@@ -62,35 +69,55 @@ PRESETS = {
                       "steps": 3000, "batch_size": 32},
         "overrides": ["eval.num_prompts=40", "target.dtype=bfloat16", "trainer.micro_batch_size=32"],
         "medusa_steps": 1500,
+        "eagle_steps": 1500,
     },
 }
+METHODS = ("medusa-chain", "medusa-tree", "draft_model", "lookup", "eagle1", "eagle3")
+
+
+def compose_cfg(preset: dict, extra: list[str], drafter: str, steps: int | None):
+    """The typed config ``python -m train drafter=<drafter>`` would run for this preset (``steps``: None keeps the
+    trainer's default)."""
+    register_configs()
+    overrides = [f"target={preset['target']}", f"drafter={drafter}", "trainer.ckpt_every=100000",
+                 "eval.enabled=false", *preset["overrides"], *extra]
+    if steps is not None:
+        overrides.append(f"trainer.steps={steps}")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    for key, value in preset.get("target_toy", {}).items():
+        cfg.target.toy[key] = value
+    return load_config(cfg)
 
 
 def load_cfg(preset: dict, extra: list[str], medusa_steps: int):
-    register_configs()
-    overrides = [f"target={preset['target']}", "drafter=medusa", f"trainer.steps={medusa_steps}",
-                 "trainer.ckpt_every=100000", "eval.enabled=false", *preset["overrides"], *extra]
+    cfg = compose_cfg(preset, extra, "medusa", medusa_steps)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
         draft = compose(config_name="config", overrides=["drafter=draft_model"]).drafter
-    for key, value in preset.get("target_toy", {}).items():
-        cfg.target.toy[key] = value
-    draft = toy_draft_node(to_container(draft), cfg.target.toy, **preset["draft_toy"])
-    return load_config(cfg), draft
+    toy = dataclasses.asdict(cfg.target.toy) if dataclasses.is_dataclass(cfg.target.toy) else cfg.target.toy
+    draft = toy_draft_node(to_container(draft), toy, **preset["draft_toy"])
+    return cfg, draft
 
 
-def train_medusa(cfg, run_dir: Path, teacher):
+def train_drafter(cfg, run_dir: Path, teacher, kind: str = "medusa"):
     """Train into ``run_dir`` (or reuse the drafter a previous run left there: same target, same config)."""
     from heads.base import load_drafter
     from train.run import run_training
 
     t0 = time.perf_counter()
     if (run_dir / "drafter" / "config.json").is_file():
-        log.info("medusa: reusing %s", run_dir / "drafter")
+        log.info("%s: reusing %s", kind, run_dir / "drafter")
         return load_drafter(run_dir / "drafter", teacher), 0.0
     run_training(cfg, run_dir)
-    log.info("medusa: %d steps in %.0fs", cfg.trainer.steps, time.perf_counter() - t0)
+    log.info("%s: %d steps in %.0fs", kind, cfg.trainer.steps, time.perf_counter() - t0)
     return load_drafter(run_dir / "drafter", teacher), time.perf_counter() - t0
+
+
+def trained(cfg, run_dir: str | None, teacher, kind: str):
+    if run_dir:
+        return train_drafter(cfg, Path(run_dir), teacher, kind)
+    with tempfile.TemporaryDirectory() as tmp:
+        return train_drafter(cfg, Path(tmp) / kind, teacher, kind)
 
 
 def summarize(report: dict) -> dict:
@@ -106,6 +133,10 @@ def summarize(report: dict) -> dict:
     for name, b in report.get("baselines", {}).items():
         rows[name] = {k: b.get(k) for k in ("tokens_per_s", "speedup", "ours_over_hf", "identical_to_greedy")}
     rows["plain"] = {"tokens_per_s": report["greedy"]["tokens_per_s"]}
+    # Issue 18's yardstick: tokens/s over the faster of our plain decoding and HF generate(), same prompts, same run.
+    best = max(rows["plain"]["tokens_per_s"], (rows.get("hf_generate") or {}).get("tokens_per_s") or 0.0)
+    for r in report["results"]:
+        rows[r["label"]]["over_best_baseline"] = r["tokens_per_s"] / best if best else None
     return rows
 
 
@@ -118,8 +149,17 @@ def main(argv=None) -> None:
     ap.add_argument("--sample", action="store_true", help="also evaluate at temperature 1")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--medusa-dir", default=None, help="train Medusa into this run dir, or reuse the drafter there")
+    ap.add_argument("--eagle1-dir", default=None, help="train EAGLE-1 into this run dir, or reuse the drafter there")
+    ap.add_argument("--eagle3-dir", default=None, help="train EAGLE-3 into this run dir, or reuse the drafter there")
+    ap.add_argument("--eagle-steps", type=int, default=None, help="EAGLE training steps (default: the preset's)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    ap.add_argument("--compile", action="store_true", help="also evaluate with decoder.compile (torch.compile)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. eval.num_prompts=10")
     args = ap.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or not methods:
+        ap.error(f"--methods={args.methods!r}: unknown {unknown}; valid: {','.join(METHODS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,39 +174,56 @@ def main(argv=None) -> None:
     device = resolve_device(cfg.trainer.device)
     t0 = time.perf_counter()
     teacher = load_teacher(cfg.target, device=device)
-    target_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    draft = build_drafter(draft_cfg, teacher)
-    draft.bind_target(teacher, initialize=False)
-    draft = draft.to(device)
-    draft_s = time.perf_counter() - t0
-    if args.medusa_dir:
-        medusa, medusa_s = train_medusa(cfg, Path(args.medusa_dir), teacher)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            medusa, medusa_s = train_medusa(cfg, Path(tmp) / "medusa", teacher)
-    medusa.set_tree("chain")
-    medusa_tree = copy.deepcopy(medusa)
-    medusa_tree.set_tree(args.tree)
-    lookup = build_drafter({"_target_": "heads.lookup.PromptLookup"}, teacher)
+    setup = {"target": time.perf_counter() - t0}
+    drafters = {}
+    if "medusa-chain" in methods or "medusa-tree" in methods:
+        medusa, setup["medusa_training"] = trained(cfg, args.medusa_dir, teacher, "medusa")
+        medusa.set_tree("chain")
+        if "medusa-chain" in methods:
+            drafters["medusa-chain"] = medusa
+        if "medusa-tree" in methods:
+            drafters[f"medusa-tree[{args.tree}]"] = copy.deepcopy(medusa)
+            drafters[f"medusa-tree[{args.tree}]"].set_tree(args.tree)
+    if "draft_model" in methods:
+        t0 = time.perf_counter()
+        draft = build_drafter(draft_cfg, teacher)
+        draft.bind_target(teacher, initialize=False)
+        drafters["draft_model"] = draft.to(device)
+        setup["draft_model"] = time.perf_counter() - t0
+    if "lookup" in methods:
+        drafters["lookup"] = build_drafter({"_target_": "heads.lookup.PromptLookup"}, teacher)
+    steps = args.eagle_steps or preset["eagle_steps"]
+    for kind, run_dir in (("eagle1", args.eagle1_dir), ("eagle3", args.eagle3_dir)):
+        if kind in methods:
+            kind_cfg = compose_cfg(preset, args.overrides, kind, steps)
+            drafters[kind], setup[f"{kind}_training"] = trained(kind_cfg, run_dir, teacher, kind)
 
     prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
-    drafters = {"medusa-chain": medusa, f"medusa-tree[{args.tree}]": medusa_tree, "draft_model": draft, "lookup": lookup}
     dcfg = cfg.decoder
     out = {
         "preset": args.preset,
+        "methods": methods,
         "target": teacher.identity(),
         "target_params": sum(p.numel() for p in teacher.model.parameters()),
-        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "drafter_params": {name: sum(p.numel() for p in d.parameters()) for name, d in drafters.items()},
         "dtype": cfg.target.dtype,
-        "setup_seconds": {"target": target_s, "draft_model": draft_s, "medusa_training": medusa_s},
+        "setup_seconds": setup,
         "runs": {},
     }
+    if "draft_model" in drafters:
+        out["draft_params"] = out["drafter_params"]["draft_model"]
     report = evaluate(teacher, drafters, prompts, cfg.eval, dcfg, categories)
     out["runs"]["greedy"] = {"summary": summarize(report), "report": report}
-    tuned = evaluate(teacher, {"draft_model[auto_tune]": draft, f"medusa-tree[{args.tree}][auto_tune]": copy.deepcopy(medusa_tree)},
-                     prompts, dataclasses.replace(cfg.eval, hf_baselines=False), dcfg.__class__(**{**vars(dcfg), "auto_tune": True}))
-    out["runs"]["greedy_auto_tune"] = {"summary": summarize(tuned), "report": tuned}
+    tune = {f"{name}[auto_tune]": copy.deepcopy(d) for name, d in drafters.items()
+            if name == "draft_model" or name.startswith("medusa-tree")}
+    if tune:
+        tuned = evaluate(teacher, tune, prompts, dataclasses.replace(cfg.eval, hf_baselines=False),
+                         dcfg.__class__(**{**vars(dcfg), "auto_tune": True}))
+        out["runs"]["greedy_auto_tune"] = {"summary": summarize(tuned), "report": tuned}
+    if args.compile:
+        compiled = evaluate(teacher, drafters, prompts, cfg.eval, dcfg.__class__(**{**vars(dcfg), "compile": True}),
+                            categories)
+        out["runs"]["greedy_compiled"] = {"summary": summarize(compiled), "report": compiled}
     if args.sample:
         sampled = evaluate(teacher, drafters, prompts, cfg.eval, dcfg.__class__(**{**vars(dcfg), "temperature": 1.0}), categories)
         out["runs"]["temperature_1"] = {"summary": summarize(sampled), "report": sampled}

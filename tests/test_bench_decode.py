@@ -1,4 +1,5 @@
-"""scripts/bench_decode.py end to end on the tiny preset (builds a tiny target + draft LM, trains Medusa 20 steps)."""
+"""scripts/bench_decode.py end to end on the tiny preset (builds a tiny target + draft LM, trains Medusa, EAGLE-1 and
+EAGLE-3 20 steps each)."""
 
 import importlib.util
 import json
@@ -19,12 +20,23 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     bench.main(["--preset", "tiny", "--out", str(out), "eval.num_prompts=2"])
     data = json.loads(out.read_text())
     summary = data["runs"]["greedy"]["summary"]
-    assert {"medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "hf_generate",
-            "hf_assisted[draft_model]", "plain"} <= set(summary)
-    for name in ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup"):
+    methods = ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "eagle1", "eagle3")
+    assert {*methods, "hf_generate", "hf_assisted[draft_model]", "plain"} <= set(summary)
+    best = max(summary["plain"]["tokens_per_s"], summary["hf_generate"]["tokens_per_s"])
+    for name in methods:
         row = summary[name]
         assert row["identical_to_greedy"] and row["tau"] >= 1 and row["overhead_ratio"] > 0
+        assert row["over_best_baseline"] == pytest.approx(row["tokens_per_s"] / best)
     assert data["machine"]["torch"] and data["target_params"] > data["draft_params"] > 0
     assert "greedy_auto_tune" in data["runs"]
-    assert set(data["transfers_per_step"]) == {"medusa-chain", "medusa-tree[default]", "draft_model", "lookup"}
+    assert set(data["transfers_per_step"]) == set(methods)
     assert all(0 < n <= 4 for n in data["transfers_per_step"].values()), data["transfers_per_step"]
+
+
+def test_bench_decode_refuses_unknown_methods(capsys):
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "eagle1,eagle9"])
+    assert "unknown ['eagle9']" in capsys.readouterr().err

@@ -1,0 +1,156 @@
+"""A preallocated KV cache for the target: any Hugging Face causal LM fills it through its own forward.
+
+Each layer keeps one buffer per keys / values of ``capacity`` columns ([B, heads, capacity, head_dim]) and a length
+pointer. ``update`` writes the new entries in place behind the pointer and returns views of the first ``length``
+columns (attention reads strided views without copying), so a decode step no longer concatenates the whole cache
+anew per layer, as ``DynamicCache`` does. Tree compaction (``inference.tree.compact_cache``) copies only the accepted
+path's entries inside the buffer; a rejected tail is dropped by moving the pointer (``crop(-n)``).
+
+To the model the layer looks like a ``DynamicLayer`` (mask sizes = cached + new tokens, no maximum it enforces): the
+causal and 4D masks, position ids and sliding windows (``inference.masks``: every layer is kept whole, windows live in
+the masks) work as with the default cache. A buffer that fills up grows to twice its size (one copy, amortised); give
+the decode's bound (``Decoder``: prompt + new tokens + lookahead) and it never does.
+
+Batch B: rows share one length (the ragged decoder's columns, holes masked per row); ``gather_columns`` moves each
+row's kept columns to the front in place, and ``batch_select_indices`` drops finished rows.
+
+Shapes: B rows, h KV heads, C capacity, L length (cached columns), n new columns, hd head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+MIN_CAPACITY = 64
+TREE_HEADROOM = 64  # columns beyond prompt + new tokens: the nodes of one verification forward
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One attention layer's keys and values in preallocated buffers with a length pointer."""
+
+    is_compileable = False  # lengths change per step: HF's static-cache paths (full-buffer masks) must not apply
+    is_sliding = False  # sliding layers are kept whole too; their window is in the masks (inference.masks)
+    is_croppable = True
+
+    def __init__(self, capacity: int = MIN_CAPACITY):
+        super().__init__()
+        if capacity < 1:
+            raise ValueError(f"PreallocatedLayer capacity={capacity} must be >= 1 (columns to preallocate)")
+        self.capacity = int(capacity)
+        self.length = 0
+        self._k: Tensor | None = None  # [B, h, C, hd]
+        self._v: Tensor | None = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._k = key_states.new_empty((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
+        self._v = value_states.new_empty((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        self.capacity = max(needed, 2 * self.capacity)
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            grown = old.new_empty((*old.shape[:2], self.capacity, old.shape[-1]))
+            grown[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, grown)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self._reserve(self.length + n)
+        self._k[:, :, self.length: self.length + n] = key_states
+        self._v[:, :, self.length: self.length + n] = value_states
+        self.length += n
+        self._views()
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0  # as DynamicLayer: the cached columns plus the new ones, from column 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows when full: no maximum the model has to respect
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` columns (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): give the number of columns to remove as a negative count")
+        self.length = max(0, self.length + tokens_to_remove)
+        if self.is_initialized:
+            self._views()
+
+    def keep_tail(self, start: int, index: Tensor) -> None:
+        """Keep columns ``[0, start)`` and then the columns ``start + index`` (in that order), in place: only
+        ``len(index)`` columns are copied. ``index``: long [k] on the buffer's device."""
+        k = index.shape[0]
+        if k:
+            src = start + index
+            self._k[:, :, start: start + k] = self._k.index_select(2, src)
+            self._v[:, :, start: start + k] = self._v.index_select(2, src)
+        self.length = start + k
+        self._views()
+
+    def gather_columns(self, order_BM: Tensor) -> None:
+        """Batch B: row b keeps its columns ``order_BM[b]`` (in that order) as columns 0 .. M-1, in place."""
+        B, M = order_BM.shape
+        for name in ("_k", "_v"):
+            buf = getattr(self, name)
+            index = order_BM[:, None, :, None].expand(B, buf.shape[1], M, buf.shape[3])
+            buf[:, :, :M] = buf[:, :, : self.length].gather(2, index)
+        self.length = M
+        self._views()
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.is_initialized:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._k = self._k.repeat_interleave(repeats, dim=0)
+            self._v = self._v.repeat_interleave(repeats, dim=0)
+            self._views()
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.batch_select_indices(beam_idx.to(self.device))
+
+
+class PreallocatedCache(Cache):
+    """A ``transformers`` ``Cache`` of ``PreallocatedLayer``s, one per attention layer (created as the forward
+    reaches them, like ``DynamicCache``), each preallocating ``capacity`` columns."""
+
+    def __init__(self, capacity: int = MIN_CAPACITY):
+        if capacity < 1:
+            raise ValueError(f"PreallocatedCache capacity={capacity} must be >= 1 (columns to preallocate)")
+        self.capacity = int(capacity)
+        super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def _new_layer(self) -> PreallocatedLayer:
+        return PreallocatedLayer(self.capacity)
+
+    def keep_tail(self, start: int, index: Tensor) -> None:
+        """Every layer keeps columns ``[0, start)`` then ``start + index`` (``PreallocatedLayer.keep_tail``)."""
+        for layer in self.layers:
+            layer.keep_tail(start, index)
+
+    def gather_columns(self, order_BM: Tensor) -> None:
+        for layer in self.layers:
+            layer.gather_columns(order_BM)
