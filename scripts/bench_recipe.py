@@ -72,6 +72,12 @@ ROWS = {
     "eagle3_10cpumin": (E3, 280),
     "eagle3_ttt4_10cpumin": ([*E3, "drafter.ttt_steps=4"], 500),  # measured 661 CPU s: over the budget
     "eagle3_ttt2_10cpumin": ([*E3, "drafter.ttt_steps=2"], 600),
+    # issue 21's winning EAGLE-1 recipe (regenerated data + top-1 CE) at ~10 CPU-minutes, for both kinds
+    "eagle3_ttt2_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=2", "data.mode=regenerated",
+                                                f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1",
+                                                "drafter.kl_weight=1.0"], 600),
+    "eagle1_regen0_top1ce_kl1_10cpumin": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}",
+                                           "loss=topk_fkl", "loss.k=1", "drafter.kl_weight=1.0"], 1000),
     "eagle3_ttt2_vocab1024_10cpumin": ([*E3, "drafter.ttt_steps=2", "drafter.draft_vocab_size=1024"], 600),
     "eagle3_ttt2_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", "drafter.draft_vocab_size=null"], 600),
 }

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 import torch
 
 from tests.conftest import make_tiny_llama
@@ -51,6 +52,8 @@ def test_experiment_composes_and_instantiates(experiment):
     cfg = load([f"experiment={experiment}"])
     if cfg.data.source == "file":
         cfg.data.path = "/data/chat.jsonl"  # the user supplies it; everything else must already be there
+    if cfg.data.mode == "regenerated" and (OmegaConf.is_missing(cfg.data, "regenerated") or not cfg.data.regenerated):
+        cfg.data.regenerated = "/data/regen.jsonl"  # likewise: python -m distill.regenerate writes it first
     load_config(cfg)
     # Hub targets get their real sizes (drafters check layer ids and vocab sizes against them); built on the meta
     # device, so an 8B-sized drafter costs nothing.
