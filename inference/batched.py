@@ -5,8 +5,8 @@ Why: speculation buys single-stream latency with spare compute. Under a large ba
 busy, so the wider verification block competes with other sequences' tokens; ``inference.policy`` decides per step
 whether speculating still pays. This module is the mechanism; the sweep is ``eval.batch_sweep``.
 
-The ragged KV cache. B live rows share one Hugging Face ``DynamicCache`` of S columns ([B, heads, S, head_dim] per
-layer) and a bool ``valid_BS``: column s of row b holds one of row b's committed tokens. Rows differ in which
+The ragged KV cache. B live rows share one ``inference.kv_cache.PreallocatedCache`` of S columns ([B, heads, S,
+head_dim] per layer, appended in place) and a bool ``valid_BS``: column s of row b holds one of row b's committed tokens. Rows differ in which
 columns are valid, never in S, and the model's own forward runs with
 - position ids per row: row b's pending token sits at position ``pos[b]`` (its count of cached real tokens), a draft
   node at ``pos[b] + depth``, so every row's RoPE positions are exactly what batch-1 decoding gives it;
@@ -16,9 +16,9 @@ Prompts are left-padded (the padding columns are invalid). A step appends n = 1 
 keeps the pending token's column and its accepted nodes' columns, everything else becomes a *hole* (an invalid
 column). Key order is irrelevant to attention once the mask decides visibility, so a tree's accepted path needs no
 gather. Trailing columns no row kept are cropped at once (``Cache.crop(-n)``); when holes exceed
-``compact_slack - 1`` of the longest row, one gather right-aligns every row's valid columns (compaction), bounding
-the waste. Finished rows (``max_new_tokens`` or EOS) leave the batch (``Cache.batch_select_indices``).
-Holes need plain ``DynamicLayer``s (a rolling window layer would count holes toward its window): every layer, sliding
+``compact_slack - 1`` of the longest row, one gather right-aligns every row's valid columns inside the buffers
+(compaction, ``PreallocatedCache.gather_columns``), bounding the waste. Finished rows (``max_new_tokens`` or EOS) leave the batch (``Cache.batch_select_indices``).
+Holes need whole layers (a rolling window layer would count holes toward its window): every layer, sliding
 ones included, keeps its whole row, and sliding-window layers get their own mask (``inference.masks``) in which a key
 is visible only within the window of the query's position; a row's valid columns hold its positions 0, 1, ... in
 column order, so a column's position is its rank among the row's valid columns.
@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from inference.acceptance import Verdict, verdicts
 from inference.generation import (ACCEPTANCE_RULES, Generation, check_prompt, check_vocab, finish, prefill_kwargs,
@@ -119,7 +118,7 @@ class _Rows:
     draft: ProposerRows | None  # every row's drafter state; None in plain decoding
     gens: list[Generation]  # per row: its acceptance counts and proposal shapes so far (tokens and time: at the end)
     valid: Tensor  # [B, S] bool
-    cache: DynamicCache
+    cache: PreallocatedCache
 
     def keep(self, rows: list[int]) -> None:
         for name in ("ids", "tokens", "new", "pos", "sampling", "gens"):
@@ -234,12 +233,12 @@ class BatchedDecoder:
                              f"prompt, or a single one for the whole batch")
         return sampling
 
-    def _new_cache(self, capacity: int) -> DynamicCache | PreallocatedCache:
+    def _new_cache(self, capacity: int) -> PreallocatedCache:
         """Room for ``capacity`` columns per row, appended in place (``inference.kv_cache``; it grows if holes
         need more); plain layers only: see the module docstring."""
         return self.layout.new_cache(capacity=capacity)
 
-    def _forward(self, ids_BN: Tensor, pos_BN: Tensor, mask: Tensor, cache: DynamicCache, layers: tuple[int, ...],
+    def _forward(self, ids_BN: Tensor, pos_BN: Tensor, mask: Tensor, cache: PreallocatedCache, layers: tuple[int, ...],
                  **kw):
         out = self._target(input_ids=ids_BN, position_ids=pos_BN, attention_mask=mask, past_key_values=cache,
                          use_cache=True, output_hidden_states=bool(layers), **kw)
@@ -375,11 +374,5 @@ class BatchedDecoder:
         # A stable sort puts each row's invalid columns first and keeps its valid ones in order.
         order = torch.sort(rows.valid.to(torch.int8), dim=1, stable=True).indices[:, S - M:]  # [B, M]
         rows.valid = rows.valid.gather(1, order)
-        if isinstance(rows.cache, PreallocatedCache):  # in place, inside each layer's buffer
-            rows.cache.gather_columns(order)
-            return 1
-        for layer in rows.cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
+        rows.cache.gather_columns(order)  # in place, inside each layer's buffer
         return 1

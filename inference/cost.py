@@ -25,17 +25,18 @@ from typing import Mapping, Sequence
 import torch
 from transformers import DynamicCache
 
-from inference.decoder import Decoder, _sync
+from inference.decoder import Decoder
+from inference.generation import sync
 from inference.proposer import Proposer
 from inference.stats import AcceptStats, chain_tau
 from inference.tree import DraftTree, compact_cache, verify_inputs
 
 
 def _seconds(fn, device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0
 
 

@@ -37,8 +37,6 @@ from inference.proposer import Proposer
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
 
-_sync = sync  # the name inference.cost imports
-
 
 @dataclass
 class DecoderConfig:
