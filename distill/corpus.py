@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import pathlib
 import sysconfig
 from collections.abc import Iterable
@@ -53,8 +54,20 @@ _EXCLUDED_DIRS = frozenset(
 _EXCLUDED_TOP_LEVEL = frozenset({"encodings"})
 
 
+STDLIB_ENV = "SPECDRAFT_STDLIB"
+
+
 def stdlib_root() -> pathlib.Path:
-    """Directory of the base interpreter's stdlib (also correct inside a venv)."""
+    """Directory of the base interpreter's stdlib (also correct inside a venv), or ``$SPECDRAFT_STDLIB``: another
+    Python's stdlib tree (e.g. a copy of the one a CPU benchmark used, so a GPU machine with another Python trains on
+    the same text and finds the same cached toy target, whose key covers the corpus)."""
+    override = os.environ.get(STDLIB_ENV)
+    if override:
+        root = pathlib.Path(override).expanduser()
+        if not root.is_dir():
+            raise FileNotFoundError(f"${STDLIB_ENV}={override!r} is not a directory; point it at a Python stdlib "
+                                    f"tree (e.g. /usr/lib/python3.11) or unset it to use this interpreter's")
+        return root
     return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 

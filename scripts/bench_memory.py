@@ -14,6 +14,12 @@ address space is capped (``--max-gb``, via ``resource.RLIMIT_AS``) so a runaway 
 Peak memory is the child's RSS high-water mark (``wait4`` rusage ``ru_maxrss``); tokens/s is the loop's second
 window (``perf/tokens_per_s`` of step 1: one whole training step, start-up excluded).
 
+``--device cuda`` runs the same 2-step trainings on a GPU (bf16 target, ``trainer.bf16`` autocast as configured,
+no address-space cap): peak memory is then the child's ``torch.cuda.max_memory_allocated`` (and ``_reserved``),
+written at exit by a small launcher around ``python -m train`` so the "before" checkout, which does not log it on
+a GPU, is measured the same way; tokens/s is the median of steps 1.. (``--steps``, default 6 on a GPU: one step at
+seq 2048 takes milliseconds). Results go to ``bench_memory_gpu.json``; ``--gpu-table`` prints them.
+
 ``--code`` runs another checkout's ``python -m train`` (the base commit, for the "before" figures) against the same
 target and data. Results merge into ``--out`` keyed by label / kind / seq, so runs can be added one at a time.
 ``--table`` prints the README table (with ``after_first_pass``, issue 19's first pass, where kept) and the Llama-3-8B
@@ -32,6 +38,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -74,26 +81,46 @@ def build_target(cache: Path) -> Path:
     return write_dir_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
+# Runs ``python -m train`` with sys.argv as given and, at exit, writes the process's CUDA peak memory as JSON to
+# $BENCH_CUDA_PEAK: the same measurement for any checkout (the "before" one does not log it on a GPU).
+CUDA_PEAK_LAUNCHER = """
+import atexit, json, os, runpy, sys
+import torch
+def _peak():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        with open(os.environ["BENCH_CUDA_PEAK"], "w") as f:
+            json.dump({"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}, f)
+atexit.register(_peak)
+sys.argv = ["train", *sys.argv[1:]]
+runpy.run_module("train", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads: int, max_gb: float,
-             extra: list[str], steps: int = 2) -> dict:
+             extra: list[str], steps: int = 2, device: str = "cpu") -> dict:
     run_dir = work / f"{code.name}-{kind}-{seq}"
     shutil.rmtree(run_dir, ignore_errors=True)  # trainer.resume=never refuses a used run dir
     overrides = ["target=tiny", "target.source=hf", f"target.name={target}", *KINDS[kind],
                  f"data.max_length={seq}", f"data.corpus_max_bytes={CORPUS_BYTES}", "trainer.micro_batch_size=1",
                  "trainer.grad_accum=1", f"trainer.steps={steps}", "trainer.warmup_steps=1", "trainer.log_every=1",
-                 "trainer.ckpt_every=1000000", "trainer.resume=never", "trainer.device=cpu",
+                 "trainer.ckpt_every=1000000", "trainer.resume=never", f"trainer.device={device}",
                  f"trainer.num_threads={threads}", "eval.enabled=false", f"hydra.run.dir={run_dir}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(code)}
+    if device != "cpu":
+        overrides.append("target.dtype=bfloat16")
+    peak_file = work / f"{code.name}-{kind}-{seq}.cuda_peak.json"
+    peak_file.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(code), "BENCH_CUDA_PEAK": str(peak_file)}
     cap = int(max_gb * 2**30)
 
-    def limit() -> None:  # in the child: a run past the cap fails its own allocation
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    def limit() -> None:  # in the child: a run past the cap fails its own allocation (CPU only: CUDA maps far more
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))  # address space than it uses)
 
+    command = [sys.executable, "-m", "train"] if device == "cpu" else [sys.executable, "-c", CUDA_PEAK_LAUNCHER]
     log_path = work / f"{code.name}-{kind}-{seq}.log"
     load_before, start = os.getloadavg()[0], time.perf_counter()
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "train", *overrides], cwd=code, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, preexec_fn=limit)
+        proc = subprocess.Popen([*command, *overrides], cwd=code, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=limit if device == "cpu" else None)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     result = {"kind": kind, "seq": seq, "steps": steps, "overrides": overrides, "wall_s": wall, "load_before": load_before,
@@ -103,11 +130,17 @@ def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads:
     metrics = run_dir / "metrics.jsonl"
     if result["exit_status"] == 0 and metrics.is_file():
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        step1 = [r for r in rows if r.get("step") == 1] or rows[-1:]
-        result["tokens_per_s"] = step1[0]["perf/tokens_per_s"]
+        rows = [r for r in rows if "perf/tokens_per_s" in r]
+        later = [r["perf/tokens_per_s"] for r in rows if r.get("step", 0) >= 1] or [rows[-1]["perf/tokens_per_s"]]
+        result["tokens_per_s"] = later[0] if device == "cpu" else statistics.median(later)
+        result["tokens_per_s_steps"] = later
         result["step_s"] = seq / result["tokens_per_s"]
-        result["loop_peak_mem_gb"] = max(r["perf/peak_mem_gb"] for r in rows) * 2**30 / 1e9
+        if all("perf/peak_mem_gb" in r for r in rows):
+            result["loop_peak_mem_gb"] = max(r["perf/peak_mem_gb"] for r in rows) * 2**30 / 1e9
         result["train_loss"] = [r["train/loss"] for r in rows]
+        if peak_file.is_file():
+            peak = json.loads(peak_file.read_text())
+            result["peak_cuda_gb"], result["peak_cuda_reserved_gb"] = peak["allocated"] / 1e9, peak["reserved"] / 1e9
     else:
         result["log_tail"] = log_path.read_text().splitlines()[-15:]
     return result
@@ -292,6 +325,42 @@ def ab_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_pairs(base: Path | None, target: Path, args, out: Path) -> None:
+    """``--device cuda``: per kind and length, the "before" checkout's run (``--ab``, if given) and this one's back
+    to back, which runs first alternating, each kept under its label as it finishes."""
+    from eval.report import machine_info
+
+    for i, (kind, seq) in enumerate((k, s) for k in args.kinds for s in args.seqs):
+        sides = [("before", base), ("after", ROOT)] if base else [("after", ROOT)]
+        for label, code in (sides if i % 2 == 0 else sides[::-1]):
+            r = run_once(code, target, kind, seq, args.work, args.threads, args.max_gb, args.extra, args.steps,
+                         args.device)
+            data = json.loads(out.read_text()) if out.is_file() else {}
+            data.setdefault("machine", machine_info())
+            data.setdefault(label, {}).setdefault(kind, {})[str(seq)] = {**r, "code": str(code)}
+            out.write_text(json.dumps(data, indent=2) + "\n")
+            print(f"{label} {kind} seq {seq}: CUDA peak {r.get('peak_cuda_gb', float('nan')):.2f} GB (reserved "
+                  f"{r.get('peak_cuda_reserved_gb', float('nan')):.2f}), {r.get('tokens_per_s', float('nan')):.0f} "
+                  f"tokens/s, exit {r['exit_status']}", flush=True)
+
+
+def gpu_table(data: dict) -> str:
+    lines = ["| drafter | seq | before CUDA peak GB | after CUDA peak GB | ratio | before tokens/s | after tokens/s | "
+             "ratio |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for kind in KINDS:
+        seqs = sorted({int(s) for label in ("before", "after") for s in data.get(label, {}).get(kind, {})})
+        for seq in seqs:
+            b = data.get("before", {}).get(kind, {}).get(str(seq), {})
+            a = data.get("after", {}).get(kind, {}).get(str(seq), {})
+            bp, ap = b.get("peak_cuda_gb"), a.get("peak_cuda_gb")
+            bt, at = b.get("tokens_per_s"), a.get("tokens_per_s")
+            fail = lambda r: "" if not r or r.get("exit_status") == 0 else " (failed)"
+            lines.append(f"| {kind} | {seq} | {_f(bp, '.2f')}{fail(b)} | {_f(ap, '.2f')}{fail(a)} | "
+                         f"{f'{ap / bp:.2f}x' if ap and bp else '-'} | {_f(bt, '.0f')} | {_f(at, '.0f')} | "
+                         f"{f'{at / bt:.2f}x' if at and bt else '-'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--code", type=Path, default=ROOT, help="checkout whose `python -m train` runs")
@@ -309,8 +378,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="--ab: before/after pairs per kind and length")
     parser.add_argument("--cpu-steps", type=int, default=0, help="--ab: also tokens per CPU second, from a 1-step and "
                         "a this-many-step run of each side (robust to the machine's load)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: CUDA peak memory and "
+                        "tokens/s on a GPU, before (--ab) and after back to back, into bench_memory_gpu.json")
+    parser.add_argument("--gpu-table", type=Path, default=None, help="print the GPU table of this JSON and exit")
     parser.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
+    if args.gpu_table:
+        print(gpu_table(json.loads(args.gpu_table.read_text())))
+        return
     if args.table:
         data = json.loads(args.table.read_text())
         data["llama3_8b_projection"] = projection(data)
@@ -323,6 +398,14 @@ def main() -> None:
     cache = default_cache_dir()
     target = build_target(cache)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda":
+        if args.steps == 2:
+            args.steps = 6  # one step at seq 2048 takes milliseconds: the median of steps 1..5
+        if args.out == ROOT / "scripts" / "results" / "bench_memory_cpu.json":
+            args.out = ROOT / "scripts" / "results" / "bench_memory_gpu.json"
+        gpu_pairs(args.ab.resolve() if args.ab else None, target, args, args.out)
+        print(gpu_table(json.loads(args.out.read_text())))
+        return
     if args.ab:
         ab_pairs(args.ab.resolve(), target, args.kinds, args.seqs, args, args.out)
         return

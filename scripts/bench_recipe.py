@@ -38,6 +38,7 @@ E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
 # Regenerated data for the "_regen" rows: `python -m distill.regenerate regenerate.out=<this> regenerate.temperature=0
 # regenerate.num_prompts=1400` (the toy target's greedy answers to the first 64 tokens of 1,400 training rows).
 REGEN_T0 = os.environ.get("SPECDRAFT_REGEN_T0", "/tmp/h21/regen_t0.jsonl")
+R1 = ["data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1", "drafter.kl_weight=1.0"]
 # name -> (overrides, steps). Step counts of the equal-CPU rows come from the measured CPU per step (startup
 # excluded, load ~3): EAGLE-1 0.49 s, with TTT 2 0.66 s, TTT 3 0.88 s; EAGLE-3 TTT 2 0.78 s, TTT 4 1.29 s (TTT 7
 # extrapolated: ~2.0 s). "_eqcpu" matches EAGLE-1's 350 steps (~184 CPU s); "_10cpumin" stays under 600 CPU s.
@@ -78,6 +79,18 @@ ROWS = {
                                                 "drafter.kl_weight=1.0"], 600),
     "eagle1_regen0_top1ce_kl1_10cpumin": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}",
                                            "loss=topk_fkl", "loss.k=1", "drafter.kl_weight=1.0"], 1000),
+    # EAGLE-3 on the winning recipe, varied one knob at a time (step counts: ~10 CPU-minutes at the measured CPU
+    # per step of each TTT length; the GPU study (--device cuda) runs them side by side for τ only)
+    "eagle3_ttt1_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=1", *R1], 950),
+    "eagle3_ttt1_regen0_top1ce_kl1_lr5e-3_10cpumin": ([*E3, "drafter.ttt_steps=1", *R1, "trainer.lr=5e-3"], 950),
+    "eagle3_ttt3_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1], 450),
+    "eagle3_ttt2_regen0_top1ce_kl1_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1,
+                                                          "drafter.draft_vocab_size=null"], 600),
+    "eagle3_ttt2_regen0_top1ce_kl1_layers123_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "drafter.layers=[1,2,3]"],
+                                                         600),
+    "eagle3_ttt2_regen0_top1ce_kl1_layers234_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "drafter.layers=[2,3,4]"],
+                                                         600),
+    "eagle3_ttt2_regen0_top1ce_kl1_lr5e-3_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "trainer.lr=5e-3"], 600),
     "eagle3_ttt2_vocab1024_10cpumin": ([*E3, "drafter.ttt_steps=2", "drafter.draft_vocab_size=1024"], 600),
     "eagle3_ttt2_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", "drafter.draft_vocab_size=null"], 600),
 }
@@ -94,14 +107,15 @@ PRESETS = {
 TRAIN = ["eval.enabled=false", "trainer.resume=never", "trainer.ckpt_every=100000"]
 
 
-def train_row(overrides: list[str], run_dir: Path, log_path: Path) -> dict:
+def train_row(overrides: list[str], run_dir: Path, log_path: Path, device: str = "cpu") -> dict:
     """Run ``python -m train`` in a subprocess; its wall and CPU seconds and the load average around it."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_before = os.getloadavg()
     start = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with log_path.open("w") as log:
-        proc = subprocess.run([sys.executable, "-m", "train", *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "train", *overrides, f"trainer.device={device}",
+                               f"hydra.run.dir={run_dir}"], cwd=ROOT,
                               stdout=log, stderr=subprocess.STDOUT, env=env)
     wall = time.perf_counter() - start
     if proc.returncode:
@@ -162,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default="runs/bench_recipe", help="run dirs and training logs")
     parser.add_argument("--out", default=None, help="JSON path (default scripts/results/bench_recipe_<preset>_cpu.json)")
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    parser.add_argument("--device", default="cpu", help="train and decode here (cuda: τ only; its CPU s are not "
+                        "the CPU budget, which comes from CPU runs of the same rows)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every row, e.g. trainer.lr=1e-3")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -191,12 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = load_config(compose(config_name="config", overrides=common))
     ev = cfg.eval
-    results.update(machine=machine_info(), settings={"common": common, "trees": TREES, "eval": {
+    results.update(machine=machine_info(), device=args.device, settings={"common": common, "trees": TREES, "eval": {
         "num_prompts": ev.num_prompts, "prompt_tokens": ev.prompt_tokens, "max_new_tokens": ev.max_new_tokens},
         "proposal_dtype": "float32",
         "decoder": "greedy"})
     results.setdefault("rows", {})
-    teacher = load_teacher(cfg.target)
+    teacher = load_teacher(cfg.target, device=args.device)
     decoder = build_decoder(teacher, cfg.decoder)
     prompts = [torch.tensor([p], dtype=torch.long) for p in eval_prompts(ev, teacher.tokenizer)[0]]
     refs = None  # plain greedy outputs, decoded once (greedy is deterministic)
@@ -212,12 +228,12 @@ def main(argv: list[str] | None = None) -> None:
             run_dir = work / key.replace("/", "_")
             shutil.rmtree(run_dir, ignore_errors=True)  # not in results: a run cut short; resume=never needs it empty
             cmd = [*overrides, *common, *TRAIN, f"trainer.steps={steps}", f"seed={seed}"]
-            cost = train_row(cmd, run_dir, work / f"{key.replace('/', '_')}.log")
+            cost = train_row(cmd, run_dir, work / f"{key.replace('/', '_')}.log", args.device)
             saved = json.loads((run_dir / "drafter" / "config.json").read_text())
             final = saved.get("training", {}).get("final", {})
             if refs is None:
                 refs = [decoder.plain(p, ev.max_new_tokens).new_tokens for p in prompts]
-            drafter = load_drafter(run_dir / "drafter", teacher).float()
+            drafter = load_drafter(run_dir / "drafter", teacher).float().to(teacher.device)
             trees = decode_trees(decoder, drafter, prompts, refs, ev.max_new_tokens)
             results["rows"][key] = {"row": name, "seed": seed, "steps": steps, "overrides": overrides, **cost,
                                     "loop_s": final.get("train/elapsed_s"), "final": final, "trees": trees}

@@ -130,6 +130,18 @@ def test_unknown_split_names_valid_ones() -> None:
     assert "train" in str(info.value) and "heldout" in str(info.value)
 
 
+def test_stdlib_env_points_the_corpus_at_another_tree(tmp_path: pathlib.Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "other-python-stdlib"
+    _write_fake_stdlib(root)
+    monkeypatch.setenv(corpus.STDLIB_ENV, str(root))
+    assert corpus.stdlib_root() == root
+    assert sorted(dict(corpus.stdlib_sources("heldout"))) == ["argparse.py", "json/__init__.py", "json/decoder.py"]
+    monkeypatch.setenv(corpus.STDLIB_ENV, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="SPECDRAFT_STDLIB"):
+        corpus.stdlib_root()
+
+
 def test_empty_stdlib_is_a_clear_error(tmp_path: pathlib.Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(corpus, "stdlib_root", lambda: tmp_path)
