@@ -33,7 +33,18 @@ from distill.losses import fused_divergence, row_divergence
 
 CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per float32 [rows, V] temporary; CPU
 # matmuls with fewer rows run 2-3x slower per row on 2 threads (measured: 65 vs 261 vs 1024 rows)
+# On a GPU: one [rows, V] float32 buffer of 1 GB (2,092 rows at 128k; ~3 per chunk). On an H100 the CPU default
+# trained Medusa (4 heads, V 128k, seq 2048-8192) at 0.66-0.72x the tokens/s of the unchunked base commit
+# (scripts/results/bench_memory_gpu.json): 8-32 chunks of 261 rows per head are small matmuls with a Python loop
+# around them, where GPU memory has room for a whole 2k-token row's chunk. The effect of this value on that
+# figure has not been measured yet (the lease ran out); it follows the CPU trend (larger chunks train faster).
+CUDA_CHUNK_ELEMENTS = 1 << 28
 _budget = contextvars.ContextVar("chunk_elements", default=CHUNK_ELEMENTS)
+
+
+def default_chunk_elements(device: torch.device | str) -> int:
+    """``trainer.loss_chunk_elements: null``: the chunk budget for the device the loss runs on."""
+    return CUDA_CHUNK_ELEMENTS if torch.device(device).type == "cuda" else CHUNK_ELEMENTS
 
 
 @contextlib.contextmanager

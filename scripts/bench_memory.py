@@ -331,7 +331,7 @@ def gpu_pairs(base: Path | None, target: Path, args, out: Path) -> None:
     from eval.report import machine_info
 
     for i, (kind, seq) in enumerate((k, s) for k in args.kinds for s in args.seqs):
-        sides = [("before", base), ("after", ROOT)] if base else [("after", ROOT)]
+        sides = [("before", base), ("after", ROOT)] if base else [(args.label, args.code.resolve())]
         for label, code in (sides if i % 2 == 0 else sides[::-1]):
             r = run_once(code, target, kind, seq, args.work, args.threads, args.max_gb, args.extra, args.steps,
                          args.device)
@@ -395,6 +395,7 @@ def main() -> None:
     from distill.toy import default_cache_dir
     from eval.report import machine_info
 
+    args.work = args.work.resolve()  # runs of another checkout start in that checkout: a relative dir would move
     cache = default_cache_dir()
     target = build_target(cache)
     args.work.mkdir(parents=True, exist_ok=True)

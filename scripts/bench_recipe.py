@@ -84,6 +84,8 @@ ROWS = {
     "eagle3_ttt1_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=1", *R1], 950),
     "eagle3_ttt1_regen0_top1ce_kl1_lr5e-3_10cpumin": ([*E3, "drafter.ttt_steps=1", *R1, "trainer.lr=5e-3"], 950),
     "eagle3_ttt3_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1], 450),
+    # TTT 3 measured at 1.02 CPU s per step (+8 s start-up; 1 thread, load ~1.5): 540 steps ~560 CPU s
+    "eagle3_ttt3_regen0_top1ce_kl1_540steps_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1], 540),
     "eagle3_ttt2_regen0_top1ce_kl1_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1,
                                                           "drafter.draft_vocab_size=null"], 600),
     "eagle3_ttt2_regen0_top1ce_kl1_layers123_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "drafter.layers=[1,2,3]"],

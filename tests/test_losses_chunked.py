@@ -340,3 +340,13 @@ def test_chunk_budget_sets_the_rows_per_chunk_and_leaves_the_loss_unchanged():
     with pytest.raises(ValueError, match="trainer.loss_chunk_elements=0"):
         with chunk_budget(0):
             pass
+
+
+def test_default_chunk_budget_follows_the_device():
+    """``trainer.loss_chunk_elements: null`` (the default): 2^25 on a CPU, 2^28 on a GPU, whose memory has room for
+    a 2k-token row's whole chunk; an explicit value is used as given (the loop passes it through)."""
+    from distill.chunked import CHUNK_ELEMENTS, CUDA_CHUNK_ELEMENTS, default_chunk_elements
+
+    assert default_chunk_elements("cpu") == CHUNK_ELEMENTS == 1 << 25
+    assert default_chunk_elements(torch.device("cuda", 0)) == CUDA_CHUNK_ELEMENTS == 1 << 28
+    assert default_chunk_elements("cuda") // 128_256 == 2092

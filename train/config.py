@@ -189,9 +189,9 @@ def _check_schedule(t: TrainerConfig) -> None:
         raise ValueError(f"trainer.weight_decay={t.weight_decay} must be >= 0")
     if t.grad_clip < 0:
         raise ValueError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0: no clipping)")
-    if t.loss_chunk_elements < 1:
+    if t.loss_chunk_elements is not None and t.loss_chunk_elements < 1:
         raise ValueError(f"trainer.loss_chunk_elements={t.loss_chunk_elements} must be >= 1 (rows x vocabulary per "
-                         f"loss chunk; default 33554432 = 2^25)")
+                         f"loss chunk) or null (per device: 2^25 on a CPU, 2^28 on a GPU)")
     if t.keep_last < 1:
         raise ValueError(f"trainer.keep_last={t.keep_last} must be >= 1 (the newest checkpoint is what a resume needs)")
 

@@ -62,10 +62,12 @@ class TrainerConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto: continue from <run dir>/checkpoints/latest if present | never
     num_threads: Optional[int] = None
-    # Rows x vocabulary per chunk of the chunked loss (distill.chunked): 2^25 = 261 rows at V 128k, 128 MB per float32
-    # [rows, V] buffer (~3 per chunk). Larger: fewer passes over the vocabulary head's weight (faster on a CPU: 2^27
-    # trains EAGLE-1 at V 128k ~10% faster), more memory. Same loss and gradients up to summation order.
-    loss_chunk_elements: int = 1 << 25
+    # Rows x vocabulary per chunk of the chunked loss (distill.chunked). null: per device (distill.chunked.
+    # default_chunk_elements): on a CPU 2^25 = 261 rows at V 128k, 128 MB per float32 [rows, V] buffer (~3 per
+    # chunk); on a GPU 2^28 (2,092 rows, 1 GB buffers). Larger: fewer passes over the vocabulary head's weight
+    # (faster: on a CPU 2^27 trains EAGLE-1 at V 128k ~10% faster), more memory. Same loss and gradients up to
+    # summation order.
+    loss_chunk_elements: Optional[int] = None
 
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from distill.chunked import chunk_budget
+from distill.chunked import chunk_budget, default_chunk_elements
 from distill.data import rows_fingerprint
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
@@ -75,7 +75,7 @@ def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, lo
           run_dir, logger, batch_source: Callable | None = None) -> dict:
     """``batch_source(batch, micro_batch_number)``: what replaces a collated batch before the teacher sees it
     (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is."""
-    with chunk_budget(cfg.trainer.loss_chunk_elements):
+    with chunk_budget(cfg.trainer.loss_chunk_elements or default_chunk_elements(engine.device)):
         return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source)
 
 
