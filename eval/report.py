@@ -32,6 +32,10 @@ DEFINITIONS = {
                "measured tau",
     "overhead_ratio": "wall time / (prefill + sum over steps of isolated t_verify(tree size) + t_draft); 1.0 = no "
                       "loop overhead",
+    "mismatches": "greedy runs whose output differs from plain greedy decoding (first 5 prompts): the first "
+                  "differing position and the target's logit gap there, logit[plain's token] - logit[committed "
+                  "token], from one uncached forward; a near-tie (relative gap near the dtype's rounding, e.g. bf16 "
+                  "kernels of different shapes) is numerical noise, a gap of whole logits is a decoder bug",
     "crossover_batch_size": "batch sweep: the first measured batch size at which speculative decoding (fixed gamma) "
                             "is no faster than plain batched decoding",
 }

@@ -22,6 +22,7 @@ from distill.teacher import load_teacher, target_config
 from eval import saved as saved_settings
 from eval.baselines import hf_assisted, hf_generate
 from eval.batch_sweep import batch_sweep
+from eval.mismatch import MAX_KEPT, Mismatch, logit_gap, mismatch
 from eval.report import DEFINITIONS, machine_info, summary_table, write_report
 from heads.base import build_drafter, decode_overrides, load_drafter, read_drafter_config
 from inference.cost import auto_tune, measure_parts, overhead_ratio, predict
@@ -82,6 +83,7 @@ class Tally:
     prompts: int = 0
     identical: int = 0
     first_mismatch: int | None = None
+    mismatches: list[Mismatch] = field(default_factory=list)  # the first MAX_KEPT, for the logit gaps
 
     def add(self, gen: Generation, ref: Generation | None, index: int) -> None:
         self.total.merge(gen)
@@ -89,8 +91,11 @@ class Tally:
         if ref is not None:
             if gen.new_tokens == ref.new_tokens:
                 self.identical += 1
-            elif self.first_mismatch is None:
+                return
+            if self.first_mismatch is None:
                 self.first_mismatch = index
+            if len(self.mismatches) < MAX_KEPT:
+                self.mismatches.append(mismatch(index, ref.new_tokens, gen.new_tokens))
 
     @property
     def tokens(self) -> int:
@@ -175,6 +180,13 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         row["cost"] = _cost(decoder, drafter, cost_prompt, per[name], depth[name], tuning.get(name), row["tau"])
         if any(c is not None for c in categories):
             row["categories"] = _categories(by_cat, name, categories)
+        if per[name].mismatches:  # greedy only: where the output first differs, and the target's logit gap there
+            row["mismatches"] = [logit_gap(decoder.model, as_tensor[m.prompt], m) for m in per[name].mismatches]
+            gaps = [abs(m["logit_gap"]) for m in row["mismatches"] if "logit_gap" in m]
+            row["max_abs_mismatch_logit_gap"] = max(gaps, default=None)
+            log.warning("drafter %s: %d/%d prompts differ from plain greedy decoding; target logit gap at the first "
+                        "difference, largest of the first %d: %s", name, len(prompts) - per[name].identical,
+                        len(prompts), len(row["mismatches"]), row["max_abs_mismatch_logit_gap"])
         results.append(row)
     return {
         "target": teacher.identity(),
