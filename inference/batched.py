@@ -130,6 +130,18 @@ class _Rows:
         self.valid = self.valid.index_select(0, index)
         self.cache.batch_select_indices(index)
 
+    def mark(self) -> tuple:
+        """What a verification step changes, except the drafter state and the cache's contents past its length:
+        ``rewind`` puts it back (the cost model times one step many times over the same context)."""
+        return ([t for t in self.tokens], [list(n) for n in self.new], list(self.pos), self.valid,
+                self.cache.get_seq_length())
+
+    def rewind(self, mark: tuple) -> None:
+        tokens, new, pos, self.valid, length = mark
+        self.tokens, self.new, self.pos = list(tokens), [list(n) for n in new], list(pos)
+        if self.cache.get_seq_length() > length:
+            self.cache.crop(length - self.cache.get_seq_length())
+
 
 class BatchedDecoder:
     """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
@@ -194,7 +206,7 @@ class BatchedDecoder:
         result = BatchGeneration(generations=[None] * len(prompts))
         sync(self.device)
         start = time.perf_counter()
-        rows = self._prefill(prompts, samplings, drafter, layers, max_new)
+        rows, _ = self._prefill(prompts, samplings, drafter, layers, max_new)
         sync(self.device)
         result.prefill_seconds = time.perf_counter() - start
         self._retire(rows, result, max_new, start)
@@ -258,7 +270,10 @@ class BatchedDecoder:
             return logits_V.argmax(-1, keepdim=True)
         return sample(warp(logits_V[None], sampling), self.generator)
 
-    def _prefill(self, prompts: list[Tensor], samplings: list[SamplingConfig], drafter, layers, max_new: int) -> _Rows:
+    def _prefill(self, prompts: list[Tensor], samplings: list[SamplingConfig], drafter, layers,
+                 max_new: int) -> tuple[_Rows, dict]:
+        """The rows after one batched prompt forward (each with its first new token, its drafter state observed on its
+        prompt), and that forward's hidden states ({layer: [B, P, D]}, left-padded; ``inference.cost`` reuses them)."""
         B, P = len(prompts), max(p.shape[0] for p in prompts)
         ids = torch.full((B, P), PAD_ID, dtype=torch.long, device=self.device)
         valid = torch.zeros(B, P, dtype=torch.bool, device=self.device)
@@ -283,7 +298,7 @@ class BatchedDecoder:
             rows.new.append([int(nxt)])
             if draft is not None:
                 draft.observe(b, {i: h[b:b + 1, P - p.shape[0]:] for i, h in hidden.items()})
-        return rows
+        return rows, hidden
 
     def _draft(self, rows: _Rows, gamma: int, max_new: int) -> list[DraftTree]:
         """Every row's proposal, from one call to the drafter's batch state (a plain step: none)."""
