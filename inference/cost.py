@@ -116,6 +116,9 @@ def measure_parts(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
         draft.observe(0, {i: h[:, : behind - 1] for i, h in hidden.items()})
         early = dataclasses.replace(rows, draft=draft, tokens=[tokens[:, :behind]], new=[[]])
         tree = loop._draft(early, d, max_new)[0]
+        mark = rows.mark()  # then the verification a real step runs between two proposals (what it leaves in caches)
+        verify(max(shapes))
+        rows.rewind(mark)
         draft.observe(0, {i: h[:, behind - 1:] for i, h in hidden.items()})
         draft.accepted(0, list(range(min(catch_up - 1, tree.size))) if tree.is_chain else [])
         return dataclasses.replace(early, tokens=[tokens])
