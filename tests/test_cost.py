@@ -56,10 +56,11 @@ def test_measure_parts_times_the_decode_loops_own_step(tiny_teacher, monkeypatch
 
     assert set(parts["t_verify_measured"]) == {0, 2, 3} and set(parts["t_draft"]) == {1, 3}
     assert len(calls["_prefill"]) == 3 and len(calls["plain_step"]) == 3
-    # Every shape (and the empty proposal) through the loop's verification, commit and compaction, each repeat.
-    assert len(calls["_verify"]) == len(calls["_commit"]) == len(calls["_maybe_compact"]) == 3 * 3
+    # Every shape (and the empty proposal) through the loop's verification, commit and compaction, each repeat; and
+    # before each timed proposal, an untimed verification of the largest shape (as between two proposals).
+    assert len(calls["_verify"]) == len(calls["_commit"]) == len(calls["_maybe_compact"]) == 3 * 3 + 2 * 3
     verified = sorted(args[1][0].size for args, _ in calls["_verify"])
-    assert verified == [0] * 3 + [2] * 3 + [3] * 3
+    assert verified == [0] * 3 + [2] * 3 + [3] * (3 + 2 * 3)
     # The loop's cache class and capacity rule: prompt (the prefilled context) + max_new_tokens + TREE_HEADROOM.
     rows, hidden = calls["_prefill"][0][1]
     assert isinstance(rows.cache, PreallocatedCache) and rows.cache.capacity == 19 + 30 + TREE_HEADROOM
