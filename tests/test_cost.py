@@ -15,6 +15,18 @@ from inference.tree import DraftTree
 from tests.test_decoder import noisy_medusa
 
 
+class SecondSibling(Drafter):
+    """Two root children, the target's greedy token second: every accepted path is [1], never a prefix."""
+
+    def __init__(self, teacher):
+        super().__init__({"hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size, "num_layers": 2})
+        self.model, self.vocab = teacher.model, teacher.vocab_size
+
+    def propose(self, tokens, max_depth, sampling=None):
+        best = self.model(tokens).logits[0, -1].argmax().view(1)
+        return DraftTree(torch.cat([(best + 1) % self.vocab, best]), torch.tensor([-1, -1]), chain_hint=False)
+
+
 class SlowChain(Drafter):
     """A deterministic fake drafter whose costs are sleeps: ``draft_s`` per proposal, ``observe_s`` per hand-off
     (``observe``, which the loop calls inside its verification half). Proposes the last token repeated."""
@@ -95,7 +107,31 @@ def test_the_parts_add_up_to_the_decode_that_runs(tiny_teacher):
     per_step = (gen.draft_seconds + gen.verify_seconds) / steps
     predicted = sum(c * (parts["t_draft"][3] + parts["t_verify"][n]) for n, c in gen.nodes_per_forward.items()) / steps
     assert predicted == pytest.approx(per_step, rel=0.15)
-    ratio = overhead_ratio(gen.seconds, gen.prefill_seconds, gen.nodes_per_forward, parts["t_verify"], parts["t_draft"][3])
+    ratio = overhead_ratio(gen.seconds, gen.prefill_seconds, gen.nodes_per_forward, parts["t_verify"],
+                           parts["t_draft"][3])
     assert 0.85 < ratio < 1.15
     assert parts["t_draft"][3] >= 0.003 and parts["t_verify"][3] >= 0.004 + 0.003  # forward + hand-off
     assert parts["t_plain"] == pytest.approx(0.004, abs=0.003)
+
+
+def test_batch_one_keeps_its_cache_dense(tiny_teacher, monkeypatch):
+    """At batch 1 the loop moves the accepted nodes' entries up behind the pending token every step (``keep_tail``),
+    so its cache never holds holes (what a batch of several rows keeps until a compaction), and stays what plain
+    decoding builds: greedy output is token-identical."""
+    drafter = SecondSibling(tiny_teacher)
+    dec = Decoder(tiny_teacher)
+    seen = []
+    real = dec.loop._verify
+
+    def verify(rows, trees, layers):
+        out = real(rows, trees, layers)
+        seen.append((out[0][0].path, rows.valid.clone(), rows.cache.get_seq_length(), rows.pos[0]))
+        return out
+
+    monkeypatch.setattr(dec.loop, "_verify", verify)
+    prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(2))
+    gen = dec.speculative(drafter, prompt, 40, 3)
+    assert gen.new_tokens == dec.plain(prompt, 40).new_tokens
+    assert len(seen) >= 5 and all(path == [1] for path, *_ in seen)  # node 0 rejected: a hole without the copy
+    for path, valid, length, pos in seen:  # the cached tokens (pos), the pending one, the accepted node: no more
+        assert bool(valid.all()) and valid.shape == (1, length) and length == pos + 1 + len(path)
