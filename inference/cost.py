@@ -26,6 +26,7 @@ from collections import Counter
 from typing import Mapping, Sequence
 
 import torch
+
 from inference.decoder import Decoder
 from inference.generation import sync
 from inference.proposer import Proposer

@@ -89,7 +89,7 @@ def test_measure_parts_times_the_decode_loops_own_step(tiny_teacher, monkeypatch
 def test_the_parts_add_up_to_the_decode_that_runs(tiny_teacher):
     """Sleeps dominate a deterministic fake (target forward 4 ms, proposal 3 ms, hand-off 3 ms), so the overhead
     ratio of a real decode is near 1 exactly when the parts time the whole step; a model of the step that left out
-    the hand-off (as the cost model once did) would read about 1.3."""
+    the hand-off (as the cost model once did) reads about 1.4. Bounds are loose for a loaded machine."""
     model = tiny_teacher.model
     handle = model.register_forward_pre_hook(lambda module, args: time.sleep(0.004))
     try:
@@ -106,10 +106,10 @@ def test_the_parts_add_up_to_the_decode_that_runs(tiny_teacher):
         handle.remove()
     per_step = (gen.draft_seconds + gen.verify_seconds) / steps
     predicted = sum(c * (parts["t_draft"][3] + parts["t_verify"][n]) for n, c in gen.nodes_per_forward.items()) / steps
-    assert predicted == pytest.approx(per_step, rel=0.15)
+    assert predicted == pytest.approx(per_step, rel=0.25)  # the old model of the step: 0.70 of it
     ratio = overhead_ratio(gen.seconds, gen.prefill_seconds, gen.nodes_per_forward, parts["t_verify"],
                            parts["t_draft"][3])
-    assert 0.85 < ratio < 1.15
+    assert 0.8 < ratio < 1.25  # the old model of the step: 1.4
     assert parts["t_draft"][3] >= 0.003 and parts["t_verify"][3] >= 0.004 + 0.003  # forward + hand-off
     assert parts["t_plain"] == pytest.approx(0.004, abs=0.003)
 
