@@ -177,7 +177,8 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         # Time the parts at the run's mean context length: the first prompt continued by its own plain decoding.
         mean_context = per[name].total.stats.forwards and per[name].total.context_tokens // per[name].total.stats.forwards
         cost_prompt = first_text[:, : max(as_tensor[0].shape[1], mean_context)]
-        row["cost"] = _cost(decoder, drafter, cost_prompt, per[name], depth[name], tuning.get(name), row["tau"])
+        row["cost"] = _cost(decoder, drafter, cost_prompt, per[name], depth[name], tuning.get(name), row["tau"],
+                            max_new)
         if any(c is not None for c in categories):
             row["categories"] = _categories(by_cat, name, categories)
         if per[name].mismatches:  # greedy only: where the output first differs, and the target's logit gap there
@@ -273,10 +274,12 @@ def _result(name: str, t: Tally, plain_tps: float, greedy: bool, decoder: Decode
     }
 
 
-def _cost(decoder: Decoder, drafter, prompt, t: Tally, num_draft: int, tuning: dict | None, tau: float) -> dict:
+def _cost(decoder: Decoder, drafter, prompt, t: Tally, num_draft: int, tuning: dict | None, tau: float,
+          max_new: int) -> dict:
     """Isolated timings of the parts this run used; predicted speedup (from this run's τ, or from the auto-tune
     calibration when there was one) next to the measured one; the overhead ratio."""
-    parts = measure_parts(decoder, drafter, prompt, [num_draft], t.total.shapes, catch_up=max(1, round(tau)))
+    parts = measure_parts(decoder, drafter, prompt, [num_draft], t.total.shapes, catch_up=max(1, round(tau)),
+                          max_new_tokens=max_new)
     full = max(t.total.nodes_per_forward, key=lambda n: (t.total.nodes_per_forward[n], n), default=0)
     t_draft = parts["t_draft"][num_draft]
     out = {

@@ -82,22 +82,31 @@ def vocab_maps(token_counts_V: Tensor, draft_vocab_size: int) -> tuple[Tensor, T
     return d2t, t2d
 
 
-def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotary embedding (rotate-half form) of x [..., n, hd] at ``positions`` [n], or [B, n] for x [B, h, n, hd]
-    (each row its own positions: the batched decoder's ragged rows)."""
-    hd = x.shape[-1]
-    angles = positions.to(torch.float32)[..., None] * _inv_freq(hd, theta, x.device)  # [(B,) n, hd/2]
-    cos, sin = torch.cat([angles.cos()] * 2, -1).to(x.dtype), torch.cat([angles.sin()] * 2, -1).to(x.dtype)
+def _rope_tables(positions: Tensor, hd: int, theta: float, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of the rotary embedding at ``positions`` [n] ([n, hd]), or [B, n] ([B, 1, n, hd]: each row its own
+    positions, the batched decoder's ragged rows). Made once per layer call, shared by queries and keys."""
+    angles = positions.to(torch.float32)[..., None] * _inv_freq(hd, theta, device)  # [(B,) n, hd]
+    cos, sin = angles.cos(), angles.sin()
+    if dtype != torch.float32:
+        cos, sin = cos.to(dtype), sin.to(dtype)
     if positions.dim() == 2:
         cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return cos, sin
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding (rotate-half form) of x [..., n, hd] with ``_rope_tables``' cos and sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
 @functools.lru_cache(maxsize=16)
 def _inv_freq(hd: int, theta: float, device: torch.device) -> Tensor:
-    """The rotary frequencies [hd / 2], made once per (size, base, device) instead of on every call."""
-    return theta ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
+    """The rotary frequencies, each twice ([hd]: the rotate-half form's two halves), made once per (size, base,
+    device) instead of on every call."""
+    half = theta ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
+    return torch.cat([half, half])
 
 
 class RMSNorm(nn.Module):
@@ -137,7 +146,8 @@ class DraftLayer(nn.Module):
         B, T, _ = x_BTI.shape
         split = lambda y: y.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         q, k, v = split(self.q_proj(x_BTI)), split(self.k_proj(x_BTI)), split(self.v_proj(x_BTI))
-        return _rope(q, positions_T, self.theta), _rope(k, positions_T, self.theta), v
+        cos, sin = _rope_tables(positions_T, self.head_dim, self.theta, q.dtype, q.device)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
         B, _, T, _ = attn_BhTd.shape

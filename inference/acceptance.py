@@ -179,6 +179,10 @@ def _siblings_before(tree: DraftTree) -> tuple[Tensor, Tensor]:
 def greedy_verdict(tree: DraftTree, target_argmax_N1: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``tree_greedy_accept`` for the whole tree at once: a node is chosen when its token is the target's argmax
     after its parent (the first such sibling)."""
+    if tree.is_chain:  # a prefix: node i is judged by row i (its parent's), and no node has siblings
+        on_path = (tree.tokens == target_argmax_N1[: tree.size]).long().cumprod(0).bool()
+        last = on_path.long().sum(0, keepdim=True)
+        return on_path, last, target_argmax_N1.index_select(0, last)
     _, ancestors = tree.geometry
     _, duplicate = _siblings_before(tree)
     chosen = (tree.tokens == target_argmax_N1[_parent_rows(tree)]) & ~duplicate
@@ -237,11 +241,15 @@ def settle(tree: DraftTree, on_path_N: Tensor, last_1: Tensor, bonus_1: Tensor, 
     N, dev = tree.size, tree.tokens.device
     idx = torch.arange(N, device=dev)
     count = on_path_N.long().sum(0, keepdim=True)
-    path = torch.sort(torch.where(on_path_N, idx, N + idx)).values.clamp(max=max(N - 1, 0))  # accepted first
-    committed = torch.cat([tree.tokens[path], bonus_1.new_zeros(1)]).scatter(0, count, bonus_1.long())
-    depth = tree.geometry[0].amax(0, keepdim=True) if N else count.new_zeros(1)
     bad_tokens = ((tree.tokens < 0) | (tree.tokens >= vocab_size)).any(0, keepdim=True).long()
-    flags = bad_tokens + 2 * tree.bad_parents().long().view(1)
+    if tree.is_chain:  # the accepted nodes are a prefix; depth N; parents are 0 .. N - 2 by construction
+        path = torch.where(idx < count, idx, max(N - 1, 0))
+        depth, flags = count.new_full((1,), N), bad_tokens
+    else:
+        path = torch.sort(torch.where(on_path_N, idx, N + idx)).values.clamp(max=max(N - 1, 0))  # accepted first
+        depth = tree.geometry[0].amax(0, keepdim=True) if N else count.new_zeros(1)
+        flags = bad_tokens + 2 * tree.bad_parents().long().view(1)
+    committed = torch.cat([tree.tokens[path], bonus_1.new_zeros(1)]).scatter(0, count, bonus_1.long())
     return torch.cat([count, depth.long(), flags, path, committed])
 
 

@@ -17,7 +17,10 @@ keeps the pending token's column and its accepted nodes' columns, everything els
 column). Key order is irrelevant to attention once the mask decides visibility, so a tree's accepted path needs no
 gather. Trailing columns no row kept are cropped at once (``Cache.crop(-n)``); when holes exceed
 ``compact_slack - 1`` of the longest row, one gather right-aligns every row's valid columns inside the buffers
-(compaction, ``PreallocatedCache.gather_columns``), bounding the waste. Finished rows (``max_new_tokens`` or EOS) leave the batch (``Cache.batch_select_indices``).
+(compaction, ``PreallocatedCache.gather_columns``), bounding the waste. A batch of one (batch-1 decoding) never has
+holes: its accepted nodes' entries are moved up behind the pending token at once (``PreallocatedCache.keep_tail``,
+only the path's columns are copied), so its cache stays exactly what plain decoding would have built. Finished rows
+(``max_new_tokens`` or EOS) leave the batch (``Cache.batch_select_indices``).
 Holes need whole layers (a rolling window layer would count holes toward its window): every layer, sliding
 ones included, keeps its whole row, and sliding-window layers get their own mask (``inference.masks``) in which a key
 is visible only within the window of the query's position; a row's valid columns hold its positions 0, 1, ... in
@@ -130,6 +133,18 @@ class _Rows:
         self.valid = self.valid.index_select(0, index)
         self.cache.batch_select_indices(index)
 
+    def mark(self) -> tuple:
+        """What a verification step changes, except the drafter state and the cache's contents past its length:
+        ``rewind`` puts it back (the cost model times one step many times over the same context)."""
+        return ([t for t in self.tokens], [list(n) for n in self.new], list(self.pos), self.valid,
+                self.cache.get_seq_length())
+
+    def rewind(self, mark: tuple) -> None:
+        tokens, new, pos, self.valid, length = mark
+        self.tokens, self.new, self.pos = list(tokens), [list(n) for n in new], list(pos)
+        if self.cache.get_seq_length() > length:
+            self.cache.crop(length - self.cache.get_seq_length())
+
 
 class BatchedDecoder:
     """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
@@ -194,7 +209,7 @@ class BatchedDecoder:
         result = BatchGeneration(generations=[None] * len(prompts))
         sync(self.device)
         start = time.perf_counter()
-        rows = self._prefill(prompts, samplings, drafter, layers, max_new)
+        rows, _ = self._prefill(prompts, samplings, drafter, layers, max_new)
         sync(self.device)
         result.prefill_seconds = time.perf_counter() - start
         self._retire(rows, result, max_new, start)
@@ -258,7 +273,10 @@ class BatchedDecoder:
             return logits_V.argmax(-1, keepdim=True)
         return sample(warp(logits_V[None], sampling), self.generator)
 
-    def _prefill(self, prompts: list[Tensor], samplings: list[SamplingConfig], drafter, layers, max_new: int) -> _Rows:
+    def _prefill(self, prompts: list[Tensor], samplings: list[SamplingConfig], drafter, layers,
+                 max_new: int) -> tuple[_Rows, dict]:
+        """The rows after one batched prompt forward (each with its first new token, its drafter state observed on its
+        prompt), and that forward's hidden states ({layer: [B, P, D]}, left-padded; ``inference.cost`` reuses them)."""
         B, P = len(prompts), max(p.shape[0] for p in prompts)
         ids = torch.full((B, P), PAD_ID, dtype=torch.long, device=self.device)
         valid = torch.zeros(B, P, dtype=torch.bool, device=self.device)
@@ -283,7 +301,7 @@ class BatchedDecoder:
             rows.new.append([int(nxt)])
             if draft is not None:
                 draft.observe(b, {i: h[b:b + 1, P - p.shape[0]:] for i, h in hidden.items()})
-        return rows
+        return rows, hidden
 
     def _draft(self, rows: _Rows, gamma: int, max_new: int) -> list[DraftTree]:
         """Every row's proposal, from one call to the drafter's batch state (a plain step: none)."""
@@ -324,11 +342,20 @@ class BatchedDecoder:
         used = 1 + max(1 + max(v.path) if v.path else 0 for v in results)  # the last column any row kept, + 1
         if used < n:  # columns past the last one any row kept are dropped now
             rows.cache.crop(-(n - used))
-        keep = torch.zeros(B, used, dtype=torch.bool, device=dev)  # the pending token and the accepted nodes
-        keep[:, 0].fill_(True)
-        for b, v in enumerate(results):
-            if v.path:
-                keep[b].index_fill_(0, 1 + v.path_index[: len(v.path)], True)
+        if B == 1:
+            # One row has no ragged neighbours to stay aligned with: its accepted nodes' entries move up behind the
+            # pending token now (len(path) columns per layer, inside the buffers) instead of leaving holes that every
+            # later forward attends over until a compaction gathers the whole cache. A prefix path is already dense.
+            path = results[0].path
+            if path != list(range(len(path))):
+                rows.cache.keep_tail(rows.valid.shape[1] + 1, results[0].path_index[: len(path)])
+            keep = torch.ones(1, 1 + len(path), dtype=torch.bool, device=dev)
+        else:
+            keep = torch.zeros(B, used, dtype=torch.bool, device=dev)  # the pending token and the accepted nodes
+            keep[:, 0].fill_(True)
+            for b, v in enumerate(results):
+                if v.path:
+                    keep[b].index_fill_(0, 1 + v.path_index[: len(v.path)], True)
         rows.valid = torch.cat([rows.valid, keep], dim=1)
         return results, hidden
 

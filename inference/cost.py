@@ -1,9 +1,11 @@
 """Cost model: predict the speedup of each draft length / tree size from measured parts, and pick the best.
 
-Parts, each measured in isolation (medians of repeated calls on a fixed context, nothing else running in between):
-    t_plain      one plain decoding step (a 1-token target forward)
-    t_verify(n)  one verification forward of n draft nodes (+ the pending token), acceptance and cache compaction
-    t_draft(d)   one drafter proposal of depth d
+Parts, each measured in isolation (medians of repeated calls on a fixed context, nothing else running in between),
+each by calling the step that decoding runs (``measure_parts``: the one decode loop, ``inference.batched``, B = 1):
+    t_plain      one plain decoding step (``Decoder.plain_step``: a 1-token target forward, the token read back)
+    t_verify(n)  one verification of n draft nodes (+ the pending token): inputs and mask, forward, acceptance with
+                 its one read-back, holes / compaction, the hand-off to the drafter (t_verify(0): nothing drafted)
+    t_draft(d)   one drafter proposal of depth d, with the catch-up a real step gives the drafter
 and, from decoding, the acceptance it achieved:
     chains:       α_i per position  ->  τ(γ) = 1 + Σ_{i=1..γ} Π_{j<=i} α_j
     static trees: P(node on the accepted path)  ->  τ(first n nodes) = 1 + Σ_{i<n} P(node i)
@@ -17,19 +19,19 @@ and the overhead ratio of a real run = its wall time / (prefill + Σ t_verify + 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections import Counter
 from typing import Mapping, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from inference.decoder import Decoder
 from inference.generation import sync
 from inference.proposer import Proposer
 from inference.stats import AcceptStats, chain_tau
-from inference.tree import DraftTree, compact_cache, verify_inputs
+from inference.tree import DraftTree
 
 
 def _seconds(fn, device: torch.device) -> float:
@@ -55,52 +57,87 @@ def _fit_linear(medians: Mapping[int, float]) -> dict[int, float]:
 
 @torch.no_grad()
 def measure_parts(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
-                  shapes: Mapping[int, torch.Tensor], repeats: int = 15, catch_up: int = 1) -> dict:
+                  shapes: Mapping[int, torch.Tensor], repeats: int = 15, catch_up: int = 1,
+                  max_new_tokens: int | None = None) -> dict:
     """t_prefill, t_plain, t_verify(n) for each tree shape (n -> parents), t_draft(d) for each depth: medians.
+
+    Each part is the decode loop's own step (``decoder.loop``, ``inference.batched`` with one row), not a model of it:
+    t_prefill its ``_prefill`` (the cache it builds: a ``PreallocatedCache`` of prompt + ``max_new_tokens`` +
+    ``TREE_HEADROOM`` columns), t_verify(n) its ``_verify`` (inputs, mask, forward, ``verdicts``, holes),
+    ``_commit`` (the hand-off to the drafter) and ``_maybe_compact`` on random tokens in the shape's tree, t_draft(d)
+    its ``_draft`` (the drafter's batch state, ``rows``), and t_plain ``Decoder.plain_step`` on the same cache.
+    A timed verification is rewound (``_Rows.rewind``) so every repeat sees the same context.
 
     Every round times each part once, so a machine that gets busier mid-measurement slows all parts alike (the
     parts are compared with each other). ``catch_up``: tokens the drafter has not seen when a proposal starts (in
-    a real step, the accepted drafts and the bonus: about τ). A stateful drafter (a draft LM with its own cache)
-    pays for feeding them, so each timed proposal follows an untimed one on the context without its last
-    ``catch_up`` tokens."""
-    device = decoder.device
+    a real step, the accepted drafts and the bonus: about τ). Each timed proposal follows an untimed one on the
+    context without its last ``catch_up`` tokens, whose first ``catch_up - 1`` drafts are then reported accepted,
+    so a drafter pays for the catch-up a real step gives it (a draft LM feeds the bonus, EAGLE the new features)."""
+    loop, device = decoder.loop, decoder.device
     tokens = prompt_ids.to(device)
+    context = tokens.shape[1]
     layers = tuple(drafter.teacher_layers)
     vocab = decoder.teacher.vocab_size
+    sampling = decoder.sampling
+    max_new = max_new_tokens if max_new_tokens is not None else max(depths, default=1)
     gen = torch.Generator().manual_seed(0)
-    past = tokens.shape[1] - 1
-    behind = tokens[:, : max(1, tokens.shape[1] - catch_up)]
-    shapes = {0: torch.empty(0, dtype=torch.long), **shapes}
+    behind = max(1, context - catch_up)  # tokens the untimed proposal sees
+    shapes = {0: torch.empty(0, dtype=torch.long), **shapes}  # 0: a step with nothing drafted (lookup: no match)
+    trees = {}
+    for n, parents in shapes.items():
+        # The shape's facts from its host copy, as a drafter states them: timing adds no read-back a step lacks.
+        chain = parents.tolist() == list(range(-1, parents.shape[0] - 1))
+        trees[n] = (parents.to(device), chain, DraftTree(parents, parents).depth)
     state = {}
 
     def prefill():
-        state["cache"] = DynamicCache(config=decoder.model.config)
-        state["hidden"] = decoder._forward({"input_ids": tokens[:, :-1], **decoder.prefill_kw}, state["cache"], layers)[1]
+        # The context minus its last token, which stays pending (as after a step); the first token the prefill picks
+        # is replaced by it.
+        state["rows"], state["hidden"] = loop._prefill([tokens[0, :-1]], [sampling], drafter, layers, max_new)
+        state["rows"].tokens = [tokens]
 
-    def verify(parents: torch.Tensor):
-        cache = state["cache"]
-        # The shape's facts from its host copy, as a drafter states them: timing adds no read-back a step lacks.
-        chain = parents.tolist() == list(range(-1, parents.shape[0] - 1))
-        tree = DraftTree(torch.randint(0, vocab, parents.shape, generator=gen).to(device), parents.to(device),
-                         chain_hint=chain)
-        logits, _ = decoder._forward(verify_inputs(tree, tokens[0, -1], past, decoder.mask_dtype), cache, layers)
-        decoder.verdict(tree, logits)
-        compact_cache(cache, tree.size, [])
-        cache.crop(-1)  # the pending token too: back to the same context for the next repeat
+    def plain():
+        rows = state["rows"]
+        decoder.plain_step(tokens[0, -1:], rows.cache).tolist()  # plain decoding reads each token back
+        rows.cache.crop(-1)
 
-    times: dict = {"prefill": [], **{("v", n): [] for n in shapes}, **{("d", d): [] for d in depths}}
-    drafter.reset()
+    def verify(n: int):
+        rows = state["rows"]
+        parents, chain, depth = trees[n]
+        tree = DraftTree(torch.randint(0, vocab, parents.shape, generator=gen).to(device), parents, chain_hint=chain,
+                         depth_bound=depth)
+        results, hidden = loop._verify(rows, [tree], layers)
+        loop._commit(rows, [tree], results, hidden)
+        loop._maybe_compact(rows)
+
+    def draft_rows(d: int):
+        """A fresh drafter state that has proposed once on the shorter context, as before a real step."""
+        rows, hidden = state["rows"], state["hidden"]
+        draft = drafter.rows([0])
+        draft.observe(0, {i: h[:, : behind - 1] for i, h in hidden.items()})
+        early = dataclasses.replace(rows, draft=draft, tokens=[tokens[:, :behind]], new=[[]])
+        tree = loop._draft(early, d, max_new)[0]
+        mark = rows.mark()  # then the verification a real step runs between two proposals (what it leaves in caches)
+        verify(max(shapes))
+        rows.rewind(mark)
+        draft.observe(0, {i: h[:, behind - 1:] for i, h in hidden.items()})
+        draft.accepted(0, list(range(min(catch_up - 1, tree.size))) if tree.is_chain else [])
+        return dataclasses.replace(early, tokens=[tokens])
+
+    times: dict = {"prefill": [], "plain": [], **{("v", n): [] for n in shapes}, **{("d", d): [] for d in depths}}
     for _ in range(repeats):
         times["prefill"].append(_seconds(prefill, device))
-        for n, parents in shapes.items():
-            times[("v", n)].append(_seconds(lambda p=parents: verify(p), device))
-        drafter.observe(state["hidden"])  # the context minus its last token, as after a step
+        times["plain"].append(_seconds(plain, device))
+        for n in shapes:
+            mark = state["rows"].mark()
+            times[("v", n)].append(_seconds(lambda n=n: verify(n), device))
+            state["rows"].rewind(mark)
         for d in depths:
-            drafter.propose(behind, d, decoder.sampling)
-            times[("d", d)].append(_seconds(lambda d=d: drafter.propose(tokens, d, decoder.sampling), device))
+            rows = draft_rows(d)
+            times[("d", d)].append(_seconds(lambda d=d, r=rows: loop._draft(r, d, max_new), device))
     median = {key: statistics.median(v) for key, v in times.items()}
     measured = {n: median[("v", n)] for n in shapes}
-    return {"t_prefill": median["prefill"], "t_plain": measured[0], "t_verify": _fit_linear(measured),
+    return {"t_prefill": median["prefill"], "t_plain": median["plain"], "t_verify": _fit_linear(measured),
             "t_verify_measured": measured, "t_draft": {d: median[("d", d)] for d in depths}}
 
 
@@ -160,7 +197,7 @@ def auto_tune(decoder: Decoder, drafter: Proposer, prompts: Sequence[torch.Tenso
         rates = [accepts[i] / forwards[full] if forwards[full] else 0.0 for i in range(full)]
         taus = {n: tree_tau(rates, n) for n in sizes}
     parts = measure_parts(decoder, drafter, prompts[0], sorted(set(depths.values())), shapes, repeats,
-                          catch_up=max(1, round(stats.tau)))
+                          catch_up=max(1, round(stats.tau)), max_new_tokens=max_new_tokens)
     candidates = [
         {"size": n, "num_draft": depths[n], "tree_nodes": n if static is not None else None, "predicted_tau": taus[n],
          "t_draft_s": parts["t_draft"][depths[n]], "t_verify_s": parts["t_verify"][n],

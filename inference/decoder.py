@@ -134,11 +134,16 @@ class Decoder:
         nxt = self._next_token(logits[-1])
         out = [int(nxt)]
         while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
-            logits, _ = self._forward({"input_ids": nxt.view(1, 1)}, cache, ())
-            nxt = self._next_token(logits[-1])
+            nxt = self.plain_step(nxt, cache)
             out.append(int(nxt))
         sync(self.device)
         return Generation(new_tokens=self.finish(out, max_new_tokens), seconds=time.perf_counter() - start)
+
+    def plain_step(self, token: Tensor, cache: Cache) -> Tensor:
+        """One plain decoding step: feed ``token`` (the last committed one, [1]), return the next ([1], on the
+        device). ``plain`` runs it per token; ``inference.cost`` times it as t_plain."""
+        logits, _ = self._forward({"input_ids": token.view(1, 1)}, cache, ())
+        return self._next_token(logits[-1])
 
     def verdict(self, tree: DraftTree, logits_N1V: Tensor) -> Verdict:
         """One tree's verdict (the decode loop's acceptance dispatch, ``inference.acceptance.verdicts``)."""

@@ -3,8 +3,8 @@
 Each layer keeps one buffer per keys / values of ``capacity`` columns ([B, heads, capacity, head_dim]) and a length
 pointer. ``update`` writes the new entries in place behind the pointer and returns views of the first ``length``
 columns (attention reads strided views without copying), so a decode step no longer concatenates the whole cache
-anew per layer, as ``DynamicCache`` does. Tree compaction (``inference.tree.compact_cache``) copies only the accepted
-path's entries inside the buffer; a rejected tail is dropped by moving the pointer (``crop(-n)``).
+anew per layer, as ``DynamicCache`` does. Tree compaction (``keep_tail``, the decode loop's at batch 1) copies only
+the accepted path's entries inside the buffer; a rejected tail is dropped by moving the pointer (``crop(-n)``).
 
 To the model the layer looks like a ``DynamicLayer`` (mask sizes = cached + new tokens, no maximum it enforces): the
 causal and 4D masks, position ids and sliding windows (``inference.masks``: every layer is kept whole, windows live in
