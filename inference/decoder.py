@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 from transformers import Cache
 
-from inference.acceptance import Verdict, verdicts
 from inference.batched import BatchedDecoder
 from inference.generation import (  # noqa: F401  (re-exported: callers import them from here)
     ACCEPTANCE_RULES,
@@ -35,7 +34,6 @@ from inference.generation import (  # noqa: F401  (re-exported: callers import t
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
-from inference.tree import DraftTree
 
 
 @dataclass
@@ -144,11 +142,6 @@ class Decoder:
         device). ``plain`` runs it per token; ``inference.cost`` times it as t_plain."""
         logits, _ = self._forward({"input_ids": token.view(1, 1)}, cache, ())
         return self._next_token(logits[-1])
-
-    def verdict(self, tree: DraftTree, logits_N1V: Tensor) -> Verdict:
-        """One tree's verdict (the decode loop's acceptance dispatch, ``inference.acceptance.verdicts``)."""
-        return verdicts([tree], logits_N1V[None], [self.sampling], self.generator, self.teacher.vocab_size,
-                        self.typical)[0]
 
     @torch.no_grad()
     def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
