@@ -88,6 +88,8 @@ ROWS = {
     "eagle3_ttt3_regen0_top1ce_kl1_540steps_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1], 540),
     "eagle3_ttt3_regen0_top1ce_kl1_decay1_540steps_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1,
                                                                "drafter.loss_decay=1.0"], 540),
+    "eagle3_ttt4_regen0_top1ce_kl1_decay1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1, "drafter.loss_decay=1.0"],
+                                                      420),
     # TTT 4 at 1.29 CPU s per step (measured earlier at load ~3): 440 steps ~576 CPU s
     "eagle3_ttt4_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1], 440),
     "eagle3_ttt2_regen0_top1ce_kl1_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1,
