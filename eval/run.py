@@ -82,7 +82,6 @@ class Tally:
     total: Generation = field(default_factory=lambda: Generation(new_tokens=[], seconds=0.0))
     prompts: int = 0
     identical: int = 0
-    first_mismatch: int | None = None
     mismatches: list[Mismatch] = field(default_factory=list)  # the first MAX_KEPT, for the logit gaps
 
     def add(self, gen: Generation, ref: Generation | None, index: int) -> None:
@@ -92,10 +91,12 @@ class Tally:
             if gen.new_tokens == ref.new_tokens:
                 self.identical += 1
                 return
-            if self.first_mismatch is None:
-                self.first_mismatch = index
             if len(self.mismatches) < MAX_KEPT:
                 self.mismatches.append(mismatch(index, ref.new_tokens, gen.new_tokens))
+
+    @property
+    def first_mismatch(self) -> int | None:
+        return self.mismatches[0].prompt if self.mismatches else None
 
     @property
     def tokens(self) -> int:

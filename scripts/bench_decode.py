@@ -1,7 +1,7 @@
 """Decoding benchmark: every drafter kind against plain decoding, HF generate() and HF assisted generation, one run.
 
     python scripts/bench_decode.py                      # CPU: the toy target (cached), writes bench_decode.json
-    python scripts/bench_decode.py --preset gpu --compile   # GPU: a 1.15B Llama-shaped target, pretrained ~2 min first
+    python scripts/bench_decode.py --preset gpu --compile   # GPU: a 1.14B Llama-shaped target, built (~5 min on an H100) first
     python scripts/bench_decode.py --preset tiny        # seconds: checks the script end to end (numbers meaningless)
     python scripts/bench_decode.py --methods eagle1,eagle3 --eagle1-dir RUN --eagle3-dir RUN   # EAGLE rows only
 
@@ -61,7 +61,7 @@ PRESETS = {
         "medusa_steps": 600,
         "eagle_steps": None,  # python -m train's default (conf/trainer/single.yaml: 600)
     },
-    # Issue 18's GPU figure: a Llama-shaped target of 1.15B parameters (TinyLlama's width and depth: hidden 2048, MLP
+    # Issue 18's GPU figure: a Llama-shaped target of 1.14B parameters (TinyLlama's width and depth: hidden 2048, MLP
     # 5632, 22 layers, 16 heads; the toy's 4,096-token stdlib tokenizer), pretrained briefly on the stdlib (300 steps
     # x 32 x 256 tokens: enough for a target whose greedy text a drafter can learn, not a good model), bf16; EAGLE-1
     # and EAGLE-3 trained on it for 400 steps. The README setting: 20 held-out prompts, 96 new tokens, greedy.

@@ -325,9 +325,9 @@ def ab_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def gpu_pairs(base: Path | None, target: Path, args, out: Path) -> None:
-    """``--device cuda``: per kind and length, the "before" checkout's run (``--ab``, if given) and this one's back
-    to back, which runs first alternating, each kept under its label as it finishes."""
+def run_sides(base: Path | None, target: Path, args, out: Path) -> None:
+    """Per kind and length, the "before" checkout's run (``base``, if given) and this one's back to back, which runs
+    first alternating; without ``base``, ``--code``'s runs under ``--label``. Each is kept as it finishes."""
     from eval.report import machine_info
 
     for i, (kind, seq) in enumerate((k, s) for k in args.kinds for s in args.seqs):
@@ -337,11 +337,15 @@ def gpu_pairs(base: Path | None, target: Path, args, out: Path) -> None:
                          args.device)
             data = json.loads(out.read_text()) if out.is_file() else {}
             data.setdefault("machine", machine_info())
+            if args.device == "cpu":
+                data.setdefault("quoted_before", ISSUE_BEFORE)
             data.setdefault(label, {}).setdefault(kind, {})[str(seq)] = {**r, "code": str(code)}
             out.write_text(json.dumps(data, indent=2) + "\n")
-            print(f"{label} {kind} seq {seq}: CUDA peak {r.get('peak_cuda_gb', float('nan')):.2f} GB (reserved "
-                  f"{r.get('peak_cuda_reserved_gb', float('nan')):.2f}), {r.get('tokens_per_s', float('nan')):.0f} "
-                  f"tokens/s, exit {r['exit_status']}", flush=True)
+            peak = (f"peak {r['peak_rss_gb']:.2f} GB" if args.device == "cpu" else
+                    f"CUDA peak {r.get('peak_cuda_gb', float('nan')):.2f} GB (reserved "
+                    f"{r.get('peak_cuda_reserved_gb', float('nan')):.2f})")
+            print(f"{label} {kind} seq {seq}: {peak}, {r.get('tokens_per_s', float('nan')):.0f} tokens/s, exit "
+                  f"{r['exit_status']}", flush=True)
 
 
 def gpu_table(data: dict) -> str:
@@ -393,7 +397,6 @@ def main() -> None:
         print(table(args.table) + "\n\n" + projection_table(data) + "\n\n" + ab_table(data))
         return
     from distill.toy import default_cache_dir
-    from eval.report import machine_info
 
     args.work = args.work.resolve()  # runs of another checkout start in that checkout: a relative dir would move
     cache = default_cache_dir()
@@ -404,23 +407,13 @@ def main() -> None:
             args.steps = 6  # one step at seq 2048 takes milliseconds: the median of steps 1..5
         if args.out == ROOT / "scripts" / "results" / "bench_memory_cpu.json":
             args.out = ROOT / "scripts" / "results" / "bench_memory_gpu.json"
-        gpu_pairs(args.ab.resolve() if args.ab else None, target, args, args.out)
+        run_sides(args.ab.resolve() if args.ab else None, target, args, args.out)
         print(gpu_table(json.loads(args.out.read_text())))
         return
-    if args.ab:
+    if args.ab:  # on a CPU, --ab pairs tokens/s over rounds (and CPU seconds): ab_pairs
         ab_pairs(args.ab.resolve(), target, args.kinds, args.seqs, args, args.out)
         return
-    for kind in args.kinds:
-        for seq in args.seqs:
-            result = run_once(args.code.resolve(), target, kind, seq, args.work, args.threads, args.max_gb, args.extra,
-                              args.steps)
-            data = json.loads(args.out.read_text()) if args.out.is_file() else {}
-            data.setdefault("machine", machine_info())
-            data.setdefault("quoted_before", ISSUE_BEFORE)
-            data.setdefault(args.label, {}).setdefault(kind, {})[str(seq)] = {**result, "code": str(args.code)}
-            args.out.write_text(json.dumps(data, indent=2) + "\n")
-            print(f"{args.label} {kind} seq {seq}: peak {result['peak_rss_gb']:.2f} GB, "
-                  f"{result.get('tokens_per_s', float('nan')):.0f} tokens/s, exit {result['exit_status']}", flush=True)
+    run_sides(None, target, args, args.out)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
 # Regenerated data for the "_regen" rows: `python -m distill.regenerate regenerate.out=<this> regenerate.temperature=0
 # regenerate.num_prompts=1400` (the toy target's greedy answers to the first 64 tokens of 1,400 training rows).
 REGEN_T0 = os.environ.get("SPECDRAFT_REGEN_T0", "/tmp/h21/regen_t0.jsonl")
+# the winning recipe: regenerated data + top-1 cross-entropy (the teacher cut to its argmax) at kl_weight 1
 R1 = ["data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1", "drafter.kl_weight=1.0"]
 # name -> (overrides, steps). Step counts of the equal-CPU rows come from the measured CPU per step (startup
 # excluded, load ~3): EAGLE-1 0.49 s, with TTT 2 0.66 s, TTT 3 0.88 s; EAGLE-3 TTT 2 0.78 s, TTT 4 1.29 s (TTT 7
@@ -65,8 +66,7 @@ ROWS = {
     "eagle1_regen0": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}"], 350),
     "eagle1_regen0_kl1_feat0.1": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}", "drafter.kl_weight=1.0",
                                    "drafter.feature_loss_weight=0.1"], 350),
-    "eagle1_regen0_top1ce_kl1": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1",
-                                  "drafter.kl_weight=1.0"], 350),
+    "eagle1_regen0_top1ce_kl1": ([*E1, *R1], 350),
     "eagle1_regen0_top1ce": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1"], 350),
     "eagle1_regen0_10cpumin": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}"], 1000),
     "eagle1_10cpumin": (E1, 1000),  # 0.57 CPU s/step measured at load ~5 (lr 1e-2 row): 1,200 would overrun
@@ -74,11 +74,8 @@ ROWS = {
     "eagle3_ttt4_10cpumin": ([*E3, "drafter.ttt_steps=4"], 500),  # measured 661 CPU s: over the budget
     "eagle3_ttt2_10cpumin": ([*E3, "drafter.ttt_steps=2"], 600),
     # issue 21's winning EAGLE-1 recipe (regenerated data + top-1 CE) at ~10 CPU-minutes, for both kinds
-    "eagle3_ttt2_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=2", "data.mode=regenerated",
-                                                f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1",
-                                                "drafter.kl_weight=1.0"], 600),
-    "eagle1_regen0_top1ce_kl1_10cpumin": ([*E1, "data.mode=regenerated", f"data.regenerated={REGEN_T0}",
-                                           "loss=topk_fkl", "loss.k=1", "drafter.kl_weight=1.0"], 1000),
+    "eagle3_ttt2_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1], 600),
+    "eagle1_regen0_top1ce_kl1_10cpumin": ([*E1, *R1], 1000),
     # EAGLE-3 on the winning recipe, varied one knob at a time (step counts: ~10 CPU-minutes at the measured CPU
     # per step of each TTT length; the GPU study (--device cuda) runs them side by side for τ only)
     "eagle3_ttt1_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=1", *R1], 950),
@@ -88,10 +85,10 @@ ROWS = {
     "eagle3_ttt3_regen0_top1ce_kl1_540steps_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1], 540),
     "eagle3_ttt3_regen0_top1ce_kl1_decay1_540steps_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1,
                                                                "drafter.loss_decay=1.0"], 540),
-    "eagle3_ttt4_regen0_top1ce_kl1_decay1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1, "drafter.loss_decay=1.0"],
-                                                      420),
     # TTT 4 at 1.29 CPU s per step (measured earlier at load ~3): 440 steps ~576 CPU s
     "eagle3_ttt4_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1], 440),
+    "eagle3_ttt4_regen0_top1ce_kl1_decay1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1, "drafter.loss_decay=1.0"],
+                                                      420),
     "eagle3_ttt2_regen0_top1ce_kl1_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1,
                                                           "drafter.draft_vocab_size=null"], 600),
     "eagle3_ttt2_regen0_top1ce_kl1_layers123_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "drafter.layers=[1,2,3]"],
