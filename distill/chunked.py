@@ -8,7 +8,7 @@ teacher's log-probs for the same rows and differentiated on the spot (Liger-kern
 PyTorch): only the gradients w.r.t. ``student_ND`` [N, D] and the projection's trainable weights survive the chunk,
 and backward just scales them by the incoming gradient. The gradient w.r.t. a chunk's logits comes from autograd on
 that chunk alone, or, for forward KL (the default loss), from its closed form ``T (q - p)`` computed in place
-(``distill.losses.fused_divergence``: 3 [rows, V] float32 buffers at the peak instead of ~7). Forward and backward
+(``distill.losses.fused_divergence``: 4 [rows, V] float32 buffers and two ``exp`` passes, where autograd keeps ~7). Forward and backward
 equal the unchunked loss up to float summation order (tests: rtol 1e-5).
 
 Teacher side (``TeacherRows``): rows (b, t) of a ``distill.teacher.TeacherOutput`` — dense logits, the projected
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distill.losses import fused_divergence, row_divergence
+from distill.losses import fused_divergence, row_divergence, softmax_pair_
 
 CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per float32 [rows, V] temporary; CPU
 # matmuls with fewer rows run 2-3x slower per row on 2 threads (measured: 65 vs 261 vs 1024 rows)
@@ -99,17 +99,19 @@ class TeacherRows:
         new tensor (gathered, expanded or projected), never a view of the signal."""
         return self.signal.rows(self.b_N[start:end], self.t_N[start:end], self.cols)
 
-    def log_probs(self, start: int, end: int, temperature: float) -> Tensor:
+    def log_probs(self, start: int, end: int, temperature: float, probs: bool = False):
         """float32 log-softmax of rows [start, end) at T; dense signals and vocabulary slices reuse the batch's
-        shared normaliser."""
+        shared normaliser. ``probs``: (log-probs, probs) instead, the probs where they come from the same ``exp``
+        pass as the normaliser (projected full rows, sparse rows), else None (the caller exponentiates)."""
         x = self.raw(start, end).float()  # gathered or projected: a tensor of its own, normalised in place
         if temperature != 1:
             x.div_(temperature)
         if self.signal.sparse or self.signal.projected and self.cols is None:
             # K ids per row, or full rows projected for this chunk alone: the chunk's own softmax costs no more
-            return x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))
+            return softmax_pair_(x) if probs else x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))
         lse = self.signal.log_normaliser(temperature, self.cols)
-        return x.sub_(lse[self.b_N[start:end], self.t_N[start:end]][:, None])
+        x.sub_(lse[self.b_N[start:end], self.t_N[start:end]][:, None])
+        return (x, None) if probs else x
 
     @torch.no_grad()
     def labels(self) -> Tensor:
@@ -190,7 +192,7 @@ class _Job:
         """(the chunk's loss, its gradient w.r.t. ``logits_CV``: a detached tensor of the caller's, consumed)."""
         if self.fused is not None:
             fused, temperature = self.fused
-            return fused(logits_CV, self.teacher.log_probs(start, end, temperature))
+            return fused(logits_CV, *self.teacher.log_probs(start, end, temperature, probs=True))
         with torch.enable_grad():
             logits_CV.requires_grad_()
             loss = self._chunk_loss(logits_CV, start, end)

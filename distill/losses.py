@@ -139,16 +139,30 @@ def _topk_core(log_q: Tensor, teacher_rows: Tensor, temperature: float, k: int) 
     return kl * temperature**2
 
 
-def _fkl_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """``_fkl_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p), by hand: three
-    [C, V] float32 buffers where autograd keeps six or seven. Both arguments are consumed (overwritten in place)."""
+def softmax_pair_(z_CV: Tensor) -> tuple[Tensor, Tensor]:
+    """(log_softmax(z), softmax(z)) over the last dimension from one ``exp``: ``z_CV`` (float32) becomes the
+    log-softmax in place, the softmax is one new tensor. ``logsumexp`` followed by ``exp`` of the result takes two
+    passes of ``exp`` over [C, V] and two [C, V] temporaries inside ``logsumexp``; on a CPU at V 128k the ``exp``
+    passes are most of a loss chunk's element-wise time."""
+    z_CV.sub_(z_CV.amax(dim=-1, keepdim=True))
+    prob = torch.exp(z_CV)
+    total = prob.sum(dim=-1, keepdim=True)
+    prob.div_(total)
+    return z_CV.sub_(total.log_()), prob
+
+
+def _fkl_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, p_CV: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``_fkl_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p), by hand: four
+    [C, V] float32 buffers (log q, q, log p, p) where autograd keeps six or seven, two ``exp`` passes when the
+    teacher's ``p_CV`` comes with its log-probs (``TeacherRows.log_probs(probs=True)``), else three. The arguments are
+    consumed (overwritten in place)."""
     z = logits_CV.float()
     if temperature != 1:
         z.div_(temperature)
-    log_q = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
-    p = log_p_CV.exp()
+    log_q, q = softmax_pair_(z)
+    p = log_p_CV.exp() if p_CV is None else p_CV
     loss = log_p_CV.sub_(log_q).mul_(p).sum() * temperature**2  # sum p (log p - log q), as F.kl_div's "sum"
-    return loss, log_q.exp_().sub_(p).mul_(temperature)  # d/dz of T² KL(p || softmax(z / T)), p summing to 1
+    return loss, q.sub_(p).mul_(temperature)  # d/dz of T² KL(p || softmax(z / T)), p summing to 1
 
 
 # The menu's functions -> (core, checks of its own keyword arguments): what ``row_divergence`` unwraps.
@@ -156,20 +170,22 @@ _CORES = {forward_kl: (_fkl_core, {}), reverse_kl: (_rkl_core, {}), total_variat
           jsd: (_jsd_core, {"beta": (0.5, _check_beta)}), topk_forward_kl: (_topk_core, {"k": (32, _check_k)})}
 
 
-def _topk_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, k: int) -> tuple[Tensor, Tensor]:
+def _topk_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, k: int,
+                p_CV: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``_topk_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p_k) with p_k the
     teacher renormalised on its top k (scattered; it sums to 1), by hand like ``_fkl_fused``: the teacher's rows are
     reduced to k columns first and dropped, so two [C, V] float32 buffers remain. Both arguments are consumed."""
     top = log_p_CV.topk(min(k, log_p_CV.shape[-1]), dim=-1)
-    del log_p_CV
+    del log_p_CV, p_CV
     log_pk = F.log_softmax(top.values, dim=-1)
     p_k = log_pk.exp()
     z = logits_CV.float()
     if temperature != 1:
         z.div_(temperature)
-    log_q = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+    log_q, q = softmax_pair_(z)
     loss = (p_k * (log_pk - log_q.gather(-1, top.indices))).sum() * temperature**2
-    return loss, log_q.exp_().scatter_add_(-1, top.indices, -p_k).mul_(temperature)
+    del log_q, z
+    return loss, q.scatter_add_(-1, top.indices, -p_k).mul_(temperature)
 
 
 _FUSED = {forward_kl: _fkl_fused, topk_forward_kl: _topk_fused}  # divergences whose logit gradient is written by hand
@@ -191,15 +207,17 @@ def _menu_entry(loss_fn) -> tuple[Callable, float, dict] | None:
     return None if kwargs else (func, temperature, values)
 
 
-def fused_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], float] | None:
-    """(fused(logits_CV, log_p_CV) -> (summed divergence, its gradient w.r.t. the logits), temperature) for a menu
-    loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL); None for the others,
-    which autograd differentiates. ``fused`` overwrites both its arguments."""
+def fused_divergence(loss_fn) -> tuple[Callable[..., tuple[Tensor, Tensor]], float] | None:
+    """(fused(logits_CV, log_p_CV, p_CV=None) -> (summed divergence, its gradient w.r.t. the logits), temperature)
+    for a menu loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL); None for the
+    others, which autograd differentiates. ``p_CV``: the teacher's probabilities, when its log-probs came with them
+    (else computed where needed). ``fused`` overwrites its arguments."""
     entry = _menu_entry(loss_fn)
     if entry is None or entry[0] not in _FUSED:
         return None
     func, temperature, values = entry
-    return (lambda logits_CV, log_p_CV: _FUSED[func](logits_CV, log_p_CV, temperature, **values)), temperature
+    fused = _FUSED[func]
+    return (lambda logits_CV, log_p_CV, p_CV=None: fused(logits_CV, log_p_CV, temperature, p_CV=p_CV, **values)), temperature
 
 
 def row_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], Tensor], float] | None:

@@ -99,10 +99,20 @@ def test_hand_written_gradients_equal_autograd(loss_fn):
     want_logits = logits.clone().requires_grad_()
     want = loss_fn(want_logits, teacher, None)[0]
     (want_grad,) = torch.autograd.grad(want, [want_logits])
-    got, got_grad = fused(logits.clone(), log_p.clone())
-    torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=ATOL)
+    for probs in (None, log_p.exp()):  # the teacher's probs computed inside, or handed over with its log-probs
+        got, got_grad = fused(logits.clone(), log_p.clone(), None if probs is None else probs.clone())
+        torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=ATOL)
     assert losses.fused_divergence(MENU["jsd"]) is None  # the others go through autograd on the chunk
+
+
+def test_softmax_pair_is_log_softmax_and_softmax_from_one_exp():
+    z = torch.randn(5, 300) * 8
+    z[1, :7] = float("-inf")  # masked columns stay at probability 0
+    want_log, want = F.log_softmax(z, dim=-1), F.softmax(z, dim=-1)
+    log_q, q = losses.softmax_pair_(z.clone())
+    torch.testing.assert_close(log_q, want_log, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(q, want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", ["fkl", "jsd", "topk_fkl"])
@@ -154,9 +164,9 @@ def test_teacher_log_normaliser_is_computed_once_per_batch(monkeypatch):
     for shift in (0, 1, 2):
         m = mask[:, : T - shift]
         chunked_divergence(x[: int(m.sum())], head, TeacherRows(teacher, *positions(m, shift)), MENU["fkl"])
-    # The teacher's: one chunk per batch row (T * V fits a chunk), then shared; plus the student's own normaliser in
-    # each term's one chunk (the fused forward KL), 3.
-    assert len(calls) == teacher.logits_BTV.shape[0] + 3
+    # The teacher's: one chunk per batch row (T * V fits a chunk), then shared (the fused forward KL normalises the
+    # student by ``softmax_pair_``, not ``logsumexp``).
+    assert len(calls) == teacher.logits_BTV.shape[0]
 
 
 # --- every drafter kind: chunked in-forward loss == materialised logits + loss_fn ---------------------------------
