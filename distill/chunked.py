@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distill.losses import fused_divergence, row_divergence, softmax_pair_
+from distill.teacher_output import plain_linear, project_into
 
 CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per float32 [rows, V] temporary; CPU
 # matmuls with fewer rows run 2-3x slower per row on 2 threads (measured: 65 vs 261 vs 1024 rows)
@@ -52,7 +53,7 @@ def chunk_budget(elements: int) -> Iterator[None]:
     """Inside this block, chunked losses that are not given ``chunk_elements`` project ``elements // V`` rows per
     chunk (``trainer.loss_chunk_elements``): fewer, larger chunks read the vocabulary head's weight fewer times (each
     chunk reads it for the student's and the teacher's projection and the backward matmul; on a CPU at V 128k that is
-    ~10% of an EAGLE-1 step at 4 chunks per 1k rows), at 3 float32 [rows, V] buffers of memory per chunk."""
+    ~10% of an EAGLE-1 step at 4 chunks per 1k rows), at 4 float32 [rows, V] buffers of memory per chunk."""
     if elements < 1:
         raise ValueError(f"trainer.loss_chunk_elements={elements} must be >= 1 (rows x vocabulary per loss chunk)")
     token = _budget.set(elements)
@@ -72,6 +73,36 @@ class Finished(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.finish(self.proj(x))
+
+
+class Frozen:
+    """A vocabulary projection the loss differentiates through but never trains (EAGLE-1's: the target's lm_head):
+    no gradient for its parameters whatever their ``requires_grad``; inputs cast to its dtype and back."""
+
+    def __init__(self, head: nn.Module):
+        self.head = head
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.head(x.to(self.head.weight.dtype)).to(x.dtype)
+
+
+class Workspace:
+    """[rows, V] buffers reused by every chunk of one loss term on a CPU: a fresh float32 buffer of 128 MB costs
+    ~75 ms of page faults there (glibc maps and unmaps allocations this large each time; measured on this machine:
+    as long as the ``exp`` pass over it), four of them per chunk. On a GPU the caching allocator reuses memory
+    already, so ``take`` gives None (allocate as usual)."""
+
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cpu"
+        self._bufs: dict[str, Tensor] = {}
+
+    def take(self, name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> Tensor | None:
+        if not self.enabled:
+            return None
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < rows * cols or buf.dtype != dtype:
+            buf = self._bufs[name] = torch.empty(rows * cols, dtype=dtype)
+        return buf[: rows * cols].view(rows, cols)
 
 
 @dataclass
@@ -94,21 +125,27 @@ class TeacherRows:
             return self.cols.numel()
         return self.signal.logits_BTV.shape[-1] if self.signal.logits_BTV is not None else self.signal.vocab_size
 
-    def raw(self, start: int = 0, end: int | None = None) -> Tensor:
+    def raw(self, start: int = 0, end: int | None = None, out: Tensor | None = None) -> Tensor:
         """The teacher's logits of rows [start, end) in their own dtype (what an unchunked loss would be given); a
-        new tensor (gathered, expanded or projected), never a view of the signal."""
-        return self.signal.rows(self.b_N[start:end], self.t_N[start:end], self.cols)
+        new tensor (gathered, expanded or projected) or ``out`` (``TeacherOutput.rows``), never a view of the
+        signal."""
+        return self.signal.rows(self.b_N[start:end], self.t_N[start:end], self.cols, out)
 
-    def log_probs(self, start: int, end: int, temperature: float, probs: bool = False):
+    def log_probs(self, start: int, end: int, temperature: float, probs: bool = False, ws: Workspace | None = None):
         """float32 log-softmax of rows [start, end) at T; dense signals and vocabulary slices reuse the batch's
         shared normaliser. ``probs``: (log-probs, probs) instead, the probs where they come from the same ``exp``
-        pass as the normaliser (projected full rows, sparse rows), else None (the caller exponentiates)."""
-        x = self.raw(start, end).float()  # gathered or projected: a tensor of its own, normalised in place
+        pass as the normaliser (projected full rows, sparse rows), else None (the caller exponentiates). ``ws``:
+        buffers to write into, reused from chunk to chunk."""
+        rows = end - start
+        out = ws.take("teacher", rows, self.width) if ws is not None else None
+        x = self.raw(start, end, out).float()  # gathered or projected: a tensor of its own, normalised in place
         if temperature != 1:
             x.div_(temperature)
         if self.signal.sparse or self.signal.projected and self.cols is None:
             # K ids per row, or full rows projected for this chunk alone: the chunk's own softmax costs no more
-            return softmax_pair_(x) if probs else x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))
+            if probs:
+                return softmax_pair_(x, ws.take("p", rows, self.width) if ws is not None else None)
+            return x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))
         lse = self.signal.log_normaliser(temperature, self.cols)
         x.sub_(lse[self.b_N[start:end], self.t_N[start:end]][:, None])
         return (x, None) if probs else x
@@ -188,11 +225,14 @@ class _Job:
         z = logits_CV.float() if temperature == 1 else logits_CV.float() / temperature
         return core(F.log_softmax(z, dim=-1), self.teacher.log_probs(start, end, temperature))
 
-    def _loss_and_dlogits(self, logits_CV: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
-        """(the chunk's loss, its gradient w.r.t. ``logits_CV``: a detached tensor of the caller's, consumed)."""
+    def _loss_and_dlogits(self, logits_CV: Tensor, start: int, end: int,
+                          ws: Workspace | None = None) -> tuple[Tensor, Tensor]:
+        """(the chunk's loss, its gradient w.r.t. ``logits_CV``: a detached tensor of the caller's, consumed; with
+        ``ws``, the gradient lives in its buffers until the next chunk)."""
         if self.fused is not None:
             fused, temperature = self.fused
-            return fused(logits_CV, *self.teacher.log_probs(start, end, temperature, probs=True))
+            q_out = ws.take("q", *logits_CV.shape) if ws is not None else None
+            return fused(logits_CV, *self.teacher.log_probs(start, end, temperature, probs=True, ws=ws), q_out=q_out)
         with torch.enable_grad():
             logits_CV.requires_grad_()
             loss = self._chunk_loss(logits_CV, start, end)
@@ -205,9 +245,13 @@ class _Job:
         grads = [torch.zeros_like(p) for p in params] if need_grads else []
         step = max(1, self.chunk_elements // self.teacher.width)
         # d loss / d logits first (by hand for a fused divergence, else autograd on the chunk's logits alone), then
-        # through the head: an nn.Linear by its two matmuls, the weight's gradient accumulated in place (no [V, D]
-        # temporary per chunk); any other head by autograd.
-        linear = type(self.head) is nn.Linear and all(any(p is q for q in params) for p in self.head.parameters())
+        # through the head: an nn.Linear (trainable or ``Frozen``) by its two matmuls, the weight's gradient
+        # accumulated in place (no [V, D] temporary per chunk); any other head by autograd. A fused divergence on a
+        # CPU works in buffers reused from chunk to chunk (``Workspace``).
+        lin = plain_linear(self.head.head if isinstance(self.head, Frozen) else self.head)
+        linear = (lin is not None and lin.weight.dtype == x_ND.dtype
+                  and all(p is lin.weight or p is lin.bias for p in params))
+        ws = Workspace(x_ND.device) if linear and self.fused is not None else None
         wrt = ([x_ND] if grad_x is not None else []) + params
         preds = []
         for start in range(0, N, step):
@@ -221,11 +265,11 @@ class _Job:
             x = x_ND[start:end].detach()
             if linear:
                 with torch.no_grad():
-                    logits = F.linear(x, self.head.weight.detach(),
-                                      None if self.head.bias is None else self.head.bias.detach())
+                    logits = project_into(lin, x, ws.take("student", end - start, self.teacher.width, x.dtype)
+                                          if ws is not None else None)
                 preds.append(logits.argmax(-1))
-                loss, dlogits = self._loss_and_dlogits(logits, start, end)
-                self._linear_grads(dlogits, x, start, grad_x, grads)
+                loss, dlogits = self._loss_and_dlogits(logits, start, end, ws)
+                self._linear_grads(lin, dlogits, x, start, grad_x, grads, params)
             else:
                 with torch.enable_grad():
                     x.requires_grad_(grad_x is not None)
@@ -244,11 +288,13 @@ class _Job:
         return total, grad_x, grads
 
 
-    def _linear_grads(self, dlogits: Tensor, x: Tensor, start: int, grad_x: Tensor | None, grads: list[Tensor]) -> None:
-        weight = self.head.weight
+    @staticmethod
+    def _linear_grads(lin: nn.Linear, dlogits: Tensor, x: Tensor, start: int, grad_x: Tensor | None,
+                      grads: list[Tensor], params: list[Tensor]) -> None:
+        weight = lin.weight
         if grad_x is not None:
             grad_x[start: start + x.shape[0]] = (dlogits @ weight.to(dlogits.dtype)).to(grad_x.dtype)
-        for acc, p in zip(grads, self.head.parameters()):
+        for acc, p in zip(grads, params):
             if p is weight:
                 acc.addmm_(dlogits.t().to(acc.dtype), x.to(acc.dtype))
             else:  # the bias

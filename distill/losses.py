@@ -139,27 +139,28 @@ def _topk_core(log_q: Tensor, teacher_rows: Tensor, temperature: float, k: int) 
     return kl * temperature**2
 
 
-def softmax_pair_(z_CV: Tensor) -> tuple[Tensor, Tensor]:
+def softmax_pair_(z_CV: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(log_softmax(z), softmax(z)) over the last dimension from one ``exp``: ``z_CV`` (float32) becomes the
-    log-softmax in place, the softmax is one new tensor. ``logsumexp`` followed by ``exp`` of the result takes two
-    passes of ``exp`` over [C, V] and two [C, V] temporaries inside ``logsumexp``; on a CPU at V 128k the ``exp``
-    passes are most of a loss chunk's element-wise time."""
+    log-softmax in place, the softmax is one new tensor (or ``out``). ``logsumexp`` followed by ``exp`` of the result
+    takes two passes of ``exp`` over [C, V] and two [C, V] temporaries inside ``logsumexp``; on a CPU at V 128k the
+    ``exp`` passes are most of a loss chunk's element-wise time."""
     z_CV.sub_(z_CV.amax(dim=-1, keepdim=True))
-    prob = torch.exp(z_CV)
+    prob = torch.exp(z_CV, out=out) if out is not None else torch.exp(z_CV)
     total = prob.sum(dim=-1, keepdim=True)
     prob.div_(total)
     return z_CV.sub_(total.log_()), prob
 
 
-def _fkl_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, p_CV: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _fkl_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, p_CV: Tensor | None = None,
+               q_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``_fkl_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p), by hand: four
     [C, V] float32 buffers (log q, q, log p, p) where autograd keeps six or seven, two ``exp`` passes when the
     teacher's ``p_CV`` comes with its log-probs (``TeacherRows.log_probs(probs=True)``), else three. The arguments are
-    consumed (overwritten in place)."""
+    consumed (overwritten in place); ``q_out``, a buffer for q (the gradient is returned in it)."""
     z = logits_CV.float()
     if temperature != 1:
         z.div_(temperature)
-    log_q, q = softmax_pair_(z)
+    log_q, q = softmax_pair_(z, q_out)
     p = log_p_CV.exp() if p_CV is None else p_CV
     loss = log_p_CV.sub_(log_q).mul_(p).sum() * temperature**2  # sum p (log p - log q), as F.kl_div's "sum"
     return loss, q.sub_(p).mul_(temperature)  # d/dz of T² KL(p || softmax(z / T)), p summing to 1
@@ -171,7 +172,7 @@ _CORES = {forward_kl: (_fkl_core, {}), reverse_kl: (_rkl_core, {}), total_variat
 
 
 def _topk_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, k: int,
-                p_CV: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                p_CV: Tensor | None = None, q_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``_topk_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p_k) with p_k the
     teacher renormalised on its top k (scattered; it sums to 1), by hand like ``_fkl_fused``: the teacher's rows are
     reduced to k columns first and dropped, so two [C, V] float32 buffers remain. Both arguments are consumed."""
@@ -182,7 +183,7 @@ def _topk_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, k: int,
     z = logits_CV.float()
     if temperature != 1:
         z.div_(temperature)
-    log_q, q = softmax_pair_(z)
+    log_q, q = softmax_pair_(z, q_out)
     loss = (p_k * (log_pk - log_q.gather(-1, top.indices))).sum() * temperature**2
     del log_q, z
     return loss, q.scatter_add_(-1, top.indices, -p_k).mul_(temperature)
@@ -208,16 +209,18 @@ def _menu_entry(loss_fn) -> tuple[Callable, float, dict] | None:
 
 
 def fused_divergence(loss_fn) -> tuple[Callable[..., tuple[Tensor, Tensor]], float] | None:
-    """(fused(logits_CV, log_p_CV, p_CV=None) -> (summed divergence, its gradient w.r.t. the logits), temperature)
-    for a menu loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL); None for the
-    others, which autograd differentiates. ``p_CV``: the teacher's probabilities, when its log-probs came with them
-    (else computed where needed). ``fused`` overwrites its arguments."""
+    """(fused(logits_CV, log_p_CV, p_CV=None, q_out=None) -> (summed divergence, its gradient w.r.t. the logits),
+    temperature) for a menu loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL);
+    None for the others, which autograd differentiates. ``p_CV``: the teacher's probabilities, when its log-probs
+    came with them (else computed where needed); ``q_out``: a [C, V] float32 buffer the gradient is written into.
+    ``fused`` overwrites its arguments."""
     entry = _menu_entry(loss_fn)
     if entry is None or entry[0] not in _FUSED:
         return None
     func, temperature, values = entry
     fused = _FUSED[func]
-    return (lambda logits_CV, log_p_CV, p_CV=None: fused(logits_CV, log_p_CV, temperature, p_CV=p_CV, **values)), temperature
+    return (lambda logits_CV, log_p_CV, p_CV=None, q_out=None:
+            fused(logits_CV, log_p_CV, temperature, p_CV=p_CV, q_out=q_out, **values)), temperature
 
 
 def row_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], Tensor], float] | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 FLOOR_MARGIN = 1e4  # sparse signals: exp(-1e4) is exactly 0 in float32 and bfloat16
 PROJECT_CHUNK_ELEMENTS = 1 << 25  # projected signals: rows per projection = this // V (128 MB of float32 logits)
@@ -45,14 +45,18 @@ class TeacherOutput:
         ref = self.topk_ids_BTK if self.sparse else self.final_BTD if self.projected else self.logits_BTV
         return ref.shape[0], ref.shape[1]
 
-    def rows(self, b_N: Tensor, t_N: Tensor, cols: Tensor | None = None) -> Tensor:
+    def rows(self, b_N: Tensor, t_N: Tensor, cols: Tensor | None = None, out: Tensor | None = None) -> Tensor:
         """Teacher logits of positions (b_N, t_N): [N, V], or [N, len(cols)] over the vocabulary ids ``cols`` (one
         gather, no full-row copy). Sparse: the top-K log-probs at their ids, a finite floor (smallest - 1e4)
-        elsewhere, so a softmax over them is the teacher renormalised on its top K."""
+        elsewhere, so a softmax over them is the teacher renormalised on its top K. ``out``: a buffer of the
+        result's shape and dtype that full-vocabulary dense and projected rows are written into (else ignored)."""
         if self.projected:
-            return self._project(b_N, t_N) if cols is None else self.columns(cols)[b_N, t_N]
+            return self._project(b_N, t_N, out) if cols is None else self.columns(cols)[b_N, t_N]
         if not self.sparse:
             if cols is None:
+                if out is not None and out.dtype == self.logits_BTV.dtype and self.logits_BTV.is_contiguous():
+                    B, T, V = self.logits_BTV.shape
+                    return torch.index_select(self.logits_BTV.view(B * T, V), 0, b_N * T + t_N, out=out)
                 return self.logits_BTV[b_N, t_N]
             return self.logits_BTV[b_N[:, None], t_N[:, None], cols[None, :]]
         dense = dense_logits(self.topk_ids_BTK[b_N, t_N], self.topk_logprobs_BTK[b_N, t_N], self.vocab_size,
@@ -114,10 +118,11 @@ class TeacherOutput:
         return self._memo["argmax"]
 
     @torch.no_grad()
-    def _project(self, b_N: Tensor, t_N: Tensor) -> Tensor:
-        """[N, V] logits of positions (b_N, t_N) through the read-out, recording their argmax on the way (the
-        agreement labels then cost no second projection)."""
-        logits = self.readout(self.final_BTD[b_N, t_N])
+    def _project(self, b_N: Tensor, t_N: Tensor, out: Tensor | None = None) -> Tensor:
+        """[N, V] logits of positions (b_N, t_N) through the read-out (into ``out`` where the read-out is a plain
+        projection, ``project_into``), recording their argmax on the way (the agreement labels then cost no second
+        projection)."""
+        logits = project_into(self.readout, self.final_BTD[b_N, t_N], out)
         self._argmax_record()[b_N, t_N] = logits.argmax(-1)
         return logits
 
@@ -140,6 +145,28 @@ class TeacherOutput:
                 out[i: i + step] = rows
             self._memo[key] = out.view(B, T, -1)
         return self._memo[key]
+
+
+def plain_linear(head) -> nn.Linear | None:
+    """The ``nn.Linear`` that ``head`` is, or that it applies with nothing after it (a target read-out,
+    ``distill.teacher.TargetLogits``, without soft-capping); None for any other head."""
+    if type(head) is nn.Linear:
+        return head
+    inner = getattr(head, "lm_head", None)
+    return inner if type(inner) is nn.Linear and getattr(head, "softcap", 0) is None else None
+
+
+def project_into(head, x_ND: Tensor, out: Tensor | None = None) -> Tensor:
+    """``head(x_ND)``, written into ``out`` (a [N, V] buffer reused from chunk to chunk) when ``head`` is a plain
+    projection of ``x``'s dtype outside autocast: on a CPU a fresh [rows, V] result costs as much in page faults as
+    the ``exp`` pass over it (glibc maps and unmaps allocations this large each time)."""
+    linear = plain_linear(head) if out is not None else None
+    if (linear is None or linear.weight.dtype != x_ND.dtype or out.dtype != x_ND.dtype
+            or torch.is_autocast_enabled(x_ND.device.type)):
+        return head(x_ND)
+    if linear.bias is None:
+        return torch.mm(x_ND, linear.weight.t(), out=out)
+    return torch.addmm(linear.bias, x_ND, linear.weight.t(), out=out)
 
 
 def dense_logits(topk_ids: Tensor, topk_logprobs: Tensor, vocab_size: int, dtype: torch.dtype) -> Tensor:

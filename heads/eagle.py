@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distill.chunked import Finished, TeacherRows, positions
+from distill.chunked import Finished, Frozen, TeacherRows, positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads.eagle_decode import EagleRows, draft_trees
@@ -305,7 +305,7 @@ class EagleDrafter(Drafter):
         if self.variant == "eagle3":
             capped = target is not None and target.softcap is not None
             return self.norm(out_ND), Finished(self.lm_head, target.finish) if capped else self.lm_head
-        return out_ND, lambda x: target(x.to(target.weight.dtype)).to(x.dtype)  # frozen: no gradient for it
+        return out_ND, Frozen(target)  # no gradient for the target's lm_head
 
     def _layer_input(self, emb_BTD: Tensor, hid_BTD: Tensor) -> tuple[Tensor, Tensor]:
         """(attention input, residual) for one step."""

@@ -360,3 +360,29 @@ def test_default_chunk_budget_follows_the_device():
     assert default_chunk_elements("cpu") == CHUNK_ELEMENTS == 1 << 25
     assert default_chunk_elements(torch.device("cuda", 0)) == CUDA_CHUNK_ELEMENTS == 1 << 28
     assert default_chunk_elements("cuda") // 128_256 == 2092
+
+
+@pytest.mark.parametrize("name", ["fkl", "topk_fkl", "jsd"])
+def test_frozen_read_out_with_a_projected_teacher_over_uneven_chunks(name):
+    """EAGLE-1's term: the student through the target's read-out (``Frozen``: never trained, even though its weight
+    requires grad), the teacher projected chunk by chunk; on a CPU the forward-KL chunks reuse one set of [rows, V]
+    buffers (``Workspace``), the last chunk shorter than the others."""
+    from distill.chunked import Frozen
+    from distill.teacher import TargetLogits
+
+    g = torch.Generator().manual_seed(5)
+    lm_head = nn.Linear(8, 50, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(50, 8, generator=g))
+    read_out = TargetLogits(lm_head, softcap=None)
+    final = torch.randn(1, 11, 8, generator=g)
+    x = torch.randn(11, 8, generator=g, requires_grad=True)
+    want = MENU[name](lm_head(x), lm_head(final[0]).detach(), None)[0]
+    (want_grad,) = torch.autograd.grad(want, [x])
+    signal = TeacherOutput(logits_BTV=None, final_BTD=final, readout=read_out, vocab_size=50)
+    rows = TeacherRows(signal, torch.zeros(11, dtype=torch.long), torch.arange(11))
+    loss, pred = chunked_divergence(x, Frozen(read_out), rows, MENU[name], chunk_elements=4 * 50)  # 4, 4, 3 rows
+    (grad,) = torch.autograd.grad(loss, [x])
+    torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(grad, want_grad, rtol=RTOL, atol=ATOL)
+    assert torch.equal(pred, lm_head(x).argmax(-1)) and lm_head.weight.grad is None
