@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distill.losses import fused_divergence, row_divergence, softmax_pair_
-from distill.teacher_output import plain_linear, project_into
+from distill.teacher_output import autocast_weight, plain_linear, project_into
 
 CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per float32 [rows, V] temporary; CPU
 # matmuls with fewer rows run 2-3x slower per row on 2 threads (measured: 65 vs 261 vs 1024 rows)
@@ -252,6 +252,10 @@ class _Job:
         linear = (lin is not None and lin.weight.dtype == x_ND.dtype
                   and all(p is lin.weight or p is lin.bias for p in params))
         ws = Workspace(x_ND.device) if linear and self.fused is not None else None
+        # under autocast, the weight's cast copy made once: per batch for a frozen read-out (shared with the teacher's
+        # projection of the same weight, EAGLE-1), per term for a trainable head
+        memo = (self.teacher.signal.memo if lin is not None and not lin.weight.requires_grad
+                and isinstance(self.teacher, TeacherRows) else {})
         wrt = ([x_ND] if grad_x is not None else []) + params
         preds = []
         for start in range(0, N, step):
@@ -265,11 +269,11 @@ class _Job:
             x = x_ND[start:end].detach()
             if linear:
                 with torch.no_grad():
-                    logits = project_into(lin, x, ws.take("student", end - start, self.teacher.width, x.dtype)
-                                          if ws is not None else None)
+                    logits = project_into(lin, x, ws.take("student", end - start, self.teacher.width)
+                                          if ws is not None else None, memo)
                 preds.append(logits.argmax(-1))
                 loss, dlogits = self._loss_and_dlogits(logits, start, end, ws)
-                self._linear_grads(lin, dlogits, x, start, grad_x, grads, params)
+                self._linear_grads(lin, dlogits, x, start, grad_x, grads, params, autocast_weight(lin.weight, memo))
             else:
                 with torch.enable_grad():
                     x.requires_grad_(grad_x is not None)
@@ -290,10 +294,13 @@ class _Job:
 
     @staticmethod
     def _linear_grads(lin: nn.Linear, dlogits: Tensor, x: Tensor, start: int, grad_x: Tensor | None,
-                      grads: list[Tensor], params: list[Tensor]) -> None:
+                      grads: list[Tensor], params: list[Tensor], cast: Tensor | None) -> None:
+        """Through the projection: grad_x += dlogits W (under autocast in its dtype, with the weight's cast copy
+        ``cast``, as autograd through the autocast projection does), the weight's gradient accumulated in float32."""
         weight = lin.weight
         if grad_x is not None:
-            grad_x[start: start + x.shape[0]] = (dlogits @ weight.to(dlogits.dtype)).to(grad_x.dtype)
+            w = weight if cast is None else cast
+            grad_x[start: start + x.shape[0]] = (dlogits.to(w.dtype) @ w).to(grad_x.dtype)
         for acc, p in zip(grads, params):
             if p is weight:
                 acc.addmm_(dlogits.t().to(acc.dtype), x.to(acc.dtype))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 FLOOR_MARGIN = 1e4  # sparse signals: exp(-1e4) is exactly 0 in float32 and bfloat16
@@ -31,6 +32,11 @@ class TeacherOutput:
     final_BTD: Tensor | None = None  # projected form: what the target's lm_head reads (hidden-state index -1) ...
     readout: Callable[[Tensor], Tensor] | None = None  # ... and what turns it into logits (``TargetLogits``)
     _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def memo(self) -> dict:
+        """This batch's cache of per-batch reductions and cast weights (kept with the batch, dropped with it)."""
+        return self._memo
 
     @property
     def sparse(self) -> bool:
@@ -122,7 +128,7 @@ class TeacherOutput:
         """[N, V] logits of positions (b_N, t_N) through the read-out (into ``out`` where the read-out is a plain
         projection, ``project_into``), recording their argmax on the way (the agreement labels then cost no second
         projection)."""
-        logits = project_into(self.readout, self.final_BTD[b_N, t_N], out)
+        logits = project_into(self.readout, self.final_BTD[b_N, t_N], out, self.memo)
         self._argmax_record()[b_N, t_N] = logits.argmax(-1)
         return logits
 
@@ -156,13 +162,34 @@ def plain_linear(head) -> nn.Linear | None:
     return inner if type(inner) is nn.Linear and getattr(head, "softcap", 0) is None else None
 
 
-def project_into(head, x_ND: Tensor, out: Tensor | None = None) -> Tensor:
-    """``head(x_ND)``, written into ``out`` (a [N, V] buffer reused from chunk to chunk) when ``head`` is a plain
-    projection of ``x``'s dtype outside autocast: on a CPU a fresh [rows, V] result costs as much in page faults as
-    the ``exp`` pass over it (glibc maps and unmaps allocations this large each time)."""
-    linear = plain_linear(head) if out is not None else None
-    if (linear is None or linear.weight.dtype != x_ND.dtype or out.dtype != x_ND.dtype
-            or torch.is_autocast_enabled(x_ND.device.type)):
+def autocast_weight(weight: Tensor, memo: dict) -> Tensor | None:
+    """``weight`` in the autocast dtype of its device, cast once per ``memo`` (None outside autocast). Autocast
+    casts a weight that does not require grad (the target's read-out) anew at every call, and a chunked loss calls
+    its projection once per chunk: at V 128k, D 512 on a CPU each cast is ~0.1 s, as long as a chunk's matmul."""
+    device = weight.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    key = ("autocast", weight.data_ptr(), weight._version, dtype)  # _version: an optimizer step makes a new key
+    if key not in memo:
+        memo[key] = weight.detach().to(dtype)
+    return memo[key]
+
+
+def project_into(head, x_ND: Tensor, out: Tensor | None = None, memo: dict | None = None) -> Tensor:
+    """``head(x_ND)`` for a plain projection (``plain_linear``): under autocast, its weight cast once per ``memo``
+    (``autocast_weight``; the values autocast would compute); outside it, written into ``out`` (a [N, V] buffer
+    reused from chunk to chunk: on a CPU a fresh [rows, V] result costs as much in page faults as the ``exp`` pass
+    over it, glibc maps and unmaps allocations this large each time). Any other head: ``head(x_ND)``."""
+    linear = plain_linear(head)
+    if linear is None or linear.weight.dtype != x_ND.dtype:
+        return head(x_ND)
+    weight = autocast_weight(linear.weight, memo) if memo is not None else None
+    if weight is not None:
+        bias = None if linear.bias is None else linear.bias.detach().to(weight.dtype)
+        logits = F.linear(x_ND.to(weight.dtype), weight, bias)
+        return logits if out is None or out.dtype == logits.dtype else out.copy_(logits)
+    if out is None or out.dtype != x_ND.dtype or torch.is_autocast_enabled(x_ND.device.type):
         return head(x_ND)
     if linear.bias is None:
         return torch.mm(x_ND, linear.weight.t(), out=out)

@@ -386,3 +386,35 @@ def test_frozen_read_out_with_a_projected_teacher_over_uneven_chunks(name):
     torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(grad, want_grad, rtol=RTOL, atol=ATOL)
     assert torch.equal(pred, lm_head(x).argmax(-1)) and lm_head.weight.grad is None
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_chunked_under_cpu_autocast_matches_the_autocast_projection(frozen):
+    """Training runs under bf16 autocast where the device has it (``trainer.bf16``, CPUs included): the chunked
+    projection casts the weight once (``autocast_weight``) instead of at every chunk, and must give the logits the
+    autocast projection gives (the loss equal up to summation order) and its gradient (grad_x through the bf16
+    weight, as autograd through the autocast projection computes it)."""
+    from distill.chunked import Frozen
+    from distill.teacher import TargetLogits
+
+    g = torch.Generator().manual_seed(7)
+    lm_head = nn.Linear(16, 64, bias=False).requires_grad_(not frozen)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(64, 16, generator=g))
+    final = torch.randn(1, 13, 16, generator=g)
+    x = torch.randn(13, 16, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = MENU["fkl"](lm_head(x), lm_head(final[0]).detach(), None)[0]
+    want_grads = torch.autograd.grad(want, [x] + ([] if frozen else [lm_head.weight]))
+    read_out = TargetLogits(lm_head, softcap=None)
+    signal = TeacherOutput(logits_BTV=None, final_BTD=final, readout=read_out, vocab_size=64)
+    rows = TeacherRows(signal, torch.zeros(13, dtype=torch.long), torch.arange(13))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, pred = chunked_divergence(x, Frozen(read_out) if frozen else lm_head, rows, MENU["fkl"],
+                                        chunk_elements=5 * 64)
+    grads = torch.autograd.grad(loss, [x] + ([] if frozen else [lm_head.weight]))
+    torch.testing.assert_close(loss, want.float(), rtol=1e-5, atol=1e-4)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)  # bf16 matmuls, summed in other orders
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(pred, lm_head(x).argmax(-1))
