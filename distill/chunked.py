@@ -137,7 +137,8 @@ class TeacherRows:
         pass as the normaliser (projected full rows, sparse rows), else None (the caller exponentiates). ``ws``:
         buffers to write into, reused from chunk to chunk."""
         rows = end - start
-        out = ws.take("teacher", rows, self.width) if ws is not None else None
+        full_rows = self.cols is None and not self.signal.sparse  # what ``TeacherOutput.rows`` writes into ``out``
+        out = ws.take("teacher", rows, self.width) if ws is not None and full_rows else None
         x = self.raw(start, end, out).float()  # gathered or projected: a tensor of its own, normalised in place
         if temperature != 1:
             x.div_(temperature)
