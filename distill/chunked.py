@@ -8,8 +8,8 @@ teacher's log-probs for the same rows and differentiated on the spot (Liger-kern
 PyTorch): only the gradients w.r.t. ``student_ND`` [N, D] and the projection's trainable weights survive the chunk,
 and backward just scales them by the incoming gradient. The gradient w.r.t. a chunk's logits comes from autograd on
 that chunk alone, or, for forward KL (the default loss), from its closed form ``T (q - p)`` computed in place
-(``distill.losses.fused_divergence``: 4 [rows, V] float32 buffers and two ``exp`` passes, where autograd keeps ~7). Forward and backward
-equal the unchunked loss up to float summation order (tests: rtol 1e-5).
+(``distill.losses.fused_divergence``: 4 [rows, V] float32 buffers and two ``exp`` passes, where autograd keeps
+~7). Forward and backward equal the unchunked loss up to float summation order (tests: rtol 1e-5).
 
 Teacher side (``TeacherRows``): rows (b, t) of a ``distill.teacher.TeacherOutput`` — dense logits, the projected
 form (final hidden state + read-out: each chunk projects its own teacher rows; a reduced vocabulary's slice is
@@ -137,8 +137,9 @@ class TeacherRows:
         pass as the normaliser (projected full rows, sparse rows), else None (the caller exponentiates). ``ws``:
         buffers to write into, reused from chunk to chunk."""
         rows = end - start
-        full_rows = self.cols is None and not self.signal.sparse  # what ``TeacherOutput.rows`` writes into ``out``
-        out = ws.take("teacher", rows, self.width) if ws is not None and full_rows else None
+        # the rows ``TeacherOutput.rows`` writes into ``out``: projected, and full-vocabulary dense
+        written = self.signal.projected or self.cols is None and not self.signal.sparse
+        out = ws.take("teacher", rows, self.width) if ws is not None and written else None
         x = self.raw(start, end, out).float()  # gathered or projected: a tensor of its own, normalised in place
         if temperature != 1:
             x.div_(temperature)
@@ -149,7 +150,9 @@ class TeacherRows:
             return x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))
         lse = self.signal.log_normaliser(temperature, self.cols)
         x.sub_(lse[self.b_N[start:end], self.t_N[start:end]][:, None])
-        return (x, None) if probs else x
+        if not probs:
+            return x
+        return x, (torch.exp(x, out=ws.take("p", rows, self.width)) if ws is not None else None)
 
     @torch.no_grad()
     def labels(self) -> Tensor:

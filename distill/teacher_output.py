@@ -57,7 +57,13 @@ class TeacherOutput:
         elsewhere, so a softmax over them is the teacher renormalised on its top K. ``out``: a buffer of the
         result's shape and dtype that full-vocabulary dense and projected rows are written into (else ignored)."""
         if self.projected:
-            return self._project(b_N, t_N, out) if cols is None else self.columns(cols)[b_N, t_N]
+            if cols is None:
+                return self._project(b_N, t_N, out)
+            kept = self.columns(cols)  # [B, T, len(cols)], contiguous
+            if out is not None and out.dtype == kept.dtype:
+                B, T, W = kept.shape
+                return torch.index_select(kept.view(B * T, W), 0, b_N * T + t_N, out=out)
+            return kept[b_N, t_N]
         if not self.sparse:
             if cols is None:
                 if out is not None and out.dtype == self.logits_BTV.dtype and self.logits_BTV.is_contiguous():
