@@ -166,7 +166,7 @@ class EagleDrafter(Drafter):
                  ttt_steps: int | None = None, loss_decay: float = 0.8, feature_loss_weight: float | None = None,
                  kl_weight: float | None = None, feature_noise: float = 0.0, draft_vocab_size: int | None = None,
                  tree: str = "dynamic", top_k: int = 4, depth: int | None = None, total_tokens: int = 16,
-                 checkpoint_layer: bool = False):
+                 checkpoint_layer: bool = False, ttt_warmup_steps: int = 0):
         super().__init__(dims)
         self.checkpoint_layer = bool(checkpoint_layer)  # recompute each TTT step's layer in backward (less memory)
         D, V, L = self.dims.hidden_size, self.dims.vocab_size, self.dims.num_layers
@@ -188,6 +188,11 @@ class EagleDrafter(Drafter):
         self.kl_weight = kl_weight if kl_weight is not None else (1.0 if eagle3 else 0.1)
         if self.ttt_steps < 1:
             raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if ttt_warmup_steps < 0:
+            raise ValueError(f"drafter.ttt_warmup_steps must be >= 0 (optimizer steps trained without training-time "
+                             f"test before ttt_steps start), got {ttt_warmup_steps}")
+        self.ttt_warmup_steps = int(ttt_warmup_steps)
+        self._ttt_now = self.ttt_steps  # steps unrolled by forward: 1 during the warm-up (``begin_step``)
         check_dynamic_tree_args(top_k, depth or 1, total_tokens)
         if not 0 < loss_decay <= 1:
             raise ValueError(f"drafter.loss_decay must be in (0, 1], got {loss_decay}")
@@ -283,7 +288,12 @@ class EagleDrafter(Drafter):
     def dense_teacher_logits(self) -> bool:
         """Only several TTT steps over the full vocabulary re-read full teacher rows; a reduced vocabulary reads its
         slice (``TeacherOutput.columns``, kept once per batch), one step its rows once."""
-        return self.draft_vocab_size == self.dims.vocab_size and self.ttt_steps > 1
+        return self.draft_vocab_size == self.dims.vocab_size and self._ttt_now > 1
+
+    def begin_step(self, step: int) -> None:
+        """``ttt_warmup_steps``: optimizer steps before it unroll step 0 only (no training-time test, the cheap step
+        of EAGLE-1's cost), later ones all ``ttt_steps``."""
+        self._ttt_now = 1 if step < self.ttt_warmup_steps else self.ttt_steps
 
     @property
     def dynamic_tree(self) -> bool:
@@ -335,9 +345,9 @@ class EagleDrafter(Drafter):
         pos = torch.arange(T, device=ids_BT.device)
         hid = self._first_hidden(noisy)
         keys: list[tuple[Tensor, Tensor]] = []  # per step: (k, v) [B, h, T, hd]
-        mask = ttt_mask(attn_BT, self.ttt_steps)  # [B, 1, T, S*T]; step j uses its first (j+1)*T columns
+        mask = ttt_mask(attn_BT, self._ttt_now)  # [B, 1, T, S*T]; step j uses its first (j+1)*T columns
         terms, aux = [], None
-        for j in range(self.ttt_steps):
+        for j in range(self._ttt_now):
             n = T - 2 - j  # positions t with a predicted token t+2+j inside the row
             if n <= 0:
                 break
