@@ -99,10 +99,10 @@ ROWS = {
     "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab512_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0",
                                                                "drafter.draft_vocab_size=512"], 780),
     # the same with its first 300 steps at TTT 1 (drafter.ttt_warmup_steps; ~0.46 CPU s per step against TTT 3's
-    # ~0.80 at vocabulary 1,024): 860 steps, of which 560 at TTT 3
+    # ~0.80 at vocabulary 1,024): 820 steps, of which 520 at TTT 3
     "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup300_10cpumin": (
         [*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0", "drafter.draft_vocab_size=1024",
-         "drafter.ttt_warmup_steps=300"], 860),
+         "drafter.ttt_warmup_steps=300"], 820),
     "eagle3_ttt2_regen0_top1ce_kl1_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1,
                                                           "drafter.draft_vocab_size=null"], 600),
     "eagle3_ttt2_regen0_top1ce_kl1_layers123_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "drafter.layers=[1,2,3]"],
