@@ -103,6 +103,10 @@ ROWS = {
     "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup300_10cpumin": (
         [*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0", "drafter.draft_vocab_size=1024",
          "drafter.ttt_warmup_steps=300"], 820),
+    # a longer warm-up (measured above: ~0.50 CPU s per TTT-1 step, ~0.80 per TTT-3 step): 860 steps, 460 at TTT 3
+    "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup400_10cpumin": (
+        [*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0", "drafter.draft_vocab_size=1024",
+         "drafter.ttt_warmup_steps=400"], 860),
     "eagle3_ttt2_regen0_top1ce_kl1_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1,
                                                           "drafter.draft_vocab_size=null"], 600),
     "eagle3_ttt2_regen0_top1ce_kl1_layers123_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "drafter.layers=[1,2,3]"],
