@@ -107,7 +107,8 @@ ROWS = {
     "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup400_10cpumin": (
         [*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0", "drafter.draft_vocab_size=1024",
          "drafter.ttt_warmup_steps=400"], 860),
-    # warm-up 300 at a 512-id vocabulary (99.6% of the answer tokens; ~0.67 CPU s per TTT-3 step): 940 steps
+    # warm-up 300 at a 512-id vocabulary (99.6% of the answer tokens; ~0.67 CPU s per TTT-3 step): 940 steps (seed 0:
+    # 583 CPU s, 16-node 4.55, below the 1,024-id row)
     "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab512_warmup300_10cpumin": (
         [*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0", "drafter.draft_vocab_size=512",
          "drafter.ttt_warmup_steps=300"], 940),
