@@ -48,6 +48,7 @@ from distill.chunked import Finished, Frozen, TeacherRows, positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads.eagle_decode import EagleRows, draft_trees
+from heads.eagle_attention import EXPLICIT_ATTENTION_ELEMENTS, explicit_ttt_attention
 from inference.dynamic_tree import check_dynamic_tree_args
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
@@ -162,7 +163,7 @@ class EagleDrafter(Drafter):
                  ttt_steps: int | None = None, loss_decay: float = 0.8, feature_loss_weight: float | None = None,
                  kl_weight: float | None = None, feature_noise: float = 0.0, draft_vocab_size: int | None = None,
                  tree: str = "dynamic", top_k: int = 4, depth: int | None = None, total_tokens: int = 16,
-                 checkpoint_layer: bool = False):
+                 checkpoint_layer: bool = False, ttt_warmup_steps: int = 0):
         super().__init__(dims)
         self.checkpoint_layer = bool(checkpoint_layer)  # recompute each TTT step's layer in backward (less memory)
         D, V, L = self.dims.hidden_size, self.dims.vocab_size, self.dims.num_layers
@@ -184,6 +185,11 @@ class EagleDrafter(Drafter):
         self.kl_weight = kl_weight if kl_weight is not None else (1.0 if eagle3 else 0.1)
         if self.ttt_steps < 1:
             raise ValueError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if ttt_warmup_steps < 0:
+            raise ValueError(f"drafter.ttt_warmup_steps must be >= 0 (optimizer steps trained without training-time "
+                             f"test before ttt_steps start), got {ttt_warmup_steps}")
+        self.ttt_warmup_steps = int(ttt_warmup_steps)
+        self._ttt_now = self.ttt_steps  # steps unrolled by forward: 1 during the warm-up (``begin_step``)
         check_dynamic_tree_args(top_k, depth or 1, total_tokens)
         if not 0 < loss_decay <= 1:
             raise ValueError(f"drafter.loss_decay must be in (0, 1], got {loss_decay}")
@@ -279,7 +285,12 @@ class EagleDrafter(Drafter):
     def dense_teacher_logits(self) -> bool:
         """Only several TTT steps over the full vocabulary re-read full teacher rows; a reduced vocabulary reads its
         slice (``TeacherOutput.columns``, kept once per batch), one step its rows once."""
-        return self.draft_vocab_size == self.dims.vocab_size and self.ttt_steps > 1
+        return self.draft_vocab_size == self.dims.vocab_size and self._ttt_now > 1
+
+    def begin_step(self, step: int) -> None:
+        """``ttt_warmup_steps``: optimizer steps before it unroll step 0 only (no training-time test, the cheap step
+        of EAGLE-1's cost), later ones all ``ttt_steps``."""
+        self._ttt_now = 1 if step < self.ttt_warmup_steps else self.ttt_steps
 
     @property
     def dynamic_tree(self) -> bool:
@@ -331,9 +342,9 @@ class EagleDrafter(Drafter):
         pos = torch.arange(T, device=ids_BT.device)
         hid = self._first_hidden(noisy)
         keys: list[tuple[Tensor, Tensor]] = []  # per step: (k, v) [B, h, T, hd]
-        mask = ttt_mask(attn_BT, self.ttt_steps)  # [B, 1, T, S*T]; step j uses its first (j+1)*T columns
+        mask = ttt_mask(attn_BT, self._ttt_now)  # [B, 1, T, S*T]; step j uses its first (j+1)*T columns
         terms, aux = [], None
-        for j in range(self.ttt_steps):
+        for j in range(self._ttt_now):
             n = T - 2 - j  # positions t with a predicted token t+2+j inside the row
             if n <= 0:
                 break
@@ -374,7 +385,13 @@ class EagleDrafter(Drafter):
     def _ttt_attention(self, q: Tensor, keys: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
         """Step j's queries over step 0's keys (causal, padding masked) and steps 1..j's keys at the same position:
         one ``scaled_dot_product_attention`` over the steps' keys side by side, under ``ttt_mask`` (no [B, h, T, T]
-        score tensor; the fused kernel keeps only blocks of it)."""
+        score tensor; the fused kernel keeps only blocks of it). Steps j >= 1 on a CPU with a small score tensor:
+        ``explicit_ttt_attention`` instead, the same up to float rounding (TTT 3 on the toy target, fwd + bwd at 1
+        thread: steps 1 and 2 take 41 and 45 ms against the fused kernel's 56 and 84; step 0 is level, 36 vs 34 ms,
+        so it stays fused)."""
+        B, h, T, _ = q.shape
+        if len(keys) > 1 and q.device.type == "cpu" and B * h * T * (T + len(keys)) <= EXPLICIT_ATTENTION_ELEMENTS:
+            return explicit_ttt_attention(q, keys, mask[..., :T])
         if len(keys) == 1:
             k, v = keys[0]
         else:

@@ -89,6 +89,29 @@ ROWS = {
     "eagle3_ttt4_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1], 440),
     "eagle3_ttt4_regen0_top1ce_kl1_decay1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1, "drafter.loss_decay=1.0"],
                                                       420),
+    # issue 21, after the explicit TTT attention (heads/eagle.py): EAGLE-1 given the whole 600 CPU s (0.51 CPU s per
+    # step incl. start-up at 1,000 steps), and EAGLE-3 TTT 3 (loss decay 1) with a smaller draft vocabulary, whose
+    # lm_head, logits and loss rows shrink with it (toy regenerated answers: 1,024 ids cover 99.9% of answer tokens,
+    # 512 99.6%; measured ~0.81 and ~0.68 of the 3,072-id step)
+    "eagle1_regen0_top1ce_kl1_1140steps_10cpumin": ([*E1, *R1], 1140),
+    "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0",
+                                                                "drafter.draft_vocab_size=1024"], 660),
+    "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab512_10cpumin": ([*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0",
+                                                               "drafter.draft_vocab_size=512"], 780),
+    # the same with its first 300 steps at TTT 1 (drafter.ttt_warmup_steps; ~0.46 CPU s per step against TTT 3's
+    # ~0.80 at vocabulary 1,024): 820 steps, of which 520 at TTT 3
+    "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup300_10cpumin": (
+        [*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0", "drafter.draft_vocab_size=1024",
+         "drafter.ttt_warmup_steps=300"], 820),
+    # a longer warm-up (measured above: ~0.50 CPU s per TTT-1 step, ~0.80 per TTT-3 step): 860 steps, 460 at TTT 3
+    "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup400_10cpumin": (
+        [*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0", "drafter.draft_vocab_size=1024",
+         "drafter.ttt_warmup_steps=400"], 860),
+    # warm-up 300 at a 512-id vocabulary (99.6% of the answer tokens; ~0.67 CPU s per TTT-3 step): 940 steps (seed 0:
+    # 583 CPU s, 16-node 4.55, below the 1,024-id row)
+    "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab512_warmup300_10cpumin": (
+        [*E3, "drafter.ttt_steps=3", *R1, "drafter.loss_decay=1.0", "drafter.draft_vocab_size=512",
+         "drafter.ttt_warmup_steps=300"], 940),
     "eagle3_ttt2_regen0_top1ce_kl1_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1,
                                                           "drafter.draft_vocab_size=null"], 600),
     "eagle3_ttt2_regen0_top1ce_kl1_layers123_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "drafter.layers=[1,2,3]"],

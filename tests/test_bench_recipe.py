@@ -63,22 +63,26 @@ def test_every_row_composes_into_a_valid_config():
                                                                             base.trainer.lr), name
 
 
-def test_experiment_preset_is_the_winning_recipe_row_and_asks_for_its_data(tmp_path):
-    """conf/experiment/eagle1_regen_top1.yaml composes to the overrides of bench_recipe's winning row
-    (eagle1_regen0_top1ce_kl1); without data.regenerated it is refused, naming the key."""
+@pytest.mark.parametrize("experiment,row", [
+    ("eagle1_regen_top1", "eagle1_regen0_top1ce_kl1"),
+    ("eagle3_regen_top1", "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup300_10cpumin"),
+])
+def test_experiment_preset_is_the_winning_recipe_row_and_asks_for_its_data(tmp_path, experiment, row):
+    """conf/experiment/<experiment>.yaml composes to the overrides of bench_recipe's winning row for its drafter
+    kind; without data.regenerated it is refused, naming the key."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
     from train.config import load_config, register_configs
 
     register_configs()
     conf = str(SCRIPT.parents[1] / "conf")
-    row = _load().ROWS["eagle1_regen0_top1ce_kl1"][0]
+    row = _load().ROWS[row][0]
     regen = str(tmp_path / "regen.jsonl")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        preset = compose(config_name="config", overrides=["experiment=eagle1_regen_top1", f"data.regenerated={regen}"])
+        preset = compose(config_name="config", overrides=[f"experiment={experiment}", f"data.regenerated={regen}"])
         by_hand = compose(config_name="config", overrides=[o if not o.startswith("data.regenerated=") else
                                                            f"data.regenerated={regen}" for o in row])
-        missing = compose(config_name="config", overrides=["experiment=eagle1_regen_top1"])
+        missing = compose(config_name="config", overrides=[f"experiment={experiment}"])
     for node in ("data", "loss", "drafter"):
         assert OmegaConf.to_container(preset[node]) == OmegaConf.to_container(by_hand[node])
     with pytest.raises(Exception, match="data.regenerated"):

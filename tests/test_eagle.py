@@ -9,7 +9,8 @@ import torch
 from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import TargetDims, load_drafter, save_drafter
-from heads.eagle import EagleDrafter, default_feature_layers, ttt_mask, vocab_maps
+import heads.eagle  # its _ttt_attention reads these names: the tests patch them there
+from heads.eagle import EagleDrafter, default_feature_layers, explicit_ttt_attention, ttt_mask, vocab_maps
 from heads.eagle_decode import BatchNodes, score_level
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
@@ -93,6 +94,66 @@ def test_ttt_attention_is_causal_and_shaped(tiny_teacher):
         w = (q[0, 0, t] @ k.T / 2).softmax(-1)
         torch.testing.assert_close(out[0, 0, t], w @ v)
 
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_explicit_ttt_attention_equals_the_fused_kernel(steps):
+    """The CPU path (explicit scores, hand-written backward) against SDPA under ``ttt_mask``: outputs and the
+    gradients of q and every step's k, v, with a left-padded row (whose padded queries see their own key)."""
+    g = torch.Generator().manual_seed(steps)
+    B, h, T, d = 2, 3, 9, 8
+    attn = torch.ones(B, T, dtype=torch.bool)
+    attn[1, :3] = False
+    mask = ttt_mask(attn, steps)
+    leaf = lambda: torch.randn(B, h, T, d, generator=g, dtype=torch.float64).requires_grad_()
+    q, keys = leaf(), [(leaf(), leaf()) for _ in range(steps)]
+    inputs = [q, *(t for kv in keys for t in kv)]
+    fused = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([k for k, _ in keys], 2), torch.cat([v for _, v in keys], 2), attn_mask=mask)
+    explicit = explicit_ttt_attention(q, keys, mask[..., :T])
+    assert explicit.dtype == q.dtype
+    torch.testing.assert_close(explicit, fused, rtol=1e-5, atol=1e-6)  # float32 inside
+    grad = torch.randn(fused.shape, generator=g, dtype=torch.float64)
+    for want, got in zip(torch.autograd.grad(fused, inputs, grad), torch.autograd.grad(explicit, inputs, grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_training_step_is_the_same_through_either_attention(tiny_teacher, monkeypatch):
+    """EAGLE-3 TTT 3 on a CPU takes the explicit path for steps 1 and 2; forcing the fused kernel everywhere gives
+    the same loss and gradients."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    calls = []
+    monkeypatch.setattr(heads.eagle, "explicit_ttt_attention",
+                        lambda *a: calls.append(1) or explicit_ttt_attention(*a))
+
+    def loss_and_grads():
+        drafter = make(tiny_teacher, "eagle3", ttt_steps=3, draft_vocab_size=96).train()
+        loss, _ = drafter(batch_of(ids), tiny_teacher.signals(batch_of(ids), drafter.teacher_layers)).loss(forward_kl)
+        loss.backward()
+        return [loss] + [p.grad for p in drafter.parameters()]
+
+    explicit = loss_and_grads()
+    assert len(calls) == 2  # steps 1 and 2; step 0 stays fused
+    monkeypatch.setattr(heads.eagle, "EXPLICIT_ATTENTION_ELEMENTS", 0)
+    fused = loss_and_grads()
+    assert len(calls) == 2
+    for got, want in zip(explicit, fused):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_ttt_warmup_trains_step_0_alone_first(tiny_teacher):
+    drafter = make(tiny_teacher, "eagle3", ttt_steps=3, ttt_warmup_steps=2, draft_vocab_size=96)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(4))
+    signals = tiny_teacher.signals(batch_of(ids), drafter.teacher_layers)
+    terms = {}
+    with torch.no_grad():
+        for step in (0, 1, 2, 5):
+            drafter.begin_step(step)
+            terms[step] = drafter(batch_of(ids), signals).terms
+    assert [len(terms[s]) for s in (0, 1, 2, 5)] == [1, 1, 3, 3]
+    torch.testing.assert_close(terms[0][0].student_NV, terms[2][0].student_NV)  # step 0 is the same either way
+    with pytest.raises(ValueError, match=r"drafter.ttt_warmup_steps must be >= 0"):
+        EagleDrafter(DIMS, variant="eagle3", ttt_warmup_steps=-1)
 
 def test_vocab_maps_round_trip():
     counts = torch.tensor([5, 0, 9, 9, 1, 0, 3, 7])

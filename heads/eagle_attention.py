@@ -1,0 +1,73 @@
+"""EAGLE training-time-test attention on a CPU, from explicit scores (``heads.eagle``'s ``_ttt_attention`` picks it
+for TTT steps j >= 1 while the score tensor is small; GPUs and long sequences keep the fused kernel)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Training attention on a CPU: explicit scores (``explicit_ttt_attention``) while B x h x T x (T + steps) stays
+# below this (64 MB of float32 scores per step; the toy target's 8 x 4 x 256 x 259 is 2.1M); above it, and on
+# GPUs, the fused kernel, which never holds the score tensor.
+EXPLICIT_ATTENTION_ELEMENTS = 1 << 24
+
+
+def explicit_ttt_attention(q_BhTd: Tensor, keys: list[tuple[Tensor, Tensor]], causal_B1TT: Tensor) -> Tensor:
+    """``_ttt_attention`` from explicit float32 scores: [B, h, T, T] over step 0's keys under ``causal_B1TT`` (the
+    first block of ``ttt_mask``: causal, padding masked, its own key always visible), plus one column per earlier
+    step i >= 1 (q . k_i at the same position); one softmax over both, then P0 @ v0 + sum_i p_i v_i. Step j thus
+    costs T + j scores per query where the fused kernel over ``ttt_mask``'s (j+1)T columns computes (j+1)T. Float32
+    like the fused kernel's accumulation; the result in ``q``'s dtype. Backward is written out (``_ExplicitTTT``):
+    autograd's would zero-fill a [B, h, T, T + j] gradient per slice of the weights."""
+    ks, vs = [k for k, _ in keys], [v for _, v in keys]
+    with torch.autocast(q_BhTd.device.type, enabled=False):
+        return _ExplicitTTT.apply(causal_B1TT, q_BhTd, *ks, *vs)
+
+
+class _ExplicitTTT(torch.autograd.Function):
+    """out = P0 @ v0 + sum_i p_i v_i with [P0, p_1..p_j] = softmax([q k0^T (masked), q . k_1, .., q . k_j] / sqrt(d));
+    backward as in FlashAttention: dS = P * (dP - rowsum(dO * out)), one [B, h, T, T + j] buffer (P) saved."""
+
+    @staticmethod
+    def forward(ctx, causal_B1TT: Tensor, q_BhTd: Tensor, *kv: Tensor) -> Tensor:
+        n = len(kv) // 2
+        ks, vs = [k.float() for k in kv[:n]], [v.float() for v in kv[n:]]
+        T, scale = q_BhTd.shape[2], q_BhTd.shape[-1] ** -0.5
+        q = q_BhTd.float()
+        scores = torch.empty(*q.shape[:3], T + n - 1, dtype=torch.float32, device=q.device)
+        torch.matmul(q, ks[0].transpose(-1, -2), out=scores[..., :T])
+        for i in range(1, n):
+            scores[..., T + i - 1] = (q * ks[i]).sum(-1)
+        scores.mul_(scale)
+        scores[..., :T].masked_fill_(~causal_B1TT, float("-inf"))
+        weights = scores.softmax(-1)
+        out = weights[..., :T] @ vs[0]
+        for i in range(1, n):
+            out.addcmul_(weights[..., T + i - 1, None], vs[i])
+        ctx.save_for_backward(q, weights, out, *ks, *vs)
+        ctx.dtypes = (q_BhTd.dtype, *(t.dtype for t in kv))
+        return out.to(q_BhTd.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, weights, out, *kv = ctx.saved_tensors
+        n = len(kv) // 2
+        ks, vs = kv[:n], kv[n:]
+        T, scale = q.shape[2], q.shape[-1] ** -0.5
+        d_out = grad_out.float()
+        delta = (d_out * out).sum(-1, keepdim=True)  # rowsum(P * dP)
+        d_scores = torch.empty_like(weights)
+        torch.matmul(d_out, vs[0].transpose(-1, -2), out=d_scores[..., :T])
+        dvs = [weights[..., :T].transpose(-1, -2) @ d_out]
+        for i in range(1, n):
+            d_scores[..., T + i - 1] = (d_out * vs[i]).sum(-1)
+            dvs.append(weights[..., T + i - 1, None] * d_out)
+        d_scores.sub_(delta).mul_(weights).mul_(scale)  # masked entries: weight 0, gradient 0
+        d_q = d_scores[..., :T] @ ks[0]
+        dks = [d_scores[..., :T].transpose(-1, -2) @ q]
+        for i in range(1, n):
+            d_col = d_scores[..., T + i - 1, None]
+            d_q.addcmul_(d_col, ks[i])
+            dks.append(d_col * q)
+        grads = [d_q, *dks, *dvs]
+        return (None, *(g.to(dt) for g, dt in zip(grads, ctx.dtypes)))
