@@ -96,12 +96,13 @@ class Workspace:
         self.enabled = device.type == "cpu"
         self._bufs: dict[str, Tensor] = {}
 
-    def take(self, name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> Tensor | None:
+    def take(self, name: str, rows: int, cols: int) -> Tensor | None:
+        """A float32 [rows, cols] view of buffer ``name`` (grown when too small)."""
         if not self.enabled:
             return None
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < rows * cols or buf.dtype != dtype:
-            buf = self._bufs[name] = torch.empty(rows * cols, dtype=dtype)
+        if buf is None or buf.numel() < rows * cols:
+            buf = self._bufs[name] = torch.empty(rows * cols, dtype=torch.float32)
         return buf[: rows * cols].view(rows, cols)
 
 

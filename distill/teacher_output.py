@@ -59,17 +59,10 @@ class TeacherOutput:
         if self.projected:
             if cols is None:
                 return self._project(b_N, t_N, out)
-            kept = self.columns(cols)  # [B, T, len(cols)], contiguous
-            if out is not None and out.dtype == kept.dtype:
-                B, T, W = kept.shape
-                return torch.index_select(kept.view(B * T, W), 0, b_N * T + t_N, out=out)
-            return kept[b_N, t_N]
+            return _gather(self.columns(cols), b_N, t_N, out)  # the kept [B, T, len(cols)] slice
         if not self.sparse:
             if cols is None:
-                if out is not None and out.dtype == self.logits_BTV.dtype and self.logits_BTV.is_contiguous():
-                    B, T, V = self.logits_BTV.shape
-                    return torch.index_select(self.logits_BTV.view(B * T, V), 0, b_N * T + t_N, out=out)
-                return self.logits_BTV[b_N, t_N]
+                return _gather(self.logits_BTV, b_N, t_N, out)
             return self.logits_BTV[b_N[:, None], t_N[:, None], cols[None, :]]
         dense = dense_logits(self.topk_ids_BTK[b_N, t_N], self.topk_logprobs_BTK[b_N, t_N], self.vocab_size,
                              self.dtype or torch.float32)
@@ -157,6 +150,14 @@ class TeacherOutput:
                 out[i: i + step] = rows
             self._memo[key] = out.view(B, T, -1)
         return self._memo[key]
+
+
+def _gather(src_BTW: Tensor, b_N: Tensor, t_N: Tensor, out: Tensor | None) -> Tensor:
+    """``src_BTW[b_N, t_N]``, written into ``out`` when it fits (same dtype, ``src`` contiguous)."""
+    if out is None or out.dtype != src_BTW.dtype or not src_BTW.is_contiguous():
+        return src_BTW[b_N, t_N]
+    B, T, W = src_BTW.shape
+    return torch.index_select(src_BTW.view(B * T, W), 0, b_N * T + t_N, out=out)
 
 
 def plain_linear(head) -> nn.Linear | None:
