@@ -209,11 +209,12 @@ class Drafter(nn.Module):
     # draft model's own LM; None for drafters that read the target's hidden states or draft without a model.
     assistant_model = None
 
-    def accepted(self, path: list[int]) -> None:
+    def accepted(self, path: list[int], committed: list[int] | None = None) -> None:
         """After each verification (and ``observe``): the nodes of the last proposal the target accepted, root side
-        first; the next ``propose`` gets the old context + those nodes' tokens + one token from the target. A
-        drafter with its own cache resyncs from this instead of comparing sequences on the device. Callers that do
-        not call it (a proposal on an arbitrary context) stay correct: the drafter then compares."""
+        first; the next ``propose`` gets the old context + those nodes' tokens + one token from the target
+        (``committed``: those tokens, on the host, where the caller has them). A drafter with its own cache resyncs
+        from this instead of comparing sequences on the device. Callers that do not call it (a proposal on an
+        arbitrary context) stay correct: the drafter then compares."""
 
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
@@ -260,8 +261,8 @@ class ForkedRows:
     def observe(self, row: int, hidden: dict[int, Tensor]) -> None:
         self.forks[row].observe(hidden)
 
-    def accepted(self, row: int, path: list[int]) -> None:
-        self.forks[row].accepted(path)
+    def accepted(self, row: int, path: list[int], committed: list[int] | None = None) -> None:
+        self.forks[row].accepted(path, committed)
 
     def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
         return [f.propose(t, d, s) if d >= 1 else DraftTree.empty(t.device)

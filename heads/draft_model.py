@@ -276,7 +276,7 @@ class DraftModel(Drafter):
         self._proposed: tuple[int, int] | None = None  # (context length, drafts) of the last proposal
         self._valid: int | None = None  # cached entries still right after ``accepted`` (None: compare ids)
 
-    def accepted(self, path: list[int]) -> None:
+    def accepted(self, path: list[int], committed: list[int] | None = None) -> None:
         # The cache holds the context and every draft but the last; the accepted ones stay valid.
         if self._proposed is not None:
             context, drafts = self._proposed

@@ -439,7 +439,7 @@ class EagleDrafter(Drafter):
         self._feats[self._num_feats: end] = new
         self._num_feats = end
 
-    def accepted(self, path: list[int]) -> None:
+    def accepted(self, path: list[int], committed: list[int] | None = None) -> None:
         self._extends = True  # the next context extends the processed one: no comparison needed (_advance)
 
     def rows(self, seeds: list[int]):

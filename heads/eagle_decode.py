@@ -112,7 +112,7 @@ class EagleRows:
         if hidden:
             self.pending[row].append(torch.cat([hidden[i][0] for i in self.drafter.teacher_layers], -1))
 
-    def accepted(self, row: int, path: list[int]) -> None:
+    def accepted(self, row: int, path: list[int], committed: list[int] | None = None) -> None:
         """Nothing to do: the next proposal's context is the processed one + the newly observed positions."""
 
     def keep(self, rows: list[int]) -> None:

@@ -29,9 +29,21 @@ class PromptLookup(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"drafter.min_ngram and drafter.max_ngram need 1 <= min <= max, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.reset()
 
     def forward(self, batch, teacher_out) -> DraftOutput:
         raise TypeError("drafter=lookup has nothing to train; run `python -m eval drafter=lookup` instead")
+
+    def reset(self, seed: int = 0) -> None:
+        self._host: list[int] | None = None  # the ids of the last proposal's context, on the host
+        self._extended = False  # ``accepted`` appended the step's committed tokens: _host is the next context
+
+    def accepted(self, path: list[int], committed: list[int] | None = None) -> None:
+        # The decoder hands the committed tokens over on the host: the next context is the last one + them, so the
+        # next proposal reads nothing back from the device.
+        self._extended = self._host is not None and committed is not None
+        if self._extended:
+            self._host.extend(committed)
 
     @torch.no_grad()
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
@@ -40,9 +52,13 @@ class PromptLookup(Drafter):
 
     def _lookup(self, tokens: Tensor, max_tokens: int) -> Tensor:
         seq = tokens[0]
-        # The search is sequential and data-dependent: done on the host, on one read-back of the ids, so a step
-        # costs one transfer instead of a sync per n-gram size; the draft itself is a slice of the device tensor.
-        ids = seq.tolist()
+        # The search is sequential and data-dependent: done on the host, so a step costs at most one read-back of
+        # the ids instead of a sync per n-gram size, and none after ``accepted`` handed the committed tokens over;
+        # the draft itself is a slice of the device tensor.
+        if not (self._extended and len(self._host) == seq.shape[0]):
+            self._host = seq.tolist()
+        self._extended = False
+        ids = self._host
         n_tokens = len(ids)
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
             # Every window of length n that ends before the final n-gram itself.

@@ -189,7 +189,7 @@ class MedusaRows:
     def observe(self, row: int, hidden: dict[int, Tensor]) -> None:
         self.last[row] = hidden[-1][:, -1]
 
-    def accepted(self, row: int, path: list[int]) -> None:
+    def accepted(self, row: int, path: list[int], committed: list[int] | None = None) -> None:
         """Nothing to keep: the heads read the newest position only."""
 
     def keep(self, rows: list[int]) -> None:

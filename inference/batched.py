@@ -373,7 +373,7 @@ class BatchedDecoder:
                 gen.context_tokens += rows.pos[b] + 1
                 keep = torch.cat([v.path_index.new_zeros(1), 1 + v.path_index[: len(v.path)]])
                 rows.draft.observe(b, {i: h[b:b + 1].index_select(1, keep) for i, h in hidden.items()})
-                rows.draft.accepted(b, v.path)
+                rows.draft.accepted(b, v.path, v.committed)
             rows.tokens[b] = torch.cat([rows.tokens[b], v.committed_ids.view(1, -1).to(self.device)], dim=1)
             rows.new[b].extend(v.committed)
             rows.pos[b] += 1 + len(v.path)

@@ -4,7 +4,8 @@
 so the decoder reads nothing drafter-specific (no EAGLE- or Medusa-only attribute) and sits below ``heads``.
 One decode step calls, in order: ``propose`` (a chain or tree continuing the committed tokens), then after the
 target's verification ``observe`` (its hidden states of the newly committed positions, the layers named by
-``teacher_layers``) and ``accepted`` (which proposed nodes were kept). ``reset`` starts a new sequence.
+``teacher_layers``) and ``accepted`` (which proposed nodes were kept, and the committed tokens as the host already
+holds them, so a drafter that works on the host never reads the sequence back). ``reset`` starts a new sequence.
 
 A batch of sequences (``inference.batched``) is drafted through ``rows(seeds)``: a ``ProposerRows`` holding every
 row's state, whose ``propose`` drafts all rows at once (EAGLE: one drafter forward per tree level for the whole
@@ -28,7 +29,7 @@ class ProposerRows(Protocol):
 
     def observe(self, row: int, hidden: dict[int, Tensor]) -> None: ...
 
-    def accepted(self, row: int, path: list[int]) -> None: ...
+    def accepted(self, row: int, path: list[int], committed: list[int] | None = None) -> None: ...
 
     def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]: ...
 
@@ -51,7 +52,7 @@ class Proposer(Protocol):
 
     def observe(self, hidden: dict[int, Tensor]) -> None: ...
 
-    def accepted(self, path: list[int]) -> None: ...
+    def accepted(self, path: list[int], committed: list[int] | None = None) -> None: ...
 
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig) -> DraftTree: ...
 

@@ -8,7 +8,9 @@ creep in; this counter sees them on any device, so a CPU test can hold the GPU b
 ``TransferCounter`` is a ``TorchDispatchMode`` (it sees every aten op under it) that counts:
 - ``item``: ``aten._local_scalar_dense`` (``int()``, ``float()``, ``bool()``, ``.item()`` of a tensor);
 - ``tolist``: ``Tensor.tolist()`` (which reads a CPU tensor's memory directly, below the dispatcher, so it is counted
-  by wrapping the method while the counter is active);
+  by wrapping the method while the counter is active). A device tensor's ``tolist`` copies it to the host through
+  the dispatcher first (``toBackend(CPU)``: an ``aten._to_copy``); that copy is the same read-back, not a second one,
+  and is not counted again (it was, which put every GPU step's count one over per ``tolist``);
 - ``from_python``: ``aten.lift_fresh`` (a tensor built from Python data: ``torch.tensor``, ``as_tensor`` of a list,
   indexing with a Python list);
 - ``sync_shape``: ops whose output size depends on the data (``nonzero``, ``masked_select``, ``unique``...);
@@ -58,6 +60,7 @@ class TransferCounter(TorchDispatchMode):
         super().__init__()
         self.counts: Counter = Counter()
         self._tolist = None
+        self._in_tolist = False  # inside a counted tolist: its own device-to-host copy is that read-back
 
     @property
     def total(self) -> int:
@@ -69,7 +72,11 @@ class TransferCounter(TorchDispatchMode):
 
         def tolist(tensor, *args, **kwargs):
             counter.counts["tolist"] += 1
-            return original(tensor, *args, **kwargs)
+            counter._in_tolist = True
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                counter._in_tolist = False
 
         torch.Tensor.tolist = tolist
         return super().__enter__()
@@ -86,7 +93,7 @@ class TransferCounter(TorchDispatchMode):
             self.counts["from_python"] += 1
         elif func in _SYNC_SHAPE:
             self.counts["sync_shape"] += 1
-        elif func in _COPIES:
+        elif func in _COPIES and not self._in_tolist:
             devices = _devices(args, kwargs)
             if len(devices) > 1 and any(d.type == "cpu" for d in devices):
                 self.counts["copy"] += 1

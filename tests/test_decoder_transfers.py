@@ -30,6 +30,21 @@ def test_counter_sees_every_kind_of_transfer():
     assert c.total == 0
 
 
+def test_a_device_tensors_tolist_is_one_read_back():
+    # On a GPU, tolist copies the tensor to the host through the dispatcher (aten._to_copy) before reading it: that
+    # is the read-back already counted as ``tolist``, not a second transfer. A meta tensor takes the same path (and
+    # then fails, having no data), which is how a CPU-only machine sees it.
+    x = torch.arange(4, device="meta")
+    with TransferCounter() as c:
+        with pytest.raises(NotImplementedError):
+            x.tolist()
+    assert dict(c.counts) == {"tolist": 1}
+    with TransferCounter() as c:  # a copy outside tolist still counts
+        with pytest.raises(NotImplementedError):
+            x.to("cpu")
+    assert dict(c.counts) == {"copy": 1}
+
+
 def make(kind: str, teacher):
     torch.manual_seed(0)
     if kind.startswith("medusa"):
@@ -84,7 +99,7 @@ def test_transfers_per_decode_step_within_budget(tiny_teacher, kind, sampling):
 @pytest.mark.parametrize("kind", ["medusa_tree", "eagle1_dynamic", "eagle3_chain", "draft_model", "lookup"])
 def test_batched_transfers_per_step_do_not_grow_with_the_drafter(tiny_teacher, kind):
     """Batch 3: one read-back of every row's verdict, plus the step's own bookkeeping (positions, kept columns);
-    drafting adds nothing but lookup's one host copy per row."""
+    drafting adds nothing (lookup, which searches on the host, gets the committed tokens handed over there)."""
     from inference.batched import BatchedDecoder
 
     drafter = make(kind, tiny_teacher)
@@ -101,4 +116,4 @@ def test_batched_transfers_per_step_do_not_grow_with_the_drafter(tiny_teacher, k
         steps.append(out.steps)
     per_step = (counts[1] - counts[0]) / (steps[1] - steps[0])
     print(f"BATCHED TRANSFERS {kind}: {per_step:.2f} per step")
-    assert per_step <= BUDGET + (len(prompts) if kind == "lookup" else 0), per_step
+    assert per_step <= BUDGET, per_step
