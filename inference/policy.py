@@ -19,6 +19,15 @@ stops being free and γ shrinks, down to 0 where speculation no longer pays.
 t_verify is measured at the batch sizes of the sweep and interpolated linearly in B between them (the live batch
 shrinks as sequences finish); below the smallest measured B the smallest's figures are used, above the largest the
 last two are extrapolated.
+
+That per-step model misses what a batch of B pays over its life: its rows accept at different rates, so they finish
+at different steps, and the batch runs as many steps as its slowest row needs (a prompt with nothing for the drafter
+to match runs one token per step, at the cost of a speculative step), with fewer and fewer live rows. Where
+calibration decoded whole batches (``calibrate`` does), the table keeps their measured throughput
+    tokens/s(B, γ) = new tokens / seconds of all steps, over the calibration batches of B rows at fixed γ
+(γ = 0: plain decoding, what the policy runs when it declines to speculate at a batch's start) and the policy
+compares those instead: measured on the toy at batch 8, prompt lookup's per-step model predicted γ = 2 to beat plain
+decoding by 4%, where the batches ran at 0.87x (scripts/results/bench_batch_toy_cpu.json).
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ class CostTable:
     tau: dict[int, float]  # γ -> expected tokens committed per sequence per step; tau[0] = 1
     # batch size -> γ -> seconds of one step's proposals for all live rows (batched drafting); None: B · t_draft[γ]
     t_draft_batch: dict[int, dict[int, float]] | None = None
+    # batch size -> γ -> tokens/s of whole batches decoded at fixed γ (γ 0: plain); when given, ``throughput`` reads
+    # it (interpolated in B) instead of the per-step model: see the module docstring
+    batch_tps: dict[int, dict[int, float]] | None = None
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +65,8 @@ class CostTable:
 
     @property
     def gammas(self) -> list[int]:
+        if self.batch_tps:
+            return sorted(set.intersection(*(set(row) for row in self.batch_tps.values())) | {0})
         sizes = set(self.t_verify[min(self.t_verify)])
         return sorted(g for g in self.tau if g in self.t_draft and g + 1 in sizes)
 
@@ -71,7 +85,10 @@ class CostTable:
         return self.verify_seconds(batch, gamma + 1) + self.draft_seconds(batch, gamma)
 
     def throughput(self, batch: int, gamma: int) -> float:
-        """Expected committed tokens per second of one step with ``batch`` live sequences drafting ``gamma``."""
+        """Expected committed tokens per second with ``batch`` live sequences drafting ``gamma``: measured over whole
+        batches where calibrated so, else of one step by the per-step model."""
+        if self.batch_tps:
+            return _interpolate(self.batch_tps, batch, gamma)
         return batch * self.tau[gamma] / self.step_seconds(batch, gamma)
 
     def best_gamma(self, batch: int, max_gamma: int | None = None, margin: float = 0.0) -> int:
@@ -91,7 +108,9 @@ class CostTable:
                 "t_draft_s": {str(g): s for g, s in self.t_draft.items()},
                 "tau": {str(g): t for g, t in self.tau.items()},
                 "t_draft_batch_s": {str(b): {str(g): s for g, s in row.items()}
-                                    for b, row in (self.t_draft_batch or {}).items()}}
+                                    for b, row in (self.t_draft_batch or {}).items()},
+                "batch_tokens_per_s": {str(b): {str(g): s for g, s in row.items()}
+                                       for b, row in (self.batch_tps or {}).items()}}
 
 
 def _interpolate(by_batch: dict[int, dict[int, float]], batch: int, key: int) -> float:
@@ -147,7 +166,7 @@ def tau_by_gamma(stats: AcceptStats, max_gamma: int) -> dict[int, float]:
 
 @torch.no_grad()
 def measure_steps(decoder: BatchedDecoder, drafter, prompts: Sequence, batch_sizes: Sequence[int], max_gamma: int,
-                  tokens: int = 16, repeats: int = 2, min_rows: int = 16) -> tuple[dict, dict, AcceptStats, dict]:
+                  tokens: int = 16, repeats: int = 2, min_rows: int = 16) -> tuple[dict, dict, AcceptStats, dict, dict]:
     """Step costs measured in the decode loop itself, so they include everything a real step pays (the drafter's
     catch-up on accepted tokens, cache bookkeeping, a cache warmed by the other model's last call).
 
@@ -157,19 +176,25 @@ def measure_steps(decoder: BatchedDecoder, drafter, prompts: Sequence, batch_siz
     B rows were live, fitted linearly in γ >= 1 per B (``inference.cost._fit_linear``: one noisy size must not steer
     a decision); t_draft(γ) = mean draft time per row over those steps at every B, t_draft(B, γ) = mean draft time
     per step at B (a batched drafter's cost is not B times one row's). Means, not medians: throughput is set by the
-    mean, and step times are skewed. Returns (t_verify, t_draft, the acceptance of the γ = max runs, t_draft(B, γ))."""
+    mean, and step times are skewed. γ = 0 is plain decoding (``decoder.plain``: no drafter kept in step), as the
+    policy runs a batch it declines to speculate on from the start. Returns (t_verify, t_draft, the acceptance of the
+    γ = max runs, t_draft(B, γ), tokens/s(B, γ) over the whole decodes: new tokens / seconds of all their steps)."""
     verify: dict[int, dict[int, float]] = {}
     draft: dict[int, list[float]] = {g: [] for g in range(1, max_gamma + 1)}
     draft_batch: dict[int, dict[int, float]] = {}
+    life: dict[int, dict[int, float]] = {}
     stats = AcceptStats()
     for B in sorted(set(batch_sizes)):
         decoder.speculative(drafter, prompts[:B], min(tokens, 3), max_gamma)  # first calls of a shape pay allocations
         times: dict[int, list[float]] = {g: [] for g in range(max_gamma + 1)}
         step_draft: dict[int, list[float]] = {g: [] for g in range(1, max_gamma + 1)}
+        made = {g: [0, 0.0] for g in times}  # γ -> [new tokens, seconds of every step]
         for r in range(max(repeats, -(-min_rows // B))):
             batch = [prompts[(r * B + i) % len(prompts)] for i in range(B)]
             for g in times:
-                gen = decoder.speculative(drafter, batch, tokens, g)
+                gen = decoder.speculative(drafter, batch, tokens, g) if g else decoder.plain(batch, tokens)
+                made[g][0] += gen.new_tokens
+                made[g][1] += sum(draft_s + verify_s for _, _, draft_s, verify_s in gen.step_log)
                 full = [s for s in gen.step_log if s[0] == B] or gen.step_log
                 times[g] += [verify_s for _, _, _, verify_s in full]
                 if g:
@@ -182,7 +207,8 @@ def measure_steps(decoder: BatchedDecoder, drafter, prompts: Sequence, batch_siz
         fitted = _fit_linear({g: statistics.fmean(t) for g, t in times.items() if t})
         verify[B] = {g + 1: s for g, s in fitted.items()}
         draft_batch[B] = {g: statistics.fmean(t) for g, t in step_draft.items() if t}
-    return verify, {g: statistics.fmean(t) for g, t in draft.items() if t}, stats, draft_batch
+        life[B] = {g: n / s for g, (n, s) in made.items() if s > 0}
+    return verify, {g: statistics.fmean(t) for g, t in draft.items() if t}, stats, draft_batch, life
 
 
 def calibrate(decoder: BatchedDecoder, drafter, prompts: Sequence, max_gamma: int, batch_sizes: Sequence[int],
@@ -190,8 +216,9 @@ def calibrate(decoder: BatchedDecoder, drafter, prompts: Sequence, max_gamma: in
     """The policy's cost table for ``drafter``: ``measure_steps`` at every batch size, τ(γ) from its γ = max runs."""
     if max_gamma < 1:
         raise ValueError(f"eval.num_draft must be >= 1 to calibrate a speculation policy, got {max_gamma}")
-    verify, draft, stats, draft_batch = measure_steps(decoder, drafter, prompts, batch_sizes, max_gamma, tokens, repeats)
-    return CostTable(verify, draft, tau_by_gamma(stats, max_gamma), draft_batch)
+    verify, draft, stats, draft_batch, life = measure_steps(decoder, drafter, prompts, batch_sizes, max_gamma, tokens,
+                                                            repeats)
+    return CostTable(verify, draft, tau_by_gamma(stats, max_gamma), draft_batch, life)
 
 
 def check_batch_sizes(sizes) -> list[int]:
