@@ -67,7 +67,7 @@ def test_liger_under_the_triton_interpreter():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("already under the interpreter: the liger tests run in this process")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "not test_liger_under_the_triton_interpreter"],
+                           "-m", "not gpu", "-k", "not test_liger_under_the_triton_interpreter"],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
     tail = done.stdout[-4000:]
     assert done.returncode == 0, tail
@@ -126,6 +126,23 @@ def test_liger_equals_the_chunked_path(liger, liger_calls, name, frozen):
     for a, b in zip(got[2], want[2]):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert signal.readout.lm_head.weight.grad is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fkl_T2", "jsd_0.3"])
+def test_liger_on_cuda_equals_the_chunked_path(liger_calls, name):
+    """The same comparison with liger's compiled kernels (not run in this project's CI: no GPU there)."""
+    if not torch.cuda.is_available() or not _installed():
+        pytest.skip("needs a CUDA device and liger-kernel (pip install -e '.[gpu]')")
+    x, head, signal, mask = projected()
+    x, head, mask = x.detach().cuda().requires_grad_(), head.cuda(), mask.cuda()
+    signal.final_BTD, signal.readout = signal.final_BTD.cuda(), signal.readout.cuda()
+    rows = TeacherRows(signal, *positions(mask, 0))
+    got, want = run("liger", x, head, rows, LIGER[name]), run("none", x, head, rows, LIGER[name])
+    assert len(liger_calls) == 1 and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_frozen_read_out_casts_rows_to_its_dtype(liger, liger_calls):
