@@ -3,8 +3,9 @@
 exact, and ``liger`` forced where it cannot apply fails naming why.
 
 The liger tests run liger-kernel's real Triton kernels on CPU tensors under the Triton interpreter
-(``TRITON_INTERPRET=1``, set before liger is imported: ``triton.jit`` reads it when a kernel is defined); they skip,
-with the reason, where liger-kernel is not installed (``pip install -e '.[gpu]'``). No GPU run is covered here.
+(``TRITON_INTERPRET=1`` from process start: a subprocess, ``test_liger_under_the_triton_interpreter``); they skip,
+with the reason, where liger-kernel is not installed (``pip install -e '.[gpu]'``). The one CUDA test (marked gpu)
+has never run: no GPU in this project's CI.
 Tolerance against the chunked path: rtol 1e-5 / atol 1e-6 on losses and gradients (float32; liger's mean x N
 and its gradient scaling round differently from our sum); for whole drafters atol 1e-5 on the loss, as in
 tests/test_losses_chunked.py.
@@ -84,16 +85,16 @@ def liger_calls(monkeypatch):
     return calls
 
 
-def projected(V=300, D=32, B=2, T=12, seed=0, bias=False, softcap=None, width=None):
+def projected(V=300, D=32, B=2, T=12, seed=0):
     """A projected teacher (final hidden state + read-out) and masked rows of it; the student's own head."""
     g = torch.Generator().manual_seed(seed)
-    lm_head = nn.Linear(D, V, bias=bias).requires_grad_(False)
-    head = nn.Linear(D, width or V, bias=bias)
+    lm_head = nn.Linear(D, V, bias=False).requires_grad_(False)
+    head = nn.Linear(D, V, bias=False)
     with torch.no_grad():
         lm_head.weight.copy_(torch.randn(V, D, generator=g) / 2)
-        head.weight.copy_(torch.randn(width or V, D, generator=g) / 2)
+        head.weight.copy_(torch.randn(V, D, generator=g) / 2)
     signal = TeacherOutput(logits_BTV=None, final_BTD=torch.randn(B, T, D, generator=g),
-                           readout=TargetLogits(lm_head, softcap), vocab_size=V)
+                           readout=TargetLogits(lm_head, softcap=None), vocab_size=V)
     mask = torch.rand(B, T, generator=g) > 0.3
     x = torch.randn(int(mask.sum()), D, generator=g, requires_grad=True)
     return x, head, signal, mask
