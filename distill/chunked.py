@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distill import fused_kernels
 from distill.losses import fused_divergence, row_divergence, softmax_pair_
 from distill.teacher_output import autocast_weight, plain_linear, project_into
 
@@ -201,9 +202,17 @@ def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], tea
     """(loss summed over the N rows, the student's argmax per row [N]) for ``loss_fn`` (a ``distill.losses`` menu
     function or partial; any other ``loss_fn(student_CV, teacher_CV, None)`` is called per chunk) between
     ``head(student_ND)`` and the teacher rows. Differentiable w.r.t. ``student_ND`` and ``head``'s parameters
-    that require grad (``head`` an ``nn.Module``; a plain function's captured tensors are treated as constants)."""
+    that require grad (``head`` an ``nn.Module``; a plain function's captured tensors are treated as constants).
+    Under ``trainer.fused_kernel`` auto | liger, a term liger-kernel computes exactly runs through it instead
+    (``distill.fused_kernels``)."""
     if len(teacher) != student_ND.shape[0]:
         raise ValueError(f"{student_ND.shape[0]} student rows but {len(teacher)} teacher rows")
+    # ``trainer.fused_kernel``: liger-kernel's fused linear JSD where it computes this term exactly (GPU)
+    lin = plain_linear(head.head if isinstance(head, Frozen) else head)
+    liger = fused_kernels.select(student_ND, head, lin, teacher, loss_fn)
+    if liger is not None:
+        rows = max(1, (chunk_elements or _budget.get()) // teacher.width)
+        return fused_kernels.liger_divergence(liger), fused_kernels.student_argmax(student_ND, head, rows)
     job = _Job(head, teacher, loss_fn, chunk_elements or _budget.get())
     params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, nn.Module) else []
     if torch.is_grad_enabled() and (student_ND.requires_grad or params):

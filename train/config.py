@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
+from distill.fused_kernels import check_kernel
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
 from inference.policy import POLICIES, check_batch_sizes
@@ -192,6 +193,7 @@ def _check_schedule(t: TrainerConfig) -> None:
     if t.loss_chunk_elements is not None and t.loss_chunk_elements < 1:
         raise ValueError(f"trainer.loss_chunk_elements={t.loss_chunk_elements} must be >= 1 (rows x vocabulary per "
                          f"loss chunk) or null (per device: 2^25 on a CPU, 2^28 on a GPU)")
+    check_kernel(t.fused_kernel)
     if t.keep_last < 1:
         raise ValueError(f"trainer.keep_last={t.keep_last} must be >= 1 (the newest checkpoint is what a resume needs)")
 

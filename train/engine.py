@@ -68,6 +68,12 @@ class TrainerConfig:
     # (faster: on a CPU 2^27 trains EAGLE-1 at V 128k ~10% faster), more memory. Same loss and gradients up to
     # summation order.
     loss_chunk_elements: Optional[int] = None
+    # liger-kernel's fused linear JSD (Triton) for the loss terms it computes exactly (distill.fused_kernels):
+    # none = always the chunked PyTorch path | auto = liger where it applies (CUDA, liger installed, forward/reverse
+    # KL or JSD, a projected teacher over the student's vocabulary, heads without bias or soft-capping), else the
+    # chunked path | liger = require it (a clear error where it cannot apply). Verified only under the Triton
+    # interpreter on CPU so far; install with pip install -e '.[gpu]'.
+    fused_kernel: str = "none"
 
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from distill.chunked import chunk_budget, default_chunk_elements
 from distill.data import rows_fingerprint
+from distill.fused_kernels import fused_kernel
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
 from train.config import Config
@@ -75,7 +76,8 @@ def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, lo
           run_dir, logger, batch_source: Callable | None = None) -> dict:
     """``batch_source(batch, micro_batch_number)``: what replaces a collated batch before the teacher sees it
     (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is."""
-    with chunk_budget(cfg.trainer.loss_chunk_elements or default_chunk_elements(engine.device)):
+    with chunk_budget(cfg.trainer.loss_chunk_elements or default_chunk_elements(engine.device)), \
+            fused_kernel(cfg.trainer.fused_kernel):
         return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source)
 
 
