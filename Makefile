@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdraft-installed
 
-.PHONY: demo test test-all install serve-check clean
+.PHONY: demo test test-all install serve-check fused-check clean
 
 # (Re)install when pyproject.toml changes. torch==2.13.0 is pinned in pyproject.toml: on CPU machines pip finds
 # the local CPU wheel; GPU users install their CUDA torch build first (see README).
@@ -24,6 +24,15 @@ $(SERVE_CHECK): $(STAMP)
 	touch $(SERVE_CHECK)
 
 serve-check: $(SERVE_CHECK)
+
+# The optional fused-kernel extra (liger-kernel + triton): tests/test_fused_kernels.py runs liger's kernels under the
+# Triton interpreter on the CPU (they skip without it). torch stays the pinned CPU wheel (liger needs torch >= 2.1).
+FUSED_CHECK := $(VENV)/.fused-check-installed
+$(FUSED_CHECK): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,gpu]"
+	touch $(FUSED_CHECK)
+
+fused-check: $(FUSED_CHECK)
 
 # Extra Hydra overrides: make demo ARGS="trainer.steps=100"
 demo: $(STAMP)
