@@ -30,8 +30,10 @@ from distill.chunked import TeacherRows, positions
 from distill.teacher import DTYPES
 from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
-from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
+from heads.base import DraftOutput, DraftTerm, Drafter, ForkedRows, TargetDims
+from heads.draft_model_rows import DraftModelRows
 from heads.lora import check_lora_spec, check_targets_exist, lora_config
+from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
 
@@ -275,6 +277,20 @@ class DraftModel(Drafter):
         self._generator: torch.Generator | None = None
         self._proposed: tuple[int, int] | None = None  # (context length, drafts) of the last proposal
         self._valid: int | None = None  # cached entries still right after ``accepted`` (None: compare ids)
+
+    def rows(self, seeds: list[int]):
+        """The decoding state of a batch: every row drafted in one draft-model forward per draft step
+        (``heads.draft_model_rows``). A draft model with sliding-window (or other than plain full-attention) layers
+        keeps per-row copies (``ForkedRows``): the batch's ragged cache keeps every column and has no window."""
+        if not self._batchable():
+            return ForkedRows(self, seeds)
+        return DraftModelRows(self, seeds)
+
+    def _batchable(self) -> bool:
+        try:
+            return not AttentionLayout.of(self.model).sliding
+        except ValueError:  # layer types the masks do not know (linear attention, ...)
+            return False
 
     def accepted(self, path: list[int]) -> None:
         # The cache holds the context and every draft but the last; the accepted ones stay valid.
