@@ -42,6 +42,9 @@ class DraftModelRows:
 
     def __init__(self, drafter, seeds: list[int]):
         self.drafter = drafter
+        self.device = drafter.device  # a batch is decoded where its drafter is
+        config = drafter.model.config.get_text_config()
+        self.max_positions = getattr(config, "max_position_embeddings", None)
         self.seeds = list(seeds)
         self.generators: list[torch.Generator | None] = [None] * len(seeds)
         self.cache: RaggedCache | None = None
@@ -63,23 +66,28 @@ class DraftModelRows:
             self.valid[row] = context + min(len(path), drafts - 1)
             self.proposed[row] = None
 
+    @torch.inference_mode()
     def keep(self, rows: list[int]) -> None:
         """Only ``rows`` (in this order) stay in the batch."""
         for name in ("seeds", "generators", "lengths", "fed", "proposed", "valid"):
             values = getattr(self, name)
             setattr(self, name, [values[r] for r in rows])
         if self.cache is not None:
-            self.cache.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.drafter.device))
+            self.cache.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
 
-    @torch.no_grad()
+    # Inference mode, not just no_grad: the draft model's many small ops skip autograd's version counters and view
+    # tracking (~15% of a toy draft forward on CPU). The cache and the drafts are inference tensors, which the
+    # decoder only reads.
+    @torch.inference_mode()
     def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
         """Row b's chain of at most ``depths[b]`` drafts continuing ``tokens[b]`` ([1, n_b])."""
         D = max(depths)
         if D < 1:
             return [DraftTree.empty(t.device) for t in tokens]
-        dev = self.drafter.device
-        seqs = [t[0].to(dev) for t in tokens]
-        self.drafter._check_positions(max(s.shape[0] for s in seqs), D)
+        seqs = [t[0].to(self.device) for t in tokens]
+        longest = max(s.shape[0] for s in seqs)
+        if self.max_positions and longest + D - 1 > self.max_positions:
+            self.drafter._check_positions(longest, D)  # raises, naming the settings to change
         keep = [self._resync(b, s) for b, s in enumerate(seqs)]
         logits_BV, ends = self._catch_up(seqs, keep, D)
         drafts, probs = [], []
@@ -118,18 +126,19 @@ class DraftModelRows:
     def _catch_up(self, seqs: list[Tensor], keep: list[int], D: int) -> tuple[Tensor, Tensor | None]:
         """Feed every row's context past its kept columns in one forward; return the logits after each row's last
         token [B, V] and, when rows differ in length, each row's next free column [B] (on the device)."""
-        dev, B = self.drafter.device, len(seqs)
+        dev, B = self.device, len(seqs)
         new = [s.shape[0] - k for s, k in zip(seqs, keep)]
         M, E = max(new), max(k + m for k, m in zip(keep, new))
         if self.cache is None:
             self.cache = RaggedCache(capacity=2 * (E + D))
-        ids = torch.full((B, M), PAD_ID, dtype=torch.long, device=dev)
-        for b, (s, k, m) in enumerate(zip(seqs, keep, new)):  # left padding: every row's last token is in column M-1
-            ids[b, M - m:] = s[k:]
         if len(set(keep)) == 1 and len(set(new)) == 1:  # rows alike: append with the model's own causal mask
             self.cache.set_length(keep[0])
             self.cache.write_at(None)
+            ids = seqs[0][keep[0]:][None] if B == 1 else torch.stack([s[k:] for s, k in zip(seqs, keep)])
             return self._forward(ids), None
+        ids = torch.full((B, M), PAD_ID, dtype=torch.long, device=dev)
+        for b, (s, k, m) in enumerate(zip(seqs, keep, new)):  # left padding: every row's last token is in column M-1
+            ids[b, M - m:] = s[k:]
         # Row b's block index i is its position keep_b - (M - m_b) + i; a padding index (i < M - m_b) writes to the
         # scratch column E and, at position 0, sees column 0 (any finite entry: its output is never used).
         meta = torch.empty(2, B, dtype=torch.long, device=dev)  # (keep, block start) per row
@@ -182,7 +191,6 @@ class DraftModelRows:
         return torch.stack(toks), probs
 
     def _sampler(self, b: int) -> torch.Generator:
-        dev = self.drafter.device
-        if self.generators[b] is None or self.generators[b].device != dev:
-            self.generators[b] = torch.Generator(device=dev).manual_seed(self.seeds[b])
+        if self.generators[b] is None:
+            self.generators[b] = torch.Generator(device=self.device).manual_seed(self.seeds[b])
         return self.generators[b]
