@@ -6,10 +6,14 @@ Drafting feeds its own guesses back in, so draft token k is its guess for the k-
 Shape legend:  B batch, T sequence, V vocabulary (the target's), n committed tokens, k = max_depth.
     tokens [1, n] -> draft model (its own KV cache, kept between proposals) -> chain tokens [k], probs_NV [k, V] | None
 
-Decoding: the cache holds the ids of the previous proposal's context and all its drafts but the last (the last draft
-is never fed). A new proposal crops the cache back to the longest prefix it shares with ``tokens``, feeds the rest in
-one forward, then drafts one token per forward: argmax when greedy (probabilities None), else a draw from the
-draft logits warped by ``inference.sampling.warp`` exactly as the target's (those rows are the chain's ``probs_NV``).
+Decoding a batch (the decode loop, batch 1 included): ``rows`` drafts every row in one forward per draft step over a
+preallocated ragged cache (``heads.draft_model_rows``). ``propose`` below drafts one sequence: per-row copies
+(``heads.base.ForkedRows``) use it for sliding-window draft models, whose ``DynamicCache`` rolls windows back, and the
+batched rows are tested against it. Its cache holds the ids of the previous proposal's context and all its drafts but
+the last (the last draft is never fed). A new proposal crops the cache back to the longest prefix it shares with
+``tokens``, feeds the rest in one forward, then drafts one token per forward: argmax when greedy (probabilities
+None), else a draw from the draft logits warped by ``inference.sampling.warp`` exactly as the target's (those rows
+are the chain's ``probs_NV``).
 
 Training target: the draft model's logits at t are distilled toward the teacher's logits at t (both predict token
 t+1), wherever token t+1 is a real, loss-bearing token (``distill.data``'s ``loss_mask`` marks predicted tokens).

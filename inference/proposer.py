@@ -8,7 +8,8 @@ target's verification ``observe`` (its hidden states of the newly committed posi
 
 A batch of sequences (``inference.batched``) is drafted through ``rows(seeds)``: a ``ProposerRows`` holding every
 row's state, whose ``propose`` drafts all rows at once (EAGLE: one drafter forward per tree level for the whole
-batch; drafters without a batched path loop over per-row copies, ``heads.base.ForkedRows``).
+batch; a draft model: one forward per draft step; drafters without a batched path loop over per-row copies,
+``heads.base.ForkedRows``).
 """
 
 from __future__ import annotations
