@@ -159,3 +159,11 @@ def test_sliding_window_draft_models_keep_per_row_copies(teacher):
     refs = [Decoder(teacher).plain(p[None], 16).new_tokens for p in prompts]  # past the window
     out = BatchedDecoder(teacher).speculative(drafter, prompts, 16, num_draft=3)
     assert [g.new_tokens for g in out.generations] == refs
+
+
+def test_context_beyond_the_draft_models_positions_is_refused():
+    drafter = DraftModel(DIMS, model=make_tiny_llama(num_hidden_layers=1, max_position_embeddings=16)).eval()
+    rows = drafter.rows([0, 1])
+    rows.propose([torch.zeros(1, 13, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)], [4, 2], [GREEDY] * 2)
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):  # 14 + 3 fed positions
+        rows.propose([torch.zeros(1, 14, dtype=torch.long), torch.zeros(1, 6, dtype=torch.long)], [4, 4], [GREEDY] * 2)
