@@ -12,7 +12,9 @@ the masks) work as with the default cache. A buffer that fills up grows to twice
 the decode's bound (``Decoder``: prompt + new tokens + lookahead) and it never does.
 
 Batch B: rows share one length (the ragged decoder's columns, holes masked per row); ``gather_columns`` moves each
-row's kept columns to the front in place, and ``batch_select_indices`` drops finished rows.
+row's kept columns to the front in place, and ``batch_select_indices`` drops finished rows. ``RaggedCache`` (a draft
+model's batch, ``heads.draft_model_rows``) instead lets each row have its own length, dense from column 0, its new
+entries scattered to its own columns.
 
 Shapes: B rows, h KV heads, C capacity, L length (cached columns), n new columns, hd head dim.
 """
@@ -154,3 +156,71 @@ class PreallocatedCache(Cache):
     def gather_columns(self, order_BM: Tensor) -> None:
         for layer in self.layers:
             layer.gather_columns(order_BM)
+
+
+class RaggedLayer(PreallocatedLayer):
+    """A ``PreallocatedLayer`` whose rows may differ in length: between forwards its owner (``RaggedCache``) may
+    direct each new entry to a column of its own row (``RaggedCache.write_at``) instead of appending behind the shared
+    pointer. Buffers start zeroed: a row's columns past its own length but below the longest row's are masked, and a
+    masked column must still hold a finite number (attention weighs it by 0, and 0 * NaN is NaN)."""
+
+    def __init__(self, capacity: int, owner: "RaggedCache"):
+        super().__init__(capacity)
+        self._owner = owner
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k.zero_()
+        self._v.zero_()
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        super()._reserve(needed)  # copies the first ``length`` columns into fresh (uninitialised) buffers
+        self._k[:, :, self.length:].zero_()
+        self._v[:, :, self.length:].zero_()
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        cols_BN, extent = self._owner.columns, self._owner.extent
+        if cols_BN is None:
+            return super().update(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._reserve(extent + 1)  # + the scratch column padding entries go to
+        B, h, n, hd = key_states.shape
+        index = cols_BN[:, None, :, None].expand(B, h, n, hd)
+        self._k.scatter_(2, index, key_states)
+        self._v.scatter_(2, index, value_states)
+        self.length = extent
+        self._views()
+        return self.keys, self.values
+
+
+class RaggedCache(PreallocatedCache):
+    """Rows of different lengths, each dense from column 0 (row b's entries in columns 0 .. len_b - 1), in the
+    buffers of a ``PreallocatedCache``; a draft model's batch (``heads.draft_model_rows``) keeps one.
+
+    By default a forward appends behind the shared pointer (all rows equally long: batch 1). ``write_at(cols_BN,
+    extent)`` makes the next forwards write row b's n new entries to columns ``cols_BN[b]`` instead (a scatter; the
+    owner passes ``extent`` = the longest row's length after the write, and gives padding entries the column
+    ``extent``, which no one reads: it is past every row and overwritten before a row grows into it); the layers then
+    return every row's first ``extent`` columns, and the forward's 4D mask shows each query its own row's columns.
+    Rolling a row back is its owner's business (it forgets the row's length); nothing is copied."""
+
+    def __init__(self, capacity: int = MIN_CAPACITY):
+        super().__init__(capacity)
+        self.columns: Tensor | None = None  # [B, n] long: where the next forward's entries go (None: append)
+        self.extent = 0
+
+    def _new_layer(self) -> RaggedLayer:
+        return RaggedLayer(self.capacity, self)
+
+    def write_at(self, cols_BN: Tensor | None, extent: int = 0) -> None:
+        self.columns, self.extent = cols_BN, extent
+
+    def set_length(self, length: int) -> None:
+        """Append mode: every row is ``length`` long (no longer than the shortest row's real entries)."""
+        for layer in self.layers:
+            layer.length = length
+            if layer.is_initialized:
+                layer._views()

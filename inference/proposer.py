@@ -9,7 +9,8 @@ holds them, so a drafter that works on the host never reads the sequence back). 
 
 A batch of sequences (``inference.batched``) is drafted through ``rows(seeds)``: a ``ProposerRows`` holding every
 row's state, whose ``propose`` drafts all rows at once (EAGLE: one drafter forward per tree level for the whole
-batch; drafters without a batched path loop over per-row copies, ``heads.base.ForkedRows``).
+batch; a draft model: one forward per draft step; drafters without a batched path loop over per-row copies,
+``heads.base.ForkedRows``).
 """
 
 from __future__ import annotations

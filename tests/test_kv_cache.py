@@ -9,7 +9,7 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Static
 
 from distill.teacher import Teacher
 from inference.decoder import Decoder
-from inference.kv_cache import PreallocatedCache, PreallocatedLayer
+from inference.kv_cache import PreallocatedCache, PreallocatedLayer, RaggedCache
 from inference.masks import AttentionLayout
 from inference.tree import DraftTree, compact_cache, verify_inputs
 from tests.test_decoder import noisy_medusa
@@ -133,3 +133,24 @@ def test_refusals():
         model(torch.tensor([[1, 2, 3]]), past_key_values=static, use_cache=True)
     with pytest.raises(ValueError, match="cannot compact a StaticLayer"):
         compact_cache(static, 3, [1])
+
+
+def test_ragged_cache_scatters_each_row_to_its_own_columns_and_grows_zeroed():
+    """Rows of different lengths: each new entry lands in the column its row asks for (padding in the scratch column
+    past every row), the layer returns every row's first ``extent`` columns, and a grown buffer keeps what was written
+    and holds zeros (finite) where nothing was: a masked column is weighted by 0, and 0 * NaN would be NaN."""
+    cache = RaggedCache(capacity=4)
+    kv = lambda B, n, base: (base + torch.arange(B * n, dtype=torch.float32)).view(B, 1, n, 1).expand(B, 2, n, 3)
+    k, v = cache.update(kv(2, 3, 0), kv(2, 3, 100), 0)  # append mode: both rows 3 long
+    assert k.shape == (2, 2, 3, 3) and cache.get_seq_length() == 3
+    # Row 0 gets one entry at column 3 (two padding entries to the scratch column 5); row 1 three at columns 1..3.
+    cache.write_at(torch.tensor([[5, 5, 3], [1, 2, 3]]), 5)
+    k, v = cache.update(kv(2, 3, 10), kv(2, 3, 110), 0)
+    assert k.shape == (2, 2, 5, 3) and cache.get_seq_length() == 5 and cache.layers[0].capacity >= 6
+    assert k[0, 0, :, 0].tolist() == [0, 1, 2, 12, 0]  # its 3 old entries, its new one, never-written column: 0
+    assert k[1, 0, :, 0].tolist() == [3, 13, 14, 15, 0]  # its first old entry kept, then the 3 new ones
+    assert v[1, 1, 1:4, 2].tolist() == [113, 114, 115]
+    cache.write_at(None)
+    cache.set_length(2)  # back to append mode: every row 2 long
+    k, _ = cache.update(kv(2, 1, 50), kv(2, 1, 150), 0)
+    assert k[:, 0, :, 0].tolist() == [[0, 1, 50], [3, 13, 51]]
