@@ -10,7 +10,10 @@ slows all of them alike:
             (``inference.policy.calibrate``: decodes at every B and γ, ``repeats`` rounds, as long as the sweep's,
             since acceptance changes along a generation)
 The prompt pool is the evaluation prompts, repeated to a multiple of the largest B so every batch is full; a B with
-fewer than ``min_batches`` batches in the pool goes over it again.
+fewer than ``min_batches`` batches in the pool goes over it again. With ``rounds`` > 1 the whole pass over the pool
+runs that many times per B (the rotation shifted each round) and each method reports its median round by tokens/s
+(its other figures from that same round; identical_to_plain over all rounds): a burst of load on a shared machine
+then moves one round, not the row.
 
 Reported per B: tokens/s (all new tokens / wall time of all batches), latency (per sequence: time until it leaves the
 batch / its new tokens, mean, ms per token), τ, speedup = always / off, and auto / max(always, off) (goal >= 0.95).
@@ -55,14 +58,25 @@ class _Tally:
         if ref is not None:
             self.identical &= all(a.new_tokens == b.new_tokens for a, b in zip(gen.generations, ref.generations))
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
     def row(self, greedy: bool) -> dict:
         steps = sum(self.gammas.values())
-        return {"tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0, "seconds": self.seconds,
+        return {"tokens_per_s": self.tokens_per_s, "seconds": self.seconds,
                 "new_tokens": self.tokens, "latency_ms_per_token": sum(self.latency_ms) / max(1, len(self.latency_ms)),
                 "tau": self.stats.tau, "alpha": self.stats.alpha,
                 "gamma_steps": {str(g): c for g, c in sorted(self.gammas.items())},
                 "mean_gamma": sum(g * c for g, c in self.gammas.items()) / steps if steps else 0.0,
                 "identical_to_plain": self.identical if greedy else None}
+
+
+def median_round(rounds: list[_Tally]) -> _Tally:
+    """The round with the median tokens/s (the lower middle of an even count), identical only if every round was."""
+    pick = sorted(rounds, key=lambda t: t.tokens_per_s)[(len(rounds) - 1) // 2]
+    pick.identical = all(t.identical for t in rounds)
+    return pick
 
 
 def sweep_prompts(prompts: Sequence, batch_sizes: Sequence[int]) -> list:
@@ -75,9 +89,12 @@ def sweep_prompts(prompts: Sequence, batch_sizes: Sequence[int]) -> list:
 
 
 def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval_cfg: EvalConfig, dcfg: DecoderConfig,
-                repeats: int = 2, min_batches: int = 2) -> dict:
+                repeats: int = 2, min_batches: int = 2, rounds: int = 1) -> dict:
     """Decode ``prompts`` at every batch size of ``dcfg.batch_sizes``: plain, always-on and (``dcfg.policy=auto``)
-    the load-aware policy, for each drafter. Returns the JSON-able ``report["batch_sweep"]``."""
+    the load-aware policy, for each drafter; ``rounds`` passes per batch size, each method's median round reported.
+    Returns the JSON-able ``report["batch_sweep"]``."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be >= 1 (passes over the prompts per batch size)")
     batch_sizes = check_batch_sizes(dcfg.batch_sizes)
     max_new, gamma = eval_cfg.max_new_tokens, eval_cfg.num_draft
     eos = teacher.tokenizer.eos_token_id if getattr(teacher, "tokenizer", None) is not None else None
@@ -97,24 +114,28 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
     methods = [None] + [(name, p) for name, pols in policies.items() for p in pols]  # None: plain decoding
     rows = []
     for B in batch_sizes:
-        tallies = {m: _Tally() for m in methods}
         chunks = [pool[s: s + B] for s in range(0, len(pool), B)]
         chunks *= math.ceil(min_batches / len(chunks))  # a large B still gets a few batches' worth of timing
-        for k, chunk in enumerate(chunks):
-            gens = {}
-            for m in methods[k % len(methods):] + methods[: k % len(methods)]:  # rotated: no method always goes first
-                decoder.reseed(dcfg.seed + k)  # the same random stream for every method on this batch
-                gens[m] = (decoder.plain(chunk, max_new) if m is None else
-                           decoder.speculative(drafters[m[0]], chunk, max_new, gamma, policy=policies[m[0]][m[1]]))
-            for m, gen in gens.items():
-                tallies[m].add(gen, gens[None] if greedy and m is not None else None)
+        passes = []
+        for r in range(rounds):
+            tallies = {m: _Tally() for m in methods}
+            for k, chunk in enumerate(chunks):
+                gens, turn = {}, (k + r) % len(methods)
+                for m in methods[turn:] + methods[:turn]:  # rotated: no method always goes first
+                    decoder.reseed(dcfg.seed + k)  # the same random stream for every method on this batch
+                    gens[m] = (decoder.plain(chunk, max_new) if m is None else
+                               decoder.speculative(drafters[m[0]], chunk, max_new, gamma, policy=policies[m[0]][m[1]]))
+                for m, gen in gens.items():
+                    tallies[m].add(gen, gens[None] if greedy and m is not None else None)
+            passes.append(tallies)
+        tallies = {m: median_round([p[m] for p in passes]) for m in methods}
         per_drafter = {name: {p: tallies[(name, p)].row(greedy) for p in pols} for name, pols in policies.items()}
         rows.append({"batch_size": B, "plain": tallies[None].row(greedy=False), "drafters": per_drafter})
         log.info("batch sweep B=%d: %s", B, {m or "plain": round(t.tokens / t.seconds, 1) for m, t in tallies.items()})
-    return _summarise(rows, drafters, tables, policies, batch_sizes, len(pool), max_new, gamma, dcfg)
+    return _summarise(rows, drafters, tables, policies, batch_sizes, len(pool), max_new, gamma, dcfg, rounds)
 
 
-def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_new, gamma, dcfg) -> dict:
+def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_new, gamma, dcfg, rounds=1) -> dict:
     summary = {}
     for name in drafters:
         off = [r["plain"]["tokens_per_s"] for r in rows]
@@ -134,7 +155,7 @@ def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_n
                          cost_table=tables[name].to_dict())
         summary[name] = entry
     return {"batch_sizes": batch_sizes, "num_prompts": num_prompts, "max_new_tokens": max_new, "num_draft": gamma,
-            "policy": dcfg.policy,
+            "policy": dcfg.policy, "rounds": rounds,
             "sampling": {"temperature": dcfg.temperature, "top_p": dcfg.top_p, "top_k": dcfg.top_k},
             "rows": rows, "drafters": summary}
 

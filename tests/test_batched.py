@@ -389,3 +389,16 @@ def test_bench_batch_tiny_writes_every_figure(tmp_path, tiny_toy_target):
     assert set(sweep["drafters"]) == {"draft_model", "lookup"} and sweep["batch_sizes"] == [1, 2]
     assert all(r["drafters"]["lookup"]["auto"]["identical_to_plain"] for r in sweep["rows"])
     assert data["machine"]["torch"] and data["target_params"] > data["draft_params"] > 0
+
+
+def test_sweep_rounds_report_each_methods_median_round():
+    from eval.batch_sweep import _Tally, batch_sweep, median_round
+    from train.config import EvalConfig
+
+    rounds = [_Tally(seconds=s, tokens=100, identical=i) for s, i in ((1.0, True), (4.0, True), (2.0, False))]
+    pick = median_round(rounds)
+    assert pick.seconds == 2.0 and pick.tokens_per_s == 50.0  # 100 / 25 / 50 tokens/s: the middle one
+    assert pick.identical is False  # identical only if every round was
+    assert median_round(rounds[:2]).seconds == 4.0  # even count: the lower middle (the slower round)
+    with pytest.raises(ValueError, match="rounds=0 must be >= 1"):
+        batch_sweep(None, {}, [], EvalConfig(), DecoderConfig(batch_sizes=[1]), rounds=0)

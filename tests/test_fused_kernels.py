@@ -29,7 +29,7 @@ from distill.chunked import Finished, Frozen, TeacherRows, chunked_cross_entropy
 from distill.fused_kernels import fused_kernel
 from distill.teacher import TargetLogits
 from distill.teacher_output import TeacherOutput
-from heads.base import build_drafter
+from tests.test_losses_chunked import drafter_and_batch
 
 RTOL, ATOL = 1e-5, 1e-6
 LIGER = {  # the menu terms liger computes
@@ -294,12 +294,7 @@ KINDS = {
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("loss", ["fkl", "jsd_0.3"])
 def test_drafters_train_the_same_under_auto(liger, liger_calls, tiny_teacher, kind, loss):
-    torch.manual_seed(0)
-    drafter = build_drafter(KINDS[kind], tiny_teacher)
-    drafter.bind_target(tiny_teacher, initialize=True)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 128, (2, 14), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.rand(2, 14, generator=g) > 0.2}
+    drafter, batch = drafter_and_batch(KINDS[kind], tiny_teacher)
     params = [p for p in drafter.parameters() if p.requires_grad]
     results = []
     for choice in ("auto", "none"):

@@ -184,15 +184,22 @@ KINDS = {
 PROJECTED = {"eagle3", "eagle3_ckpt", "eagle1_one_step", "draft_model"}  # the teacher answers without [B, T, V] logits
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("loss", ["fkl", "jsd"])
-def test_every_drafter_kind_matches_the_materialised_loss(tiny_teacher, kind, loss):
+def drafter_and_batch(node: dict, teacher) -> tuple:
+    """A drafter built from ``node`` on ``teacher`` (seeded) and a 2 x 14 batch with a random loss mask."""
     torch.manual_seed(0)
-    drafter = build_drafter(KINDS[kind], tiny_teacher)
-    drafter.bind_target(tiny_teacher, initialize=True)
+    drafter = build_drafter(node, teacher)
+    drafter.bind_target(teacher, initialize=True)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (2, 14), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.rand(2, 14, generator=g) > 0.2}
+    return drafter, batch
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("loss", ["fkl", "jsd"])
+def test_every_drafter_kind_matches_the_materialised_loss(tiny_teacher, kind, loss):
+    drafter, batch = drafter_and_batch(KINDS[kind], tiny_teacher)
+    ids = batch["input_ids"]
     batch["attention_mask"][1, :3] = 0  # a left-padded row
     if hasattr(drafter, "prepare") and kind.startswith("eagle3"):
         drafter.prepare(type("D", (), {"input_ids": ids, "loss_mask": batch["loss_mask"],
