@@ -213,7 +213,7 @@ def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], tea
     if liger is not None:
         rows = max(1, (chunk_elements or _budget.get()) // teacher.width)
         return fused_kernels.liger_divergence(liger), fused_kernels.student_argmax(student_ND, head, rows)
-    job = _Job(head, teacher, loss_fn, chunk_elements or _budget.get())
+    job = _Job(head, lin, teacher, loss_fn, chunk_elements or _budget.get())
     params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, nn.Module) else []
     if torch.is_grad_enabled() and (student_ND.requires_grad or params):
         loss = _ChunkedDivergence.apply(job, student_ND, *params)
@@ -225,8 +225,9 @@ def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], tea
 class _Job:
     """One term's chunk loop; ``run`` returns (loss, grad w.r.t. student rows, grads w.r.t. params)."""
 
-    def __init__(self, head, teacher: TeacherRows | LabelRows, loss_fn, chunk_elements: int):
-        self.head, self.teacher, self.loss_fn = head, teacher, loss_fn
+    def __init__(self, head, lin: nn.Linear | None, teacher: TeacherRows | LabelRows, loss_fn, chunk_elements: int):
+        # ``lin``: the plain nn.Linear ``head`` is or wraps (``Frozen``), else None (``teacher_output.plain_linear``)
+        self.head, self.lin, self.teacher, self.loss_fn = head, lin, teacher, loss_fn
         self.core = row_divergence(loss_fn)
         self.fused = fused_divergence(loss_fn)
         self.chunk_elements = chunk_elements
@@ -262,7 +263,7 @@ class _Job:
         # through the head: an nn.Linear (trainable or ``Frozen``) by its two matmuls, the weight's gradient
         # accumulated in place (no [V, D] temporary per chunk); any other head by autograd. A fused divergence on a
         # CPU works in buffers reused from chunk to chunk (``Workspace``).
-        lin = plain_linear(self.head.head if isinstance(self.head, Frozen) else self.head)
+        lin = self.lin
         linear = (lin is not None and lin.weight.dtype == x_ND.dtype
                   and all(p is lin.weight or p is lin.bias for p in params))
         ws = Workspace(x_ND.device) if linear and self.fused is not None else None

@@ -11,7 +11,7 @@ mid-run slows all of them alike:
             since acceptance changes along a generation)
 The prompt pool is the evaluation prompts, repeated to a multiple of the largest B so every batch is full; a B with
 fewer than ``min_batches`` batches in the pool goes over it again. With ``rounds`` > 1 the whole pass over the pool
-runs that many times per B (the rotation shifted each round) and each method reports its median round by tokens/s
+runs that many times per B (a new shuffle each round) and each method reports its median round by tokens/s
 (its other figures from that same round; identical_to_plain over all rounds): a burst of load on a shared machine
 then moves one round, not the row.
 
@@ -122,10 +122,8 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
             tallies = {m: _Tally() for m in methods}
             for k, chunk in enumerate(chunks):
                 gens = {}
-                # A seeded shuffle per batch: no method always goes first or always follows the same one. In a fixed
-                # rotation each auto run followed its drafter's always-on run, and auto runs that decoded plainly
-                # read 0.86-0.93 of the plain column at batch 8-32 (the same work; likely the memory the heavier run
-                # before them gave back, paid again in page faults).
+                # A seeded shuffle per batch: no method always goes first or always follows the same one (a fixed
+                # rotation put each auto run right after its drafter's always-on run).
                 for m in random.Random(f"{dcfg.seed}/{B}/{r}/{k}").sample(methods, len(methods)):
                     decoder.reseed(dcfg.seed + k)  # the same random stream for every method on this batch
                     gens[m] = (decoder.plain(chunk, max_new) if m is None else
@@ -136,7 +134,7 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
         tallies = {m: median_round([p[m] for p in passes]) for m in methods}
         per_drafter = {name: {p: tallies[(name, p)].row(greedy) for p in pols} for name, pols in policies.items()}
         rows.append({"batch_size": B, "plain": tallies[None].row(greedy=False), "drafters": per_drafter})
-        log.info("batch sweep B=%d: %s", B, {m or "plain": round(t.tokens / t.seconds, 1) for m, t in tallies.items()})
+        log.info("batch sweep B=%d: %s", B, {m or "plain": round(t.tokens_per_s, 1) for m, t in tallies.items()})
     return _summarise(rows, drafters, tables, policies, batch_sizes, len(pool), max_new, gamma, dcfg, rounds)
 
 
