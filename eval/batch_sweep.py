@@ -10,7 +10,8 @@ mid-run slows all of them alike:
             (``inference.policy.calibrate``: decodes at every B and γ, ``repeats`` rounds, as long as the sweep's,
             since acceptance changes along a generation)
 The prompt pool is the evaluation prompts, repeated to a multiple of the largest B so every batch is full; a B with
-fewer than ``min_batches`` batches in the pool goes over it again. With ``rounds`` > 1 the whole pass over the pool
+fewer than ``min_batches`` batches in the pool goes over it again (each row reports its ``batches`` per round: a
+large B's round is a few batches, about a second on the toy, so raise ``min_batches`` for a longer timed window). With ``rounds`` > 1 the whole pass over the pool
 runs that many times per B (a new shuffle each round) and each method reports its median round by tokens/s
 (its other figures from that same round; identical_to_plain over all rounds): a burst of load on a shared machine
 then moves one round, not the row.
@@ -96,6 +97,8 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
     Returns the JSON-able ``report["batch_sweep"]``."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be >= 1 (passes over the prompts per batch size)")
+    if min_batches < 1:
+        raise ValueError(f"min_batches={min_batches} must be >= 1 (batches timed per round at each batch size)")
     batch_sizes = check_batch_sizes(dcfg.batch_sizes)
     max_new, gamma = eval_cfg.max_new_tokens, eval_cfg.num_draft
     eos = teacher.tokenizer.eos_token_id if getattr(teacher, "tokenizer", None) is not None else None
@@ -133,12 +136,15 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
             passes.append(tallies)
         tallies = {m: median_round([p[m] for p in passes]) for m in methods}
         per_drafter = {name: {p: tallies[(name, p)].row(greedy) for p in pols} for name, pols in policies.items()}
-        rows.append({"batch_size": B, "plain": tallies[None].row(greedy=False), "drafters": per_drafter})
+        rows.append({"batch_size": B, "batches": len(chunks), "plain": tallies[None].row(greedy=False),
+                     "drafters": per_drafter})
         log.info("batch sweep B=%d: %s", B, {m or "plain": round(t.tokens_per_s, 1) for m, t in tallies.items()})
-    return _summarise(rows, drafters, tables, policies, batch_sizes, len(pool), max_new, gamma, dcfg, rounds)
+    return _summarise(rows, drafters, tables, policies, batch_sizes, len(pool), max_new, gamma, dcfg, rounds,
+                      min_batches)
 
 
-def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_new, gamma, dcfg, rounds=1) -> dict:
+def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_new, gamma, dcfg, rounds=1,
+               min_batches=2) -> dict:
     summary = {}
     for name in drafters:
         off = [r["plain"]["tokens_per_s"] for r in rows]
@@ -158,7 +164,7 @@ def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_n
                          cost_table=tables[name].to_dict())
         summary[name] = entry
     return {"batch_sizes": batch_sizes, "num_prompts": num_prompts, "max_new_tokens": max_new, "num_draft": gamma,
-            "policy": dcfg.policy, "rounds": rounds,
+            "policy": dcfg.policy, "rounds": rounds, "min_batches": min_batches,
             "sampling": {"temperature": dcfg.temperature, "top_p": dcfg.top_p, "top_k": dcfg.top_k},
             "rows": rows, "drafters": summary}
 

@@ -101,6 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=None, help="calibration rounds per batch size and γ")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts per batch size; each method "
                     "reports its median round (3: a load burst on a shared machine moves one round, not the row)")
+    ap.add_argument("--min-batches", type=int, default=2, help="batches timed per round at every batch size (the "
+                    "prompt pool is decoded again until it has as many): a longer window for the large batch sizes")
     ap.add_argument("--drafter-path", default=None, help="also sweep this trained drafter (<run dir>/drafter)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. decoder.batch_sizes=[1,4,16]")
     args = ap.parse_args(argv)
@@ -124,7 +126,8 @@ def main(argv=None) -> None:
     prompts, _ = eval_prompts(cfg.eval, teacher.tokenizer)
     t0 = time.perf_counter()
     repeats = args.repeats or preset["repeats"]
-    sweep = batch_sweep(teacher, drafters, prompts, cfg.eval, cfg.decoder, repeats=repeats, rounds=args.rounds)
+    sweep = batch_sweep(teacher, drafters, prompts, cfg.eval, cfg.decoder, repeats=repeats, rounds=args.rounds,
+                        min_batches=args.min_batches)
     out = {
         "preset": args.preset,
         "target": teacher.identity(),

@@ -383,10 +383,13 @@ def test_bench_batch_tiny_writes_every_figure(tmp_path, tiny_toy_target):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    bench.main(["--preset", "tiny", "--out", str(out), "decoder.batch_sizes=[1,2]", "eval.max_new_tokens=6"])
+    bench.main(["--preset", "tiny", "--out", str(out), "--min-batches", "3", "decoder.batch_sizes=[1,2]",
+                "eval.max_new_tokens=6"])
     data = json.loads(out.read_text())
     sweep = data["batch_sweep"]
     assert set(sweep["drafters"]) == {"draft_model", "lookup"} and sweep["batch_sizes"] == [1, 2]
+    # 4 prompts: 4 batches of 1; 2 batches of 2, below --min-batches 3, so the pool is decoded twice (4 batches)
+    assert sweep["min_batches"] == 3 and [r["batches"] for r in sweep["rows"]] == [4, 4]
     assert all(r["drafters"]["lookup"]["auto"]["identical_to_plain"] for r in sweep["rows"])
     assert data["machine"]["torch"] and data["target_params"] > data["draft_params"] > 0
 
@@ -402,3 +405,5 @@ def test_sweep_rounds_report_each_methods_median_round():
     assert median_round(rounds[:2]).seconds == 4.0  # even count: the lower middle (the slower round)
     with pytest.raises(ValueError, match="rounds=0 must be >= 1"):
         batch_sweep(None, {}, [], EvalConfig(), DecoderConfig(batch_sizes=[1]), rounds=0)
+    with pytest.raises(ValueError, match="min_batches=0 must be >= 1"):
+        batch_sweep(None, {}, [], EvalConfig(), DecoderConfig(batch_sizes=[1]), min_batches=0)
