@@ -11,10 +11,10 @@ mid-run slows all of them alike:
             since acceptance changes along a generation)
 The prompt pool is the evaluation prompts, repeated to a multiple of the largest B so every batch is full; a B with
 fewer than ``min_batches`` batches in the pool goes over it again (each row reports its ``batches`` per round: a
-large B's round is a few batches, about a second on the toy, so raise ``min_batches`` for a longer timed window). With ``rounds`` > 1 the whole pass over the pool
-runs that many times per B (a new shuffle each round) and each method reports its median round by tokens/s
-(its other figures from that same round; identical_to_plain over all rounds): a burst of load on a shared machine
-then moves one round, not the row.
+large B's round is a few batches, about a second on the toy, so raise ``min_batches`` for a longer timed window).
+With ``rounds`` > 1 the whole pass over the pool runs that many times per B (a new shuffle each round) and each
+method reports its median round by tokens/s (its other figures from that same round; identical_to_plain over all
+rounds): a burst of load on a shared machine then moves one round, not the row.
 
 Reported per B: tokens/s (all new tokens / wall time of all batches), latency (per sequence: time until it leaves the
 batch / its new tokens, mean, ms per token), τ, speedup = always / off, and auto / max(always, off) (goal >= 0.95).
@@ -143,8 +143,8 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
                       min_batches)
 
 
-def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_new, gamma, dcfg, rounds=1,
-               min_batches=2) -> dict:
+def _summarise(rows, drafters, tables, policies, batch_sizes, num_prompts, max_new, gamma, dcfg, rounds,
+               min_batches) -> dict:
     summary = {}
     for name in drafters:
         off = [r["plain"]["tokens_per_s"] for r in rows]
