@@ -220,6 +220,11 @@ class Drafter(nn.Module):
         """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
         raise NotImplementedError
 
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The whole draft step as one capture-safe function over preallocated buffers
+        (``inference.static_draft.StaticDraft``), or None: this drafter decodes on the eager path only."""
+        return None
+
     def rows(self, seeds: list[int]) -> "ForkedRows":
         """The decoding state of a batch of ``len(seeds)`` new sequences (``inference.proposer.ProposerRows``).
         This default drafts row by row with per-row copies; drafters with a batched forward override it."""

@@ -1,0 +1,89 @@
+"""A drafter's whole draft step as one capture-safe tensor function: the contract between the step decoder and a
+drafter that runs inside CUDA graphs.
+
+The step decoder keeps every tensor a decode step reads or writes in buffers allocated once, before any capture;
+a step is a pure function of those buffers (no Python value that changes between steps, no read-back, no new
+allocation the host keeps), so it can be recorded once per shape bucket and replayed. A drafter that offers
+``static_draft`` runs its catch-up on the newly committed positions and every draft level the same way, straight
+after the target's verification and with no host work in between (SGLang's EAGLE draft CUDA-graph runner and
+vLLM's EAGLE proposer keep the same kind of persistent buffers).
+
+Per step (batch 1), the decoder rewrites ``CommittedBuffers`` in place; the drafter reads them and rewrites its
+``DraftBuffers`` in place. M = the verify bucket's 1 + its deepest path; T = the drafter's draft width.
+
+Shapes: M committed rows, T draft nodes, D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from inference.sampling import SamplingConfig
+
+
+@dataclass
+class CommittedBuffers:
+    """What the last verification committed, in static buffers the decoder owns (rows >= ``count`` are padding
+    with finite values the drafter must ignore)."""
+
+    ids_M: Tensor  # [M] long: the previous pending token, then the accepted path's tokens
+    hidden_M: dict[int, Tensor]  # teacher layer index -> [M, D]: the target's hidden state after feeding ids_M[i]
+    count: Tensor  # [] long, 1 <= count <= M: how many rows are real (1 + accepted nodes)
+    position: Tensor  # [] long: the position id of ids_M[0] (ids_M[i] sits at position + i)
+    pending: Tensor  # [] long: the target's next token (not yet fed), at position + count: the root of the draft
+
+
+@dataclass
+class DraftBuffers:
+    """The draft, in static buffers the drafter owns; the decoder's verify step reads them as they are."""
+
+    tokens_T: Tensor  # [T] long: candidate tokens in topological order (siblings in the order to try them)
+    parents_T: Tensor  # [T] long: -1 = child of the pending token, else the index of an earlier node
+    probs_TV: Tensor | None = None  # [T, V] the draft distributions of a sampled chain; None: point masses
+    chain: bool = False  # parents are always 0 .. T - 2 (the host knows the shape without reading it)
+
+
+@runtime_checkable
+class StaticDraft(Protocol):
+    """A drafter's decoding state at one capacity bucket, with every buffer allocated by the time it is returned."""
+
+    buffers: DraftBuffers
+
+    def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
+        """Eager, once per sequence, before any step: the prompt's tokens [P], the target's hidden states at every
+        prompt position (layer -> [P, D]) and the first generated token ([] long). Writes into the preallocated
+        state (never reallocates); the first ``draft`` call drafts after ``pending``."""
+        ...
+
+    def draft(self) -> None:
+        """Capture-safe: catch up on ``CommittedBuffers`` (as the decoder left them after its last verification;
+        skipped by the first call after ``prefill``), then draft all levels into ``buffers``."""
+        ...
+
+
+def new_committed(rows: int, layers: tuple[int, ...], hidden_size: int, device: torch.device | str,
+                  dtype: torch.dtype) -> CommittedBuffers:
+    """``CommittedBuffers`` of ``rows`` rows, zero-filled, allocated once (the decoder's verify step writes them)."""
+    long = dict(dtype=torch.long, device=device)
+    return CommittedBuffers(
+        ids_M=torch.zeros(rows, **long),
+        hidden_M={i: torch.zeros(rows, hidden_size, dtype=dtype, device=device) for i in layers},
+        count=torch.ones((), **long),
+        position=torch.zeros((), **long),
+        pending=torch.zeros((), **long),
+    )
+
+
+class StaticDrafting(Protocol):
+    """The optional capability a ``inference.proposer.Proposer`` offers (``heads.base.Drafter`` returns None by
+    default: that drafter decodes on the eager path only)."""
+
+    def static_draft(self, committed: CommittedBuffers, capacity: int, sampling: SamplingConfig,
+                     generator: torch.Generator | None) -> StaticDraft | None:
+        """Allocate this drafter's state for sequences of at most ``capacity`` positions reading ``committed``
+        (outside any capture), or None when this drafter (or this sampling setting) has no static step."""
+        ...
