@@ -1,7 +1,7 @@
 """Write docs/benchmarks.md from the benchmark JSON files in scripts/results/.
 
-    python scripts/gen_benchmarks.py            # rewrite docs/benchmarks.md
-    python scripts/gen_benchmarks.py --check    # exit 1 if docs/benchmarks.md differs from what the JSON gives
+    python scripts/gen_benchmarks.py            # rewrite docs/benchmarks.md and the README's results table
+    python scripts/gen_benchmarks.py --check    # exit 1 if either differs from what the JSON gives
 
 Every table on the page is rendered here from one JSON file, with the command that wrote it and the machine it ran
 on, so a figure cannot drift from its JSON: tests/test_docs_benchmarks.py fails when the page is stale. A JSON file
@@ -20,6 +20,15 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "scripts" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+HEADLINE_BEGIN = "<!-- headline table: written by scripts/gen_benchmarks.py from scripts/results -->"
+HEADLINE_END = "<!-- end of the generated table -->"
+# (JSON, drafters, where): the README's one results table, GPU first
+HEADLINE = [
+    ("bench_decode_gpu.json", ("eagle1", "eagle3", "lookup"), "1 H100, 1.14B target, bf16"),
+    ("bench_decode_eagle_toy_cpu.json", ("eagle1", "eagle3"), "2 CPU cores, 4M toy target"),
+    ("bench_decode_toy_cpu.json", ("medusa-tree[default]", "draft_model", "lookup"), "2 CPU cores, 4M toy target"),
+]
 
 HEADER = """# Benchmarks
 
@@ -166,6 +175,28 @@ def render_loss_memory(d: dict) -> str:
                       "chunk elements"], rows))
 
 
+def render_headline(results: Path = RESULTS) -> str:
+    """The README's results table: τ, speedup over plain decoding and exactness per drafter, GPU rows first."""
+    rows = []
+    for name, drafters, where in HEADLINE:
+        report = json.loads((results / name).read_text())["runs"]["greedy"]["report"]
+        by_name = {r["drafter"]: r for r in report["results"]}
+        for drafter in drafters:
+            r = by_name[drafter]
+            rows.append([where, drafter, _f(r["tau"]), _x(r["speedup"]),
+                         f"{r['identical_prompts']}/{report['num_prompts']}", f"`{name}`"])
+    return "\n".join([HEADLINE_BEGIN, _table(["machine, target", "drafter", "τ", "speedup", "identical to greedy",
+                                              "JSON"], rows), HEADLINE_END])
+
+
+def readme_with_headline(readme: str, results: Path = RESULTS) -> str:
+    """The README with its generated block replaced by the current one (unchanged if it has no such block)."""
+    if HEADLINE_BEGIN not in readme:
+        return readme
+    head, rest = readme.split(HEADLINE_BEGIN, 1)
+    return head + render_headline(results) + rest.split(HEADLINE_END, 1)[1]
+
+
 @dataclass(frozen=True)
 class Source:
     title: str
@@ -270,17 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale; write nothing")
     args = parser.parse_args(argv)
-    page = render_page()
+    wanted = {PAGE: render_page(), README: readme_with_headline(README.read_text())}
+    stale = [path for path, text in wanted.items() if not path.is_file() or path.read_text() != text]
     if args.check:
-        if not PAGE.is_file() or PAGE.read_text() != page:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run python scripts/gen_benchmarks.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.parent.mkdir(exist_ok=True)
-    tmp = PAGE.with_suffix(".md.tmp")
-    tmp.write_text(page)
-    tmp.replace(PAGE)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is stale: run python scripts/gen_benchmarks.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(wanted[path])
+        tmp.replace(path)
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 
