@@ -206,6 +206,11 @@ def exercise(text: str) -> None:
             check_pip(seg[1:])
         elif head == "vllm":
             check_serve("vllm", text)
+        elif Path(head).name == "lint-imports":
+            assert (ROOT / ".importlinter").is_file() and len(seg) == 1, seg
+        elif seg[1:3] == ["-m", "pytest"]:
+            paths = [a for a in seg[3:] if not a.startswith("-") and a != "not slow"]
+            assert paths and all((ROOT / p.split("::")[0]).exists() for p in paths), f"pytest: no such file in {paths}"
         elif head in ("python", "python3", ".venv/bin/python"):
             if seg[1:3] == ["-m", "venv"]:
                 continue
@@ -245,6 +250,7 @@ def test_doc_command(command: Command):
     ("python scripts/export.py drafter_path=x format=vllm", "output_dir"),
     ("python scripts/bench_decode.py --presett gpu", "2"),  # argparse exits with status 2
     ("make deploy", "deploy"),
+    (".venv/bin/python -m pytest -q tests/test_no_such_file.py", "no such file"),
     ("pip install -e '.[cuda]'", "cuda"),
     ("vllm serve meta-llama/Llama-3.1-8B-Instruct --speculative-config "
      "'{\"method\": \"eagle3\", \"model\": \"exports/x\", \"num_speculative_tokens\": 6, \"extra\": 1}'", "card"),
