@@ -22,6 +22,9 @@ def test_benchmarks_page_is_current():
     """Fails when a JSON figure changed (or a JSON was added) without `python scripts/gen_benchmarks.py`."""
     gen = _load()
     assert gen.PAGE.read_text() == gen.render_page(), "docs/benchmarks.md is stale: python scripts/gen_benchmarks.py"
+    readme = gen.README.read_text()
+    assert gen.HEADLINE_BEGIN in readme, "the README's results table is generated: keep its markers"
+    assert readme == gen.readme_with_headline(readme), "README.md's results table is stale: python scripts/gen_benchmarks.py"
 
 
 def test_a_changed_json_figure_makes_the_page_stale(tmp_path):
@@ -33,9 +36,13 @@ def test_a_changed_json_figure_makes_the_page_stale(tmp_path):
     data = json.loads(path.read_text())
     data["runs"]["greedy"]["summary"]["eagle1"]["tau"] = 9.87
     path.write_text(json.dumps(data))
+    data["runs"]["greedy"]["report"]["results"][1]["tau"] = 9.87  # the README's row for eagle1
+    path.write_text(json.dumps(data))
     page = gen.render_page(results)
     assert page != gen.PAGE.read_text()
     assert "| eagle1 | 9.87 |" in page
+    readme = gen.README.read_text()
+    assert "| eagle1 | 9.87 |" in gen.readme_with_headline(readme, results) != readme
 
 
 def test_every_rendered_table_names_its_command_machine_and_json():
