@@ -3,7 +3,7 @@ before (materialised logits, ``distill.losses`` of an older checkout) and after 
 
     python scripts/bench_loss_memory.py --before /tmp/base806                 # every kind, forward KL
     python scripts/bench_loss_memory.py --before /tmp/base806 --kinds eagle1 --losses fkl rkl jsd tvd topk_fkl
-    python scripts/bench_loss_memory.py --table                                # print the README table
+    python scripts/bench_loss_memory.py --table                                # print the table
 
 ``scripts/bench_memory.py`` measures whole ``python -m train`` runs; this isolates what the issue calls the loss
 path: from the drafter's last hidden states [N, D] and the teacher's signal to the summed loss and the gradients

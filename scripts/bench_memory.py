@@ -2,7 +2,7 @@
 
     python scripts/bench_memory.py                                   # after: this checkout, seq 2048 and 8192
     python scripts/bench_memory.py --code /work/base --label before --seqs 1024 2048 --kinds eagle1
-    python scripts/bench_memory.py --table scripts/results/bench_memory_cpu.json   # the README table + Llama-3-8B
+    python scripts/bench_memory.py --table scripts/results/bench_memory_cpu.json   # the table + Llama-3-8B
     python scripts/bench_memory.py --ab /tmp/base806 --seqs 1024 --threads 1         # tokens/s A/B, same load
 
 Target: a random-weight Llama with the Llama-3 vocabulary (V 128,256, hidden 512, 2 layers, 8 heads, untied
@@ -22,7 +22,7 @@ seq 2048 takes milliseconds). Results go to ``bench_memory_gpu.json``; ``--gpu-t
 
 ``--code`` runs another checkout's ``python -m train`` (the base commit, for the "before" figures) against the same
 target and data. Results merge into ``--out`` keyed by label / kind / seq, so runs can be added one at a time.
-``--table`` prints the README table (with ``after_first_pass``, issue 19's first pass, where kept) and the Llama-3-8B
+``--table`` prints the table (with ``after_first_pass``, issue 19's first pass, where kept) and the Llama-3-8B
 projection (``project_8b``). ``--ab <checkout>`` measures
 tokens/s fairly on a shared machine: per kind and length, that checkout's run and this one's back to back (``--rounds``
 times, alternating), so both see the same load; each pair is kept under ``ab`` with its after/before ratio (pairs
@@ -377,7 +377,7 @@ def main() -> None:
     parser.add_argument("--max-gb", type=float, default=16.0, help="address-space cap per run (GB)")
     parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "bench_memory_cpu.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp") / "bench_memory")
-    parser.add_argument("--table", type=Path, default=None, help="print the README table of this JSON and exit")
+    parser.add_argument("--table", type=Path, default=None, help="print the table of this JSON and exit")
     parser.add_argument("--ab", type=Path, default=None, help="a 'before' checkout: tokens/s A/B against this one")
     parser.add_argument("--rounds", type=int, default=1, help="--ab: before/after pairs per kind and length")
     parser.add_argument("--cpu-steps", type=int, default=0, help="--ab: also tokens per CPU second, from a 1-step and "

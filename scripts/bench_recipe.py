@@ -2,7 +2,7 @@
 
     python scripts/bench_recipe.py                                   # every row below, seeds 0 and 1
     python scripts/bench_recipe.py --rows eagle1 eagle1_ttt2 --seeds 0
-    python scripts/bench_recipe.py --table                           # print the README table from the JSON
+    python scripts/bench_recipe.py --table                           # print the recipe table from the JSON
     python scripts/bench_recipe.py --preset tiny --out /tmp/r.json   # seconds: checks the script end to end
 
 Every row is ``python -m train`` (same windows: ``trainer.steps`` x 8 rows x 256 tokens from the stdlib data; only
