@@ -297,3 +297,20 @@ def test_cfg_job_prints_the_8b_recipe():
     assert "name: meta-llama/Llama-3.1-8B-Instruct" in out
     assert re.search(r"^  steps: 20000$", out, re.M) and re.search(r"^  lr: 0\.0001$", out, re.M), out
     assert "path: sharegpt.jsonl" in out and "mode: regenerated" in out and "engine: ddp" in out
+
+
+def test_the_recipe_commands_fit_together():
+    """The README's hub-id-to-served-drafter steps hand each other the same paths: the run dir training writes is the
+    one evaluated and exported, the export is the one served, for the target trained on, with the recipe's γ."""
+    readme = [c.text for c in ALL if c.doc == "README.md"]
+    run_dir = next(re.search(r"SPECDRAFT_RUN_DIR=(\S+) scripts/train.sh", t).group(1) for t in readme
+                   if "SPECDRAFT_RUN_DIR=" in t)
+    drafter_paths = {re.search(r"drafter_path=(\S+)", t).group(1) for t in readme if "drafter_path=" in t}
+    assert drafter_paths == {f"{run_dir}/drafter"}
+    output_dir = next(re.search(r"output_dir=(\S+)", t).group(1) for t in readme if "scripts/export.py" in t)
+    serve = next(t for t in readme if t.startswith("vllm serve"))
+    target, spec = re.match(r"vllm serve (\S+) --speculative-config '(.*)'$", serve).groups()
+    spec = json.loads(spec)
+    recipe = compose("train", ["experiment=eagle3_llama3_8b", "data.path=x.jsonl"])
+    assert (target, spec["model"], spec["method"]) == (recipe.target.name, output_dir, "eagle3")
+    assert spec["num_speculative_tokens"] == recipe.eval.num_draft
