@@ -65,3 +65,14 @@ def test_the_checks_can_fail(tmp_path):
     assert anchors(doc) == {"a-heading"}
     assert list(_links(doc)) == ["#a-heading", "#no-such", "missing.md"]
     assert CODE_PATH.findall("`heads/eagle.py` `distill/cache/` `train/loss`") == ["heads/eagle.py", "distill/cache/"]
+
+
+def test_family_table_lists_the_tested_families_and_existing_presets():
+    """docs/families.md's table names exactly the families CI runs, each with presets that exist in conf/."""
+    from distill.teacher import TESTED_FAMILIES
+
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| `(\w+)` · `(\w+)` \|", (ROOT / "docs" / "families.md").read_text(), re.M)
+    assert sorted(family for family, _, _ in rows) == sorted(TESTED_FAMILIES)
+    for family, target, experiment in rows:
+        assert (ROOT / "conf" / "target" / f"{target}.yaml").is_file(), (family, target)
+        assert (ROOT / "conf" / "experiment" / f"{experiment}.yaml").is_file(), (family, experiment)
