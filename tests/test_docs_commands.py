@@ -29,7 +29,8 @@ FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 HYDRA_MODULES = {"train", "eval", "distill.regenerate", "distill.cache"}
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 # Commands that belong to the user's shell or another tool, not to this project: nothing of ours to check.
-FOREIGN = {".", "source", "huggingface-cli", "git", "cd", "export"}
+FOREIGN = {".", "source", "huggingface-cli", "git", "cd", "export", "echo", "ls", "cat", "cp", "mkdir", "rm", "tail",
+           "grep", "nvidia-smi", "kill", "wc"}
 
 
 @dataclass(frozen=True)
@@ -174,13 +175,11 @@ def check_serve(engine: str, line: str) -> None:
 def launched(seg: list[str]) -> tuple[str, list[str]] | None:
     """(module, overrides) of a launcher line, or None when the line is not a launcher."""
     head = seg[0]
-    if head == "flock":
-        return launched(seg[3:]) or ("python", seg[3:])
     if head == "srun":
         rest = [t for t in seg[1:] if not t.startswith("-")]
         return launched(rest)
-    if head == "torchrun":
-        i = seg.index("-m")
+    if head == "torchrun" or seg[1:3] == ["-m", "torch.distributed.run"]:
+        i = seg.index("-m", 3 if head != "torchrun" else 1)
         return seg[i + 1], seg[i + 2:]
     if head == "deepspeed":
         i = seg.index("--module")
@@ -200,6 +199,9 @@ def exercise(text: str) -> None:
         head = seg[0]
         if head in FOREIGN:
             continue
+        if head == "flock":  # flock -s|-x LOCKFILE COMMAND...: the command is what runs
+            exercise(shlex.join(seg[3:]))
+            continue
         if head == "make":
             check_make(seg[1:])
         elif head == "pip":
@@ -208,14 +210,19 @@ def exercise(text: str) -> None:
             check_serve("vllm", text)
         elif Path(head).name == "lint-imports":
             assert (ROOT / ".importlinter").is_file() and len(seg) == 1, seg
-        elif seg[1:3] == ["-m", "pytest"]:
-            paths = [a for a in seg[3:] if not a.startswith("-") and a != "not slow"]
+        elif seg[1:3] == ["-m", "pytest"] or Path(head).name == "pytest":
+            args = seg[3:] if seg[1:3] == ["-m", "pytest"] else seg[1:]
+            paths = [a for a in args if not a.startswith("-") and a != "not slow"]
             assert paths and all((ROOT / p.split("::")[0]).exists() for p in paths), f"pytest: no such file in {paths}"
         elif head in ("python", "python3", ".venv/bin/python"):
             if seg[1:3] == ["-m", "venv"]:
                 continue
             if seg[1:3] == ["-m", "sglang.launch_server"]:
                 check_serve("sglang", text)
+            elif seg[1:3] == ["-m", "torch.distributed.run"]:
+                module, args = launched(seg)
+                assert module in HYDRA_MODULES, f"torch.distributed.run launches {module}, not an entry point"
+                compose(module, args)
             elif seg[1] == "-m":
                 assert seg[2] in HYDRA_MODULES, f"python -m {seg[2]}: not an entry point ({sorted(HYDRA_MODULES)})"
                 compose(seg[2], seg[3:])
@@ -255,6 +262,8 @@ def test_doc_command(command: Command):
     ("vllm serve meta-llama/Llama-3.1-8B-Instruct --speculative-config "
      "'{\"method\": \"eagle3\", \"model\": \"exports/x\", \"num_speculative_tokens\": 6, \"extra\": 1}'", "card"),
     ("ssh node0 python -m train", "no check"),
+    ("python -m torch.distributed.run --standalone --nproc_per_node 2 -m train trainer=fsdpp", "fsdpp"),
+    ("pytest -q tests/test_no_such_file.py", "no such file"),
 ])
 def test_a_broken_command_fails(broken, error):
     with pytest.raises((Exception, SystemExit, pytest.fail.Exception), match=error):
