@@ -8,6 +8,7 @@ All offline and CPU-only: the report is a small hand-written dict shaped like
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from eval.markdown import summary_markdown
 from eval.plots import ACCEPTANCE_PNG, HISTOGRAM_PNG, SPEEDUP_PNG, speedup_entries, write_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SHARED_DATA = Path("/work/shared/data")
+SHARED_DATA = Path(os.environ.get("SPECDRAFT_PROMPT_DATA", "shared/data"))  # spec_bench/, mt_bench/
 
 
 def _report() -> dict:
