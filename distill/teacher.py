@@ -49,7 +49,7 @@ class TargetConfig:
 
 
 # The model families (transformers ``model_type``) whose tiny random-weight targets CI trains every drafter kind on
-# and decodes losslessly, at batch 1 and batched, chain and tree (tests/test_families.py; the README's family table).
+# and decodes losslessly, at batch 1 and batched, chain and tree (tests/test_families.py; docs/families.md).
 TESTED_FAMILIES = ("gemma2", "gemma3_text", "gpt_neox", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2",
                    "qwen3", "qwen3_moe")
 

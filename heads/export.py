@@ -200,7 +200,7 @@ def target_facts(config: dict) -> dict:
     if target_cfg.get("source") == "toy":
         return {"model_type": "llama", "architecture": "LlamaForCausalLM",
                 "max_positions": (target_cfg.get("toy") or {}).get("max_seq_len")}
-    recorded = {"model_type": (config.get("target") or {}).get("model_type")}  # saved by training since issue 15
+    recorded = {"model_type": (config.get("target") or {}).get("model_type")}  # saved by training (older drafters lack it)
     try:
         from transformers import AutoConfig
 

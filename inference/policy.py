@@ -27,7 +27,7 @@ calibration decoded whole batches (``calibrate`` does), the table keeps their me
     tokens/s(B, γ) = new tokens / seconds of all steps, over the calibration batches of B rows at fixed γ
 (γ = 0: plain decoding, what the policy runs when it declines to speculate at a batch's start) and the policy
 compares those instead: measured on the toy at batch 8, prompt lookup's per-step model predicted γ = 2 to beat plain
-decoding by 4%, where the batches ran at 0.87x (scripts/results/bench_batch_toy_cpu.json as of commit daf6308).
+decoding by 4%, where the batches ran at 0.87x (an earlier scripts/results/bench_batch_toy_cpu.json).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ PRESETS = {
         "medusa_steps": 600,
         "eagle_steps": None,  # python -m train's default (conf/trainer/single.yaml: 600)
     },
-    # Issue 18's GPU figure: a Llama-shaped target of 1.14B parameters (TinyLlama's width and depth: hidden 2048, MLP
+    # The GPU figure: a Llama-shaped target of 1.14B parameters (TinyLlama's width and depth: hidden 2048, MLP
     # 5632, 22 layers, 16 heads; the toy's 4,096-token stdlib tokenizer), pretrained briefly on the stdlib (300 steps
     # x 32 x 256 tokens: enough for a target whose greedy text a drafter can learn, not a good model), bf16; EAGLE-1
     # and EAGLE-3 trained on it for 400 steps. The README setting: 20 held-out prompts, 96 new tokens, greedy.
@@ -138,7 +138,7 @@ def summarize(report: dict) -> dict:
     for name, b in report.get("baselines", {}).items():
         rows[name] = {k: b.get(k) for k in ("tokens_per_s", "speedup", "ours_over_hf", "identical_to_greedy")}
     rows["plain"] = {"tokens_per_s": report["greedy"]["tokens_per_s"]}
-    # Issue 18's yardstick: tokens/s over the faster of our plain decoding and HF generate(), same prompts, same run.
+    # The yardstick: tokens/s over the faster of our plain decoding and HF generate(), same prompts, same run.
     best = max(rows["plain"]["tokens_per_s"], (rows.get("hf_generate") or {}).get("tokens_per_s") or 0.0)
     for r in report["results"]:
         rows[r["label"]]["over_best_baseline"] = r["tokens_per_s"] / best if best else None
@@ -271,7 +271,7 @@ def main(argv=None) -> None:
 
 def transfers_per_step(teacher, drafters: dict, prompt, eval_cfg, dcfg) -> dict:
     """Host<->device transfers and syncs per verification forward (``inference.transfers``), prefill included, on
-    one prompt: the budget the decode loop keeps (issue 18: <= 4), which on a GPU is the pipeline stalls per step."""
+    one prompt: the budget the decode loop keeps (<= 4), which on a GPU is the pipeline stalls per step."""
     from eval.run import build_decoder
     from inference.transfers import TransferCounter
 

@@ -1,9 +1,9 @@
 """The loss path's own memory: one training step's distillation terms (forward + backward) at a real vocabulary,
 before (materialised logits, ``distill.losses`` of an older checkout) and after (``distill.chunked``), on CPU.
 
-    python scripts/bench_loss_memory.py --before /tmp/base806                 # every kind, forward KL
-    python scripts/bench_loss_memory.py --before /tmp/base806 --kinds eagle1 --losses fkl rkl jsd tvd topk_fkl
-    python scripts/bench_loss_memory.py --table                                # print the README table
+    python scripts/bench_loss_memory.py --before ../base                     # every kind, forward KL
+    python scripts/bench_loss_memory.py --before ../base --kinds eagle1 --losses fkl rkl jsd tvd topk_fkl
+    python scripts/bench_loss_memory.py --table                                # print the table
 
 ``scripts/bench_memory.py`` measures whole ``python -m train`` runs; this isolates what the issue calls the loss
 path: from the drafter's last hidden states [N, D] and the teacher's signal to the summed loss and the gradients
@@ -142,7 +142,7 @@ def main() -> None:
         print(json.dumps(worker(impl, code, kind, loss, int(n), int(vocab), int(dim), int(chunk))))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--before", type=Path, help="a checkout with the materialised losses (e.g. git worktree at 806e297)")
+    ap.add_argument("--before", type=Path, help="a checkout with the materialised losses (e.g. a git worktree of an older commit)")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--losses", nargs="+", default=["fkl"], choices=list(LOSSES))
     ap.add_argument("--n", type=int, default=2048, help="rows (seq x micro-batch)")

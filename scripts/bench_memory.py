@@ -1,9 +1,9 @@
 """Training memory at a real vocabulary: peak RSS and tokens/s of a 2-step ``python -m train`` per drafter kind.
 
     python scripts/bench_memory.py                                   # after: this checkout, seq 2048 and 8192
-    python scripts/bench_memory.py --code /work/base --label before --seqs 1024 2048 --kinds eagle1
-    python scripts/bench_memory.py --table scripts/results/bench_memory_cpu.json   # the README table + Llama-3-8B
-    python scripts/bench_memory.py --ab /tmp/base806 --seqs 1024 --threads 1         # tokens/s A/B, same load
+    python scripts/bench_memory.py --code ../base --label before --seqs 1024 2048 --kinds eagle1
+    python scripts/bench_memory.py --table scripts/results/bench_memory_cpu.json   # the table + Llama-3-8B
+    python scripts/bench_memory.py --ab ../base --seqs 1024 --threads 1             # tokens/s A/B, same load
 
 Target: a random-weight Llama with the Llama-3 vocabulary (V 128,256, hidden 512, 2 layers, 8 heads, untied
 embeddings: 0.15B parameters, ~0.6 GB of weights), built once under ``$SPECDRAFT_CACHE`` with the tiny toy target's
@@ -22,7 +22,7 @@ seq 2048 takes milliseconds). Results go to ``bench_memory_gpu.json``; ``--gpu-t
 
 ``--code`` runs another checkout's ``python -m train`` (the base commit, for the "before" figures) against the same
 target and data. Results merge into ``--out`` keyed by label / kind / seq, so runs can be added one at a time.
-``--table`` prints the README table (with ``after_first_pass``, issue 19's first pass, where kept) and the Llama-3-8B
+``--table`` prints the table (with ``after_first_pass``, the chunked loss's first version, where kept) and the Llama-3-8B
 projection (``project_8b``). ``--ab <checkout>`` measures
 tokens/s fairly on a shared machine: per kind and length, that checkout's run and this one's back to back (``--rounds``
 times, alternating), so both see the same load; each pair is kept under ``ab`` with its after/before ratio (pairs
@@ -53,7 +53,7 @@ KINDS = {
     "draft_model": ["drafter=draft_model"],
 }
 VOCAB, HIDDEN, LAYERS, HEADS, INTERMEDIATE = 128_256, 512, 2, 8, 1408
-# Issue 19's figures for the base commit at seq 2048 (peak RSS, GB), quoted where a run is not repeated here.
+# The base commit's figures at seq 2048 (peak RSS, GB), quoted where a run is not repeated here.
 ISSUE_BEFORE = {"medusa": {"2048": 20.6}, "eagle1": {"2048": 8.4}, "eagle3": {"2048": 9.6}, "draft_model": {"2048": 9.7}}
 CORPUS_BYTES = 3_000_000  # stdlib text: enough 8192-token rows for 2 steps with the tiny 512-token tokenizer
 
@@ -162,7 +162,7 @@ DRAFTER_PARAMS_8B = {
 
 
 def measured_points(data: dict, label: str, kind: str) -> list[tuple[int, float, str]]:
-    """(seq, peak bytes, 'measured' | 'quoted') for one drafter kind: this machine's runs, plus issue 19's quoted
+    """(seq, peak bytes, 'measured' | 'quoted') for one drafter kind: this machine's runs, plus the quoted
     base-commit figure where that length was not run here."""
     runs = data.get(label, {}).get(kind, {})
     pts = {int(s): (r["peak_rss_gb"] * 1e9, "measured") for s, r in runs.items() if r.get("exit_status") == 0}
@@ -377,7 +377,7 @@ def main() -> None:
     parser.add_argument("--max-gb", type=float, default=16.0, help="address-space cap per run (GB)")
     parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "bench_memory_cpu.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp") / "bench_memory")
-    parser.add_argument("--table", type=Path, default=None, help="print the README table of this JSON and exit")
+    parser.add_argument("--table", type=Path, default=None, help="print the table of this JSON and exit")
     parser.add_argument("--ab", type=Path, default=None, help="a 'before' checkout: tokens/s A/B against this one")
     parser.add_argument("--rounds", type=int, default=1, help="--ab: before/after pairs per kind and length")
     parser.add_argument("--cpu-steps", type=int, default=0, help="--ab: also tokens per CPU second, from a 1-step and "

@@ -2,7 +2,7 @@
 
     python scripts/bench_recipe.py                                   # every row below, seeds 0 and 1
     python scripts/bench_recipe.py --rows eagle1 eagle1_ttt2 --seeds 0
-    python scripts/bench_recipe.py --table                           # print the README table from the JSON
+    python scripts/bench_recipe.py --table                           # print the recipe table from the JSON
     python scripts/bench_recipe.py --preset tiny --out /tmp/r.json   # seconds: checks the script end to end
 
 Every row is ``python -m train`` (same windows: ``trainer.steps`` x 8 rows x 256 tokens from the stdlib data; only
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
 # Regenerated data for the "_regen" rows: `python -m distill.regenerate regenerate.out=<this> regenerate.temperature=0
 # regenerate.num_prompts=1400` (the toy target's greedy answers to the first 64 tokens of 1,400 training rows).
-REGEN_T0 = os.environ.get("SPECDRAFT_REGEN_T0", "/tmp/h21/regen_t0.jsonl")
+REGEN_T0 = os.environ.get("SPECDRAFT_REGEN_T0", "runs/regen_t0.jsonl")
 # the winning recipe: regenerated data + top-1 cross-entropy (the teacher cut to its argmax) at kl_weight 1
 R1 = ["data.mode=regenerated", f"data.regenerated={REGEN_T0}", "loss=topk_fkl", "loss.k=1", "drafter.kl_weight=1.0"]
 # name -> (overrides, steps). Step counts of the equal-CPU rows come from the measured CPU per step (startup
@@ -73,7 +73,7 @@ ROWS = {
     "eagle3_10cpumin": (E3, 280),
     "eagle3_ttt4_10cpumin": ([*E3, "drafter.ttt_steps=4"], 500),  # measured 661 CPU s: over the budget
     "eagle3_ttt2_10cpumin": ([*E3, "drafter.ttt_steps=2"], 600),
-    # issue 21's winning EAGLE-1 recipe (regenerated data + top-1 CE) at ~10 CPU-minutes, for both kinds
+    # the winning EAGLE-1 recipe (regenerated data + top-1 CE) at ~10 CPU-minutes, for both kinds
     "eagle3_ttt2_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1], 600),
     "eagle1_regen0_top1ce_kl1_10cpumin": ([*E1, *R1], 1000),
     # EAGLE-3 on the winning recipe, varied one knob at a time (step counts: ~10 CPU-minutes at the measured CPU
@@ -89,7 +89,7 @@ ROWS = {
     "eagle3_ttt4_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1], 440),
     "eagle3_ttt4_regen0_top1ce_kl1_decay1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1, "drafter.loss_decay=1.0"],
                                                       420),
-    # issue 21, after the explicit TTT attention (heads/eagle.py): EAGLE-1 given the whole 600 CPU s (0.51 CPU s per
+    # after the explicit TTT attention (heads/eagle.py): EAGLE-1 given the whole 600 CPU s (0.51 CPU s per
     # step incl. start-up at 1,000 steps), and EAGLE-3 TTT 3 (loss decay 1) with a smaller draft vocabulary, whose
     # lm_head, logits and loss rows shrink with it (toy regenerated answers: 1,024 ids cover 99.9% of answer tokens,
     # 512 99.6%; measured ~0.81 and ~0.68 of the 3,072-id step)

@@ -1,7 +1,7 @@
 """CPU seconds per training step, two or more checkouts side by side: the fairest speed comparison a shared 2-core
 machine allows.
 
-    python scripts/bench_step_cpu.py --base /tmp/base806 --kinds eagle1 --seq 1024 --steps 9 --rounds 2
+    python scripts/bench_step_cpu.py --base ../base --kinds eagle1 --seq 1024 --steps 9 --rounds 2
 
 Each round starts one ``python -m train`` per checkout (``--base`` checkouts, then this one) at the same time, each
 at 1 thread on the random-weight Llama-3-vocabulary target of ``scripts/bench_memory.py``, so every run sees the same

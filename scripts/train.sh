@@ -3,7 +3,7 @@
 # Hydra run dir (a timestamped default would differ between ranks started a second apart). Extra arguments are
 # Hydra overrides; without a trainer= override, trainer=ddp.
 #
-#   scripts/train.sh drafter=eagle3 target=llama3_8b_instruct      # every GPU of this node, DDP
+#   scripts/train.sh experiment=eagle3_llama3_8b data.path=sharegpt.jsonl   # every GPU of this node, DDP
 #   NPROC=2 scripts/train.sh trainer=fsdp trainer.device=cpu       # 2 CPU processes (gloo)
 #   NNODES=2 MASTER_ADDR=node0 SPECDRAFT_RUN_DIR=/shared/runs/x scripts/train.sh trainer=zero2   # on each node
 #   LAUNCHER=deepspeed scripts/train.sh trainer=zero3              # the deepspeed launcher instead of torchrun

@@ -2,7 +2,7 @@
 classes (no downloads): each keeps its family's traits a drafter trainer can trip on, scaled down.
 
 Sizes: 2-4 layers, hidden 64, vocabulary trimmed to 256, GQA (4 query heads, 2 KV heads) wherever the family has it.
-What each family keeps is listed in ``traits`` (the README's family table names the same). ``initializer_range``
+What each family keeps is listed in ``traits`` (docs/families.md's table names the same). ``initializer_range``
 0.2: transformers' default (0.02) makes a random target repeat one token forever, which tests nothing; at 0.2 the
 greedy continuations vary.
 """

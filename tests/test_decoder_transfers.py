@@ -1,4 +1,4 @@
-"""The decode step's budget of host<->device transfers and syncs (issue 18): at most ``BUDGET`` per verification
+"""The decode step's budget of host<->device transfers and syncs: at most ``BUDGET`` per verification
 forward, for every drafter kind, chain and tree, greedy and sampled, counted by ``inference.transfers``.
 
 Per step = (count over a long decode - count over a short one) / (steps of the long - steps of the short), on the

@@ -1,6 +1,6 @@
 """Every family of tests/families.py x every drafter kind: trains, decodes losslessly at batch 1 and batch 4 (chain
 and tree), exports and reloads; the hidden-state capture convention and the embedding / logit read-outs are checked
-against each family's own forward. The README's family table is this file's summary: every Y there is a test here.
+against each family's own forward. docs/families.md's table is this file's summary: every Y there is a test here.
 
 One session-scoped fixture per family: the tiny target, its greedy references, and each drafter kind trained a few
 steps on the target's own greedy continuations of the test prompts (so the trained drafters are accepted often and
@@ -33,7 +33,7 @@ DRAFTERS = {
                "total_tokens": 6, "draft_vocab_size": 192},
     "draft_model": {"_target_": "heads.draft_model.DraftModel"},
 }
-# decoder.tree per mode; a drafter kind without a tree mode is absent (README: refused, with the reason)
+# decoder.tree per mode; a drafter kind without a tree mode is absent (docs/families.md: refused, with the reason)
 TREES = {"medusa": {"chain": None, "tree": "small"}, "eagle1": {"chain": "chain", "tree": "dynamic"},
          "eagle3": {"chain": "chain", "tree": "dynamic"}, "draft_model": {"chain": None}}
 # Kinds exported per family (EAGLE-3 needs 3 distinct target layers below L: the 2-layer tiny targets have none to
@@ -322,7 +322,7 @@ VLLM_EAGLE3 = {"llama": True, "qwen2": True, "qwen3": True, "qwen3_moe": True, "
 @pytest.mark.parametrize("name", FAMILY_IDS)
 def test_eagle3_export_decision_per_family(name):
     """What an EAGLE-3 export does for each family's model_type: vLLM's whitelist (vllm/config/speculative.py),
-    SGLang's none, Gemma's scaled embeddings refused everywhere (README table)."""
+    SGLang's none, Gemma's scaled embeddings refused everywhere (docs/families.md)."""
     from heads.export_eagle import check_target_family
 
     model_type = FAMILIES[name].build().config.model_type

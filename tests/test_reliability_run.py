@@ -1,4 +1,4 @@
-"""Nothing lost (issue 17): the data-loss cases on a real run dir, each comparing its contents before and after.
+"""Nothing lost: the data-loss cases on a real run dir, each comparing its contents before and after.
 
 One smoke-sized run (tiny toy target, Medusa, 4 steps, a checkpoint every 2) trains in-process; each test copies it
 and does what a careless user would. ``snapshot`` keeps every file's bytes *and* modification time, so "unchanged"

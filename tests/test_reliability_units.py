@@ -1,4 +1,4 @@
-"""Nothing silent, no raw tracebacks (issue 17): unit-level, one test per case (the run-dir cases are in
+"""Nothing silent, no raw tracebacks: unit-level, one test per case (the run-dir cases are in
 test_reliability_run.py)."""
 
 from __future__ import annotations

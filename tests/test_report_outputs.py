@@ -8,6 +8,7 @@ All offline and CPU-only: the report is a small hand-written dict shaped like
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from eval.markdown import summary_markdown
 from eval.plots import ACCEPTANCE_PNG, HISTOGRAM_PNG, SPEEDUP_PNG, speedup_entries, write_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SHARED_DATA = Path("/work/shared/data")
+SHARED_DATA = Path(os.environ.get("SPECDRAFT_PROMPT_DATA", "shared/data"))  # spec_bench/, mt_bench/
 
 
 def _report() -> dict:
@@ -160,3 +161,21 @@ def test_prompt_records_of_shared_question_files(byte_tokenizer, name, count, nu
     assert all(ids for ids, _ in records)
     assert len({category for _, category in records}) == num_categories
     assert all(isinstance(category, str) for _, category in records)
+
+
+@pytest.mark.parametrize("steps,expected", [
+    (1, "eagle1: training-time top-1 accuracy of draft step 1: 0.70 (trained on one draft step, so no training-time "
+        "tau estimate; measured tau 3.71)"),
+    (4, "eagle1: training-time sim tau 1.70 (chain estimate over 4 steps) vs measured tau 3.71"),
+])
+def test_summary_labels_a_one_step_training_estimate(steps, expected):
+    """A drafter trained on one draft step (EAGLE-1) has no multi-step training-time τ: its line says what the figure
+    is instead of setting 1 + acc_1 against the measured τ as if they could agree."""
+    from eval.report import summary_table
+
+    report = _report()
+    report["results"] = [{**report["results"][0], "drafter": "eagle1", "tau": 3.71, "sim_tau": 1.70,
+                          "sim_tau_steps": steps}]
+    lines = summary_table(report).splitlines()
+    assert expected in lines
+    assert not any("sim tau" in line for line in lines) or steps > 1
