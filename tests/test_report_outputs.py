@@ -19,7 +19,8 @@ from eval.markdown import summary_markdown
 from eval.plots import ACCEPTANCE_PNG, HISTOGRAM_PNG, SPEEDUP_PNG, speedup_entries, write_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SHARED_DATA = Path(os.environ.get("SPECDRAFT_PROMPT_DATA", "shared/data"))  # spec_bench/, mt_bench/
+# The public prompt sets beside the checkout (../shared/data: spec_bench/, mt_bench/), or SPECDRAFT_PROMPT_DATA.
+SHARED_DATA = Path(os.environ.get("SPECDRAFT_PROMPT_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 def _report() -> dict:
