@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file
 
-from distill.atomic import write_file_atomically, write_text_atomically
+from distill.atomic import write_text_atomically
 from distill.fingerprint import tree_digests
 from distill.toy import default_cache_dir
 from heads.base import WEIGHTS, read_drafter_config, save_drafter
@@ -271,14 +271,53 @@ def _node(drafter_cfg: Mapping) -> dict:
 # --- DeepSpeed shards: DeepSpeed reads them with torch.load(weights_only=False), i.e. unpickles them -------------
 
 
+KEY_NAME, KEY_BYTES = "checkpoint-signing.key", 32
+
+
 def _signing_key() -> bytes:
-    """This user's key for signing DeepSpeed checkpoints (created on first use, readable by the user only)."""
-    root = default_cache_dir().expanduser()
-    path = root / "checkpoint-signing.key"
-    if not path.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        write_file_atomically(path, lambda tmp: (tmp.write_bytes(secrets.token_bytes(32)), tmp.chmod(0o600)))
-    return path.read_bytes()
+    """This user's key for signing DeepSpeed checkpoints: 32 random bytes, created on first use readable by the user
+    only (created 0600 and linked into place, so two processes starting at once end up with the same key), and
+    checked on every use: a key that is short (an empty file signs with an empty HMAC key, which anyone can
+    reproduce) or that another user can read (who could then forge signatures) is refused, never used."""
+    path = default_cache_dir().expanduser() / KEY_NAME
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{KEY_NAME}.tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(KEY_BYTES))
+            os.fsync(fd)
+            os.close(fd)
+            os.link(tmp, path)  # never replaces a key another process created meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise PermissionError(f"the checkpoint signing key {path} can be read or written by other users (mode "
+                              f"{oct(mode & 0o777)}); anyone who reads it can forge the signature that guards DeepSpeed's "
+                              f"unpickling. Run `chmod 600 {path}`, or delete it to get a new key (DeepSpeed "
+                              f"checkpoints signed with the old one then no longer resume)")
+    key = path.read_bytes()
+    if len(key) < KEY_BYTES:
+        raise ValueError(f"the checkpoint signing key {path} holds {len(key)} bytes, fewer than {KEY_BYTES}; a short or "
+                         f"empty key lets anyone forge the signature that guards DeepSpeed's unpickling. Delete it; "
+                         f"the next DeepSpeed checkpoint creates a new random one (checkpoints signed with the old one "
+                         f"then no longer resume)")
+    return key
+
+
+def signing_key_problem(engine) -> str | None:
+    """Why this user's signing key cannot sign or check DeepSpeed state (None: it can), the same on every rank: the
+    main rank reads the key, so a run checks it once before training rather than failing on one rank mid-save."""
+    problem = None
+    if engine.is_main:
+        try:
+            _signing_key()
+        except (PermissionError, ValueError) as e:
+            problem = str(e)
+    return engine.broadcast_object(problem)
 
 
 def sign_shards(root: Path) -> dict:
@@ -298,7 +337,11 @@ def shard_problem(path: Path, state: Mapping) -> str | None:
     if not shards:
         return (f"checkpoint {path} holds DeepSpeed state with no signature; DeepSpeed would unpickle it "
                 f"(torch.load(weights_only=False)), which can run code; {fix}")
-    expected = hmac.new(_signing_key(), repr(sorted(shards["files"].items())).encode(), hashlib.sha256).hexdigest()
+    try:
+        key = _signing_key()
+    except (PermissionError, ValueError) as e:
+        return str(e)
+    expected = hmac.new(key, repr(sorted(shards["files"].items())).encode(), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, str(shards.get("hmac"))):
         return f"checkpoint {path}: the DeepSpeed state was not signed with this user's key; refusing to unpickle it; {fix}"
     actual = tree_digests(root) if root.is_dir() else {}

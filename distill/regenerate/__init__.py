@@ -55,6 +55,7 @@ from distill.data import (
     pad_examples,
 )
 from distill.fingerprint import differences, vocab_digest
+from distill.lock import writer_lock
 from inference.batched import BatchedDecoder
 from inference.sampling import SamplingConfig
 
@@ -260,7 +261,12 @@ def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt]
                       settings: Mapping) -> Path:
     """Decode every prompt with ``teacher`` into ``out`` (format: module docstring), resuming a started file."""
     check_settings(settings)
-    out, batch_size, tokenizer = Path(out), int(settings["batch_size"]), teacher.tokenizer
+    with writer_lock(out, "regenerate.out"):  # one writer: two jobs appending to one file would write rows twice
+        return _write_regenerated(Path(out), teacher, prompts, data_cfg, settings)
+
+
+def _write_regenerated(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping) -> Path:
+    batch_size, tokenizer = int(settings["batch_size"]), teacher.tokenizer
     start_id = _prepare_out(out, build_meta(teacher, data_cfg, settings), len(prompts), batch_size)
     if start_id == len(prompts):
         log.info("regenerate: %s already holds all %d prompts", out, len(prompts))
@@ -325,6 +331,11 @@ def _read_records(path: Path) -> list[dict]:
                 raise ValueError(f"data.regenerated: {path} line {number} has prompt_ids and prompt_loss_mask of "
                                  f"different lengths or a finish not in {FINISH_REASONS}; write the file with "
                                  f"`{WRITE_CMD}`")
+            if record["id"] != len(records):  # ids run 0, 1, ...: a repeat is a second writer's, a gap a lost batch
+                raise ValueError(f"data.regenerated: {path} line {number} has id {record['id']}, expected "
+                                 f"{len(records)} (records are written in prompt order, each once); the file was "
+                                 f"written by two jobs at once or edited. Regenerate it into a new file with "
+                                 f"`{WRITE_CMD} regenerate.out=<new file>`")
             records.append(record)
     return records
 
