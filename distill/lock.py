@@ -1,8 +1,8 @@
 """One writer per output: an OS-level lock on a run dir, a regeneration output or an offline teacher cache.
 
-The lock is ``flock`` on a small file beside what is written (``.<name>.lock``): the kernel drops it when the process ends,
-however it ends (kill -9, a node lost), so a killed job never leaves a stale lock behind and a requeued job takes over
-at once. The file holds who took it (host, pid, start time) so that a second writer is refused naming the holder;
+The lock is ``flock`` on a small file beside what is written (``.<name>.lock``): the kernel drops it when the
+process ends, however it ends (kill -9, a node lost), so a killed job never leaves a stale lock behind and a requeued
+job takes over at once. The file holds who took it (host, pid, start time) so that a second writer is refused naming the holder;
 the file itself stays (deleting it while held would let a third process lock a new file of the same name).
 
 On Linux NFS ``flock`` is carried by the server's byte-range locks and so holds across nodes; a filesystem with no

@@ -59,41 +59,72 @@ def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping,
     optim = engine.optimizer_state_dict(optimizer)
     rng = engine.gather_object(_rng_state())
     if engine.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed while saving
+        clear_partials(root)  # debris of a save that was killed or ran out of space; this run holds the run dir's lock
         tmp.mkdir(parents=True)
     engine.barrier()
     engine.save_shards(tmp)
     engine.barrier()
     if engine.is_main:
-        save_drafter(engine.module, tmp / "drafter", drafter_cfg, target_cfg, target_identity, extra={"step": step},
-                     state_dict=weights)
-        state = {
-            "step": step,
-            "engine": engine.name,
-            "world_size": engine.world_size,
-            "data": dict(layout),  # with ``step`` this is the data position: BatchOrder is a function of both
-            "next_micro_batch": step * layout["global_batch"] // layout["micro_batch_size"],
-            "scheduler": {"name": "warmup_cosine", "step": step},  # lr_at(step) is a pure function of the step
-            "target_weights_digest": target_identity.get("weights_digest"),
-            "rng": rng,
-            "recipe": dict(recipe or {}),
-            "last_metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
-            **engine.extra_state(),
-        }
-        if (tmp / "deepspeed").is_dir():  # pickled by DeepSpeed: sign what we wrote (verify_shards)
-            state["shards"] = sign_shards(tmp / "deepspeed")
-        torch.save(state, tmp / STATE)
-        if optim is not None:
-            torch.save(optim, tmp / OPTIMIZER)
-        # Not distill.atomic.write_dir_atomically: every rank writes into ``tmp`` (save_shards), so it needs a name all
-        # ranks know before the main rank renames it; a killed save leaves it hidden, and the next save clears it.
-        if final.exists():  # a rerun reaching the same step
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_text_atomically(root / "latest", name)
-        _prune(root, step, keep_last)
+        try:
+            save_drafter(engine.module, tmp / "drafter", drafter_cfg, target_cfg, target_identity, extra={"step": step},
+                         state_dict=weights)
+            state = {
+                "step": step,
+                "engine": engine.name,
+                "world_size": engine.world_size,
+                "data": dict(layout),  # with ``step`` this is the data position: BatchOrder is a function of both
+                "next_micro_batch": step * layout["global_batch"] // layout["micro_batch_size"],
+                "scheduler": {"name": "warmup_cosine", "step": step},  # lr_at(step) is a pure function of the step
+                "target_weights_digest": target_identity.get("weights_digest"),
+                "rng": rng,
+                "recipe": dict(recipe or {}),
+                "last_metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+                **engine.extra_state(),
+            }
+            if (tmp / "deepspeed").is_dir():  # pickled by DeepSpeed: sign what we wrote (verify_shards)
+                state["shards"] = sign_shards(tmp / "deepspeed")
+            torch.save(state, tmp / STATE)
+            if optim is not None:
+                torch.save(optim, tmp / OPTIMIZER)
+            # Not distill.atomic.write_dir_atomically: every rank writes into ``tmp`` (save_shards), so it needs a name
+            # all ranks know before the main rank renames it; a killed save leaves it hidden, the next save clears it.
+            if final.exists():  # a rerun reaching the same step
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_text_atomically(root / "latest", name)
+            _prune(root, step, keep_last)
+        except OSError:  # e.g. a full disk: leave no half checkpoint behind (the next save retries the cleanup)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     engine.barrier()
     return final
+
+
+def clear_partials(root: Path) -> None:
+    """Remove the hidden ``.step_N.partial`` directories of unfinished saves (only this name pattern: never a
+    complete checkpoint, never anything else in the directory)."""
+    for partial in root.glob(".step_*.partial"):
+        if partial.is_dir() and STEP_NAME.fullmatch(partial.name[1 : -len(".partial")]):
+            log.info("removing %s, left by an unfinished checkpoint save", partial)
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+SCRATCH_MARK = ".specdraft-scratch-run"
+
+
+def fresh_scratch_run(run_dir: str | os.PathLike) -> Path:
+    """An empty run dir for a benchmark's throwaway run, marked as such. An earlier one is deleted only when it carries
+    the mark (a benchmark made it); anything else at that path (a real run, a user's directory) is refused, so a
+    ``--work`` pointed at a runs folder never deletes a run."""
+    run_dir = Path(run_dir)
+    if run_dir.exists():
+        if not (run_dir / SCRATCH_MARK).is_file():
+            raise FileExistsError(f"{run_dir} exists and is not a benchmark's scratch run (no {SCRATCH_MARK}); it is "
+                                  f"left alone: pass another --work, or move it aside")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / SCRATCH_MARK).write_text("a benchmark's scratch run: deleted and rewritten by its next run\n")
+    return run_dir
 
 
 def step_of(path: Path) -> int:

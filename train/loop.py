@@ -171,7 +171,8 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
                                                    metrics=last)
             if signum:
                 bar.close()
-                log.warning(stopped_line(signum, step + 1, t.steps, saved))
+                if engine.is_main:
+                    log.warning(stopped_line(signum, step + 1, t.steps, saved))
                 raise Preempted(signum, step + 1)
     model.eval()
     return last
