@@ -79,7 +79,8 @@ def build_target(cache: Path) -> Path:
                          max_position_embeddings=16_384, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
-    return write_dir_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return write_dir_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)),
+                                replace=False)  # never deletes a directory this function did not finish
 
 
 # Runs ``python -m train`` with sys.argv as given and, at exit, writes the process's CUDA peak memory as JSON to
