@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from distill.lock import WriterLockedError
+from distill.lock import WriterLockedError, claim_run_dir
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NOT_A_DIR = (errno.ENOTDIR, errno.EEXIST)
@@ -62,9 +62,11 @@ def one_line_errors(task: Callable) -> Callable:
 
 
 def check_run_dir_override(argv: Sequence[str] | None = None) -> None:
-    """Refuse ``hydra.run.dir=<path>`` whose path, or a parent of it, is a file: Hydra would fail creating it with a
-    traceback before any of our code runs."""
-    for token in sys.argv[1:] if argv is None else argv:
+    """Before Hydra starts: refuse ``hydra.run.dir=<path>`` whose path, or a parent of it, is a file (Hydra would fail
+    creating it with a traceback before any of our code runs), then take the run dir's writer lock
+    (``distill.lock.claim_run_dir``), refusing in one line a run dir another job is writing."""
+    argv = sys.argv[1:] if argv is None else argv
+    for token in argv:
         key, _, value = token.lstrip("+").partition("=")
         if key != "hydra.run.dir" or not value:
             continue
@@ -73,3 +75,7 @@ def check_run_dir_override(argv: Sequence[str] | None = None) -> None:
             if p.exists() and not p.is_dir():
                 raise SystemExit(f"error: hydra.run.dir={value}: {p} is a file, not a directory; choose another "
                                  f"hydra.run.dir (or move that file aside)")
+    try:
+        claim_run_dir(argv)
+    except WriterLockedError as e:
+        raise SystemExit(f"error: {e}") from None

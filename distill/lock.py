@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -92,3 +92,20 @@ def read_holder(fd: int) -> str:
         return f"host {info['host']}, pid {info['pid']}, started {info['started']}"
     except (ValueError, KeyError, OSError):
         return "holder unknown"
+
+
+_process_locks = contextlib.ExitStack()  # locks held until this process ends (closed with it)
+
+
+def claim_run_dir(argv: Sequence[str], what: str = "hydra.run.dir") -> None:
+    """Take the run dir's writer lock for the rest of the process, before Hydra writes ``.hydra/`` and its log there:
+    a second job refused later would already have rewritten the first one's ``.hydra/config.yaml``. The dir is the
+    command line's ``hydra.run.dir=``, else ``$SPECDRAFT_RUN_DIR`` (``scripts/train.sh``); with neither, Hydra picks a
+    fresh timestamped one and the run takes its lock later (``train.run``, ``eval.run``). Only the main rank of a
+    multi-process launch (``RANK`` unset or 0) locks."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    given = [token.partition("=")[2] for token in argv if token.lstrip("+").partition("=")[0] == "hydra.run.dir"]
+    run_dir = given[-1] if given else os.environ.get("SPECDRAFT_RUN_DIR")
+    if run_dir:
+        _process_locks.enter_context(writer_lock(Path(run_dir).expanduser(), what))

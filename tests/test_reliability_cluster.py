@@ -157,6 +157,10 @@ def test_a_second_job_in_a_running_run_dir_is_refused_naming_the_holder(run_dir,
     job = holder(run_dir)
     with pytest.raises(RuntimeError, match=rf"another process \(host .*, pid {job.pid}, started "):
         run_training(compose_cfg(cache, "seed=1", "trainer.steps=6"), run_dir)
+    from distill.environment import check_run_dir_override
+
+    with pytest.raises(SystemExit, match=rf"hydra.run.dir={run_dir} is being written .*pid {job.pid}"):
+        check_run_dir_override(["seed=1", f"hydra.run.dir={run_dir}"])  # the CLI: before Hydra writes .hydra/
     assert snapshot(run_dir) == before
     job.kill()  # killed, as a pre-empted job is: its lock goes with it, no stale lock to clean up
     job.wait()
@@ -304,7 +308,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial(cache
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000002", "step_0000004"]
 
 
-def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path, tiny_toy_target):
+def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path, tiny_toy_target, tiny_teacher):
     from distill.environment import check_run_dir_override
     from distill.teacher import TargetConfig, load_teacher
     from distill.toy.build import load_or_build_toy_target
@@ -316,6 +320,12 @@ def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path,
     for value in (a_file, a_file / "run"):
         with pytest.raises(SystemExit, match=f"hydra.run.dir={value}: {a_file} is a file"):
             check_run_dir_override(["experiment=smoke", f"hydra.run.dir={value}"])
+    from distill.regenerate import write_regenerated
+    from train.config import RegenerateConfig
+    from distill.data import DataConfig
+
+    with pytest.raises(IsADirectoryError, match="regenerate.out=.* is a directory; .*regenerated.jsonl"):
+        write_regenerated(tmp_path, tiny_teacher, [], DataConfig(), asdict(RegenerateConfig(out=str(tmp_path))))
     with pytest.raises(FileNotFoundError, match="target.name=nobody/no-such-model .*local directory"):
         load_teacher(TargetConfig(source="hf", name="nobody/no-such-model"))
     from omegaconf import OmegaConf

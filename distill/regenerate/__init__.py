@@ -211,6 +211,9 @@ def _lines_to_keep(out: Path, total: int, batch_size: int) -> tuple[int, int]:
 def _prepare_out(out: Path, meta: Mapping, total: int, batch_size: int) -> int:
     """Write the sidecar or check it against an existing ``out``; returns the first prompt id still to decode."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():  # never advise deleting it: it is not something this command wrote
+        raise IsADirectoryError(f"regenerate.out={out} is a directory; regenerate.out names the jsonl file to write, "
+                                f"e.g. regenerate.out={out / 'regenerated.jsonl'}")
     if not out.exists():
         _write_meta(out, meta)
         out.touch()
