@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,7 +107,7 @@ def _launch_two_ranks(run_dir: Path, steps: int, stop_at: int | None = None) -> 
     if stop_at is not None:
         metrics = run_dir / "metrics.jsonl"
         while proc.poll() is None and (not metrics.is_file() or len(metrics.read_text().splitlines()) < stop_at):
-            pass
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)  # to the launcher, as Slurm or `kill` would
     out, _ = proc.communicate(timeout=300)
     return proc.returncode, out
@@ -336,3 +337,30 @@ def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path,
     (damaged / "model.safetensors").write_bytes((damaged / "model.safetensors").read_bytes()[:100])
     with pytest.raises(RuntimeError, match="is damaged .*delete that directory and rerun"):
         load_or_build_toy_target(toy, cache_dir=tmp_path / "toy")
+
+
+def test_sbatch_passes_the_time_limit_signal_on_and_requeues_itself(tmp_path):
+    """``scripts/slurm/train.sbatch`` with stand-ins for ``srun`` (a job step that checkpoints and exits 138 on
+    SIGUSR1, as the ranks do) and ``scontrol`` (which records its arguments): Slurm's SIGUSR1 ahead of the time limit
+    reaches the step, and the job requeues itself once the step has exited."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/usr/bin/env bash\ntrap 'echo checkpointed > \"$MARK\"; exit 138' USR1\n"
+                                  "echo started > \"$MARK\"\nfor _ in $(seq 600); do sleep 0.05; done\n")  # <= 30 s
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\n[ \"$1\" = show ] && echo node0 && exit 0\n"
+                                      "echo \"$@\" >> \"$CALLS\"\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    mark, calls = tmp_path / "step", tmp_path / "scontrol.calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "node0", "MARK": str(mark), "CALLS": str(calls)}
+    job = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm" / "train.sbatch"), "experiment=smoke"], cwd=tmp_path,
+                           env=env, stderr=subprocess.PIPE, text=True)
+    while not mark.is_file():
+        assert job.poll() is None, job.stderr.read()
+        time.sleep(0.02)
+    job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends the batch script
+    _, err = job.communicate(timeout=30)
+    assert mark.read_text().strip() == "checkpointed"
+    assert job.returncode == 138, err
+    assert calls.read_text().split() == ["requeue", "4242"]
