@@ -2,10 +2,11 @@
 
 A full disk, a path that is a file where a directory belongs, a directory without write permission, an output another
 job is writing: these are the user's environment, not a bug, and a traceback through torch or Hydra hides the one
-thing to act on. ``one_line_errors`` wraps an entry point's task function: an ``OSError`` (or a ``WriterLockedError``)
-leaves as ``SystemExit`` with one line, exit status 1 (Hydra passes ``SystemExit`` through; its own error printing
-handles only ``Exception``). ``check_run_dir_override`` catches the one such error Hydra meets before any of our code
-runs: ``hydra.run.dir`` naming a file. ``SPECDRAFT_TRACEBACK=1`` keeps the traceback, for a bug report.
+thing to act on. ``one_line_errors`` wraps an entry point's task function: an ``OSError`` (or a
+``WriterLockedError``) leaves as ``SystemExit`` with one line, exit status 1, and a Ctrl-C outside the training steps
+as one line, exit status 130 (Hydra passes ``SystemExit`` through; its own error printing handles only
+``Exception``). ``check_run_dir_override`` catches the one such error Hydra meets before any of our code runs:
+``hydra.run.dir`` naming a file. ``SPECDRAFT_TRACEBACK=1`` keeps the traceback, for a bug report.
 
 It lives in ``distill``, the lowest layer with entry points (``python -m distill.cache``, ``distill.regenerate``).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,6 +55,10 @@ def one_line_errors(task: Callable) -> Callable:
             return task(*args, **kwargs)
         try:
             return task(*args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C outside the training steps (which stop at a checkpoint, train.preemption)
+            print("interrupted (Ctrl-C); rerun the same command to continue (a training run resumes from its last "
+                  "checkpoint)", file=sys.stderr)
+            raise SystemExit(128 + signal.SIGINT) from None
         except WriterLockedError as e:
             raise SystemExit(f"error: {e}") from None
         except OSError as e:

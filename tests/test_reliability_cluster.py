@@ -316,6 +316,14 @@ def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path,
     from distill.toy.cache import cache_path, load_corpus
     from distill.toy.config import toy_config
 
+    from distill.environment import one_line_errors
+
+    def interrupted():
+        raise KeyboardInterrupt  # Ctrl-C while the target loads, or during evaluation
+
+    with pytest.raises(SystemExit) as err:
+        one_line_errors(interrupted)()
+    assert err.value.code == 130
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     for value in (a_file, a_file / "run"):

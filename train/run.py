@@ -125,6 +125,10 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
         # takes no rank waits on it (nor on a rank that failed: then no rank gets here, and the launcher stops all).
         engine.close()
         if evaluate is None or not cfg.eval.enabled or not engine.is_main:
+            if engine.is_main and not finished and (run_dir / "report.json").is_file():
+                log.warning("%s measured this run's earlier drafter, not the one just saved; exports leave it out of "
+                            "the model card. Evaluate again: python -m eval drafter_path=%s hydra.run.dir=%s",
+                            run_dir / "report.json", run_dir / "drafter", run_dir)
             return None
         if sharded:
             log.warning("target.shard=%s: the target is split over the ranks, so evaluation is left to "
