@@ -264,6 +264,7 @@ def test_fresh_scratch_run_deletes_only_a_benchmarks_own_run(run_dir, tmp_path):
 
 
 def test_signing_key_is_random_private_and_checked_on_every_use(tmp_path, monkeypatch):
+    """The key signs what DeepSpeed unpickles: an empty or short one, or one others can read, is never used."""
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     key_file = tmp_path / "checkpoint-signing.key"
     key = checkpoint._signing_key()
@@ -277,6 +278,12 @@ def test_signing_key_is_random_private_and_checked_on_every_use(tmp_path, monkey
         with pytest.raises(ValueError, match="fewer than 32"):
             checkpoint.sign_shards(tmp_path)
         assert "fewer than 32" in checkpoint.shard_problem(tmp_path, {"shards": {"files": {}, "hmac": ""}})
+    # A DeepSpeed run with the empty key: refused before anything trains or is written.
+    proc = subprocess.run([sys.executable, "-m", "train", "experiment=smoke", "trainer=zero2", "trainer.device=cpu",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SPECDRAFT_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and "fewer than 32" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("override", ["+trainer.lrr=1", "+lr=1", "+target.toy.lrr=1"])
