@@ -7,7 +7,7 @@ directory (every rank writes its own shard there where the engine partitions sta
 into place by the main rank once complete, and only then does ``latest`` move: a run killed at any moment resumes
 from a whole checkpoint. Saving and loading are collective: every rank calls them.
 
-Nothing is lost (README "Reliability"): ``resume_point`` refuses a fresh start over an earlier run's outputs and a
+Nothing is lost (docs/reliability.md): ``resume_point`` refuses a fresh start over an earlier run's outputs and a
 checkpoint past ``trainer.steps``; a missing ``latest`` resumes from the newest complete checkpoint; pruning
 (``keep_last``) deletes only older checkpoints of the run. Nothing is silent: a resume must find the same drafter,
 target (sizes and weight digest), data layout and rows (content hash), loss and optimisation settings
