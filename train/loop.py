@@ -34,7 +34,7 @@ from distill.data import rows_fingerprint
 from distill.fused_kernels import fused_kernel
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
-from train.preemption import Preempted, stop_on_signals, stopped_line
+from train.preemption import Preempted, StopFlag, stop_on_signals, stopped_line
 from train.config import Config
 from train.engine import TrainerConfig
 from inference.stats import simulated_tau
@@ -76,14 +76,15 @@ class BatchOrder:
 def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
           run_dir, logger, batch_source: Callable | None = None) -> dict:
     """``batch_source(batch, micro_batch_number)``: what replaces a collated batch before the teacher sees it
-    (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is."""
+    (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is. SIGTERM, SIGINT and
+    SIGUSR1 stop the run after the step they arrive in, checkpointed (``train.preemption``)."""
     with chunk_budget(cfg.trainer.loss_chunk_elements or default_chunk_elements(engine.device)), \
-            fused_kernel(cfg.trainer.fused_kernel):
-        return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source)
+            fused_kernel(cfg.trainer.fused_kernel), stop_on_signals() as stop:
+        return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source, stop)
 
 
 def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
-           run_dir, logger, batch_source: Callable | None) -> dict:
+           run_dir, logger, batch_source: Callable | None, stop: StopFlag) -> dict:
     t = cfg.trainer
     model, optimizer = engine.setup(drafter, lambda groups: torch.optim.AdamW(
         groups, lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay))
@@ -103,77 +104,74 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
     t_start = t_window = time.perf_counter()
     tokens_window = torch.zeros((), dtype=torch.long, device=engine.device)  # summed on device: no sync per step
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", disable=not engine.is_main)
-    with stop_on_signals() as stop:
-        for step in bar:
-            lr = lr_at(step, t)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)
-            drafter.begin_step(step)
-            logging_step = step % t.log_every == 0 or step == t.steps - 1
-            clock = PhaseClock(engine.device, enabled=logging_step)
-            # This rank's micro-batches: global numbers [first, first + accum). Ranks take disjoint, consecutive slices
-            # of the step's global batch, so any world size sees the same rows per step and none twice.
-            first = (step * engine.world_size + engine.rank) * accum
-            batches = []
-            for micro in range(accum):
-                rows = collate([dataset[i] for i in order.indices(first + micro)])
-                batch = {k: v.to(engine.device) for k, v in rows.items()}
-                batches.append(batch_source(batch, first + micro) if batch_source is not None else batch)
-            # The step's valid-token count over all micro-batches and ranks, known before any forward (torchtitan's
-            # global token count): each backward then carries its final per-token weight.
-            total_valid = engine.all_reduce_sum(sum(drafter.count_valid(b) for b in batches)).clamp(min=1)
-            loss_sum = torch.zeros((), device=engine.device)
-            agree = None
-            for micro, batch in enumerate(batches):
-                tokens_window += batch["attention_mask"].sum()
-                with engine.micro_step(sync=micro == accum - 1):
-                    with clock("teacher"):
-                        teacher_out = teacher.signals(batch, layers, dense=drafter.dense_teacher_logits)
-                    with clock("drafter"):
-                        out = model(batch, teacher_out, loss_fn=loss_fn)  # the loss is computed inside the call
-                        micro_loss, _ = out.loss(loss_fn)
-                        del teacher_out  # its logits are no longer needed; free them before backward
+    for step in bar:
+        lr = lr_at(step, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        drafter.begin_step(step)
+        logging_step = step % t.log_every == 0 or step == t.steps - 1
+        clock = PhaseClock(engine.device, enabled=logging_step)
+        # This rank's micro-batches: global numbers [first, first + accum). Ranks take disjoint, consecutive slices
+        # of the step's global batch, so any world size sees the same rows per step and none twice.
+        first = (step * engine.world_size + engine.rank) * accum
+        batches = []
+        for micro in range(accum):
+            batch = {k: v.to(engine.device) for k, v in collate([dataset[i] for i in order.indices(first + micro)]).items()}
+            batches.append(batch_source(batch, first + micro) if batch_source is not None else batch)
+        # The step's valid-token count over all micro-batches and ranks, known before any forward (torchtitan's
+        # global token count): each backward then carries its final per-token weight.
+        total_valid = engine.all_reduce_sum(sum(drafter.count_valid(b) for b in batches)).clamp(min=1)
+        loss_sum = torch.zeros((), device=engine.device)
+        agree = None
+        for micro, batch in enumerate(batches):
+            tokens_window += batch["attention_mask"].sum()
+            with engine.micro_step(sync=micro == accum - 1):
+                with clock("teacher"):
+                    teacher_out = teacher.signals(batch, layers, dense=drafter.dense_teacher_logits)
                 with clock("drafter"):
-                    engine.backward(micro_loss / total_valid)
-                loss_sum += micro_loss.detach()
-                if logging_step:  # argmax over the vocabulary per term: only when it will be reported
-                    counts = torch.stack([torch.stack(c) for c in out.top1_agreement()])  # [K, 2]: correct, count
-                    agree = counts if agree is None else agree + counts
-            # One scalar sync per step: a diverged step must stop the run before its update, never reach a checkpoint.
-            if not bool(torch.isfinite(loss_sum)):
-                where = nonfinite.locate(model, teacher, batches, layers, loss_fn, engine)
-                raise nonfinite.loss_error(step, loss_sum, lr, where, run_dir)
+                    out = model(batch, teacher_out, loss_fn=loss_fn)  # the loss is computed inside the call
+                    micro_loss, _ = out.loss(loss_fn)
+                    del teacher_out  # its logits are no longer needed; free them before backward
             with clock("drafter"):
-                grad_norm = engine.step(optimizer, t.grad_clip)
-            if not bool(torch.isfinite(grad_norm)):
-                nonfinite.check_update(step, grad_norm, drafter, lr, run_dir)
+                engine.backward(micro_loss / total_valid)
+            loss_sum += micro_loss.detach()
+            if logging_step:  # argmax over the vocabulary per term: only when it will be reported
+                counts = torch.stack([torch.stack(c) for c in out.top1_agreement()])  # [K, 2]: correct, count
+                agree = counts if agree is None else agree + counts
+        # One scalar sync per step: a diverged step must stop the run before its update, never reach a checkpoint.
+        if not bool(torch.isfinite(loss_sum)):
+            where = nonfinite.locate(model, teacher, batches, layers, loss_fn, engine)
+            raise nonfinite.loss_error(step, loss_sum, lr, where, run_dir)
+        with clock("drafter"):
+            grad_norm = engine.step(optimizer, t.grad_clip)
+        if not bool(torch.isfinite(grad_norm)):
+            nonfinite.check_update(step, grad_norm, drafter, lr, run_dir)
 
-            if logging_step:
-                total_loss = engine.all_reduce_sum(loss_sum)
-                agree = engine.all_reduce_sum(agree)
-                last = {"train/loss": (total_loss / total_valid).item(), "train/lr": lr,
-                        "train/grad_norm": float(grad_norm), "train/valid_tokens": int(total_valid),
-                        "train/elapsed_s": time.perf_counter() - t_start}
-                accs = (agree[:, 0].float() / agree[:, 1].clamp(min=1)).tolist()
-                last.update({f"train/acc_head{k + 1}": a for k, a in enumerate(accs)})
-                last["train/sim_tau"] = simulated_tau(accs, sim_depth)
-                last.update(throughput(engine, clock, tokens_window, time.perf_counter() - t_window))
-                t_window = time.perf_counter()
-                tokens_window.zero_()
-                logger.log(last, step=step)
-                bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
-            # A signal (pre-emption, Ctrl-C) stops the run after this step, checkpointed: no finished step is lost.
-            signum = stop.agreed(engine) if step + 1 < t.steps else 0
-            # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
-            if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps or signum:
-                saved = checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg.drafter,
-                                                   asdict(cfg.target), identity, layout, t.keep_last, recipe=recipe,
-                                                   metrics=last)
-            if signum:
-                bar.close()
-                if engine.is_main:
-                    log.warning(stopped_line(signum, step + 1, t.steps, saved))
-                raise Preempted(signum, step + 1)
+        if logging_step:
+            total_loss = engine.all_reduce_sum(loss_sum)
+            agree = engine.all_reduce_sum(agree)
+            last = {"train/loss": (total_loss / total_valid).item(), "train/lr": lr,
+                    "train/grad_norm": float(grad_norm), "train/valid_tokens": int(total_valid),
+                    "train/elapsed_s": time.perf_counter() - t_start}
+            accs = (agree[:, 0].float() / agree[:, 1].clamp(min=1)).tolist()
+            last.update({f"train/acc_head{k + 1}": a for k, a in enumerate(accs)})
+            last["train/sim_tau"] = simulated_tau(accs, sim_depth)
+            last.update(throughput(engine, clock, tokens_window, time.perf_counter() - t_window))
+            t_window = time.perf_counter()
+            tokens_window.zero_()
+            logger.log(last, step=step)
+            bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
+        # A signal (pre-emption, Ctrl-C) stops the run after this step, checkpointed: no finished step is lost.
+        signum = stop.agreed(engine) if step + 1 < t.steps else 0
+        # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
+        if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps or signum:
+            saved = checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg.drafter, asdict(cfg.target),
+                                               identity, layout, t.keep_last, recipe=recipe, metrics=last)
+        if signum:
+            bar.close()
+            if engine.is_main:
+                log.warning(stopped_line(signum, step + 1, t.steps, saved))
+            raise Preempted(signum, step + 1)
     model.eval()
     return last
 
