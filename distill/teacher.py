@@ -364,8 +364,15 @@ def load_teacher(target_cfg: TargetConfig, device: str | torch.device = "cpu") -
 
         name, revision = target_cfg.name, target_cfg.revision
         trust = target_cfg.trust_remote_code
-        check_family(AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust),
-                     target_cfg.allow_untested_family)
+        try:
+            hub_config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust)
+        except OSError as e:  # not on disk and no network (or no such repo): transformers' message names neither key
+            raise FileNotFoundError(
+                f"target.name={name} (revision {revision}) cannot be loaded: it is neither a local directory nor in "
+                f"the Hugging Face cache, and the hub cannot be reached or has no such model ({str(e).splitlines()[0]}). "
+                f"Download it where there is network (`huggingface-cli download {name}`) into the HF_HOME this job "
+                f"reads, or set target.name to a local directory") from e
+        check_family(hub_config, target_cfg.allow_untested_family)
         log.info("loading target %s (revision %s, %s)", name, revision, dtype_name)
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust)
         model = AutoModelForCausalLM.from_pretrained(

@@ -4,6 +4,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from distill.environment import check_run_dir_override, one_line_errors
 from eval.run import run_eval
 from train.config import register_configs
 
@@ -11,6 +12,7 @@ register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     # The command line decides which of a saved drafter's own settings give way (eval.saved).
@@ -18,4 +20,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_run_dir_override()
     main()

@@ -15,6 +15,7 @@ from distill.atomic import write_text_atomically
 from eval.batch_sweep import sweep_lines
 from eval.markdown import summary_markdown
 from eval.plots import write_plots
+from heads.base import weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,33 @@ def _sim_tau_line(r: Mapping) -> str:
                 f"one draft step, so no training-time tau estimate; measured tau {r['tau']:.2f})")
     return (f"{r['drafter']}: training-time sim tau {r['sim_tau']:.2f} (chain estimate over {r['sim_tau_steps']} "
             f"steps) vs measured tau {r['tau']:.2f}")
+
+
+RUN_OUTPUTS = ("drafter", "checkpoints", "metrics.jsonl")  # what python -m train leaves in its run dir
+
+
+def check_report_dir(run_dir: str | os.PathLike, digests: set[str | None]) -> None:
+    """Refuse a run dir whose report.json, summaries and plots belong to something other than the drafter about to be
+    measured (``digests``: the weights digests of the drafters under test, None for one without weights): a training
+    run's dir takes only a report of that run's own drafter, and an earlier report is replaced only by a measurement
+    of a drafter it measured. A fresh (or empty) directory always passes."""
+    run_dir = Path(run_dir)
+    if (run_dir / "drafter").is_dir() and weights_digest(run_dir / "drafter") in digests - {None}:
+        return  # the run's own drafter: its report belongs here
+    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    report = run_dir / "report.json"
+    if not found and report.is_file():
+        try:
+            measured = {row.get("weights_digest") for row in json.loads(report.read_text()).get("results", [])}
+        except (ValueError, AttributeError):
+            measured = set()
+        if measured & (digests - {None}):
+            return  # the same drafter measured again
+        found.append("report.json")
+    if found:
+        raise FileExistsError(f"hydra.run.dir={run_dir} already holds another run's outputs ({', '.join(found)}); "
+                              f"evaluating here would replace its report.json, summaries and plots with a measurement "
+                              f"of another drafter. Leave hydra.run.dir unset (a fresh dir), or name a new one")
 
 
 def write_report(report: dict, run_dir: str | os.PathLike, plots: bool = True) -> Path:

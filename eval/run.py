@@ -17,14 +17,15 @@ import torch
 from omegaconf import DictConfig
 
 from distill.data import default_prefix_ids
+from distill.lock import writer_lock
 from distill.prompts import heldout_prompts, prompt_records_from_file
 from distill.teacher import load_teacher, target_config
 from eval import saved as saved_settings
 from eval.baselines import hf_assisted, hf_generate
 from eval.batch_sweep import batch_sweep
 from eval.mismatch import MAX_KEPT, Mismatch, logit_gap, mismatch
-from eval.report import DEFINITIONS, machine_info, summary_table, write_report
-from heads.base import build_drafter, decode_overrides, load_drafter, read_drafter_config
+from eval.report import DEFINITIONS, check_report_dir, machine_info, summary_table, write_report
+from heads.base import build_drafter, decode_overrides, load_drafter, read_drafter_config, weights_digest
 from inference.cost import auto_tune, measure_parts, overhead_ratio, predict
 from inference.decoder import Decoder, DecoderConfig, Generation
 from inference.stats import simulated_tau
@@ -323,7 +324,10 @@ def _with_baselines(drafters: dict, teacher, eval_cfg: EvalConfig) -> dict:
     return drafters
 
 
-def _report(cfg: Config, teacher, drafters: dict, run_dir, training: Mapping[str, Mapping] | None = None) -> dict:
+def _report(cfg: Config, teacher, drafters: dict, run_dir, training: Mapping[str, Mapping] | None = None,
+            digests: Mapping[str, str | None] | None = None) -> dict:
+    """``digests``: the weights digest of each saved drafter, recorded in its row (an export shows a report only for
+    the weights it measured)."""
     prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
     under_test = list(drafters)
     dcfg = cfg.decoder
@@ -332,6 +336,8 @@ def _report(cfg: Config, teacher, drafters: dict, run_dir, training: Mapping[str
     if dcfg.batch_sizes:  # throughput / latency vs batch size, crossover, load-aware policy (eval.batch_sweep)
         report["batch_sweep"] = batch_sweep(teacher, drafters, prompts, cfg.eval, dcfg)
     for result in report["results"]:
+        if (digest := (digests or {}).get(result["drafter"])) is not None:
+            result["weights_digest"] = digest
         if (final := (training or {}).get(result["drafter"])) is not None:
             autoregressive = getattr(drafters.get(result["drafter"]), "drafts_autoregressively", False)
             result.update(_simulated(final, result["num_draft"], autoregressive))
@@ -381,7 +387,8 @@ def evaluate_saved(cfg: Config, teacher, drafter_path, run_dir, overrides: Mappi
     drafter = load_drafter(drafter_path, teacher, overrides,
                            allow_other_target=cfg.eval.allow_other_target)
     final = read_drafter_config(drafter_path).get("training", {}).get("final") or None
-    return _report(cfg, teacher, {drafter.name: drafter}, run_dir, training={drafter.name: final} if final else None)
+    return _report(cfg, teacher, {drafter.name: drafter}, run_dir, training={drafter.name: final} if final else None,
+                   digests={drafter.name: weights_digest(drafter_path)})
 
 
 def run_eval(cfg: DictConfig, run_dir, use_saved_target: bool = True, overrides: Sequence[str] | None = None) -> dict:
@@ -389,7 +396,14 @@ def run_eval(cfg: DictConfig, run_dir, use_saved_target: bool = True, overrides:
     ``cfg``: the composed config, which a saved drafter's own settings are merged into (``eval.saved``) before it
     becomes the typed ``Config`` (``load_config``, once). ``overrides``: the command line's Hydra overrides, which
     decide what those settings give way to; without them, ``use_saved_target`` alone says whether the saved target
-    is used."""
+    is used. ``run_dir`` is written by this process alone (``distill.lock``), and only if it is fresh, the saved
+    drafter's own run dir, or an earlier report of the same drafter (``eval.report.check_report_dir``)."""
+    with writer_lock(run_dir, "hydra.run.dir"):
+        check_report_dir(run_dir, {weights_digest(cfg.drafter_path) if cfg.drafter_path else None})
+        return _run_eval(cfg, run_dir, use_saved_target, overrides)
+
+
+def _run_eval(cfg: DictConfig, run_dir, use_saved_target: bool, overrides: Sequence[str] | None) -> dict:
     if cfg.drafter_path:
         cli = saved_settings.parse_overrides(overrides if overrides is not None else
                                              ([] if use_saved_target else ["target=given"]))

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from distill.atomic import write_dir_atomically
 from distill.chunked import TeacherRows, chunked_divergence
+from distill.fingerprint import file_digest
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 
@@ -306,6 +307,13 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
 
     return write_dir_atomically(path, write)
+
+
+def weights_digest(path: str | os.PathLike) -> str | None:
+    """The sha256 of a saved drafter's weights file (None where there is none): what a report records for each drafter
+    it measured, so a report is only ever shown for the weights it measured (``heads.export``)."""
+    weights = Path(path) / WEIGHTS
+    return file_digest(weights) if weights.is_file() else None
 
 
 def read_drafter_config(path: str | os.PathLike) -> dict:

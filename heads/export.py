@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from distill.teacher import DTYPES, load_teacher, target_config
 from heads import export_eagle
 from distill.atomic import write_dir_atomically
-from heads.base import TargetDims, load_saved_drafter
+from heads.base import TargetDims, load_saved_drafter, weights_digest
 from heads.draft_model import DraftModel
 from heads.export_eagle import EAGLE_KINDS
 from heads.lora import save_peft_adapter
@@ -250,6 +250,40 @@ def check_output_outside_run(drafter_path: Path, output_dir: Path) -> None:
                          f"output_dir outside it, e.g. exports/<name>")
 
 
+def check_replaceable(output_dir: Path, overwrite: bool) -> None:
+    """An export fills ``output_dir`` whole, so it may replace only what an earlier export wrote, recognised by its
+    own ``SIDECAR`` marker: with ``overwrite`` an earlier export is replaced; any other non-empty directory (another
+    run, a dataset, a home directory) is refused, overwrite or not, and so is a file."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"output_dir={str(output_dir)!r} is a file, not a directory; choose a directory path, "
+                              f"e.g. exports/<name>")
+    if not output_dir.is_dir() or not any(output_dir.iterdir()):
+        return
+    if not (output_dir / SIDECAR).is_file():
+        raise FileExistsError(f"output_dir={str(output_dir)!r} is not empty and is not an earlier export (it has no "
+                              f"{SIDECAR}); an export replaces its output_dir whole, so it never writes over anything "
+                              f"else, overwrite or not. Choose a new or empty output_dir, e.g. exports/<name>")
+    if not overwrite:
+        raise FileExistsError(f"output_dir={str(output_dir)!r} holds an earlier export; pass overwrite=true to "
+                              f"replace it, or choose another output_dir")
+
+
+def report_for(drafter_path: Path, report: dict | None) -> dict | None:
+    """``report`` if it measured the drafter being exported (its row's ``weights_digest`` is that of
+    ``drafter_path``'s weights), else None: a run extended after its evaluation keeps the old report beside the new
+    drafter, whose model card must not claim the old drafter's τ and speedup."""
+    if not report:
+        return None
+    digest = weights_digest(drafter_path)
+    if any(row.get("weights_digest") == digest for row in report.get("results", [])):
+        return report
+    log.warning("%s does not hold a measurement of %s (its weights changed since, or it measured another drafter); "
+                "the model card says 'not measured'. Evaluate this drafter (python -m eval drafter_path=%s "
+                "hydra.run.dir=%s) and export again to include it", drafter_path.parent / "report.json", drafter_path,
+                drafter_path, drafter_path.parent)
+    return None
+
+
 def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path, overwrite: bool = False,
                    report: dict | None = None) -> Path:
     """Write ``output_dir`` for ``engine`` from the trained drafter at ``drafter_path``; returns the directory.
@@ -261,8 +295,8 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
     kind = drafter.name
     _check_exportable(kind, config, drafter_path, engine)
     check_output_outside_run(drafter_path, output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"output_dir={str(output_dir)!r} exists and is not empty; pass --overwrite to replace it")
+    check_replaceable(output_dir, overwrite)
+    report = report_for(drafter_path, report)
     target = config.get("target", {})
 
     def write(tmp: Path) -> None:

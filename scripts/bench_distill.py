@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from eval.report import machine_info
+from train.checkpoint import fresh_scratch_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,7 @@ def main() -> None:
             continue
         overrides = [o.format(regenerated=regenerated) for o in RUNS[name]]
         run_dir = work / name
-        shutil.rmtree(run_dir, ignore_errors=True)  # not in results: a run cut short; trainer.resume=never needs it empty
+        fresh_scratch_run(run_dir)  # a run cut short is not in results; trainer.resume=never needs it empty
         train_s = run([*py, "-m", "train", *overrides, *common, *EVAL, f"hydra.run.dir={run_dir}",
                        "trainer.resume=never"], work / f"{name}.log")
         saved = json.loads((run_dir / "drafter" / "config.json").read_text())

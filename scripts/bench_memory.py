@@ -37,12 +37,13 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from train.checkpoint import fresh_scratch_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +79,8 @@ def build_target(cache: Path) -> Path:
                          max_position_embeddings=16_384, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
-    return write_dir_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return write_dir_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)),
+                                replace=False)  # never deletes a directory this function did not finish
 
 
 # Runs ``python -m train`` with sys.argv as given and, at exit, writes the process's CUDA peak memory as JSON to
@@ -99,7 +101,7 @@ runpy.run_module("train", run_name="__main__", alter_sys=True)
 def run_once(code: Path, target: Path, kind: str, seq: int, work: Path, threads: int, max_gb: float,
              extra: list[str], steps: int = 2, device: str = "cpu") -> dict:
     run_dir = work / f"{code.name}-{kind}-{seq}"
-    shutil.rmtree(run_dir, ignore_errors=True)  # trainer.resume=never refuses a used run dir
+    fresh_scratch_run(run_dir)  # a run cut short is not in results; trainer.resume=never needs it empty
     overrides = ["target=tiny", "target.source=hf", f"target.name={target}", *KINDS[kind],
                  f"data.max_length={seq}", f"data.corpus_max_bytes={CORPUS_BYTES}", "trainer.micro_batch_size=1",
                  "trainer.grad_accum=1", f"trainer.steps={steps}", "trainer.warmup_steps=1", "trainer.log_every=1",

@@ -25,12 +25,13 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from statistics import mean
+
+from train.checkpoint import fresh_scratch_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{key}: done already (in {out})", flush=True)
                 continue
             run_dir = work / key.replace("/", "_")
-            shutil.rmtree(run_dir, ignore_errors=True)  # not in results: a run cut short; resume=never needs it empty
+            fresh_scratch_run(run_dir)  # a run cut short is not in results; trainer.resume=never needs it empty
             cmd = [*overrides, *common, *TRAIN, f"trainer.steps={steps}", f"seed={seed}"]
             cost = train_row(cmd, run_dir, work / f"{key.replace('/', '_')}.log", args.device)
             saved = json.loads((run_dir / "drafter" / "config.json").read_text())

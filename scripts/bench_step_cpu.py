@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import CORPUS_BYTES, KINDS, ROOT, build_target  # noqa: E402
+from train.checkpoint import fresh_scratch_run  # noqa: E402
 
 # Runs ``python -m train`` with sys.argv as given and, at exit, writes the CPU seconds of each step as JSON to
 # $BENCH_STEP_OUT: the same measurement for any checkout.
@@ -51,7 +51,7 @@ runpy.run_module("train", run_name="__main__", alter_sys=True)
 def start(code: Path, target: Path, kind: str, seq: int, steps: int, work: Path, extra: list[str]):
     name = f"{code.name}-{kind}-{seq}"
     run_dir, out = work / name, work / f"{name}.steps.json"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    fresh_scratch_run(run_dir)  # a run cut short is not in results; trainer.resume=never needs it empty
     out.unlink(missing_ok=True)
     overrides = ["target=tiny", "target.source=hf", f"target.name={target}", *KINDS[kind], f"data.max_length={seq}",
                  f"data.corpus_max_bytes={CORPUS_BYTES}", "trainer.micro_batch_size=1", "trainer.grad_accum=1",

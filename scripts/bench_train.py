@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 from eval.report import machine_info
+from train.checkpoint import fresh_scratch_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def main() -> None:
     plan = [("single", 1)] + ([("ddp", args.nproc)] if args.device == "cpu" and args.nproc > 1 else [])
     for name, nproc in plan:
         run_dir = args.work / name
-        shutil.rmtree(run_dir, ignore_errors=True)  # this script's own scratch run: trainer.resume=never needs it empty
+        fresh_scratch_run(run_dir)  # a run cut short is not in results; trainer.resume=never needs it empty
         timing = run(train_cmd(nproc, [*common, f"hydra.run.dir={run_dir}"]), args.work / f"{name}.log", env)
         results[name] = {"processes": nproc, **timing, **windows(run_dir / "metrics.jsonl")}
         print(f"{name}: {results[name]['tokens_per_s']:.0f} tokens/s ({nproc} process(es); load "

@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
 from omegaconf import MISSING, OmegaConf
 
+from distill.environment import explain
 from heads.export import export_drafter
 
 USAGE = ("python scripts/export.py drafter_path=<dir> format=vllm|sglang|speculators|hf output_dir=<dir> "
@@ -68,5 +69,7 @@ def main(argv: list[str] | None = None) -> Path:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    except OSError as e:  # a full disk, a path in the way, no permission; and the refusals' own messages
+        raise SystemExit(f"error: {explain(e)}") from None

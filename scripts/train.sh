@@ -8,7 +8,8 @@
 #   NNODES=2 MASTER_ADDR=node0 SPECDRAFT_RUN_DIR=/shared/runs/x scripts/train.sh trainer=zero2   # on each node
 #   LAUNCHER=deepspeed scripts/train.sh trainer=zero3              # the deepspeed launcher instead of torchrun
 #
-# A killed run continues where it stopped when relaunched with the same SPECDRAFT_RUN_DIR (trainer.resume=auto).
+# A killed or signalled run continues where it stopped when relaunched with the same SPECDRAFT_RUN_DIR
+# (trainer.resume=auto).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,14 +32,42 @@ case " $* " in
   *) args=("trainer=ddp" "${args[@]}") ;;
 esac
 
+# A signal to the launcher reaches every rank, which finishes its step, checkpoints and exits 128+signal
+# (train/preemption.py): torchrun passes on SIGUSR1 too (Slurm's warning before a time limit), and waits for the
+# checkpoint (TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds) before it kills anything.
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
+
 echo "run dir: $SPECDRAFT_RUN_DIR ($NNODES node(s) x $NPROC process(es))" >&2
 if [ "${LAUNCHER:-torchrun}" = deepspeed ]; then
   # --no_local_rank: the launcher would otherwise append --local_rank, which Hydra rejects (LOCAL_RANK is exported).
   exec "$(dirname "$PY")/deepspeed" --num_gpus "$NPROC" --no_local_rank --module train "${args[@]}"
 fi
+
+# Runs the launcher in the background so that a signal sent to this script reaches it, and this script then exits
+# as its ranks did (128+signal: 143 for SIGTERM), not with the launcher's own status for being signalled (1).
+# SIGINT is only recorded: Ctrl-C already reaches every process of the terminal's process group.
+launch() {
+  "$@" &
+  local child=$! rc=0
+  for sig in TERM USR1 HUP; do
+    trap "got=$sig; kill -$sig $child 2>/dev/null || true" "$sig"
+  done
+  trap 'got=INT' INT
+  while true; do
+    rc=0
+    wait "$child" || rc=$?
+    kill -0 "$child" 2>/dev/null || break  # a trapped signal interrupts wait: wait again while the launcher runs
+  done
+  if [ "$rc" -ne 0 ] && [ -n "${got:-}" ]; then
+    exit $((128 + $(kill -l "$got")))
+  fi
+  exit "$rc"
+}
+
 if [ "$NNODES" -eq 1 ]; then
-  exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m train "${args[@]}"
+  launch "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m train "${args[@]}"
 fi
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC" \
+launch "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC" \
   --rdzv_backend c10d --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR to node 0}:${MASTER_PORT:-29500}" \
   --rdzv_id "${RDZV_ID:-$(basename "$SPECDRAFT_RUN_DIR")}" -m train "${args[@]}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.base import save_drafter
+from heads.base import save_drafter, weights_digest
 from heads.draft_model import DraftModel
 from heads.export import SIDECAR, check_export, export_drafter, load_export
 from inference.decoder import Decoder
@@ -131,11 +131,16 @@ def test_existing_output_needs_overwrite(teacher, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        export_drafter(path, "vllm", out)
+    for overwrite in (False, True):  # not an earlier export: never replaced, overwrite or not
+        with pytest.raises(FileExistsError, match="not an earlier export"):
+            export_drafter(path, "vllm", out, overwrite=overwrite)
     assert (out / "keep.txt").read_text() == "mine"
-    export_drafter(path, "vllm", out, overwrite=True)
-    assert not (out / "keep.txt").exists() and check_export(out, "vllm", "medusa") == []
+    (out / "keep.txt").unlink()
+    export_drafter(path, "vllm", out)  # empty: fine
+    with pytest.raises(FileExistsError, match="overwrite=true"):
+        export_drafter(path, "vllm", out)
+    export_drafter(path, "vllm", out, overwrite=True)  # an earlier export: replaced
+    assert check_export(out, "vllm", "medusa") == []
     import os
     umask = os.umask(0)
     os.umask(umask)
@@ -152,13 +157,19 @@ def test_cli(teacher, tmp_path):  # noqa: F811
     (path.parent / "report.json").write_text(json.dumps({
         "num_prompts": 2, "max_new_tokens": 8, "machine": {"processor": "cpu", "torch": "x"},
         "results": [{"drafter": "medusa", "tau": 1.7, "alpha": 0.4, "alpha_per_position": [0.5, None],
-                     "tokens_per_s": 10.0, "speedup": 0.9, "identical_to_greedy": True, "num_draft": 3}]}))
+                     "tokens_per_s": 10.0, "speedup": 0.9, "identical_to_greedy": True, "num_draft": 3,
+                     "weights_digest": weights_digest(path)}]}))
     spec = importlib.util.spec_from_file_location("export_cli", Path(__file__).resolve().parents[1] / "scripts" / "export.py")
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     out = cli.main([f"drafter_path={path}", "format=vllm", f"output_dir={tmp_path / 'cli'}"])
     card = (out / "README.md").read_text()
     assert "| 1.70 | 0.40 | 0.50, – |" in card  # the run's measured figures reach the model card
+    report = json.loads((path.parent / "report.json").read_text())
+    report["results"][0]["weights_digest"] = "0" * 64  # measured other weights (the run was extended since)
+    (path.parent / "report.json").write_text(json.dumps(report))
+    out = cli.main([f"drafter_path={path}", "format=vllm", f"output_dir={tmp_path / 'cli'}", "overwrite=true"])
+    assert "1.70" not in (out / "README.md").read_text() and "Not measured" in (out / "README.md").read_text()
     with pytest.raises(SystemExit, match="unknown argument"):
         cli.main(["drafter=x"])
     with pytest.raises(SystemExit, match="missing output_dir"):

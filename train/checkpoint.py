@@ -7,7 +7,7 @@ directory (every rank writes its own shard there where the engine partitions sta
 into place by the main rank once complete, and only then does ``latest`` move: a run killed at any moment resumes
 from a whole checkpoint. Saving and loading are collective: every rank calls them.
 
-Nothing is lost (README "Reliability"): ``resume_point`` refuses a fresh start over an earlier run's outputs and a
+Nothing is lost (docs/reliability.md): ``resume_point`` refuses a fresh start over an earlier run's outputs and a
 checkpoint past ``trainer.steps``; a missing ``latest`` resumes from the newest complete checkpoint; pruning
 (``keep_last``) deletes only older checkpoints of the run. Nothing is silent: a resume must find the same drafter,
 target (sizes and weight digest), data layout and rows (content hash), loss and optimisation settings
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file
 
-from distill.atomic import write_file_atomically, write_text_atomically
+from distill.atomic import write_text_atomically
 from distill.fingerprint import tree_digests
 from distill.toy import default_cache_dir
 from heads.base import WEIGHTS, read_drafter_config, save_drafter
@@ -59,41 +59,72 @@ def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping,
     optim = engine.optimizer_state_dict(optimizer)
     rng = engine.gather_object(_rng_state())
     if engine.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed while saving
+        clear_partials(root)  # debris of a save that was killed or ran out of space; this run holds the run dir's lock
         tmp.mkdir(parents=True)
     engine.barrier()
     engine.save_shards(tmp)
     engine.barrier()
     if engine.is_main:
-        save_drafter(engine.module, tmp / "drafter", drafter_cfg, target_cfg, target_identity, extra={"step": step},
-                     state_dict=weights)
-        state = {
-            "step": step,
-            "engine": engine.name,
-            "world_size": engine.world_size,
-            "data": dict(layout),  # with ``step`` this is the data position: BatchOrder is a function of both
-            "next_micro_batch": step * layout["global_batch"] // layout["micro_batch_size"],
-            "scheduler": {"name": "warmup_cosine", "step": step},  # lr_at(step) is a pure function of the step
-            "target_weights_digest": target_identity.get("weights_digest"),
-            "rng": rng,
-            "recipe": dict(recipe or {}),
-            "last_metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
-            **engine.extra_state(),
-        }
-        if (tmp / "deepspeed").is_dir():  # pickled by DeepSpeed: sign what we wrote (verify_shards)
-            state["shards"] = sign_shards(tmp / "deepspeed")
-        torch.save(state, tmp / STATE)
-        if optim is not None:
-            torch.save(optim, tmp / OPTIMIZER)
-        # Not distill.atomic.write_dir_atomically: every rank writes into ``tmp`` (save_shards), so it needs a name all
-        # ranks know before the main rank renames it; a killed save leaves it hidden, and the next save clears it.
-        if final.exists():  # a rerun reaching the same step
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_text_atomically(root / "latest", name)
-        _prune(root, step, keep_last)
+        try:
+            save_drafter(engine.module, tmp / "drafter", drafter_cfg, target_cfg, target_identity, extra={"step": step},
+                         state_dict=weights)
+            state = {
+                "step": step,
+                "engine": engine.name,
+                "world_size": engine.world_size,
+                "data": dict(layout),  # with ``step`` this is the data position: BatchOrder is a function of both
+                "next_micro_batch": step * layout["global_batch"] // layout["micro_batch_size"],
+                "scheduler": {"name": "warmup_cosine", "step": step},  # lr_at(step) is a pure function of the step
+                "target_weights_digest": target_identity.get("weights_digest"),
+                "rng": rng,
+                "recipe": dict(recipe or {}),
+                "last_metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+                **engine.extra_state(),
+            }
+            if (tmp / "deepspeed").is_dir():  # pickled by DeepSpeed: sign what we wrote (verify_shards)
+                state["shards"] = sign_shards(tmp / "deepspeed")
+            torch.save(state, tmp / STATE)
+            if optim is not None:
+                torch.save(optim, tmp / OPTIMIZER)
+            # Not distill.atomic.write_dir_atomically: every rank writes into ``tmp`` (save_shards), so it needs a name
+            # all ranks know before the main rank renames it; a killed save leaves it hidden, the next save clears it.
+            if final.exists():  # a rerun reaching the same step
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_text_atomically(root / "latest", name)
+            _prune(root, step, keep_last)
+        except OSError:  # e.g. a full disk: leave no half checkpoint behind (the next save retries the cleanup)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     engine.barrier()
     return final
+
+
+def clear_partials(root: Path) -> None:
+    """Remove the hidden ``.step_N.partial`` directories of unfinished saves (only this name pattern: never a
+    complete checkpoint, never anything else in the directory)."""
+    for partial in root.glob(".step_*.partial"):
+        if partial.is_dir() and STEP_NAME.fullmatch(partial.name[1 : -len(".partial")]):
+            log.info("removing %s, left by an unfinished checkpoint save", partial)
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+SCRATCH_MARK = ".specdraft-scratch-run"
+
+
+def fresh_scratch_run(run_dir: str | os.PathLike) -> Path:
+    """An empty run dir for a benchmark's throwaway run, marked as such. An earlier one is deleted only when it carries
+    the mark (a benchmark made it); anything else at that path (a real run, a user's directory) is refused, so a
+    ``--work`` pointed at a runs folder never deletes a run."""
+    run_dir = Path(run_dir)
+    if run_dir.exists():
+        if not (run_dir / SCRATCH_MARK).is_file():
+            raise FileExistsError(f"{run_dir} exists and is not a benchmark's scratch run (no {SCRATCH_MARK}); it is "
+                                  f"left alone: pass another --work, or move it aside")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / SCRATCH_MARK).write_text("a benchmark's scratch run: deleted and rewritten by its next run\n")
+    return run_dir
 
 
 def step_of(path: Path) -> int:
@@ -271,14 +302,53 @@ def _node(drafter_cfg: Mapping) -> dict:
 # --- DeepSpeed shards: DeepSpeed reads them with torch.load(weights_only=False), i.e. unpickles them -------------
 
 
+KEY_NAME, KEY_BYTES = "checkpoint-signing.key", 32
+
+
 def _signing_key() -> bytes:
-    """This user's key for signing DeepSpeed checkpoints (created on first use, readable by the user only)."""
-    root = default_cache_dir().expanduser()
-    path = root / "checkpoint-signing.key"
-    if not path.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        write_file_atomically(path, lambda tmp: (tmp.write_bytes(secrets.token_bytes(32)), tmp.chmod(0o600)))
-    return path.read_bytes()
+    """This user's key for signing DeepSpeed checkpoints: 32 random bytes, created on first use readable by the user
+    only (created 0600 and linked into place, so two processes starting at once end up with the same key), and
+    checked on every use: a key that is short (an empty file signs with an empty HMAC key, which anyone can
+    reproduce) or that another user can read (who could then forge signatures) is refused, never used."""
+    path = default_cache_dir().expanduser() / KEY_NAME
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{KEY_NAME}.tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(KEY_BYTES))
+            os.fsync(fd)
+            os.close(fd)
+            os.link(tmp, path)  # never replaces a key another process created meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise PermissionError(f"the checkpoint signing key {path} can be read or written by other users (mode "
+                              f"{oct(mode & 0o777)}); anyone who reads it can forge the signature that guards DeepSpeed's "
+                              f"unpickling. Run `chmod 600 {path}`, or delete it to get a new key (DeepSpeed "
+                              f"checkpoints signed with the old one then no longer resume)")
+    key = path.read_bytes()
+    if len(key) < KEY_BYTES:
+        raise ValueError(f"the checkpoint signing key {path} holds {len(key)} bytes, fewer than {KEY_BYTES}; a short or "
+                         f"empty key lets anyone forge the signature that guards DeepSpeed's unpickling. Delete it; "
+                         f"the next DeepSpeed checkpoint creates a new random one (checkpoints signed with the old one "
+                         f"then no longer resume)")
+    return key
+
+
+def signing_key_problem(engine) -> str | None:
+    """Why this user's signing key cannot sign or check DeepSpeed state (None: it can), the same on every rank: the
+    main rank reads the key, so a run checks it once before training rather than failing on one rank mid-save."""
+    problem = None
+    if engine.is_main:
+        try:
+            _signing_key()
+        except (PermissionError, ValueError) as e:
+            problem = str(e)
+    return engine.broadcast_object(problem)
 
 
 def sign_shards(root: Path) -> dict:
@@ -298,7 +368,11 @@ def shard_problem(path: Path, state: Mapping) -> str | None:
     if not shards:
         return (f"checkpoint {path} holds DeepSpeed state with no signature; DeepSpeed would unpickle it "
                 f"(torch.load(weights_only=False)), which can run code; {fix}")
-    expected = hmac.new(_signing_key(), repr(sorted(shards["files"].items())).encode(), hashlib.sha256).hexdigest()
+    try:
+        key = _signing_key()
+    except (PermissionError, ValueError) as e:
+        return str(e)
+    expected = hmac.new(key, repr(sorted(shards["files"].items())).encode(), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, str(shards.get("hmac"))):
         return f"checkpoint {path}: the DeepSpeed state was not signed with this user's key; refusing to unpickle it; {fix}"
     actual = tree_digests(root) if root.is_dir() else {}

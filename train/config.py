@@ -14,6 +14,7 @@ then ``validate``) and passes them down: code below reads ``cfg.trainer.lr``, ne
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import math
@@ -105,9 +106,25 @@ def register_configs() -> None:
 def load_config(cfg: DictConfig) -> Config:
     """The composed Hydra config as typed objects (``Config``), checked once (``validate``): what an entry point
     passes down."""
+    _refuse_unknown_keys(cfg, Config)
     config = OmegaConf.to_object(cfg)
     validate(config)
     return config
+
+
+def _refuse_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """A key the typed schema does not have, added with ``+key=value`` (which Hydra lets past the schema), is a
+    misspelling like any other: refused, never stored and ignored. ``drafter`` and ``loss`` are open mappings whose
+    keys ``validate`` checks against the class or function they name."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node:
+        name = f"{prefix}{key}"
+        if key not in fields:
+            raise ValueError(f"unknown key {name} (from +{name}=... on the command line or a config file); valid keys"
+                             f"{' under ' + prefix[:-1] if prefix else ''}: {sorted(fields)}")
+        sub = OmegaConf.get_type(node, key) if isinstance(node[key], DictConfig) else None
+        if sub is not None and dataclasses.is_dataclass(sub):
+            _refuse_unknown_keys(node[key], sub, f"{name}.")
 
 
 def _resolve_target(path: str, key: str):

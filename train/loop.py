@@ -34,6 +34,7 @@ from distill.data import rows_fingerprint
 from distill.fused_kernels import fused_kernel
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
+from train.preemption import Preempted, StopFlag, stop_on_signals, stopped_line
 from train.config import Config
 from train.engine import TrainerConfig
 from inference.stats import simulated_tau
@@ -75,14 +76,15 @@ class BatchOrder:
 def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
           run_dir, logger, batch_source: Callable | None = None) -> dict:
     """``batch_source(batch, micro_batch_number)``: what replaces a collated batch before the teacher sees it
-    (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is."""
+    (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is. SIGTERM, SIGINT and
+    SIGUSR1 stop the run after the step they arrive in, checkpointed (``train.preemption``)."""
     with chunk_budget(cfg.trainer.loss_chunk_elements or default_chunk_elements(engine.device)), \
-            fused_kernel(cfg.trainer.fused_kernel):
-        return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source)
+            fused_kernel(cfg.trainer.fused_kernel), stop_on_signals() as stop:
+        return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source, stop)
 
 
 def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
-           run_dir, logger, batch_source: Callable | None) -> dict:
+           run_dir, logger, batch_source: Callable | None, stop: StopFlag) -> dict:
     t = cfg.trainer
     model, optimizer = engine.setup(drafter, lambda groups: torch.optim.AdamW(
         groups, lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay))
@@ -159,10 +161,17 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
             tokens_window.zero_()
             logger.log(last, step=step)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
+        # A signal (pre-emption, Ctrl-C) stops the run after this step, checkpointed: no finished step is lost.
+        signum = stop.agreed(engine) if step + 1 < t.steps else 0
         # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
-        if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps:
-            checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg.drafter, asdict(cfg.target), identity,
-                                       layout, t.keep_last, recipe=recipe, metrics=last)
+        if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps or signum:
+            saved = checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg.drafter, asdict(cfg.target),
+                                               identity, layout, t.keep_last, recipe=recipe, metrics=last)
+        if signum:
+            bar.close()
+            if engine.is_main:
+                log.warning(stopped_line(signum, step + 1, t.steps, saved))
+            raise Preempted(signum, step + 1)
     model.eval()
     return last
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -13,6 +14,7 @@ from hydra.utils import instantiate
 
 from distill.cache import open_teacher_cache
 from distill.data import ON_POLICY_MODES, build_train_dataset, collate
+from distill.lock import WriterLockedError, writer_lock
 from distill.onpolicy import OnPolicyBatches
 from distill.regenerate import load_regenerated
 from distill.teacher import load_teacher
@@ -22,6 +24,7 @@ from train.config import Config
 from train.engine import build_engine, resolve_batch, shard_target, world_from_env
 from train.logger import MetricsLogger
 from train.loop import train
+from train.preemption import Preempted
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +59,16 @@ def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = N
     if not engine.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # rank-0 logging; other ranks still report problems
     run_dir = _shared_run_dir(engine, Path(run_dir))
+    with _one_writer(engine, run_dir):
+        return _run(cfg, trainer, engine, run_dir, evaluate)
+
+
+def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None) -> dict | None:
     # Refuses, before anything is loaded or written, a fresh start over an earlier run's outputs or a checkpoint past
     # trainer.steps; the loop resumes from the same checkpoint.
     ckpt = checkpoint.resume_point(run_dir, trainer.resume, trainer.steps)
+    if engine.name == "deepspeed" and (problem := checkpoint.signing_key_problem(engine)):
+        raise ValueError(problem)  # its checkpoints are signed: a key that cannot sign is refused before training
     sharded = cfg.target.shard != "replicate"
     # A sharded target is loaded on the CPU and only its shards move to the device. Rank 0 goes first: a toy target
     # missing from the cache is built once, not by every rank at the same time.
@@ -90,8 +100,12 @@ def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = N
             log.info("training %s on %d blocks of %d tokens (data.mode=%s, trainer.engine=%s, %d rank(s), global "
                      "batch %d rows)", type(drafter).__name__, len(dataset), cfg.data.max_length, cfg.data.mode,
                      engine.name, engine.world_size, trainer.micro_batch_size * trainer.grad_accum * engine.world_size)
-            summary = train(cfg, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger,
-                            batch_source=batch_source)
+            try:
+                summary = train(cfg, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger,
+                                batch_source=batch_source)
+            except Preempted:  # checkpointed on every rank: leave the process group together, then exit
+                engine.close()
+                raise
             summary.update(drafter.after_training(teacher))
             weights = engine.model_state_dict()  # collective: the full weights, gathered on the main rank
         else:
@@ -111,6 +125,10 @@ def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = N
         # takes no rank waits on it (nor on a rank that failed: then no rank gets here, and the launcher stops all).
         engine.close()
         if evaluate is None or not cfg.eval.enabled or not engine.is_main:
+            if engine.is_main and not finished and (run_dir / "report.json").is_file():
+                log.warning("%s measured this run's earlier drafter, not the one just saved; exports leave it out of "
+                            "the model card. Evaluate again: python -m eval drafter_path=%s hydra.run.dir=%s",
+                            run_dir / "report.json", run_dir / "drafter", run_dir)
             return None
         if sharded:
             log.warning("target.shard=%s: the target is split over the ranks, so evaluation is left to "
@@ -121,6 +139,23 @@ def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = N
         return report
     finally:
         logger.close()
+
+
+@contextlib.contextmanager
+def _one_writer(engine, run_dir: Path):
+    """The run dir's writer lock (``distill.lock``), held by the main rank for the whole run; every rank refuses
+    when another job holds it (a requeued job while the old one still runs, the same command started twice)."""
+    with contextlib.ExitStack() as stack:
+        problem = None
+        if engine.is_main:
+            try:
+                stack.enter_context(writer_lock(run_dir, "hydra.run.dir"))
+            except WriterLockedError as e:
+                problem = str(e)
+        problem = engine.broadcast_object(problem)
+        if problem:
+            raise WriterLockedError(problem)
+        yield
 
 
 def _shared_run_dir(engine, run_dir: Path) -> Path:

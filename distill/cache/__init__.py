@@ -51,6 +51,7 @@ from torch.utils.data import Dataset
 from distill.atomic import write_file_atomically, write_text_atomically
 from distill.data import DataConfig, collate, source_fingerprint
 from distill.fingerprint import differences, file_digest, grouped, json_digest, vocab_digest
+from distill.lock import writer_lock
 from distill.teacher_output import TeacherOutput
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,13 @@ def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: DataCo
     for this config are kept. ``max_shards``: stop after writing that many new shards, returning None without a
     manifest (an interruption, for tests)."""
     layers = _check_write_args(teacher, layers, topk, dtype, shard_rows, batch_size)
-    cache_dir = Path(cache_dir)
+    with writer_lock(cache_dir, "cache.dir"):  # one writer: it sweeps temp files, which another's would be
+        return _write_cache(Path(cache_dir), teacher, dataset, data_cfg, layers, topk, dtype, shard_rows, batch_size,
+                            max_shards)
+
+
+def _write_cache(cache_dir: Path, teacher, dataset, data_cfg: DataConfig, layers: list[int], topk: int, dtype: str,
+                 shard_rows: int, batch_size: int, max_shards: int | None) -> dict | None:
     components = fingerprint_components(teacher, data_cfg, layers, topk, dtype)
     fp = fingerprint(components)
     _prepare_dir(cache_dir, fp, components)

@@ -9,6 +9,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+from distill.environment import check_run_dir_override, one_line_errors
 from distill.cache import STORE_DTYPES, write_cache
 from distill.data import build_train_dataset
 from distill.teacher import load_teacher
@@ -40,7 +41,9 @@ def build_cache(cfg: Config) -> dict:
 
 def main() -> None:
     register_configs()
+    check_run_dir_override()
 
+    @one_line_errors
     def run(cfg: DictConfig) -> None:
         build_cache(load_config(cfg))
 

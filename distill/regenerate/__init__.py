@@ -55,6 +55,7 @@ from distill.data import (
     pad_examples,
 )
 from distill.fingerprint import differences, vocab_digest
+from distill.lock import writer_lock
 from inference.batched import BatchedDecoder
 from inference.sampling import SamplingConfig
 
@@ -210,6 +211,9 @@ def _lines_to_keep(out: Path, total: int, batch_size: int) -> tuple[int, int]:
 def _prepare_out(out: Path, meta: Mapping, total: int, batch_size: int) -> int:
     """Write the sidecar or check it against an existing ``out``; returns the first prompt id still to decode."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():  # never advise deleting it: it is not something this command wrote
+        raise IsADirectoryError(f"regenerate.out={out} is a directory; regenerate.out names the jsonl file to write, "
+                                f"e.g. regenerate.out={out / 'regenerated.jsonl'}")
     if not out.exists():
         _write_meta(out, meta)
         out.touch()
@@ -260,7 +264,12 @@ def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt]
                       settings: Mapping) -> Path:
     """Decode every prompt with ``teacher`` into ``out`` (format: module docstring), resuming a started file."""
     check_settings(settings)
-    out, batch_size, tokenizer = Path(out), int(settings["batch_size"]), teacher.tokenizer
+    with writer_lock(out, "regenerate.out"):  # one writer: two jobs appending to one file would write rows twice
+        return _write_regenerated(Path(out), teacher, prompts, data_cfg, settings)
+
+
+def _write_regenerated(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping) -> Path:
+    batch_size, tokenizer = int(settings["batch_size"]), teacher.tokenizer
     start_id = _prepare_out(out, build_meta(teacher, data_cfg, settings), len(prompts), batch_size)
     if start_id == len(prompts):
         log.info("regenerate: %s already holds all %d prompts", out, len(prompts))
@@ -325,6 +334,11 @@ def _read_records(path: Path) -> list[dict]:
                 raise ValueError(f"data.regenerated: {path} line {number} has prompt_ids and prompt_loss_mask of "
                                  f"different lengths or a finish not in {FINISH_REASONS}; write the file with "
                                  f"`{WRITE_CMD}`")
+            if record["id"] != len(records):  # ids run 0, 1, ...: a repeat is a second writer's, a gap a lost batch
+                raise ValueError(f"data.regenerated: {path} line {number} has id {record['id']}, expected "
+                                 f"{len(records)} (records are written in prompt order, each once); the file was "
+                                 f"written by two jobs at once or edited. Regenerate it into a new file with "
+                                 f"`{WRITE_CMD} regenerate.out=<new file>`")
             records.append(record)
     return records
 

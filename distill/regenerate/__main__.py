@@ -10,6 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from distill.environment import check_run_dir_override, one_line_errors
 from distill.regenerate import WRITE_CMD, check_settings, prompts_from_data, write_regenerated
 from distill.teacher import load_teacher
 from train.config import Config, load_config, register_configs
@@ -30,7 +31,9 @@ def regenerate(cfg: Config) -> Path:
 
 def main() -> None:
     register_configs()
+    check_run_dir_override()
 
+    @one_line_errors
     def run(cfg: DictConfig) -> None:
         regenerate(load_config(cfg))
 

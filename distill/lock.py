@@ -1,0 +1,111 @@
+"""One writer per output: an OS-level lock on a run dir, a regeneration output or an offline teacher cache.
+
+The lock is ``flock`` on a small file beside what is written (``.<name>.lock``): the kernel drops it when the
+process ends, however it ends (kill -9, a node lost), so a killed job never leaves a stale lock behind and a requeued
+job takes over at once. The file holds who took it (host, pid, start time) so that a second writer is refused naming the holder;
+the file itself stays (deleting it while held would let a third process lock a new file of the same name).
+
+On Linux NFS ``flock`` is carried by the server's byte-range locks and so holds across nodes; a filesystem with no
+locking at all (e.g. Lustre mounted without ``flock``) gets a warning, and the run goes on unguarded.
+
+It lives in ``distill`` (whose regeneration and cache writers use it) because every other writer (train, eval) sits
+above it in the layer order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_held: dict[Path, int] = {}  # lock file -> open descriptor, while this process holds it
+
+
+class WriterLockedError(RuntimeError):
+    """Another live process writes the same output."""
+
+
+def lock_file_for(path: str | os.PathLike) -> Path:
+    """Where the lock of ``path`` lives: beside it, ``.<name>.lock`` in the same parent (of the path with symlinks
+    resolved, so two spellings of one output share one lock). Outside the output itself: taking the lock never
+    changes a file of a run dir, and a copied run dir carries no lock."""
+    path = Path(path).resolve()
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextlib.contextmanager
+def writer_lock(path: str | os.PathLike, what: str) -> Iterator[Path]:
+    """Hold the one-writer lock of ``path`` (a directory or a file, which need not exist yet) for the ``with`` block,
+    or raise ``WriterLockedError`` naming the process that holds it. ``what`` names the output in messages (e.g.
+    ``"hydra.run.dir"``). A lock this process already holds is held on (nested use: train, then evaluate)."""
+    lock = lock_file_for(path)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    if lock in _held:
+        yield lock
+        return
+    fd = _take(lock, path, what)
+    if fd is not None:
+        _held[lock] = fd
+    try:
+        yield lock
+    finally:
+        if fd is not None:
+            del _held[lock]
+            os.close(fd)  # closing the only descriptor drops the flock
+
+
+def _take(lock: Path, path, what: str) -> int | None:
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = read_holder(fd)
+        os.close(fd)
+        raise WriterLockedError(
+            f"{what}={path} is being written by another process ({holder}); two writers would interleave their "
+            f"files. Wait for it to finish (or stop it), or write to another {what}") from None
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        log.warning("%s=%s: this filesystem does not support file locks (%s); nothing stops a second job from "
+                    "writing the same output", what, path, e.strerror)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
+    return fd
+
+
+def read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"host {info['host']}, pid {info['pid']}, started {info['started']}"
+    except (ValueError, KeyError, OSError):
+        return "holder unknown"
+
+
+_process_locks = contextlib.ExitStack()  # locks held until this process ends (closed with it)
+
+
+def claim_run_dir(argv: Sequence[str], what: str = "hydra.run.dir") -> None:
+    """Take the run dir's writer lock for the rest of the process, before Hydra writes ``.hydra/`` and its log there:
+    a second job refused later would already have rewritten the first one's ``.hydra/config.yaml``. The dir is the
+    command line's ``hydra.run.dir=``, else ``$SPECDRAFT_RUN_DIR`` (``scripts/train.sh``); with neither, Hydra picks a
+    fresh timestamped one and the run takes its lock later (``train.run``, ``eval.run``). Only the main rank of a
+    multi-process launch (``RANK`` unset or 0) locks."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    given = [token.partition("=")[2] for token in argv if token.lstrip("+").partition("=")[0] == "hydra.run.dir"]
+    run_dir = given[-1] if given else os.environ.get("SPECDRAFT_RUN_DIR")
+    if run_dir:
+        _process_locks.enter_context(writer_lock(Path(run_dir).expanduser(), what))
