@@ -86,6 +86,7 @@ class StepDecoder:
         self._states: dict[tuple, Steps] = {}
         self._fns: dict[tuple, object] = {}
         self._pool = None
+        self._static: dict[tuple, tuple] = {}  # (drafter, buffers, sampling) -> (drafter, its StaticDraft or None)
         self.fallback_reason: str | None = None  # why a CUDA graph recording fell back to the eager step
 
     # --- state and step functions ----------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ class StepDecoder:
             steps = Steps(self.model, self.layout, _capacity(columns), self.teacher.vocab_size, hf, max_nodes, rows,
                           probs=probs, shapes=self._shapes)
             self._states[key] = steps
-            self._fns = {k: f for k, f in self._fns.items() if k[0] != key}
+            self._fns = {k: f for k, f in self._fns.items() if k[0] in {id(s) for s in self._states.values()}}
         return steps
 
     def _step(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig) -> None:
@@ -170,6 +171,17 @@ class StepDecoder:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             yield
 
+    def _static_draft(self, drafter: Proposer, steps: Steps, sampling: SamplingConfig):
+        """The drafter's static step for these buffers (built once and kept: its buffers are what recorded steps
+        read), or None."""
+        if not hasattr(drafter, "static_draft"):
+            return None
+        key = (id(drafter), id(steps), sampling)
+        if key not in self._static:
+            self._static[key] = (drafter, drafter.static_draft(steps.committed, steps.cache.capacity, sampling,
+                                                               self.generator))
+        return self._static[key][1]
+
     def _first(self, logits_V: Tensor, sampling: SamplingConfig) -> Tensor:
         if sampling.greedy:
             return logits_V.argmax(-1, keepdim=True)
@@ -213,15 +225,14 @@ class StepDecoder:
         layers = tuple(drafter.teacher_layers)
         probs = not sampling.greedy
         steps = self.state(P + max_new_tokens + MAX_NODES + 1, layers, MAX_NODES, 1 + num_draft, probs)
-        static = drafter.static_draft(steps.committed, steps.cache.capacity, sampling, self.generator) \
-            if hasattr(drafter, "static_draft") else None
+        static = self._static_draft(drafter, steps, sampling)
         steps.use_draft(static.buffers if static is not None else None)
         if static is not None:
             T = static.buffers.tokens_T.shape[0]
             if T > MAX_NODES:
                 raise ValueError(f"drafter {drafter.name!r} drafts {T} nodes per step; the step decoder holds at most "
                                  f"{MAX_NODES}: lower its total_tokens")
-            steps.cache.positions(1 + T)
+            steps.cache.declare(1 + T)
             static_parents = None if static.buffers.chain else static.buffers.parents_T.cpu()
         gen = Generation(new_tokens=[], seconds=0.0)
         sync(self.device)
@@ -230,6 +241,7 @@ class StepDecoder:
             logits, hidden = steps.prefill(prompt_ids[0].to(self.device), self.prefill_kw)
             nxt = self._first(logits, sampling)
             steps.pending.copy_(nxt[0])
+            steps.committed.pending.copy_(nxt[0])
             new = [int(nxt)]
             seq = torch.empty(1, P + max_new_tokens + MAX_NODES + 1, dtype=torch.long, device=self.device)
             seq[0, :P].copy_(prompt_ids[0])

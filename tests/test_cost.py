@@ -130,7 +130,7 @@ def test_batch_one_keeps_its_cache_dense(tiny_teacher, monkeypatch):
 
     monkeypatch.setattr(dec.loop, "_verify", verify)
     prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(2))
-    gen = dec.speculative(drafter, prompt, 40, 3)
+    gen = dec.speculative_eager(drafter, prompt, 40, 3)
     assert gen.new_tokens == dec.plain(prompt, 40).new_tokens
     assert len(seen) >= 5 and all(path == [1] for path, *_ in seen)  # node 0 rejected: a hole without the copy
     for path, valid, length, pos in seen:  # the cached tokens (pos), the pending one, the accepted node: no more

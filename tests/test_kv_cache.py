@@ -79,7 +79,7 @@ def test_decoder_verifies_through_the_preallocated_cache(monkeypatch):
         hf = teacher.model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, prompt.shape[1]:]
         assert ref == hf.tolist()
         for drafter in (chain, tree):
-            assert dec.speculative(drafter, prompt, 20, num_draft=3).new_tokens == ref, f"prompt {i}"
+            assert dec.speculative_eager(drafter, prompt, 20, num_draft=3).new_tokens == ref, f"prompt {i}"
     assert set(seen) == {PreallocatedCache}
 
 
