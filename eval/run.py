@@ -20,7 +20,7 @@ from distill.data import default_prefix_ids
 from distill.prompts import heldout_prompts, prompt_records_from_file
 from distill.teacher import load_teacher, target_config
 from eval import saved as saved_settings
-from eval.baselines import hf_assisted, hf_generate
+from eval.baselines import hf_assisted, hf_generate, hf_generate_static
 from eval.batch_sweep import batch_sweep
 from eval.mismatch import MAX_KEPT, Mismatch, logit_gap, mismatch
 from eval.report import DEFINITIONS, machine_info, summary_table, write_report
@@ -234,6 +234,9 @@ def _hf_baselines(teacher, drafters: Mapping, eval_cfg: EvalConfig, decoder: Dec
         return Generation(new_tokens=decoder.finish(out["new_tokens"], max_new), seconds=out["seconds"])
 
     runs = {"hf_generate": lambda p, seed: wrap(hf_generate(teacher, p, max_new, decoder.sampling, eos, seed=seed))}
+    if teacher.device.type == "cuda":  # compiled with CUDA graphs by generate itself: a CUDA-only reference
+        runs["hf_generate_static"] = lambda p, seed: wrap(
+            hf_generate_static(teacher, p, max_new, decoder.sampling, eos, seed=seed))
     for name, drafter in drafters.items():
         if drafter.assistant_model is not None and decoder.lossless:
             runs[f"hf_assisted[{name}]"] = lambda p, seed, m=drafter.assistant_model: wrap(

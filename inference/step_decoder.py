@@ -13,8 +13,9 @@ Per decode: the prompt runs eagerly into the static cache; then per step the hos
 
 Batch > 1 stays on the eager ``inference.batched.BatchedDecoder`` (batch buckets come later).
 
-CUDA graphs (``decoder.cuda_graphs``): each bucket's step is recorded with ``torch.cuda.graph`` on first use (one
-eager warm-up, decode state restored around it, graphs sharing one memory pool) and replayed afterwards; the
+CUDA graphs (``decoder.cuda_graphs``): each bucket's step (and a static drafter's draft step) runs eagerly on a side
+stream the first time (a real step that warms up the libraries), is recorded with ``torch.cuda.graph`` the second
+(graphs share one memory pool) and replayed from then on; the
 attention backend is pinned (no cuDNN attention, whose per-shape plans the static shapes would not need anyway but
 whose choice must not change under a recording); a recording that fails falls back to the eager step, with the
 reason logged. ``decoder.compile`` compiles the step functions instead (``mode="reduce-overhead"`` on CUDA).
@@ -102,7 +103,8 @@ class StepDecoder:
             steps = Steps(self.model, self.layout, _capacity(columns), self.teacher.vocab_size, hf, max_nodes, rows,
                           probs=probs, shapes=self._shapes)
             self._states[key] = steps
-            self._fns = {k: f for k, f in self._fns.items() if k[0] in {id(s) for s in self._states.values()}}
+            live = {id(s) for s in self._states.values()}
+            self._fns = {k: f for k, f in self._fns.items() if k[0] in live or k[0] == "draft"}
         return steps
 
     def _step(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig) -> None:
@@ -118,47 +120,26 @@ class StepDecoder:
     def _make(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig):
         fn = (functools.partial(steps.plain, sampling) if bucket.nodes == 0
               else functools.partial(steps.verify, bucket, sampling))
+        return self._wrap(fn)
+
+    def _wrap(self, fn):
+        """``fn`` as this decoder runs a step: compiled, recorded as a CUDA graph, or as it is."""
         if self.compile:
             kw = {"backend": self.compile_backend} if self.compile_backend else {}
             if self.device.type == "cuda" and not self.compile_backend:
                 kw["mode"] = "reduce-overhead"
             return torch.compile(fn, fullgraph=True, dynamic=False, **kw)
         if self.graphs:
-            return self._record(steps, fn)
+            return _Recorded(fn, self)
         return fn
 
-    def _record(self, steps: Steps, fn):
-        """A CUDA graph of ``fn``: one eager warm-up on a side stream, then the recording; the decode state the
-        step advances is restored around both, so the first real step is the first replay."""
-        c = steps.committed
-        state = [steps.cache.length, steps.pending, steps.out, c.ids_M, c.count, c.position, c.pending,
-                 *c.hidden_M.values()]
-        saved = [t.clone() for t in state]
-
-        def restore():
-            for t, s in zip(state, saved):
-                t.copy_(s)
-
-        try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            restore()
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                fn()
-            restore()
-        except Exception as e:  # noqa: BLE001 - any failure to record: decode eagerly, and say why
-            restore()
-            self.fallback_reason = f"{type(e).__name__}: {e}"
-            log.warning("CUDA graph recording of a decode step failed (%s); this step runs eagerly",
-                        self.fallback_reason)
-            return fn
-        return graph.replay
+    def _draft_step(self, static):
+        """The static drafter's ``draft`` as this decoder runs a step (recorded / compiled like the verify steps)."""
+        key = ("draft", id(static))
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self._wrap(static.draft)
+        return fn
 
     @contextlib.contextmanager
     def _pinned(self):
@@ -257,7 +238,7 @@ class StepDecoder:
             while len(new) < max_new_tokens and (self.eos_token_id is None or self.eos_token_id not in new):
                 t0 = time.perf_counter()
                 if static is not None:
-                    static.draft()
+                    self._draft_step(static)()
                     T, chain, parents = static.buffers.tokens_T.shape[0], static.buffers.chain, static_parents
                     bucket, size = self._bucket(steps, T, chain), T
                     tree = None
@@ -333,6 +314,47 @@ class StepDecoder:
         if flags & 2:
             raise_bad_parents(tree.parents)
         raise_bad_tokens(tree.tokens, vocab)
+
+
+class _Recorded:
+    """A step as a CUDA graph. Its first call runs it eagerly on a side stream (a real step, which also warms up
+    every library it touches, as a recording needs); its second records it (recording runs nothing, so no decode
+    state moves) and replays it; later calls replay. A recording that fails leaves the step eager, with the reason
+    logged (``StepDecoder.fallback_reason``)."""
+
+    def __init__(self, fn, owner: StepDecoder):
+        self.fn, self.owner, self.calls, self.graph, self.failed = fn, owner, 0, None, False
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self.calls += 1
+        if self.failed:
+            self.fn()
+        elif self.calls == 1:
+            device = self.owner.device
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self.fn()
+            torch.cuda.current_stream(device).wait_stream(stream)
+        else:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                if self.owner._pool is None:
+                    self.owner._pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self.owner._pool):
+                    self.fn()
+            except Exception as e:  # noqa: BLE001 - any failure to record: decode eagerly, and say why
+                self.failed = True
+                self.owner.fallback_reason = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph recording of a decode step failed (%s); it runs eagerly",
+                            self.owner.fallback_reason)
+                self.fn()
+                return
+            self.graph = graph
+            graph.replay()
 
 
 __all__ = ["StepDecoder", "NeedsEagerLoop", "resolve_graphs", "CUDA_GRAPHS", "TREE_BUCKET"]
