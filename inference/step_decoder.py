@@ -175,37 +175,58 @@ class StepDecoder:
     # --- decoding --------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def plain(self, prompt_ids: Tensor, max_new_tokens: int, sampling: SamplingConfig | None = None) -> Generation:
-        sampling = sampling or self.sampling
         check_prompt(prompt_ids, max_new_tokens, 0, self.teacher.max_positions)
-        P = prompt_ids.shape[1]
-        steps = self.state(P + max_new_tokens + 1)
         sync(self.device)
         start = time.perf_counter()
         with self._pinned():
-            logits, _ = steps.prefill(prompt_ids[0].to(self.device), self.prefill_kw)
-            nxt = self._first(logits, sampling)
-            steps.pending.copy_(nxt[0])
-            out = [int(nxt)]
-            while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
-                self._step(steps, self._bucket(steps, 0, True), sampling)
-                out.append(int(steps.out[3]))  # the step's one read-back
-                steps.cache.host_length += 1
+            run = self.session(None, prompt_ids, max_new_tokens, 0, sampling)
+            while len(run.new) < max_new_tokens and run.new[-1] != self.eos_token_id:
+                run.plain_step()
         sync(self.device)
-        return Generation(new_tokens=finish(out, max_new_tokens, self.eos_token_id),
+        return Generation(new_tokens=finish(run.new, max_new_tokens, self.eos_token_id),
                           seconds=time.perf_counter() - start)
 
     @torch.no_grad()
     def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int,
                     sampling: SamplingConfig | None = None) -> Generation:
-        sampling = sampling or self.sampling
         check_vocab(drafter, self.teacher.vocab_size)
         check_prompt(prompt_ids, max_new_tokens, num_draft, self.teacher.max_positions)
         if num_draft < 1:
             return self.plain(prompt_ids, max_new_tokens, sampling)
-        P, vocab = prompt_ids.shape[1], self.teacher.vocab_size
-        layers = tuple(drafter.teacher_layers)
-        probs = not sampling.greedy
-        steps = self.state(P + max_new_tokens + MAX_NODES + 1, layers, MAX_NODES, 1 + num_draft, probs)
+        sync(self.device)
+        start = time.perf_counter()
+        with self._pinned():
+            run = self.session(drafter, prompt_ids, max_new_tokens, num_draft, sampling)
+            sync(self.device)
+            gen = run.gen
+            gen.prefill_seconds = time.perf_counter() - start
+            while len(run.new) < max_new_tokens and (self.eos_token_id is None or self.eos_token_id not in run.new):
+                t0 = time.perf_counter()
+                run.draft(min(num_draft, max_new_tokens - len(run.new)))
+                sync(self.device)
+                t1 = time.perf_counter()
+                run.verify()
+                sync(self.device)
+                t2 = time.perf_counter()
+                gen.draft_seconds += t1 - t0
+                gen.verify_seconds += t2 - t1
+        sync(self.device)
+        gen.seconds = time.perf_counter() - start
+        gen.new_tokens = finish(run.new, max_new_tokens, self.eos_token_id)
+        return gen
+
+    def session(self, drafter: Proposer | None, prompt_ids: Tensor, max_new_tokens: int, num_draft: int,
+                sampling: SamplingConfig | None = None) -> "Session":
+        """A sequence prefilled and ready to step (``Session``): room for ``max_new_tokens`` committed tokens; a
+        drafter (None: plain steps only) drafting at most ``num_draft`` deep. The caller pins the attention backend
+        (``_pinned``) around the decode."""
+        sampling = sampling or self.sampling
+        P = prompt_ids.shape[1]
+        if drafter is None:
+            steps = self.state(P + max_new_tokens + 1)
+            return Session(self, steps, None, None, prompt_ids, sampling, 0, max_new_tokens)
+        steps = self.state(P + max_new_tokens + MAX_NODES + 1, tuple(drafter.teacher_layers), MAX_NODES,
+                           1 + num_draft, not sampling.greedy)
         static = self._static_draft(drafter, steps, sampling)
         steps.use_draft(static.buffers if static is not None else None)
         if static is not None:
@@ -214,73 +235,7 @@ class StepDecoder:
                 raise ValueError(f"drafter {drafter.name!r} drafts {T} nodes per step; the step decoder holds at most "
                                  f"{MAX_NODES}: lower its total_tokens")
             steps.cache.declare(1 + T)
-            static_parents = None if static.buffers.chain else static.buffers.parents_T.cpu()
-        gen = Generation(new_tokens=[], seconds=0.0)
-        sync(self.device)
-        start = time.perf_counter()
-        with self._pinned():
-            logits, hidden = steps.prefill(prompt_ids[0].to(self.device), self.prefill_kw)
-            nxt = self._first(logits, sampling)
-            steps.pending.copy_(nxt[0])
-            steps.committed.pending.copy_(nxt[0])
-            new = [int(nxt)]
-            seq = torch.empty(1, P + max_new_tokens + MAX_NODES + 1, dtype=torch.long, device=self.device)
-            seq[0, :P].copy_(prompt_ids[0])
-            seq[0, P].copy_(nxt[0])
-            m = P + 1
-            if static is not None:
-                static.prefill(prompt_ids[0].to(self.device), hidden, steps.pending)
-            else:
-                drafter.reset(int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device)))
-                drafter.observe({i: h[None] for i, h in hidden.items()})
-            sync(self.device)
-            gen.prefill_seconds = time.perf_counter() - start
-            while len(new) < max_new_tokens and (self.eos_token_id is None or self.eos_token_id not in new):
-                t0 = time.perf_counter()
-                if static is not None:
-                    self._draft_step(static)()
-                    T, chain, parents = static.buffers.tokens_T.shape[0], static.buffers.chain, static_parents
-                    bucket, size = self._bucket(steps, T, chain), T
-                    tree = None
-                else:
-                    depth = min(num_draft, max_new_tokens - len(new))
-                    tree = drafter.propose(seq[:, :m], depth, sampling)
-                    tree.check_shape(vocab)
-                    N, size, chain, parents = self._load(steps, tree, num_draft, sampling)
-                    bucket = self._bucket(steps, N, chain)
-                sync(self.device)
-                t1 = time.perf_counter()
-                context = steps.cache.host_length
-                self._step(steps, bucket, sampling)
-                values = steps.out[: bucket.packed].tolist()  # the step's one read-back
-                count, depth_seen, flags = values[:3]
-                N = bucket.nodes
-                if flags:
-                    self._raise(flags, tree if tree is not None else DraftTree(
-                        static.buffers.tokens_T.clone(), static.buffers.parents_T.clone()), vocab)
-                path, committed = values[3: 3 + count], values[3 + N: 4 + N + count]
-                steps.cache.host_length += 1 + count
-                seq[0, m: m + 1 + count].copy_(steps.out[3 + N: 4 + N + count])
-                m += 1 + count
-                gen.stats.update(size if chain else depth_seen, count)
-                gen.nodes_per_forward[size] += 1
-                if size not in gen.shapes:
-                    gen.shapes[size] = (torch.arange(-1, size - 1) if chain else parents[:size].cpu())
-                gen.node_accepts[size].update(path)
-                gen.context_tokens += context + 1
-                if static is None:
-                    c = steps.committed
-                    drafter.observe({i: h[: 1 + count].clone()[None] for i, h in c.hidden_M.items()})
-                    drafter.accepted(path, committed)
-                new.extend(committed)
-                sync(self.device)
-                t2 = time.perf_counter()
-                gen.draft_seconds += t1 - t0
-                gen.verify_seconds += t2 - t1
-        sync(self.device)
-        gen.seconds = time.perf_counter() - start
-        gen.new_tokens = finish(new, max_new_tokens, self.eos_token_id)
-        return gen
+        return Session(self, steps, drafter, static, prompt_ids, sampling, num_draft, max_new_tokens)
 
     def _load(self, steps: Steps, tree: DraftTree, num_draft: int, sampling: SamplingConfig):
         """An eager proposal into the step's fixed draft buffers: (bucket nodes, real nodes, chain, parents)."""
@@ -314,6 +269,99 @@ class StepDecoder:
         if flags & 2:
             raise_bad_parents(tree.parents)
         raise_bad_tokens(tree.tokens, vocab)
+
+
+class Session:
+    """One sequence on a ``StepDecoder``'s buffers: prefilled at construction, then ``plain_step``, or ``draft``
+    followed by ``verify``, each one step of the real loop on the moving context (what ``inference.cost`` times)."""
+
+    def __init__(self, dec: StepDecoder, steps: Steps, drafter: Proposer | None, static, prompt_ids: Tensor,
+                 sampling: SamplingConfig, num_draft: int, max_new_tokens: int):
+        self.dec, self.steps, self.drafter, self.static = dec, steps, drafter, static
+        self.sampling, self.num_draft = sampling, num_draft
+        self.vocab = dec.teacher.vocab_size
+        self.gen = Generation(new_tokens=[], seconds=0.0)
+        P = prompt_ids.shape[1]
+        prompt = prompt_ids[0].to(dec.device)
+        logits, hidden = steps.prefill(prompt, dec.prefill_kw)
+        nxt = dec._first(logits, sampling)
+        steps.pending.copy_(nxt[0])
+        steps.committed.pending.copy_(nxt[0])
+        self.new = [int(nxt)]
+        self.seq = torch.empty(1, P + max_new_tokens + MAX_NODES + 1, dtype=torch.long, device=dec.device)
+        self.seq[0, :P].copy_(prompt)
+        self.seq[0, P].copy_(nxt[0])
+        self.m = P + 1
+        self.static_parents = None
+        self._next = None  # (bucket, size, chain, parents, tree) of the drafted proposal
+        if static is not None:
+            static.prefill(prompt, hidden, steps.pending)
+            if not static.buffers.chain:
+                self.static_parents = static.buffers.parents_T.cpu()
+        elif drafter is not None:
+            drafter.reset(int(torch.randint(0, 2**62, (1,), generator=dec.generator, device=dec.device)))
+            drafter.observe({i: h[None] for i, h in hidden.items()})
+
+    def plain_step(self) -> int:
+        """One plain step: the next token (read back)."""
+        steps = self.steps
+        self.dec._step(steps, self.dec._bucket(steps, 0, True), self.sampling)
+        token = int(steps.out[3])  # the step's one read-back
+        steps.cache.host_length += 1
+        self.new.append(token)
+        return token
+
+    def draft(self, depth: int) -> None:
+        """The drafter's proposal for the next ``verify``: its static step, or an eager proposal of at most
+        ``depth`` (copied into the step's buffers)."""
+        dec, steps = self.dec, self.steps
+        if self.static is not None:
+            steps.use_draft(self.static.buffers)
+            dec._draft_step(self.static)()
+            b = self.static.buffers
+            T = b.tokens_T.shape[0]
+            self._next = (dec._bucket(steps, T, b.chain), T, b.chain, self.static_parents, None)
+            return
+        tree = self.drafter.propose(self.seq[:, : self.m], depth, self.sampling)
+        tree.check_shape(self.vocab)
+        N, size, chain, parents = dec._load(steps, tree, self.num_draft, self.sampling)
+        self._next = (dec._bucket(steps, N, chain), size, chain, parents, tree)
+
+    def load(self, tree: DraftTree, num_draft: int | None = None) -> None:
+        """Verify ``tree`` next instead of a drafted proposal (the cost model's random trees of a shape), a chain in
+        the bucket of a decode drafting ``num_draft`` (default: this session's)."""
+        N, size, chain, parents = self.dec._load(self.steps, tree, num_draft or self.num_draft, self.sampling)
+        self.steps.use_draft(None)
+        self._next = (self.dec._bucket(self.steps, N, chain), size, chain, parents, tree)
+
+    def verify(self) -> tuple[list[int], list[int]]:
+        """Verify the proposal: (accepted path, committed tokens); the drafter is handed the committed rows."""
+        dec, steps, gen = self.dec, self.steps, self.gen
+        bucket, size, chain, parents, tree = self._next
+        context = steps.cache.host_length
+        dec._step(steps, bucket, self.sampling)
+        N = bucket.nodes
+        values = steps.out[: bucket.packed].tolist()  # the step's one read-back
+        count, depth_seen, flags = values[:3]
+        if flags:
+            dec._raise(flags, tree if tree is not None else DraftTree(
+                steps.draft.tokens_T.clone(), steps.draft.parents_T.clone()), self.vocab)
+        path, committed = values[3: 3 + count], values[3 + N: 4 + N + count]
+        steps.cache.host_length += 1 + count
+        self.seq[0, self.m: self.m + 1 + count].copy_(steps.out[3 + N: 4 + N + count])
+        self.m += 1 + count
+        gen.stats.update(size if chain else depth_seen, count)
+        gen.nodes_per_forward[size] += 1
+        if size not in gen.shapes:
+            gen.shapes[size] = torch.arange(-1, size - 1) if chain else parents[:size].cpu()
+        gen.node_accepts[size].update(path)
+        gen.context_tokens += context + 1
+        if self.static is None and self.drafter is not None:
+            c = steps.committed
+            self.drafter.observe({i: h[: 1 + count].clone()[None] for i, h in c.hidden_M.items()})
+            self.drafter.accepted(path, committed)
+        self.new.extend(committed)
+        return path, committed
 
 
 class _Recorded:
@@ -357,4 +405,4 @@ class _Recorded:
             graph.replay()
 
 
-__all__ = ["StepDecoder", "NeedsEagerLoop", "resolve_graphs", "CUDA_GRAPHS", "TREE_BUCKET"]
+__all__ = ["StepDecoder", "Session", "NeedsEagerLoop", "resolve_graphs", "CUDA_GRAPHS", "TREE_BUCKET"]

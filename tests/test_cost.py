@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heads.base import Drafter
-from inference.cost import measure_parts, overhead_ratio
+from inference.cost import measure, measure_parts, overhead_ratio
 from inference.decoder import Decoder
 from inference.kv_cache import TREE_HEADROOM, PreallocatedCache
 from inference.tree import DraftTree
@@ -100,8 +100,8 @@ def test_the_parts_add_up_to_the_decode_that_runs(tiny_teacher):
         steps = sum(gen.nodes_per_forward.values())
         assert steps >= 6
         context = torch.cat([prompt, torch.tensor([gen.new_tokens[:6]])], 1)
-        parts = measure_parts(dec, drafter, context, [3], gen.shapes, repeats=5, catch_up=max(1, round(gen.stats.tau)),
-                              max_new_tokens=24)
+        parts = measure(dec, drafter, context, [3], gen.shapes, repeats=5, catch_up=max(1, round(gen.stats.tau)),
+                        max_new_tokens=24, chain_nodes=3)  # the parts of the decode that runs (the step path)
     finally:
         handle.remove()
     per_step = (gen.draft_seconds + gen.verify_seconds) / steps

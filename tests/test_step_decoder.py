@@ -359,3 +359,23 @@ def test_a_failed_recording_falls_back_to_the_eager_step_and_says_why(tiny_teach
     assert dec.plain(prompt, 20).new_tokens == ref
     assert "operation not permitted" in dec.steps.fallback_reason
     assert dec.speculative(drafter, prompt, 20, num_draft=GAMMA).new_tokens == ref
+
+
+def test_cost_model_times_the_step_that_runs_on_a_moving_context(tiny_teacher, monkeypatch):
+    """``measure_steps`` times the step decoder's own steps, and no two timed verifications see the same context."""
+    from inference.cost import measure_steps
+    from inference.step_decoder import Session
+
+    contexts, original = [], Session.verify
+
+    def verify(self):
+        contexts.append(self.steps.cache.host_length)
+        return original(self)
+
+    monkeypatch.setattr(Session, "verify", verify)
+    drafter = make("medusa_tree", tiny_teacher)
+    shapes = {3: torch.tensor([-1, 0, 0]), 2: torch.tensor([-1, 0])}
+    parts = measure_steps(Decoder(tiny_teacher), drafter, prompts()[0], [1, 3], shapes, repeats=3)
+    assert set(parts["t_verify_measured"]) == {0, 2, 3} and set(parts["t_draft"]) == {1, 3}
+    assert all(t > 0 for t in [parts["t_plain"], parts["t_prefill"], *parts["t_draft"].values()])
+    assert len(contexts) == 4 * (3 + 2) and len(set(contexts)) == len(contexts), contexts  # always moving
