@@ -390,6 +390,8 @@ class _Recorded:
         else:
             try:
                 graph = torch.cuda.CUDAGraph()
+                if hasattr(graph, "register_generator_state"):  # a static drafter may sample inside its step
+                    graph.register_generator_state(self.owner.generator)
                 if self.owner._pool is None:
                     self.owner._pool = torch.cuda.graph_pool_handle()
                 with torch.cuda.graph(graph, pool=self.owner._pool):

@@ -43,7 +43,7 @@ class TableDrafter:
     def __init__(self, teacher, gamma: int = GAMMA):
         V = teacher.vocab_size
         self.dims = TargetDims(teacher.hidden_size, V, teacher.num_layers)
-        ids = torch.arange(V).view(V, 1)
+        ids = torch.arange(V, device=teacher.device).view(V, 1)
         with torch.no_grad():
             for _ in range(gamma):
                 ids = torch.cat([ids, teacher.model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
@@ -62,7 +62,7 @@ class TableDrafter:
 
     def _spoil(self, chain, step):
         """From node ``step % (γ + 1)`` on, a token the target did not predict: accepted lengths vary."""
-        wrong = torch.arange(self.gamma) >= step % (self.gamma + 1)
+        wrong = torch.arange(self.gamma, device=chain.device) >= step % (self.gamma + 1)
         return torch.where(wrong, (chain + 1) % self.dims.vocab_size, chain)
 
     def propose(self, tokens, max_depth, sampling):
@@ -379,3 +379,23 @@ def test_cost_model_times_the_step_that_runs_on_a_moving_context(tiny_teacher, m
     assert set(parts["t_verify_measured"]) == {0, 2, 3} and set(parts["t_draft"]) == {1, 3}
     assert all(t > 0 for t in [parts["t_plain"], parts["t_prefill"], *parts["t_draft"].values()])
     assert len(contexts) == 4 * (3 + 2) and len(set(contexts)) == len(contexts), contexts  # always moving
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by the GPU recipe)")
+def test_cuda_graphs_replay_token_identically_on_cuda():
+    from distill.teacher import Teacher
+    from inference.step_decoder import _Recorded
+    from tests.conftest import make_tiny_llama
+
+    teacher = Teacher(make_tiny_llama().cuda(), tokenizer=None, name="tiny-cuda")
+    graphed, eager = Decoder(teacher), Decoder(teacher, cuda_graphs="off")
+    assert graphed.steps.graphs and not eager.steps.graphs
+    drafters = {"table": TableDrafter(teacher), "lookup": make("lookup", teacher),
+                "medusa_tree": make("medusa_tree", teacher).cuda()}
+    for prompt in prompts()[:2]:
+        ref = eager.plain_eager(prompt, 40).new_tokens
+        assert graphed.plain(prompt, 40).new_tokens == eager.plain(prompt, 40).new_tokens == ref
+        for name, drafter in drafters.items():
+            assert graphed.speculative(drafter, prompt, 40, num_draft=GAMMA).new_tokens == ref, name
+    assert graphed.steps.fallback_reason is None
+    assert any(isinstance(f, _Recorded) and f.graph is not None for f in graphed.steps._fns.values())
