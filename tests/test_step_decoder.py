@@ -40,15 +40,17 @@ class TableDrafter:
     dynamic_tree = False
     tree = None
 
-    def __init__(self, teacher, gamma: int = GAMMA):
+    def __init__(self, teacher, gamma: int = GAMMA, spoil: bool = True, context=None):
         V = teacher.vocab_size
         self.dims = TargetDims(teacher.hidden_size, V, teacher.num_layers)
         ids = torch.arange(V, device=teacher.device).view(V, 1)
+        if context is not None:  # continuations of context + x instead of the lone x
+            ids = torch.cat([context.to(teacher.device).expand(V, -1), ids], 1)
         with torch.no_grad():
             for _ in range(gamma):
                 ids = torch.cat([ids, teacher.model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-        self.table = ids[:, 1:].contiguous()  # [V, γ]
-        self.gamma = gamma
+        self.table = ids[:, -gamma:].contiguous()  # [V, γ]
+        self.gamma, self.spoil = gamma, spoil
         self.steps = 0
 
     # the eager protocol
@@ -62,7 +64,7 @@ class TableDrafter:
 
     def _spoil(self, chain, step):
         """From node ``step % (γ + 1)`` on, a token the target did not predict: accepted lengths vary."""
-        wrong = torch.arange(self.gamma, device=chain.device) >= step % (self.gamma + 1)
+        wrong = (torch.arange(self.gamma, device=chain.device) >= step % (self.gamma + 1)) & self.spoil
         return torch.where(wrong, (chain + 1) % self.dims.vocab_size, chain)
 
     def propose(self, tokens, max_depth, sampling):
@@ -399,3 +401,28 @@ def test_cuda_graphs_replay_token_identically_on_cuda():
             assert graphed.speculative(drafter, prompt, 40, num_draft=GAMMA).new_tokens == ref, name
     assert graphed.steps.fallback_reason is None
     assert any(isinstance(f, _Recorded) and f.graph is not None for f in graphed.steps._fns.values())
+
+
+@pytest.mark.parametrize("kind", ["plain", "table"])
+def test_sampling_through_the_steps_is_distributed_as_the_target(kind):
+    """Temperature 1 on a 4-token vocabulary: 3 new tokens drawn 3000 times through the step path (plain steps'
+    inverse-CDF draws, and a static drafter's point-mass chain under rejection sampling) match the exact joint."""
+    from distill.teacher import Teacher
+    from tests.test_lossless_sampling import LENGTH, _exact_continuations, _tiny, tv
+
+    teacher = Teacher(_tiny(0), tokenizer=None, name="tiny-v4")
+    prompt = torch.tensor([[1, 2, 3]])
+    exact = _exact_continuations(teacher.model, prompt, LENGTH)
+    decoder = Decoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
+    drafter = TableDrafter(teacher, gamma=2, spoil=False, context=prompt)
+    samples, counts, accepted = 3000, torch.zeros_like(exact), 0
+    for _ in range(samples):
+        if kind == "plain":
+            gen = decoder.plain(prompt, LENGTH)
+        else:
+            gen = decoder.speculative(drafter, prompt, LENGTH, num_draft=2)
+        counts[tuple(gen.new_tokens)] += 1
+        accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    assert kind == "plain" or accepted > samples // 10
+    tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
+    assert tv(counts / samples, exact) < tol
