@@ -46,8 +46,8 @@ MAX_NODES = 64  # the widest draft the fixed buffers hold (a larger tree is refu
 
 
 class NeedsEagerLoop(Exception):
-    """A proposal the step path cannot verify exactly (siblings sampled with draft probabilities): the caller decodes
-    this drafter with the eager loop instead."""
+    """A proposal the step path cannot verify (siblings sampled with draft probabilities, walked on the host; a draft
+    wider than ``MAX_NODES``): the caller decodes this drafter with the eager loop instead."""
 
 
 def resolve_graphs(cuda_graphs: str, device: torch.device) -> bool:
@@ -232,8 +232,8 @@ class StepDecoder:
         if static is not None:
             T = static.buffers.tokens_T.shape[0]
             if T > MAX_NODES:
-                raise ValueError(f"drafter {drafter.name!r} drafts {T} nodes per step; the step decoder holds at most "
-                                 f"{MAX_NODES}: lower its total_tokens")
+                raise NeedsEagerLoop(f"drafter {drafter.name!r} drafts {T} nodes per step, more than the step "
+                                     f"decoder's {MAX_NODES}")
             steps.cache.declare(1 + T)
         return Session(self, steps, drafter, static, prompt_ids, sampling, num_draft, max_new_tokens)
 
@@ -244,8 +244,7 @@ class StepDecoder:
             raise NeedsEagerLoop("siblings sampled with draft probabilities are walked on the host")
         N = num_draft if chain else tree_nodes(n)
         if max(n, N) > steps.max_nodes:
-            raise ValueError(f"a proposal of {n} nodes exceeds the step decoder's {steps.max_nodes}: lower the "
-                             f"drafter's tree size (total_tokens / decoder.tree) or eval.num_draft")
+            raise NeedsEagerLoop(f"a proposal of {n} nodes is wider than the step decoder's {steps.max_nodes}")
         d = steps.own_draft
         if n:
             d.tokens_T[:n].copy_(tree.tokens)
