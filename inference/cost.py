@@ -1,7 +1,9 @@
 """Cost model: predict the speedup of each draft length / tree size from measured parts, and pick the best.
 
-Parts, each measured in isolation (medians of repeated calls on a fixed context, nothing else running in between),
-each by calling the step that decoding runs (``measure_parts``: the one decode loop, ``inference.batched``, B = 1):
+Parts, each measured in isolation (medians of repeated calls, nothing else running in between), each by calling the
+step that decoding runs (``measure``): at batch 1 the step decoder's steps on a moving context (``measure_steps``,
+``inference.step_decoder``), or for what it does not decode, the eager loop's on a fixed, rewound context
+(``measure_parts``: ``inference.batched``, B = 1):
     t_plain      one plain decoding step (``Decoder.plain_step``: a 1-token target forward, the token read back)
     t_verify(n)  one verification of n draft nodes (+ the pending token): inputs and mask, forward, acceptance with
                  its one read-back, holes / compaction, the hand-off to the drafter (t_verify(0): nothing drafted)
