@@ -103,8 +103,10 @@ class StepDecoder:
             steps = Steps(self.model, self.layout, _capacity(columns), self.teacher.vocab_size, hf, max_nodes, rows,
                           probs=probs, shapes=self._shapes)
             self._states[key] = steps
-            live = {id(s) for s in self._states.values()}
-            self._fns = {k: f for k, f in self._fns.items() if k[0] in live or k[0] == "draft"}
+            live = {id(s) for s in self._states.values()}  # what a replaced state's recordings held goes with it
+            self._static = {k: v for k, v in self._static.items() if k[1] in live}
+            drafts = {("draft", id(v[1])) for v in self._static.values()}
+            self._fns = {k: f for k, f in self._fns.items() if k[0] in live or k in drafts}
         return steps
 
     def _step(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig) -> None:

@@ -426,3 +426,24 @@ def test_sampling_through_the_steps_is_distributed_as_the_target(kind):
     assert kind == "plain" or accepted > samples // 10
     tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
     assert tv(counts / samples, exact) < tol
+
+
+def test_a_longer_decode_moves_to_a_larger_cache_and_its_buckets():
+    """Past the first capacity bucket (256 columns) attention reads the next one; a decode needing more than the
+    cache holds gets a larger cache (and the old one's recorded steps are dropped), token-identically."""
+    from distill.teacher import Teacher
+    from tests.conftest import make_tiny_llama
+
+    dec = Decoder(Teacher(make_tiny_llama(max_position_embeddings=1024), tokenizer=None, name="tiny-1024"))
+    short = prompts()[0]
+    assert dec.plain(short, 10).new_tokens == dec.plain_eager(short, 10).new_tokens
+    (small,) = dec.steps._states.values()
+    assert small.cache.capacity == 256
+    long = torch.randint(0, 128, (1, 230), generator=torch.Generator().manual_seed(5))
+    buckets = set()
+    original = dec.steps._step
+    dec.steps._step = lambda s, bucket, sampling: (buckets.add(bucket.columns), original(s, bucket, sampling))
+    assert dec.plain(long, 50).new_tokens == dec.plain_eager(long, 50).new_tokens
+    (large,) = dec.steps._states.values()
+    assert large is not small and large.cache.capacity == 512 and buckets == {256, 512}
+    assert all(k[0] == id(large) for k in dec.steps._fns)
