@@ -248,6 +248,15 @@ def main(argv=None) -> None:
         save()
     out["transfers_per_step"] = transfers_per_step(teacher, drafters, prompts[0], cfg.eval, dcfg)
     save()
+    if device.type == "cuda" and dcfg.cuda_graphs != "off":  # graphs vs eager steps, in the same run
+        try:
+            eager = evaluate(teacher, drafters, prompts, dataclasses.replace(cfg.eval, hf_baselines=False),
+                             dcfg.__class__(**{**vars(dcfg), "cuda_graphs": "off"}), categories)
+            out["runs"]["greedy_no_cuda_graphs"] = {"summary": summarize(eager), "report": eager}
+        except Exception as exc:  # keep the graphed figures; the failure is part of the result
+            log.exception("evaluation without CUDA graphs failed")
+            out["runs"]["greedy_no_cuda_graphs"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        save()
     if args.compile:
         try:
             compiled = evaluate(teacher, drafters, prompts, cfg.eval,

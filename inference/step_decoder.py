@@ -1,0 +1,411 @@
+"""The batch-1 step decoder: plain and speculative decoding as a sequence of recorded steps over static buffers
+(``inference.steps``), the path ``inference.decoder.Decoder`` takes at batch 1.
+
+Per decode: the prompt runs eagerly into the static cache; then per step the host
+1. drafts: a drafter with a static step (``static_draft``, ``inference.static_draft``) runs it, writing its own
+   ``DraftBuffers`` the verify step reads; any other drafter proposes eagerly (lookup's n-gram search on the host,
+   a drafter without a static step) and its tree is copied into the step's fixed buffers, padded with token -1;
+2. fills the sampling draws (one ``torch.rand`` into a static buffer: a replayed step draws nothing itself);
+3. runs the step of the bucket (width, chain or tree, capacity bucket): eager, ``torch.compile(fullgraph=True,
+   dynamic=False)``, or a CUDA graph replay;
+4. reads the packed verdict back once, and does the host's bookkeeping (committed tokens, EOS, statistics, an eager
+   drafter's ``observe`` / ``accepted``).
+
+Batch > 1 stays on the eager ``inference.batched.BatchedDecoder`` (batch buckets come later).
+
+CUDA graphs (``decoder.cuda_graphs``): each bucket's step (and a static drafter's draft step) runs eagerly on a side
+stream the first time (a real step that warms up the libraries), is recorded with ``torch.cuda.graph`` the second
+(graphs share one memory pool) and replayed from then on; the
+attention backend is pinned (no cuDNN attention, whose per-shape plans the static shapes would not need anyway but
+whose choice must not change under a recording); a recording that fails falls back to the eager step, with the
+reason logged. ``decoder.compile`` compiles the step functions instead (``mode="reduce-overhead"`` on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from inference.generation import Generation, check_prompt, check_vocab, finish, prefill_kwargs, sync
+from inference.masks import AttentionLayout
+from inference.proposer import Proposer
+from inference.sampling import SamplingConfig, sample, warp
+from inference.static_cache import BUCKET, kv_shapes
+from inference.steps import TREE_BUCKET, Bucket, Steps, tree_nodes
+from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
+
+log = logging.getLogger(__name__)
+
+CUDA_GRAPHS = ("auto", "on", "off")
+MAX_NODES = 64  # the widest draft the fixed buffers hold (a larger tree is refused with the fix)
+
+
+class NeedsEagerLoop(Exception):
+    """A proposal the step path cannot verify (siblings sampled with draft probabilities, walked on the host; a draft
+    wider than ``MAX_NODES``): the caller decodes this drafter with the eager loop instead."""
+
+
+def resolve_graphs(cuda_graphs: str, device: torch.device) -> bool:
+    """``decoder.cuda_graphs`` -> record CUDA graphs or not."""
+    if cuda_graphs not in CUDA_GRAPHS:
+        raise ValueError(f"decoder.cuda_graphs={cuda_graphs!r}; valid: {list(CUDA_GRAPHS)} (auto: on for CUDA)")
+    if cuda_graphs == "on" and device.type != "cuda":
+        raise ValueError(f"decoder.cuda_graphs=on needs a CUDA target, but it is on {device.type}; use auto or off")
+    return cuda_graphs != "off" and device.type == "cuda"
+
+
+def _capacity(columns: int) -> int:
+    """Cache capacities are powers of two from ``BUCKET`` up, so a decoder reuses one cache across prompts."""
+    c = BUCKET
+    while c < columns:
+        c *= 2
+    return c
+
+
+class StepDecoder:
+    """Batch-1 decoding through ``inference.steps`` (see the module docstring)."""
+
+    def __init__(self, teacher, eos_token_id: int | None, sampling: SamplingConfig, generator: torch.Generator,
+                 cuda_graphs: str = "auto", compile: bool = False, compile_backend: str | None = None):
+        self.teacher = teacher
+        self.model = teacher.model
+        self.device = teacher.device
+        self.eos_token_id = eos_token_id
+        self.sampling = sampling
+        self.generator = generator
+        self.layout = AttentionLayout.of(self.model)
+        self.graphs = resolve_graphs(cuda_graphs, self.device)
+        self.compile = compile
+        self.compile_backend = compile_backend
+        self.prefill_kw = prefill_kwargs(self.model)
+        self._shapes = None
+        self._states: dict[tuple, Steps] = {}
+        self._fns: dict[tuple, object] = {}
+        self._pool = None
+        self._static: dict[tuple, tuple] = {}  # (drafter, buffers, sampling) -> (drafter, its StaticDraft or None)
+        self.fallback_reason: str | None = None  # why a CUDA graph recording fell back to the eager step
+
+    # --- state and step functions ----------------------------------------------------------------------------------
+    def state(self, columns: int, layers: tuple[int, ...] = (), max_nodes: int = 0, rows: int = 1,
+              probs: bool = False) -> Steps:
+        """The buffers for a decode needing ``columns`` cache columns (built once per shape, reused afterwards)."""
+        key = (tuple(layers), max_nodes, rows, probs)
+        steps = self._states.get(key)
+        if steps is None or steps.cache.capacity < columns:
+            if self._shapes is None:
+                self._shapes = kv_shapes(self.model)
+            hf = {i: self.teacher.resolve_layer(i) for i in layers}
+            steps = Steps(self.model, self.layout, _capacity(columns), self.teacher.vocab_size, hf, max_nodes, rows,
+                          probs=probs, shapes=self._shapes)
+            self._states[key] = steps
+            live = {id(s) for s in self._states.values()}  # what a replaced state's recordings held goes with it
+            self._static = {k: v for k, v in self._static.items() if k[1] in live}
+            drafts = {("draft", id(v[1])) for v in self._static.values()}
+            self._fns = {k: f for k, f in self._fns.items() if k[0] in live or k in drafts}
+        return steps
+
+    def _step(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig) -> None:
+        steps.cache.bucket = bucket.columns
+        if not sampling.greedy:
+            torch.rand(steps.uniforms.shape, generator=self.generator, device=self.device, out=steps.uniforms)
+        key = (id(steps), bucket, sampling, id(steps.draft))
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self._make(steps, bucket, sampling)
+        fn()
+
+    def _make(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig):
+        fn = (functools.partial(steps.plain, sampling) if bucket.nodes == 0
+              else functools.partial(steps.verify, bucket, sampling))
+        return self._wrap(fn)
+
+    def _wrap(self, fn):
+        """``fn`` as this decoder runs a step: compiled, recorded as a CUDA graph, or as it is."""
+        if self.compile:
+            kw = {"backend": self.compile_backend} if self.compile_backend else {}
+            if self.device.type == "cuda" and not self.compile_backend:
+                kw["mode"] = "reduce-overhead"
+            return torch.compile(fn, fullgraph=True, dynamic=False, **kw)
+        if self.graphs:
+            return _Recorded(fn, self)
+        return fn
+
+    def _draft_step(self, static):
+        """The static drafter's ``draft`` as this decoder runs a step (recorded / compiled like the verify steps)."""
+        key = ("draft", id(static))
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self._wrap(static.draft)
+        return fn
+
+    @contextlib.contextmanager
+    def _pinned(self):
+        """The attention backend during a decode: no cuDNN attention on CUDA (see the module docstring)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            yield
+
+    def _static_draft(self, drafter: Proposer, steps: Steps, sampling: SamplingConfig):
+        """The drafter's static step for these buffers (built once and kept: its buffers are what recorded steps
+        read), or None."""
+        if not hasattr(drafter, "static_draft"):
+            return None
+        key = (id(drafter), id(steps), sampling)
+        if key not in self._static:
+            self._static[key] = (drafter, drafter.static_draft(steps.committed, steps.cache.capacity, sampling,
+                                                               self.generator))
+        return self._static[key][1]
+
+    def _first(self, logits_V: Tensor, sampling: SamplingConfig) -> Tensor:
+        if sampling.greedy:
+            return logits_V.argmax(-1, keepdim=True)
+        return sample(warp(logits_V[None], sampling), self.generator)
+
+    def _bucket(self, steps: Steps, nodes: int, chain: bool) -> Bucket:
+        width = 1 + nodes
+        return Bucket(nodes, chain, steps.cache.use_bucket(steps.cache.host_length + width))
+
+    # --- decoding --------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def plain(self, prompt_ids: Tensor, max_new_tokens: int, sampling: SamplingConfig | None = None) -> Generation:
+        check_prompt(prompt_ids, max_new_tokens, 0, self.teacher.max_positions)
+        sync(self.device)
+        start = time.perf_counter()
+        with self._pinned():
+            run = self.session(None, prompt_ids, max_new_tokens, 0, sampling)
+            while len(run.new) < max_new_tokens and run.new[-1] != self.eos_token_id:
+                run.plain_step()
+        sync(self.device)
+        return Generation(new_tokens=finish(run.new, max_new_tokens, self.eos_token_id),
+                          seconds=time.perf_counter() - start)
+
+    @torch.no_grad()
+    def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int,
+                    sampling: SamplingConfig | None = None) -> Generation:
+        check_vocab(drafter, self.teacher.vocab_size)
+        check_prompt(prompt_ids, max_new_tokens, num_draft, self.teacher.max_positions)
+        if num_draft < 1:
+            return self.plain(prompt_ids, max_new_tokens, sampling)
+        sync(self.device)
+        start = time.perf_counter()
+        with self._pinned():
+            run = self.session(drafter, prompt_ids, max_new_tokens, num_draft, sampling)
+            sync(self.device)
+            gen = run.gen
+            gen.prefill_seconds = time.perf_counter() - start
+            while len(run.new) < max_new_tokens and (self.eos_token_id is None or self.eos_token_id not in run.new):
+                t0 = time.perf_counter()
+                run.draft(min(num_draft, max_new_tokens - len(run.new)))
+                sync(self.device)
+                t1 = time.perf_counter()
+                run.verify()
+                sync(self.device)
+                t2 = time.perf_counter()
+                gen.draft_seconds += t1 - t0
+                gen.verify_seconds += t2 - t1
+        sync(self.device)
+        gen.seconds = time.perf_counter() - start
+        gen.new_tokens = finish(run.new, max_new_tokens, self.eos_token_id)
+        return gen
+
+    def session(self, drafter: Proposer | None, prompt_ids: Tensor, max_new_tokens: int, num_draft: int,
+                sampling: SamplingConfig | None = None) -> "Session":
+        """A sequence prefilled and ready to step (``Session``): room for ``max_new_tokens`` committed tokens; a
+        drafter (None: plain steps only) drafting at most ``num_draft`` deep. The caller pins the attention backend
+        (``_pinned``) around the decode."""
+        sampling = sampling or self.sampling
+        P = prompt_ids.shape[1]
+        if drafter is None:
+            steps = self.state(P + max_new_tokens + 1)
+            return Session(self, steps, None, None, prompt_ids, sampling, 0, max_new_tokens)
+        steps = self.state(P + max_new_tokens + MAX_NODES + 1, tuple(drafter.teacher_layers), MAX_NODES,
+                           1 + num_draft, not sampling.greedy)
+        static = self._static_draft(drafter, steps, sampling)
+        steps.use_draft(static.buffers if static is not None else None)
+        if static is not None:
+            T = static.buffers.tokens_T.shape[0]
+            if T > MAX_NODES:
+                raise NeedsEagerLoop(f"drafter {drafter.name!r} drafts {T} nodes per step, more than the step "
+                                     f"decoder's {MAX_NODES}")
+            steps.cache.declare(1 + T)
+        return Session(self, steps, drafter, static, prompt_ids, sampling, num_draft, max_new_tokens)
+
+    def _load(self, steps: Steps, tree: DraftTree, num_draft: int, sampling: SamplingConfig):
+        """An eager proposal into the step's fixed draft buffers: (bucket nodes, real nodes, chain, parents)."""
+        n, chain = tree.size, tree.is_chain
+        if tree.probs_NV is not None and not chain and not sampling.greedy:
+            raise NeedsEagerLoop("siblings sampled with draft probabilities are walked on the host")
+        N = num_draft if chain else tree_nodes(n)
+        if max(n, N) > steps.max_nodes:
+            raise NeedsEagerLoop(f"a proposal of {n} nodes is wider than the step decoder's {steps.max_nodes}")
+        d = steps.own_draft
+        if n:
+            d.tokens_T[:n].copy_(tree.tokens)
+        d.tokens_T[n:N].fill_(-1)
+        if not chain:
+            if n:
+                d.parents_T[:n].copy_(tree.parents)
+            d.parents_T[n:N].fill_(-1)
+        if d.probs_TV is not None and chain:
+            if tree.probs_NV is not None and n:
+                d.probs_TV[:n].copy_(tree.probs_NV)
+                d.probs_TV[n:N].zero_()
+            else:
+                d.probs_TV[:N].zero_()
+                if n:  # point masses: q(x) = 1 on each drafted token
+                    d.probs_TV[:n].scatter_(1, tree.tokens.view(-1, 1).clamp(0, d.probs_TV.shape[1] - 1), 1.0)
+        return N, n, chain, (None if chain else tree.parents)
+
+    @staticmethod
+    def _raise(flags: int, tree: DraftTree, vocab: int):
+        if flags & 2:
+            raise_bad_parents(tree.parents)
+        raise_bad_tokens(tree.tokens, vocab)
+
+
+class Session:
+    """One sequence on a ``StepDecoder``'s buffers: prefilled at construction, then ``plain_step``, or ``draft``
+    followed by ``verify``, each one step of the real loop on the moving context (what ``inference.cost`` times)."""
+
+    def __init__(self, dec: StepDecoder, steps: Steps, drafter: Proposer | None, static, prompt_ids: Tensor,
+                 sampling: SamplingConfig, num_draft: int, max_new_tokens: int):
+        self.dec, self.steps, self.drafter, self.static = dec, steps, drafter, static
+        self.sampling, self.num_draft = sampling, num_draft
+        self.vocab = dec.teacher.vocab_size
+        self.gen = Generation(new_tokens=[], seconds=0.0)
+        P = prompt_ids.shape[1]
+        prompt = prompt_ids[0].to(dec.device)
+        logits, hidden = steps.prefill(prompt, dec.prefill_kw)
+        nxt = dec._first(logits, sampling)
+        steps.pending.copy_(nxt[0])
+        steps.committed.pending.copy_(nxt[0])
+        self.new = [int(nxt)]
+        self.seq = torch.empty(1, P + max_new_tokens + MAX_NODES + 1, dtype=torch.long, device=dec.device)
+        self.seq[0, :P].copy_(prompt)
+        self.seq[0, P].copy_(nxt[0])
+        self.m = P + 1
+        self.static_parents = None
+        self._next = None  # (bucket, size, chain, parents, tree) of the drafted proposal
+        if static is not None:
+            static.prefill(prompt, hidden, steps.pending)
+            if not static.buffers.chain:
+                self.static_parents = static.buffers.parents_T.cpu()
+        elif drafter is not None:
+            drafter.reset(int(torch.randint(0, 2**62, (1,), generator=dec.generator, device=dec.device)))
+            drafter.observe({i: h[None] for i, h in hidden.items()})
+
+    def plain_step(self) -> int:
+        """One plain step: the next token (read back)."""
+        steps = self.steps
+        self.dec._step(steps, self.dec._bucket(steps, 0, True), self.sampling)
+        token = int(steps.out[3])  # the step's one read-back
+        steps.cache.host_length += 1
+        self.new.append(token)
+        return token
+
+    def draft(self, depth: int) -> None:
+        """The drafter's proposal for the next ``verify``: its static step, or an eager proposal of at most
+        ``depth`` (copied into the step's buffers)."""
+        dec, steps = self.dec, self.steps
+        if self.static is not None:
+            steps.use_draft(self.static.buffers)
+            dec._draft_step(self.static)()
+            b = self.static.buffers
+            T = b.tokens_T.shape[0]
+            self._next = (dec._bucket(steps, T, b.chain), T, b.chain, self.static_parents, None)
+            return
+        tree = self.drafter.propose(self.seq[:, : self.m], depth, self.sampling)
+        tree.check_shape(self.vocab)
+        N, size, chain, parents = dec._load(steps, tree, self.num_draft, self.sampling)
+        self._next = (dec._bucket(steps, N, chain), size, chain, parents, tree)
+
+    def load(self, tree: DraftTree, num_draft: int | None = None) -> None:
+        """Verify ``tree`` next instead of a drafted proposal (the cost model's random trees of a shape), a chain in
+        the bucket of a decode drafting ``num_draft`` (default: this session's)."""
+        N, size, chain, parents = self.dec._load(self.steps, tree, num_draft or self.num_draft, self.sampling)
+        self.steps.use_draft(None)
+        self._next = (self.dec._bucket(self.steps, N, chain), size, chain, parents, tree)
+
+    def verify(self) -> tuple[list[int], list[int]]:
+        """Verify the proposal: (accepted path, committed tokens); the drafter is handed the committed rows."""
+        dec, steps, gen = self.dec, self.steps, self.gen
+        bucket, size, chain, parents, tree = self._next
+        context = steps.cache.host_length
+        dec._step(steps, bucket, self.sampling)
+        N = bucket.nodes
+        values = steps.out[: bucket.packed].tolist()  # the step's one read-back
+        count, depth_seen, flags = values[:3]
+        if flags:
+            dec._raise(flags, tree if tree is not None else DraftTree(
+                steps.draft.tokens_T.clone(), steps.draft.parents_T.clone()), self.vocab)
+        path, committed = values[3: 3 + count], values[3 + N: 4 + N + count]
+        steps.cache.host_length += 1 + count
+        self.seq[0, self.m: self.m + 1 + count].copy_(steps.out[3 + N: 4 + N + count])
+        self.m += 1 + count
+        gen.stats.update(size if chain else depth_seen, count)
+        gen.nodes_per_forward[size] += 1
+        if size not in gen.shapes:
+            gen.shapes[size] = torch.arange(-1, size - 1) if chain else parents[:size].cpu()
+        gen.node_accepts[size].update(path)
+        gen.context_tokens += context + 1
+        if self.static is None and self.drafter is not None:
+            c = steps.committed
+            self.drafter.observe({i: h[: 1 + count].clone()[None] for i, h in c.hidden_M.items()})
+            self.drafter.accepted(path, committed)
+        self.new.extend(committed)
+        return path, committed
+
+
+class _Recorded:
+    """A step as a CUDA graph. Its first call runs it eagerly on a side stream (a real step, which also warms up
+    every library it touches, as a recording needs); its second records it (recording runs nothing, so no decode
+    state moves) and replays it; later calls replay. A recording that fails leaves the step eager, with the reason
+    logged (``StepDecoder.fallback_reason``)."""
+
+    def __init__(self, fn, owner: StepDecoder):
+        self.fn, self.owner, self.calls, self.graph, self.failed = fn, owner, 0, None, False
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self.calls += 1
+        if self.failed:
+            self.fn()
+        elif self.calls == 1:
+            device = self.owner.device
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self.fn()
+            torch.cuda.current_stream(device).wait_stream(stream)
+        else:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                if hasattr(graph, "register_generator_state"):  # a static drafter may sample inside its step
+                    graph.register_generator_state(self.owner.generator)
+                if self.owner._pool is None:
+                    self.owner._pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self.owner._pool):
+                    self.fn()
+            except Exception as e:  # noqa: BLE001 - any failure to record: decode eagerly, and say why
+                self.failed = True
+                self.owner.fallback_reason = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph recording of a decode step failed (%s); it runs eagerly",
+                            self.owner.fallback_reason)
+                self.fn()
+                return
+            self.graph = graph
+            graph.replay()
+
+
+__all__ = ["StepDecoder", "Session", "NeedsEagerLoop", "resolve_graphs", "CUDA_GRAPHS", "TREE_BUCKET"]
