@@ -48,6 +48,7 @@ from distill.chunked import Finished, Frozen, TeacherRows, positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads.eagle_decode import EagleRows, draft_trees
+from heads.eagle_static import EagleStaticDraft
 from heads.eagle_attention import EXPLICIT_ATTENTION_ELEMENTS, explicit_ttt_attention
 from inference.dynamic_tree import check_dynamic_tree_args
 from inference.sampling import GREEDY, SamplingConfig
@@ -144,11 +145,24 @@ class DraftLayer(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def qkv(self, x_BTI: Tensor, positions_T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self._project(x_BTI)
+        cos, sin = self.rope_tables(positions_T, q.dtype)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin) at ``positions`` (``_rope_tables``); a static draft step makes them once for every position
+        and indexes rows, which gives the same values."""
+        return _rope_tables(positions, self.head_dim, self.theta, dtype, positions.device)
+
+    def qkv_rotated(self, x_BTI: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``qkv`` with the rotary tables given (rows of ``rope_tables``, broadcast over heads)."""
+        q, k, v = self._project(x_BTI)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _project(self, x_BTI: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x_BTI.shape
         split = lambda y: y.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        q, k, v = split(self.q_proj(x_BTI)), split(self.k_proj(x_BTI)), split(self.v_proj(x_BTI))
-        cos, sin = _rope_tables(positions_T, self.head_dim, self.theta, q.dtype, q.device)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+        return split(self.q_proj(x_BTI)), split(self.k_proj(x_BTI)), split(self.v_proj(x_BTI))
 
     def finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
         B, _, T, _ = attn_BhTd.shape
@@ -459,6 +473,13 @@ class EagleDrafter(Drafter):
         tree = draft_trees(self, root_out[None], ctx_k, ctx_v, everything, context, depth)[0]
         return DraftTree(tree.tokens.to(tokens.device), tree.parents.to(tokens.device), chain_hint=tree.chain_hint,
                          depth_bound=tree.depth_bound)
+
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The catch-up and the whole tree (or chain) as one capture-safe step (``heads.eagle_static``), drafting
+        ``depth`` levels (unset: as deep as the committed buffers allow, their rows - 1). Candidates are top-k picks
+        for any ``sampling``, as in ``propose``; ``generator`` is unused."""
+        depth = self.depth or committed.ids_M.shape[0] - 1
+        return EagleStaticDraft(self, committed, capacity, depth)
 
     def _advance(self, seq: Tensor) -> Tensor:
         """Run the context pairs not yet processed; return the last pair's output [D] (the root of the tree)."""

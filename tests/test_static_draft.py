@@ -1,0 +1,147 @@
+"""Drafters' static draft steps (``inference.static_draft.StaticDraft``): played through a stand-in for the step
+decoder (``tests.static_harness``) over a greedy continuation of a tiny target, with a varying accepted length per
+step and two prompt lengths in one capacity bucket. Each step compiles to one graph with no break and no recompile,
+keeps every tensor it touches at one address, shape and stride, runs attention at a bounded set of shapes, and drafts
+exactly what the eager ``propose`` drafts on the same context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from distill.teacher import Teacher
+from inference.sampling import GREEDY
+from tests.conftest import make_tiny_llama
+from tests.static_harness import Recorder, Replay, committed_for, counts, layout
+from tests.test_eagle import make as make_eagle
+
+CAPACITY = 256
+PROMPTS = (7, 12)  # two prompt lengths in one capacity bucket
+STEPS = 34  # per prompt: 68 steps in all
+
+
+def eagle(teacher, variant, tree, **kw):
+    drafter = make_eagle(teacher, variant, tree=tree, **kw)
+    return drafter, 5  # committed rows: 1 + the draft depth
+
+
+KINDS = {
+    "eagle1-dynamic": lambda t: eagle(t, "eagle1", "dynamic"),
+    "eagle1-chain": lambda t: eagle(t, "eagle1", "chain"),
+    "eagle3-dynamic": lambda t: eagle(t, "eagle3", "dynamic", draft_vocab_size=96),
+    "eagle3-chain": lambda t: eagle(t, "eagle3", "chain", draft_vocab_size=96),
+}
+# Distinct attention (query, key) shapes a step may run: the catch-up's and one per level width.
+ATTENTION_SHAPES = {"eagle1-dynamic": 2, "eagle1-chain": 2, "eagle3-dynamic": 2, "eagle3-chain": 2}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Teacher(make_tiny_llama(initializer_range=0.2), tokenizer=None, name="tiny-llama-varied")
+
+
+def play(drafter, static, committed, target, prompt_len, steps, step_fn, check=None):
+    """Prefill, then ``steps`` draft steps after varying accepted lengths; after each, compare the draft with the
+    eager ``propose`` on the same context (a second copy of the drafter's state, fed the same hidden states)."""
+    M = committed.ids_M.shape[0]
+    replay = Replay(target, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
+    replay.prefill(static)
+    drafter.reset()
+    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
+    for step, count in enumerate(counts(steps, M, seed=prompt_len)):
+        if step:
+            start = replay.position
+            replay.commit(committed, count)
+            drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
+            drafter.accepted(list(range(count - 1)))
+        step_fn()
+        if check is not None:
+            check(step)
+        want = drafter.propose(replay.context(), M - 1, GREEDY)
+        got = static.buffers
+        assert got.tokens_T.tolist() == want.tokens.tolist(), f"step {step}: tokens differ from the eager propose"
+        assert got.parents_T.tolist() == want.parents.tolist(), f"step {step}: parents differ from the eager propose"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_compiled_draft_is_one_graph_and_drafts_what_propose_does(target, kind):
+    drafter, rows = KINDS[kind](target)
+    committed = committed_for(drafter, rows)
+    static = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
+
+    def no_recompile_after_warmup(i):
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+
+    try:
+        for prompt_len in PROMPTS:
+            play(drafter, static, committed, target, prompt_len, STEPS, step, no_recompile_after_warmup)
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, kind):
+    drafter, rows = KINDS[kind](target)
+    committed = committed_for(drafter, rows)
+    static = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    named = {f"committed.{k}": v for k, v in vars(committed).items() if isinstance(v, torch.Tensor)}
+    named |= {f"committed.hidden_M[{i}]": h for i, h in committed.hidden_M.items()}
+    named |= {f"buffers.{k}": v for k, v in vars(static.buffers).items() if isinstance(v, torch.Tensor)}
+    named |= {f"state.{k}": v for k, v in vars(static).items() if isinstance(v, torch.Tensor)}
+    before = layout(named)
+    # What a step may read by address: its own state, the committed buffers, the weights (the drafter's and the
+    # target's embedding and lm_head it borrows).
+    known = {t.untyped_storage().data_ptr() for t in named.values()}
+    known |= {t.untyped_storage().data_ptr() for t in (*drafter.parameters(), *drafter.buffers())}
+    known |= {t.untyped_storage().data_ptr() for t in target.model.parameters()}
+    recorders = []
+
+    def recorded():
+        with Recorder() as rec:
+            static.draft()
+        recorders.append(rec)
+
+    for prompt_len in PROMPTS:
+        play(drafter, static, committed, target, prompt_len, 12, recorded)
+    assert layout(named) == before
+    first = recorders[0].external
+    for i, rec in enumerate(recorders):
+        assert rec.external == first, f"step {i} touched other tensors than step 0"
+        assert rec.ops == recorders[0].ops
+    unknown = set(first) - known
+    assert not unknown, f"a step reads {len(unknown)} tensor(s) outside its state, the committed buffers and weights"
+    shapes = set().union(*(rec.attention for rec in recorders))
+    assert 1 <= len(shapes) <= ATTENTION_SHAPES[kind], shapes
+
+
+def test_eagle_static_draft_checks_its_buffers(target):
+    drafter, _ = eagle(target, "eagle1", "dynamic", depth=4)
+    with pytest.raises(ValueError, match="rows >= 5"):
+        drafter.static_draft(committed_for(drafter, 4), CAPACITY, GREEDY, None)
+    wrong = committed_for(drafter, 5)
+    wrong.hidden_M = {2: wrong.hidden_M[-1]}
+    with pytest.raises(ValueError, match="missing \\[-1\\]"):
+        drafter.static_draft(wrong, CAPACITY, GREEDY, None)
+    static = drafter.static_draft(committed_for(drafter, 5), 8, GREEDY, None)
+    replay = Replay(target, (-1,), 9, 4)
+    with pytest.raises(ValueError, match="capacity 8"):
+        replay.prefill(static)
+
+
+@pytest.mark.slow
+def test_eagle_draft_compiles_with_inductor(target):
+    drafter, rows = eagle(target, "eagle1", "dynamic")
+    committed = committed_for(drafter, rows)
+    static = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False)
+    play(drafter, static, committed, target, PROMPTS[0], 8, step)
+    assert counters["stats"]["unique_graphs"] == 1
