@@ -11,7 +11,7 @@ One buffer holds every key the drafter's attention reads, so every attention cal
                               committed count land beyond the new length, where they are masked and later overwritten.
     columns [Ccap, Ccap + S)  draft nodes, in the slots ``inference.dynamic_tree`` numbers them by (level d's
                               frontier in slots (d - 1) F .. d F - 1); a node sees the valid context and its own
-                              ancestors (``ancestors_SS``), never another step's stale slots.
+                              ancestors (``ancestry``), never another step's stale slots.
 
 Per ``draft()``: catch-up (M rows, padding masked) -> root output -> ``expand_dynamic_trees`` (fixed shapes for fixed
 (top_k, depth, total_tokens); the chain is top_k 1) scoring each level into its slots -> ``DraftBuffers``. Rotary
@@ -69,7 +69,10 @@ class EagleStaticDraft:
         self.length = torch.zeros((), dtype=torch.long, device=dev)  # context pairs processed
         self.fresh = torch.ones((), dtype=torch.bool, device=dev)  # set by prefill: the next draft skips catch-up
         self.node_out = torch.zeros(1 + S, drafter.dims.hidden_size, device=dev, dtype=dtype)  # root, then slots
-        self.ancestors_SS = torch.zeros(S, S, dtype=torch.bool, device=dev)  # a slot's ancestors and itself
+        # Row 1 + s: slot s's ancestors and itself (1) ; row 0 (the root's children's parent) stays empty. Small
+        # integers, not bool: inductor's CPU code generation fails on bool rows OR-ed through an index.
+        self.ancestry = torch.zeros(1 + S, S, dtype=torch.uint8, device=dev)
+        self.eye_SS = torch.eye(S, dtype=torch.uint8, device=dev)
         self.cos, self.sin = layer.rope_tables(torch.arange(C + depth, device=dev), dtype)  # [positions, hd]
         self.cols_C = torch.arange(C, device=dev)
         self.rows_M = torch.arange(M, device=dev)
@@ -102,6 +105,7 @@ class EagleStaticDraft:
     @torch.no_grad()
     def draft(self) -> None:
         self._catch_up()
+        self._ctx_mask = (self.cols_C[: self.ctx_cols] < self.length)[None].expand(self.frontier, self.ctx_cols)
         d = self.drafter
         tokens, parents = expand_dynamic_trees(self._score, self.top_k, self.depth, self.total)
         self.buffers.tokens_T.copy_(d.d2t[tokens[0]])
@@ -137,20 +141,16 @@ class EagleStaticDraft:
             return d._logits(self.node_out[:1])
         Fn = self.frontier
         lo, hi = (level - 1) * Fn, level * Fn  # this level's slots (Python constants per level)
-        parent = parent_slot_BF[0] + 1  # row of node_out / of the padded ancestry (0: the root)
+        parent = parent_slot_BF[0] + 1  # row of node_out / of ancestry (0: the root)
         parent_out = self.node_out.index_select(0, parent)
         x, residual = d._layer_input(d._embed(d.d2t[tokens_BF[0]][None], parent_out), parent_out[None])
         pos = (self.length - 1 + level).reshape(1)
         q, k, v = d.layer.qkv_rotated(x, self.cos[pos], self.sin[pos])
         self.k[:, :, self.ctx_cols + lo: self.ctx_cols + hi].copy_(k)
         self.v[:, :, self.ctx_cols + lo: self.ctx_cols + hi].copy_(v)
-        padded = torch.cat([self.ancestors_SS.new_zeros(1, self.ancestors_SS.shape[1]), self.ancestors_SS])
-        own = torch.zeros_like(self.ancestors_SS[lo:hi])
-        own[:, lo:hi] = torch.eye(Fn, dtype=torch.bool, device=own.device)
-        rows = padded.index_select(0, parent) | own  # [F, S]
-        self.ancestors_SS[lo:hi].copy_(rows)
-        ctx = (self.cols_C[: self.ctx_cols] < self.length)[None].expand(Fn, self.ctx_cols)
-        mask = torch.cat([ctx, rows], 1)  # [F, C]
+        rows = self.ancestry.index_select(0, parent) + self.eye_SS[lo:hi]  # [F, S]: the parent's, and itself
+        self.ancestry[1 + lo: 1 + hi].copy_(rows)
+        mask = torch.cat([self._ctx_mask, rows.bool()], 1)  # [F, C]: the valid context, its ancestors and itself
         out = d.layer.finish(F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask[None, None]),
                              residual)[0]
         self.node_out[1 + lo: 1 + hi].copy_(out)

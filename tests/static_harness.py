@@ -71,7 +71,7 @@ class Recorder(TorchDispatchMode):
     """Every aten op a step runs: the op count, the storages it reads or writes that it did not create (the state a
     CUDA graph records by address), with their shape and stride, and each attention call's (query, key) shapes."""
 
-    IGNORED = ("detach", "lift_fresh", "_local_scalar_dense")
+    IGNORED = ("detach", "lift_fresh", "_local_scalar_dense", "_unsafe_view")  # as opcount scripts count
 
     def __init__(self):
         super().__init__()
