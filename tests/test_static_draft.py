@@ -11,10 +11,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from distill.teacher import Teacher
+from heads.medusa import MedusaHeads
+from heads.medusa2 import Medusa2
 from inference.sampling import GREEDY
 from tests.conftest import make_tiny_llama
 from tests.static_harness import Recorder, Replay, committed_for, counts, layout
-from tests.test_eagle import make as make_eagle
+from tests.test_eagle import DIMS, make as make_eagle
 
 CAPACITY = 256
 PROMPTS = (7, 12)  # two prompt lengths in one capacity bucket
@@ -26,14 +28,28 @@ def eagle(teacher, variant, tree, **kw):
     return drafter, 5  # committed rows: 1 + the draft depth
 
 
+def medusa(teacher, tree, cls=MedusaHeads):
+    torch.manual_seed(0)
+    drafter = cls(DIMS, num_heads=4, tree=tree)
+    MedusaHeads.bind_target(drafter, teacher, initialize=True)  # the heads only (Medusa-2's LoRA: the target's)
+    with torch.no_grad():  # heads that differ from the target's lm_head and from each other
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return drafter.eval(), 5
+
+
 KINDS = {
     "eagle1-dynamic": lambda t: eagle(t, "eagle1", "dynamic"),
     "eagle1-chain": lambda t: eagle(t, "eagle1", "chain"),
     "eagle3-dynamic": lambda t: eagle(t, "eagle3", "dynamic", draft_vocab_size=96),
     "eagle3-chain": lambda t: eagle(t, "eagle3", "chain", draft_vocab_size=96),
+    "medusa-chain": lambda t: medusa(t, None),
+    "medusa-tree": lambda t: medusa(t, "default"),
+    "medusa2-tree": lambda t: medusa(t, "small", Medusa2),
 }
 # Distinct attention (query, key) shapes a step may run: the catch-up's and one per level width.
-ATTENTION_SHAPES = {"eagle1-dynamic": 2, "eagle1-chain": 2, "eagle3-dynamic": 2, "eagle3-chain": 2}
+ATTENTION_SHAPES = {"eagle1-dynamic": 2, "eagle1-chain": 2, "eagle3-dynamic": 2, "eagle3-chain": 2,
+                    "medusa-chain": 0, "medusa-tree": 0, "medusa2-tree": 0}
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +134,8 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
     unknown = set(first) - known
     assert not unknown, f"a step reads {len(unknown)} tensor(s) outside its state, the committed buffers and weights"
     shapes = set().union(*(rec.attention for rec in recorders))
-    assert 1 <= len(shapes) <= ATTENTION_SHAPES[kind], shapes
+    assert len(shapes) <= ATTENTION_SHAPES[kind], shapes
+    assert bool(shapes) == bool(ATTENTION_SHAPES[kind])
 
 
 def test_eagle_static_draft_checks_its_buffers(target):
