@@ -36,6 +36,7 @@ from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
 from heads.base import DraftOutput, DraftTerm, Drafter, ForkedRows, TargetDims
 from heads.draft_model_rows import DraftModelRows
+from heads.draft_model_static import DraftModelStaticDraft
 from heads.lora import check_lora_spec, check_targets_exist, lora_config
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
@@ -325,6 +326,14 @@ class DraftModel(Drafter):
         self._proposed, self._valid = (seq.shape[0], max_depth), None
         probs_NV = torch.stack(rows).to(tokens.device) if rows else None
         return DraftTree.chain(draft_ids.to(tokens.device), probs_NV)
+
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The catch-up and a greedy chain of (committed rows - 1) tokens as one capture-safe step over the draft
+        model's own static cache (``heads.draft_model_static``); None (the eager path) for sampled drafts and for
+        draft models with sliding-window or other than full-attention layers."""
+        if not sampling.greedy or not self._batchable():
+            return None
+        return DraftModelStaticDraft(self, committed, capacity)
 
     def _sync_cache(self, seq: Tensor) -> Tensor:
         """Make the cache hold exactly ``seq`` and return the logits after its last token ([V])."""

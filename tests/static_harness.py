@@ -103,6 +103,29 @@ class Recorder(TorchDispatchMode):
         return out
 
 
+def tensors_of(obj, prefix: str = "state", depth: int = 5) -> dict[str, Tensor]:
+    """Every tensor a static draft holds in its attributes (and in their attributes, lists and dicts: a cache's
+    layers), by name; modules (the weights) are not walked."""
+    if isinstance(obj, Tensor):
+        return {prefix: obj}
+    if depth == 0 or isinstance(obj, torch.nn.Module):
+        return {}
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif hasattr(obj, "__dict__"):
+        items = vars(obj).items()
+    else:
+        return {}
+    out = {}
+    for key, value in items:
+        if key in ("drafter", "owner"):
+            continue
+        out |= tensors_of(value, f"{prefix}.{key}", depth - 1)
+    return out
+
+
 def layout(tensors: dict[str, Tensor]) -> dict[str, tuple]:
     """Address, shape and stride of each tensor: what must not change across a decode."""
     return {k: (t.data_ptr(), tuple(t.shape), t.stride()) for k, t in tensors.items()}

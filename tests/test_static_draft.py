@@ -11,11 +11,13 @@ import torch
 from torch._dynamo.utils import counters
 
 from distill.teacher import Teacher
+from heads.draft_model import DraftModel
 from heads.medusa import MedusaHeads
 from heads.medusa2 import Medusa2
 from inference.sampling import GREEDY
 from tests.conftest import make_tiny_llama
-from tests.static_harness import Recorder, Replay, committed_for, counts, layout
+from tests.static_harness import Recorder, Replay, committed_for, counts, layout, tensors_of
+from tests.test_draft_model import truncated
 from tests.test_eagle import DIMS, make as make_eagle
 
 CAPACITY = 256
@@ -38,6 +40,12 @@ def medusa(teacher, tree, cls=MedusaHeads):
     return drafter.eval(), 5
 
 
+def draft_model(teacher):
+    drafter = DraftModel(DIMS, model=truncated(teacher.model))
+    drafter.bind_target(teacher, initialize=False)
+    return drafter.eval(), 5
+
+
 KINDS = {
     "eagle1-dynamic": lambda t: eagle(t, "eagle1", "dynamic"),
     "eagle1-chain": lambda t: eagle(t, "eagle1", "chain"),
@@ -46,10 +54,12 @@ KINDS = {
     "medusa-chain": lambda t: medusa(t, None),
     "medusa-tree": lambda t: medusa(t, "default"),
     "medusa2-tree": lambda t: medusa(t, "small", Medusa2),
+    "draft-model": draft_model,
 }
 # Distinct attention (query, key) shapes a step may run: the catch-up's and one per level width.
 ATTENTION_SHAPES = {"eagle1-dynamic": 2, "eagle1-chain": 2, "eagle3-dynamic": 2, "eagle3-chain": 2,
-                    "medusa-chain": 0, "medusa-tree": 0, "medusa2-tree": 0}
+                    "medusa-chain": 0, "medusa-tree": 0, "medusa2-tree": 0,
+                    "draft-model": 2}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,6 @@ def play(drafter, static, committed, target, prompt_len, steps, step_fn, check=N
             start = replay.position
             replay.commit(committed, count)
             drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
-            drafter.accepted(list(range(count - 1)))
         step_fn()
         if check is not None:
             check(step)
@@ -107,10 +116,8 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
     drafter, rows = KINDS[kind](target)
     committed = committed_for(drafter, rows)
     static = drafter.static_draft(committed, CAPACITY, GREEDY, None)
-    named = {f"committed.{k}": v for k, v in vars(committed).items() if isinstance(v, torch.Tensor)}
-    named |= {f"committed.hidden_M[{i}]": h for i, h in committed.hidden_M.items()}
-    named |= {f"buffers.{k}": v for k, v in vars(static.buffers).items() if isinstance(v, torch.Tensor)}
-    named |= {f"state.{k}": v for k, v in vars(static).items() if isinstance(v, torch.Tensor)}
+    named = tensors_of(static)  # its own state, its draft buffers and the committed buffers it reads
+    assert {"state.buffers.tokens_T", "state.committed.ids_M"} <= set(named)
     before = layout(named)
     # What a step may read by address: its own state, the committed buffers, the weights (the drafter's and the
     # target's embedding and lm_head it borrows).
@@ -153,8 +160,9 @@ def test_eagle_static_draft_checks_its_buffers(target):
 
 
 @pytest.mark.slow
-def test_eagle_draft_compiles_with_inductor(target):
-    drafter, rows = eagle(target, "eagle1", "dynamic")
+@pytest.mark.parametrize("kind", ["eagle1-dynamic", "medusa-tree", "draft-model"])
+def test_draft_compiles_with_inductor(target, kind):
+    drafter, rows = KINDS[kind](target)
     committed = committed_for(drafter, rows)
     static = drafter.static_draft(committed, CAPACITY, GREEDY, None)
     torch._dynamo.reset()
