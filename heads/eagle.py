@@ -476,9 +476,11 @@ class EagleDrafter(Drafter):
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole tree (or chain) as one capture-safe step (``heads.eagle_static``), drafting
-        ``depth`` levels (unset: as deep as the committed buffers allow, their rows - 1). Candidates are top-k picks
-        for any ``sampling``, as in ``propose``; ``generator`` is unused."""
-        depth = self.depth or committed.ids_M.shape[0] - 1
+        ``depth`` levels, at most as deep as the committed buffers allow (their rows - 1, the decoder's draft
+        length), as ``propose`` clips to its ``max_depth``. Candidates are top-k picks for any ``sampling``, as in
+        ``propose``; ``generator`` is unused."""
+        rows = committed.ids_M.shape[0]
+        depth = min(self.depth or rows - 1, rows - 1)
         return EagleStaticDraft(self, committed, capacity, depth)
 
     def _advance(self, seq: Tensor) -> Tensor:

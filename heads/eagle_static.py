@@ -51,8 +51,9 @@ class EagleStaticDraft:
                              f"with layers=drafter.teacher_layers")
         M = committed.ids_M.shape[0]
         if not 1 <= depth <= M - 1:
-            raise ValueError(f"{drafter.name}: draft depth {depth} needs committed buffers of at least 1 + depth rows "
-                             f"(the verify bucket's deepest path), got {M}: allocate them with rows >= {depth + 1}")
+            raise ValueError(f"{drafter.name}: a draft of depth {depth} needs committed buffers of at least 1 + depth "
+                             f"rows (the verify bucket's deepest path), got {M}: allocate them with rows >= "
+                             f"{max(depth, 1) + 1}")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 position, got {capacity}")
         self.drafter, self.committed, self.capacity, self.depth = drafter, committed, capacity, depth

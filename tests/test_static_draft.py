@@ -147,8 +147,9 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
 
 def test_eagle_static_draft_checks_its_buffers(target):
     drafter, _ = eagle(target, "eagle1", "dynamic", depth=4)
-    with pytest.raises(ValueError, match="rows >= 5"):
-        drafter.static_draft(committed_for(drafter, 4), CAPACITY, GREEDY, None)
+    with pytest.raises(ValueError, match="rows >= 2"):
+        drafter.static_draft(committed_for(drafter, 1), CAPACITY, GREEDY, None)
+    assert drafter.static_draft(committed_for(drafter, 3), CAPACITY, GREEDY, None).depth == 2  # clipped, as propose
     wrong = committed_for(drafter, 5)
     wrong.hidden_M = {2: wrong.hidden_M[-1]}
     with pytest.raises(ValueError, match="missing \\[-1\\]"):
