@@ -110,7 +110,8 @@ class Tally:
 def build_decoder(teacher, dcfg: DecoderConfig) -> Decoder:
     return Decoder(teacher, eos_token_id=teacher.tokenizer.eos_token_id if teacher.tokenizer is not None else None,
                    sampling=dcfg.sampling(), acceptance=dcfg.acceptance, typical_threshold=dcfg.typical_threshold,
-                   typical_alpha=dcfg.typical_alpha, seed=dcfg.seed, compile=dcfg.compile)
+                   typical_alpha=dcfg.typical_alpha, seed=dcfg.seed, compile=dcfg.compile,
+                   cuda_graphs=dcfg.cuda_graphs)
 
 
 def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: EvalConfig,

@@ -176,6 +176,19 @@ def _siblings_before(tree: DraftTree) -> tuple[Tensor, Tensor]:
     return earlier, (earlier & (tree.tokens[:, None] == tree.tokens[None, :])).any(1)
 
 
+def refuse_repeated_sampled_siblings(tree: DraftTree) -> None:
+    """Siblings drawn from draft probabilities with replacement (a token repeated under one parent) make
+    multi-candidate rejection inexact (an exact enumeration finds the first token off by up to 0.5 in total variation
+    on small vocabularies): refused. Deterministic candidates (top-k, n-grams) may repeat: a repeat is never accepted."""
+    if tree.probs_NV is None or tree.is_chain or not tree.size:
+        return
+    if bool(_siblings_before(tree)[1].any()):
+        raise ValueError(
+            f"the drafter sampled sibling candidates with replacement (a token repeats under one parent: tokens "
+            f"{tree.tokens.tolist()}, parents {tree.parents.tolist()}); lossless tree rejection needs siblings drawn "
+            f"without replacement: draw them with torch.multinomial(q, k, replacement=False), or draft a chain")
+
+
 def greedy_verdict(tree: DraftTree, target_argmax_N1: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``tree_greedy_accept`` for the whole tree at once: a node is chosen when its token is the target's argmax
     after its parent (the first such sibling)."""
@@ -191,13 +204,17 @@ def greedy_verdict(tree: DraftTree, target_argmax_N1: Tensor) -> tuple[Tensor, T
     return on_path, last, target_argmax_N1.index_select(0, last)
 
 
-def rejection_verdict(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator | None = None
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+def rejection_verdict(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator | None = None,
+                      uniforms: Tensor | None = None, valid_N: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``tree_rejection_accept`` for the whole tree at once, for point-mass candidates (``probs_NV`` None) and for
     chains with draft probabilities. Point masses: under its parent, child c (siblings tried in order) is accepted
     with probability p(x_c) / (1 - sum of p over the distinct earlier siblings' tokens), the residual the walk would
     have reached; a duplicate of an earlier sibling has probability 0. Every node draws its own uniform (those
-    below a rejected node go unused), so the committed tokens are distributed exactly as the walk's."""
+    below a rejected node go unused), so the committed tokens are distributed exactly as the walk's.
+
+    ``uniforms`` [N + 1]: the draws to use instead of the generator's (N for the nodes, the last for the bonus, taken
+    by inverse CDF): a recorded step reads them from a buffer filled before each replay. ``valid_N``: False for the
+    padding nodes of a fixed-width step, which are never accepted and never remove their token from a residual."""
     if tree.probs_NV is not None and not tree.is_chain:
         raise ValueError("rejection_verdict takes point-mass trees or chains; use tree_rejection_accept")
     N, dev = tree.size, p_N1V.device
@@ -213,8 +230,10 @@ def rejection_verdict(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator
         earlier, duplicate = _siblings_before(tree)
         removed = ((earlier & ~duplicate[None, :]).to(p_x.dtype) * p_x[None, :]).sum(1)
         accept = torch.where(duplicate, 0.0, p_x / (1 - removed).clamp(min=torch.finfo(p_x.dtype).tiny)).clamp(max=1)
-    u = torch.rand(N, generator=generator, device=dev)
+    u = torch.rand(N, generator=generator, device=dev) if uniforms is None else uniforms[:N]
     taken = u < accept
+    if valid_N is not None:
+        taken = taken & valid_N
     if tree.is_chain:
         on_path = taken.long().cumprod(0).bool()
     else:
@@ -225,23 +244,36 @@ def rejection_verdict(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator
     if tree.probs_NV is not None:  # norm(max(0, p - q)) at the first rejection; q = 0 past the chain's end
         residual = (p_row - q_pad.index_select(0, last)[0]).clamp(min=0)
     else:  # every child of the last node was rejected: remove their tokens
-        rejected = (_parent_rows(tree) == last).to(p_row.dtype)
+        rejected = _parent_rows(tree) == last
+        rejected = (rejected if valid_N is None else rejected & valid_N).to(p_row.dtype)
         dropped = p_row.new_zeros(p_row.shape).index_add_(0, tokens, rejected) > 0
         residual = p_row.masked_fill(dropped, 0)
     total = residual.sum()
     # Zero only through float rounding (a rejection of probability 0): keep p.
     residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(total.dtype).tiny), p_row)
+    if uniforms is not None:
+        return on_path, last, sample_uniform(residual, uniforms[N:])
     return on_path, last, sample(residual[None], generator)
 
 
-def settle(tree: DraftTree, on_path_N: Tensor, last_1: Tensor, bonus_1: Tensor, vocab_size: int) -> Tensor:
+def sample_uniform(probs_V: Tensor, u_1: Tensor) -> Tensor:
+    """[1]: the token whose cumulative probability first exceeds ``u_1 · total`` (inverse CDF; a zero-probability
+    token is never drawn): sampling from a uniform drawn beforehand, so a recorded step draws nothing itself."""
+    cdf = probs_V.cumsum(-1)
+    return (cdf <= u_1 * cdf[-1:]).sum(-1, keepdim=True).clamp(max=probs_V.shape[-1] - 1)
+
+
+def settle(tree: DraftTree, on_path_N: Tensor, last_1: Tensor, bonus_1: Tensor, vocab_size: int,
+           valid_N: Tensor | None = None) -> Tensor:
     """One long tensor for the decoder to read back: [accepted count a, tree depth, malformed flags,
     path (N slots, the first a used), committed tokens (N + 1 slots, the first a + 1 used)]. Malformed: 1 when a
-    draft lies outside the vocabulary, 2 when a parent does not precede its child (``DraftTree.check``'s errors)."""
+    draft lies outside the vocabulary, 2 when a parent does not precede its child (``DraftTree.check``'s errors).
+    ``valid_N``: False for a fixed-width step's padding nodes (token -1), which are not checked."""
     N, dev = tree.size, tree.tokens.device
     idx = torch.arange(N, device=dev)
     count = on_path_N.long().sum(0, keepdim=True)
-    bad_tokens = ((tree.tokens < 0) | (tree.tokens >= vocab_size)).any(0, keepdim=True).long()
+    bad_N = (tree.tokens < 0) | (tree.tokens >= vocab_size)
+    bad_tokens = (bad_N if valid_N is None else bad_N & valid_N).any(0, keepdim=True).long()
     if tree.is_chain:  # the accepted nodes are a prefix; depth N; parents are 0 .. N - 2 by construction
         path = torch.where(idx < count, idx, max(N - 1, 0))
         depth, flags = count.new_full((1,), N), bad_tokens
@@ -312,6 +344,8 @@ def verdicts(trees: list[DraftTree], logits_BnV: Tensor, samplings: list[Samplin
             at += p.shape[0]
             continue
         t.check(vocab_size)
+        if not typical:
+            refuse_repeated_sampled_siblings(t)
         p_N1V = warp(logits_BnV[b, :1 + t.size], samplings[b])
         rule = typical_accept(t, p_N1V, *typical, generator=generator) if typical else \
             tree_rejection_accept(t, p_N1V, generator)

@@ -49,8 +49,8 @@ import torch
 from torch import Tensor
 
 from inference.acceptance import Verdict, verdicts
-from inference.generation import (ACCEPTANCE_RULES, Generation, check_prompt, check_vocab, finish, prefill_kwargs,
-                                  sync)
+from inference.generation import (ACCEPTANCE_RULES, Generation, cache_kwarg, check_prompt, check_vocab, finish,
+                                  prefill_kwargs, sync)
 from inference.kv_cache import TREE_HEADROOM, PreallocatedCache
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer, ProposerRows
@@ -173,6 +173,7 @@ class BatchedDecoder:
         self._empty = DraftTree.empty(self.device)  # a plain step's "proposal", shared by every row (never mutated)
         # The prefill needs logits at each row's last column only (left padding: every row ends there).
         self._prefill_kw = prefill_kwargs(self.model)
+        self._cache_kw = cache_kwarg(self.model)  # ``cache`` or (older transformers) ``past_key_values``
         self._target = self.model  # what ``_forward`` calls: the model, or its compiled forward (DecoderConfig.compile)
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
@@ -256,8 +257,8 @@ class BatchedDecoder:
 
     def _forward(self, ids_BN: Tensor, pos_BN: Tensor, mask: Tensor, cache: PreallocatedCache, layers: tuple[int, ...],
                  **kw):
-        out = self._target(input_ids=ids_BN, position_ids=pos_BN, attention_mask=mask, past_key_values=cache,
-                         use_cache=True, output_hidden_states=bool(layers), **kw)
+        out = self._target(input_ids=ids_BN, position_ids=pos_BN, attention_mask=mask, use_cache=True,
+                           output_hidden_states=bool(layers), **{self._cache_kw: cache}, **kw)
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits, hidden  # [B, n, V], {layer: [B, n, D]}
 

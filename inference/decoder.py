@@ -13,6 +13,7 @@ the target but not yet fed to it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -34,6 +35,9 @@ from inference.generation import (  # noqa: F401  (re-exported: callers import t
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.step_decoder import NeedsEagerLoop, StepDecoder
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,10 +57,11 @@ class DecoderConfig:
     # the crossover batch size where speculation stops paying (eval.batch_sweep); null: batch 1 only
     batch_sizes: Optional[List[int]] = None
     policy: str = "always"  # batched decoding: always (γ = eval.num_draft every step) | auto (inference.policy)
-    # torch.compile the target's forward for verification and plain steps (the prefill runs eager) with dynamic
-    # shapes and one call signature, so a new tree size or context length does not recompile: two graphs, with and
-    # without a tree mask; CUDA: mode="reduce-overhead" (CUDA graphs). The first calls pay the compilation (about a
-    # minute on CPU for a tiny model).
+    # Batch 1 decodes through recorded steps over a static cache (inference.step_decoder, docs/gpu-decoding.md).
+    # cuda_graphs: auto (on for a CUDA target) | on | off: record each step bucket as a CUDA graph and replay it.
+    cuda_graphs: str = "auto"
+    # torch.compile each step function (fullgraph=True, dynamic=False; CUDA: mode="reduce-overhead") instead of
+    # recording it by hand; the prefill runs eager. The first step of each bucket pays the compilation.
     compile: bool = False
 
     def sampling(self) -> SamplingConfig:
@@ -68,7 +73,7 @@ class Decoder:
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY,
                  acceptance: str = "exact", typical_threshold: float = 0.09, typical_alpha: float = 0.3, seed: int = 0,
-                 compile: bool = False):
+                 compile: bool = False, cuda_graphs: str = "auto"):
         self.teacher = teacher
         self.model = teacher.model
         self.eos_token_id = eos_token_id
@@ -84,9 +89,13 @@ class Decoder:
         self.prefill_kw = prefill_kwargs(self.model)
         # The decode loop speculative decoding runs (a batch of one), on this decoder's generator and compiled forward.
         self.loop = BatchedDecoder(teacher, eos_token_id, sampling, seed, acceptance=acceptance,
-                                   typical_threshold=typical_threshold, typical_alpha=typical_alpha, compile=compile)
+                                   typical_threshold=typical_threshold, typical_alpha=typical_alpha)
         self.loop.generator = self.generator
-        self._target = self.loop._target  # what ``_forward`` calls: the model, or its compiled forward
+        self._target = self.loop._target  # what ``_forward`` calls (the cost model's plain step)
+        # Batch-1 decoding: recorded steps over a static cache (the eager loop above for typical acceptance and for
+        # proposals the steps cannot verify exactly).
+        self.steps = StepDecoder(teacher, eos_token_id, sampling, self.generator, cuda_graphs=cuda_graphs,
+                                 compile=compile)
 
     @property
     def typical(self) -> tuple[float, float] | None:
@@ -103,12 +112,12 @@ class Decoder:
     def _forward(self, inputs: dict, cache: Cache, layers: tuple[int, ...]):
         past = cache.get_seq_length()
         if self._target is self.model or not past:  # eager; the prefill always (once per decode, any prompt length)
-            out = self.model(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+            out = self.model(**inputs, **{self.loop._cache_kw: cache}, use_cache=True, output_hidden_states=bool(layers))
         else:  # compiled steps see one call signature, so plain steps, chains and trees share graphs: 2 (mask or not)
             if "position_ids" not in inputs:
                 n = inputs["input_ids"].shape[1]
                 inputs = {**inputs, "position_ids": torch.arange(past, past + n, device=self.device)[None]}
-            out = self._target(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            out = self._target(**inputs, **{self.loop._cache_kw: cache}, use_cache=True, output_hidden_states=True)
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
 
@@ -124,6 +133,11 @@ class Decoder:
     @torch.no_grad()
     def plain(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
         """Autoregressive decoding (greedy or sampling, per ``self.sampling``): one target forward per token."""
+        return self.steps.plain(prompt_ids, max_new_tokens)
+
+    @torch.no_grad()
+    def plain_eager(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
+        """``plain`` through the eager forward and a ``PreallocatedCache`` (the reference the step path matches)."""
         check_prompt(prompt_ids, max_new_tokens, 0, self.max_positions)
         sync(self.device)
         start = time.perf_counter()
@@ -148,6 +162,18 @@ class Decoder:
         """Speculative decoding; with ``acceptance="exact"`` the output is distributed exactly as ``plain``'s (and is
         token-identical to it when greedy). ``num_draft`` bounds the depth of each proposal. The batched decode loop
         with one row (``inference.batched``), drawing from this decoder's generator."""
+        check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
+        if self.acceptance == "exact":
+            try:
+                return self.steps.speculative(drafter, prompt_ids, max_new_tokens, num_draft)
+            except NeedsEagerLoop as e:
+                log.info("decoding %s with the eager loop: %s", drafter.name, e)
+        return self.speculative_eager(drafter, prompt_ids, max_new_tokens, num_draft)
+
+    @torch.no_grad()
+    def speculative_eager(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int,
+                          num_draft: int) -> Generation:
+        """``speculative`` through the eager decode loop (``inference.batched`` with one row)."""
         check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
         out = self.loop.speculative(drafter, [prompt_ids[0]], max_new_tokens, num_draft)
         gen = out.generations[0]

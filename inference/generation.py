@@ -93,3 +93,10 @@ def prefill_kwargs(model) -> dict:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":  # timings must cover the kernels, not just their launch
         torch.cuda.synchronize(device)
+
+
+def cache_kwarg(model) -> str:
+    """The name the model's forward takes its KV cache under: ``cache`` where the installed transformers has it
+    (``past_key_values`` is deprecated there), else ``past_key_values`` (older releases)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
