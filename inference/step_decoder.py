@@ -249,6 +249,10 @@ class StepDecoder:
                     T, chain, parents = static.buffers.tokens_T.shape[0], static.buffers.chain, static_parents
                     bucket, size = self._bucket(steps, T, chain), T
                     tree = None
+                    left = max_new_tokens - len(new)
+                    if chain and left < T:  # no deeper than the tokens still wanted, as an eager proposal
+                        static.buffers.tokens_T[left:].fill_(-1)  # never accepted; the next draft rewrites them
+                        size = left
                 else:
                     depth = min(num_draft, max_new_tokens - len(new))
                     tree = drafter.propose(seq[:, :m], depth, sampling)
