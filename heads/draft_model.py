@@ -328,12 +328,12 @@ class DraftModel(Drafter):
         return DraftTree.chain(draft_ids.to(tokens.device), probs_NV)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
-        """The catch-up and a greedy chain of (committed rows - 1) tokens as one capture-safe step over the draft
-        model's own static cache (``heads.draft_model_static``); None (the eager path) for sampled drafts and for
-        draft models with sliding-window or other than full-attention layers."""
-        if not sampling.greedy or not self._batchable():
+        """The catch-up and a chain of (committed rows - 1) tokens, greedy or sampled, as one capture-safe step over
+        the draft model's own static cache (``heads.draft_model_static``); None (the eager path) for draft models
+        with sliding-window or other than full-attention layers."""
+        if not self._batchable():
             return None
-        return DraftModelStaticDraft(self, committed, capacity)
+        return DraftModelStaticDraft(self, committed, capacity, sampling, generator)
 
     def _sync_cache(self, seq: Tensor) -> Tensor:
         """Make the cache hold exactly ``seq`` and return the logits after its last token ([V])."""

@@ -10,6 +10,12 @@ device scalar) hold the committed tokens before the last verification's first ro
 ``start + 0 .. n - 1`` (``start`` a device scalar the step sets) by ``index_copy_`` and attends over the whole buffer
 under a 4D mask (each query: the columns up to its own position), so every forward of a bucket has one shape.
 
+Sampled chains (temperature > 0): each draft is drawn from the draft logits warped exactly as the target's
+(``inference.sampling.warp``; those rows are ``DraftBuffers.probs_TV``) by inverse CDF from a uniform made inside the
+step: a counter-based hash (``hashed_uniforms``) of a per-sequence seed, drawn from the decoder's generator at
+``prefill``, and a step counter on the device. A recorded step thus draws fresh uniforms on every replay, with no
+generator inside it (dynamo cannot trace one) and no host work before it.
+
 Per ``draft()``: one forward of M + 1 rows (the verification's rows ``ids_M[:count]``, then the pending token, then
 padding, whose writes land past the new length and are overwritten before they are read), the first draft from the
 pending token's row, then γ - 1 one-token forwards feeding each draft; ``length`` advances by ``count``. ``prefill``
@@ -24,7 +30,35 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from inference.acceptance import sample_uniform
+from inference.sampling import SamplingConfig, warp
 from inference.static_draft import CommittedBuffers, DraftBuffers
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x, c < 2**32 in int64 arithmetic without overflow (16-bit halves)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash with good avalanche (xor-shift / multiply rounds, constants from C. Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hashed_uniforms(seed: Tensor, counter: Tensor, index_n: Tensor) -> Tensor:
+    """[n] float32 uniforms in [0, 1 - 2**-23] from (seed, counter, index): fixed-shape integer ops, so a CUDA graph
+    replays fresh draws as ``counter`` advances. 23 bits: u * total then stays below total in float32, so the
+    inverse CDF never runs past the last token."""
+    x = _mix32((seed & _MASK32) ^ _mul32(counter & _MASK32, 0x9E3779B1))
+    x = _mix32(x ^ _mul32(index_n & _MASK32, 0x85EBCA77))
+    return (x >> 9).to(torch.float32) * (1.0 / (1 << 23))
 
 
 class StaticKVLayer(CacheLayerMixin):
@@ -76,9 +110,10 @@ class StaticKVCache(Cache):
 
 class DraftModelStaticDraft:
     """``StaticDraft`` for one ``heads.draft_model.DraftModel`` (a full-attention draft LM) at one capacity bucket:
-    a greedy chain of γ = M - 1 tokens."""
+    a chain of γ = M - 1 tokens, greedy or sampled."""
 
-    def __init__(self, drafter, committed: CommittedBuffers, capacity: int):
+    def __init__(self, drafter, committed: CommittedBuffers, capacity: int, sampling: SamplingConfig,
+                 generator: torch.Generator | None):
         M = committed.ids_M.shape[0]
         if M < 2:
             raise ValueError(f"a draft model needs committed buffers of at least 2 rows (1 + the draft depth), got {M}")
@@ -96,8 +131,14 @@ class DraftModelStaticDraft:
         self.rows_R = torch.arange(R, device=dev)
         self.cols_C = torch.arange(self.columns, device=dev)
         self.neg = torch.finfo(model.dtype).min
+        self.sampling, self.generator = sampling, generator
+        self.seed = torch.zeros((), dtype=torch.long, device=dev)  # per sequence, from the generator (prefill)
+        self.counter = torch.zeros((), dtype=torch.long, device=dev)  # draft steps so far: fresh uniforms each
+        self.draws_T = torch.arange(self.gamma, device=dev)  # which of a step's uniforms each draft takes
+        vocab = drafter.dims.vocab_size
+        probs = None if sampling.greedy else torch.zeros(self.gamma, vocab, device=dev)
         self.buffers = DraftBuffers(tokens_T=torch.zeros(self.gamma, dtype=torch.long, device=dev),
-                                    parents_T=torch.arange(-1, self.gamma - 1, device=dev), chain=True)
+                                    parents_T=torch.arange(-1, self.gamma - 1, device=dev), probs_TV=probs, chain=True)
 
     @torch.no_grad()
     def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
@@ -116,6 +157,11 @@ class DraftModelStaticDraft:
         self.prefill_ids_R[1] = pending.to(dev)
         self.length.fill_(P - 1)
         self.fresh.fill_(True)
+        if not self.sampling.greedy:
+            g = self.generator
+            seed = torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device if g is not None else "cpu")
+            self.seed.copy_(seed[0])
+            self.counter.zero_()
 
     @torch.no_grad()
     def draft(self) -> None:
@@ -128,14 +174,26 @@ class DraftModelStaticDraft:
         logits = self._forward(ids_R[None], self.length + self.rows_R, count.reshape(1))
         self.length.add_(count)
         self.fresh.fill_(False)
-        token = logits.argmax(-1)  # [1]
+        uniforms = None
+        if not self.sampling.greedy:
+            uniforms = hashed_uniforms(self.seed, self.counter, self.draws_T)  # [γ]
+            self.counter.add_(1)
+        token = self._pick(logits, uniforms, 0)  # [1]
         drafts = [token]
         for k in range(1, self.gamma):
             pos = (self.length + k).reshape(1)
             self.cache.start.copy_(pos[0])
-            token = self._forward(token[None], pos).argmax(-1)
+            token = self._pick(self._forward(token[None], pos), uniforms, k)
             drafts.append(token)
         self.buffers.tokens_T.copy_(torch.cat(drafts))
+
+    def _pick(self, logits_1V: Tensor, uniforms: Tensor | None, k: int) -> Tensor:
+        """Draft k [1]: the argmax, or a draw from the warped logits (kept as row k of ``probs_TV``)."""
+        if uniforms is None:
+            return logits_1V.argmax(-1)
+        probs_1V = warp(logits_1V, self.sampling)
+        self.buffers.probs_TV[k].copy_(probs_1V[0])
+        return sample_uniform(probs_1V[0], uniforms[k: k + 1])
 
     def _forward(self, ids_1n: Tensor, pos_n: Tensor, keep: Tensor | None = None) -> Tensor:
         """Logits [n or len(keep), V] of the rows fed at positions ``pos_n`` (each sees the columns up to its own)."""

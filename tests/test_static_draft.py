@@ -14,7 +14,9 @@ from distill.teacher import Teacher
 from heads.draft_model import DraftModel
 from heads.medusa import MedusaHeads
 from heads.medusa2 import Medusa2
-from inference.sampling import GREEDY
+from heads.draft_model_static import hashed_uniforms
+from inference.acceptance import sample_uniform
+from inference.sampling import GREEDY, SamplingConfig, warp
 from tests.conftest import make_tiny_llama
 from tests.static_harness import Recorder, Replay, committed_for, counts, layout, tensors_of
 from tests.test_draft_model import truncated
@@ -171,3 +173,48 @@ def test_draft_compiles_with_inductor(target, kind):
     step = torch.compile(static.draft, fullgraph=True, dynamic=False)
     play(drafter, static, committed, target, PROMPTS[0], 8, step)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_hashed_uniforms_are_uniform_and_fresh_per_step():
+    seed = torch.tensor(12345)
+    draws = torch.stack([hashed_uniforms(seed, torch.tensor(step), torch.arange(8)) for step in range(5000)])
+    assert draws.min() >= 0 and draws.max() < 1
+    histogram = torch.histc(draws.flatten(), bins=10, min=0, max=1) / draws.numel()
+    assert (histogram - 0.1).abs().max() < 0.005, histogram  # 40k draws: a bin's sd is 0.0015
+    flat = draws.flatten()
+    assert abs(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1]) < 0.02  # neighbours uncorrelated
+    other = torch.stack([hashed_uniforms(seed + 1, torch.tensor(step), torch.arange(8)) for step in range(5000)])
+    assert (other != draws).float().mean() > 0.99  # another sequence's seed draws otherwise
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    picks = torch.stack([sample_uniform(probs, u[None]) for u in flat[:20000]]).flatten()
+    freq = torch.bincount(picks, minlength=4) / picks.numel()
+    assert freq[1] == 0 and (freq - probs).abs().max() < 0.012, freq  # sd <= 0.0036
+
+
+def test_sampled_draft_model_chain_draws_from_its_warped_distributions(target):
+    drafter, rows = draft_model(target)
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    committed = committed_for(drafter, rows)
+    generator = torch.Generator().manual_seed(0)
+    static = drafter.static_draft(committed, CAPACITY, sampling, generator)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
+    drafted = []
+    for prompt_len in PROMPTS:
+        replay = Replay(target, (), prompt_len, new_tokens=rows * 34 + 2, seed=prompt_len)
+        replay.prefill(static)
+        for i, count in enumerate(counts(34, rows, seed=prompt_len)):
+            if i:
+                replay.commit(committed, count)
+            step()
+            tokens, probs = static.buffers.tokens_T.clone(), static.buffers.probs_TV.clone()
+            # The draft model's own distributions after the context and each earlier draft, warped as the target's.
+            seq = torch.cat([replay.context()[0], tokens[:-1]])
+            with torch.no_grad():
+                logits = drafter.model(input_ids=seq[None]).logits[0, -tokens.shape[0]:]
+            torch.testing.assert_close(probs, warp(logits, sampling), atol=1e-5, rtol=1e-5)
+            assert (probs.gather(1, tokens[:, None]) > 0).all()  # each draft drawn from its own row
+            drafted.append(tokens)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len({tuple(t.tolist()) for t in drafted}) > len(drafted) // 2  # draws, not one fixed chain
