@@ -16,6 +16,7 @@ from heads.medusa import MedusaHeads
 from heads.medusa2 import Medusa2
 from heads.draft_model_static import hashed_uniforms
 from inference.acceptance import sample_uniform
+from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig, warp
 from tests.conftest import make_tiny_llama
 from tests.static_harness import Recorder, Replay, committed_for, counts, layout, tensors_of
@@ -218,3 +219,32 @@ def test_sampled_draft_model_chain_draws_from_its_warped_distributions(target):
             drafted.append(tokens)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert len({tuple(t.tolist()) for t in drafted}) > len(drafted) // 2  # draws, not one fixed chain
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_decoding_through_the_static_draft_equals_plain_greedy(target, kind):
+    """End to end: ``inference.decoder.Decoder`` at batch 1 drafts through the drafter's static step (counted here)
+    and decodes the same tokens as plain greedy decoding."""
+    drafter, rows = KINDS[kind](target)
+    made = []
+    build = drafter.static_draft
+
+    def counted(*args, **kwargs):
+        static = build(*args, **kwargs)
+        draft, static.calls = static.draft, 0
+
+        def run():
+            static.calls += 1
+            draft()
+
+        static.draft = run
+        made.append(static)
+        return static
+
+    drafter.static_draft = counted
+    dec = Decoder(target)
+    gen = torch.Generator().manual_seed(3)
+    for prompt_len in PROMPTS:
+        prompt = torch.randint(0, 128, (1, prompt_len), generator=gen)
+        assert dec.speculative(drafter, prompt, 40, rows - 1).new_tokens == dec.plain(prompt, 40).new_tokens
+    assert made and sum(s.calls for s in made) >= 2 * 8
