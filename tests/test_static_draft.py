@@ -64,6 +64,11 @@ ATTENTION_SHAPES = {"eagle1-dynamic": 2, "eagle1-chain": 2, "eagle3-dynamic": 2,
                     "medusa-chain": 0, "medusa-tree": 0, "medusa2-tree": 0,
                     "draft-model": 2}
 
+# Aten ops per draft step (views aside), measured with a little headroom: a regression guard (the eager propose
+# runs 290 for EAGLE-1's tree, 359 for EAGLE-3's, 230 for the draft model's chain, 22 for Medusa's).
+OP_BUDGET = {"eagle1-dynamic": 280, "eagle1-chain": 275, "eagle3-dynamic": 350, "eagle3-chain": 345,
+             "medusa-chain": 30, "medusa-tree": 30, "medusa2-tree": 30, "draft-model": 260}
+
 
 @pytest.fixture(scope="module")
 def target():
@@ -140,7 +145,7 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
     first = recorders[0].external
     for i, rec in enumerate(recorders):
         assert rec.external == first, f"step {i} touched other tensors than step 0"
-        assert rec.ops == recorders[0].ops
+        assert rec.ops == recorders[0].ops <= OP_BUDGET[kind]
     unknown = set(first) - known
     assert not unknown, f"a step reads {len(unknown)} tensor(s) outside its state, the committed buffers and weights"
     shapes = set().union(*(rec.attention for rec in recorders))
