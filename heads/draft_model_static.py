@@ -4,11 +4,11 @@ committed tokens and γ draft tokens, over a KV cache whose buffers never move.
 Which token each output predicts: as in ``heads.draft_model`` (the logits after token t predict token t + 1; draft k
 is the guess for the k-th token after the pending one).
 
-The cache (``StaticKVCache``, a transformers ``Cache``, so the draft model's own forward fills it) holds, per layer,
-keys and values of ``columns`` = capacity + (M + 1) + γ positions, column = position. Columns below ``length`` (a
-device scalar) hold the committed tokens before the last verification's first row; a forward writes its n entries at
-``start + 0 .. n - 1`` (``start`` a device scalar the step sets) by ``index_copy_`` and attends over the whole buffer
-under a 4D mask (each query: the columns up to its own position), so every forward of a bucket has one shape.
+The cache is the step decoder's ``inference.static_cache.StaticKV`` (a transformers ``Cache``, so the draft model's
+own forward fills it), of ``columns`` = capacity + (M + 1) + γ positions, column = position. Columns below ``length``
+(this step's own device scalar) hold the committed tokens before the last verification's first row; a forward writes
+its n entries at device positions (``StaticKV.place``) by ``index_copy_`` and attends over the whole buffer under a
+4D mask (each query: the columns up to its own position), so every forward of a bucket has one shape.
 
 Sampled chains (temperature > 0): each draft is drawn from the draft logits warped exactly as the target's
 (``inference.sampling.warp``; those rows are ``DraftBuffers.probs_TV``) by inverse CDF from a uniform made inside the
@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from inference.acceptance import sample_uniform
+from inference.generation import cache_kwarg
 from inference.sampling import SamplingConfig, warp
+from inference.static_cache import StaticKV, kv_shapes
 from inference.static_draft import CommittedBuffers, DraftBuffers
 
 _MASK32 = 0xFFFFFFFF
@@ -61,53 +62,6 @@ def hashed_uniforms(seed: Tensor, counter: Tensor, index_n: Tensor) -> Tensor:
     return (x >> 9).to(torch.float32) * (1.0 / (1 << 23))
 
 
-class StaticKVLayer(CacheLayerMixin):
-    """One layer's keys and values [1, h, C, hd], written at the owner's ``start`` + 0 .. n - 1, returned whole."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, owner: "StaticKVCache", keys: Tensor, values: Tensor):
-        super().__init__()
-        self.owner, self.keys, self.values = owner, keys, values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor, *args) -> None:
-        """Allocated at construction, never inside a forward."""
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        cols = self.owner.start + self.owner.offsets[: key_states.shape[2]]
-        self.keys.index_copy_(2, cols, key_states.to(self.dtype))
-        self.values.index_copy_(2, cols, value_states.to(self.dtype))
-        return self.keys, self.values
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.keys.shape[2], 0
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return 0  # positions always come as position_ids; never read from the cache
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-class StaticKVCache(Cache):
-    """A static-address cache for batch 1: every layer's buffers allocated once, from the model's config."""
-
-    def __init__(self, config, columns: int, dtype: torch.dtype, device: torch.device | str):
-        text = config.get_text_config()
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.start = torch.zeros((), dtype=torch.long, device=device)  # where the next forward's entries go
-        self.offsets = torch.arange(columns, device=device)  # a forward of n entries writes start + offsets[:n]
-        shape = (1, heads, columns, head_dim)
-        layers = [StaticKVLayer(self, torch.zeros(shape, dtype=dtype, device=device),
-                                torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in range(text.num_hidden_layers)]
-        super().__init__(layers=layers)
-
-
 class DraftModelStaticDraft:
     """``StaticDraft`` for one ``heads.draft_model.DraftModel`` (a full-attention draft LM) at one capacity bucket:
     a chain of γ = M - 1 tokens, greedy or sampled."""
@@ -124,12 +78,14 @@ class DraftModelStaticDraft:
         dev = drafter.device
         R = M + 1
         self.columns = capacity + R + self.gamma
-        self.cache = StaticKVCache(model.config, self.columns, model.dtype, dev)
+        self.cache = StaticKV(kv_shapes(model), self.columns, dev, widths=(R, 1))
+        self.cache_kwarg = cache_kwarg(model)
         self.length = torch.zeros((), dtype=torch.long, device=dev)
         self.fresh = torch.ones((), dtype=torch.bool, device=dev)  # set by prefill: rows from prefill_ids_R
         self.prefill_ids_R = torch.zeros(R, dtype=torch.long, device=dev)
         self.rows_R = torch.arange(R, device=dev)
         self.cols_C = torch.arange(self.columns, device=dev)
+        self.mask_dtype = model.dtype
         self.neg = torch.finfo(model.dtype).min
         self.sampling, self.generator = sampling, generator
         self.seed = torch.zeros((), dtype=torch.long, device=dev)  # per sequence, from the generator (prefill)
@@ -149,8 +105,8 @@ class DraftModelStaticDraft:
         dev = self.length.device
         ids = prompt_ids_P.to(dev)
         if P > 1:  # eager: a shape per prompt length is fine here
-            self.cache.start.fill_(0)
             pos = torch.arange(P - 1, device=dev)
+            self.cache.place(P - 1, start=pos[0])
             self._forward(ids[None, : P - 1], pos)
         self.prefill_ids_R.zero_()
         self.prefill_ids_R[0] = ids[P - 1]
@@ -170,7 +126,7 @@ class DraftModelStaticDraft:
         committed_R = torch.cat([c.ids_M, c.ids_M[:1]])
         rows = torch.where(self.rows_R < c.count, committed_R, torch.where(self.rows_R == c.count, c.pending, 0))
         ids_R = torch.where(self.fresh, self.prefill_ids_R, rows)
-        self.cache.start.copy_(self.length)
+        self.cache.place(ids_R.shape[0], start=self.length)
         logits = self._forward(ids_R[None], self.length + self.rows_R, count.reshape(1))
         self.length.add_(count)
         self.fresh.fill_(False)
@@ -181,8 +137,7 @@ class DraftModelStaticDraft:
         token = self._pick(logits, uniforms, 0)  # [1]
         drafts = [token]
         for k in range(1, self.gamma):
-            pos = (self.length + k).reshape(1)
-            self.cache.start.copy_(pos[0])
+            pos = self.cache.place(1, start=self.length + k)
             token = self._pick(self._forward(token[None], pos), uniforms, k)
             drafts.append(token)
         self.buffers.tokens_T.copy_(torch.cat(drafts))
@@ -198,13 +153,14 @@ class DraftModelStaticDraft:
     def _forward(self, ids_1n: Tensor, pos_n: Tensor, keep: Tensor | None = None) -> Tensor:
         """Logits [n or len(keep), V] of the rows fed at positions ``pos_n`` (each sees the columns up to its own)."""
         allowed = self.cols_C[None, :] <= pos_n[:, None]
-        mask = torch.zeros(allowed.shape, dtype=self.cache.layers[0].dtype, device=allowed.device)
+        mask = torch.zeros(allowed.shape, dtype=self.mask_dtype, device=allowed.device)
         mask = mask.masked_fill(~allowed, self.neg)[None, None]
         kw = {}
         if self.drafter._logits_to_keep:
             kw["logits_to_keep"] = keep if keep is not None else 1
-        out = self.drafter.model(input_ids=ids_1n, position_ids=pos_n[None], attention_mask=mask,
-                                 past_key_values=self.cache, use_cache=True, **kw)
+        kw[self.cache_kwarg] = self.cache
+        out = self.drafter.model(input_ids=ids_1n, position_ids=pos_n[None], attention_mask=mask, use_cache=True,
+                                 **kw)
         logits = out.logits[0]
         if keep is not None and not self.drafter._logits_to_keep:
             return logits.index_select(0, keep)
