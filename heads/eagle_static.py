@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inference.dynamic_tree import expand_dynamic_trees
-from inference.static_draft import CommittedBuffers, DraftBuffers
+from inference.static_draft import CommittedBuffers, DraftBuffers, mark_static
 
 
 def tree_sizes(top_k: int, depth: int, total_tokens: int, vocab: int) -> tuple[int, int, int]:
@@ -79,6 +79,8 @@ class EagleStaticDraft:
         self.rows_M = torch.arange(M, device=dev)
         self.buffers = DraftBuffers(tokens_T=torch.zeros(T, dtype=torch.long, device=dev),
                                     parents_T=torch.full((T,), -1, dtype=torch.long, device=dev), chain=self.chain)
+        mark_static(self.k, self.v, self.length, self.fresh, self.node_out, self.ancestry, self.eye_SS, self.cos,
+                    self.sin, self.cols_C, self.rows_M, self.buffers.tokens_T, self.buffers.parents_T)
 
     # --- eager, once per sequence -----------------------------------------------------------------------------
     @torch.no_grad()

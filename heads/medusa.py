@@ -27,7 +27,7 @@ from distill.chunked import Finished, TeacherRows, chunked_divergence, positions
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from inference.sampling import GREEDY, SamplingConfig
-from inference.static_draft import DraftBuffers
+from inference.static_draft import DraftBuffers, mark_static
 from inference.tree import DraftTree, parse_tree
 
 
@@ -237,6 +237,8 @@ class MedusaStaticDraft:
             self.ranks, self.flat, parents, self.depth = drafter._static_tree(depth, dev)
         self.buffers = DraftBuffers(tokens_T=torch.zeros(parents.shape[0], dtype=torch.long, device=dev),
                                     parents_T=parents.clone(), chain=drafter.tree is None)
+        mark_static(self.last_1D, self.fresh, self.buffers.tokens_T, self.buffers.parents_T,
+                    *([self.flat] if self.flat is not None else []))
 
     @torch.no_grad()
     def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
