@@ -13,7 +13,8 @@ batched rows are tested against it. Its cache holds the ids of the previous prop
 the last (the last draft is never fed). A new proposal crops the cache back to the longest prefix it shares with
 ``tokens``, feeds the rest in one forward, then drafts one token per forward: argmax when greedy (probabilities
 None), else a draw from the draft logits warped by ``inference.sampling.warp`` exactly as the target's (those rows
-are the chain's ``probs_NV``).
+are the chain's ``probs_NV``). The step decoder drafts through ``static_draft`` (``heads.draft_model_static``: the
+catch-up and the chain as one capture-safe step over the draft model's own static cache).
 
 Training target: the draft model's logits at t are distilled toward the teacher's logits at t (both predict token
 t+1), wherever token t+1 is a real, loss-bearing token (``distill.data``'s ``loss_mask`` marks predicted tokens).

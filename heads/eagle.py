@@ -29,7 +29,9 @@ keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.
 (``tree: chain``); candidates are top-k picks, so they carry no draft probabilities and sampling stays lossless.
 The decode loop drafts through ``rows`` (``heads.eagle_decode.EagleRows``: every row of a batch, batch 1 included,
 in one forward per tree level over a ragged context cache); ``propose`` below is the one-sequence entry on an
-arbitrary context, and both grow their trees with ``heads.eagle_decode.draft_trees``.
+arbitrary context, and both grow their trees with ``heads.eagle_decode.draft_trees``. The step decoder drafts through
+``static_draft`` instead (``heads.eagle_static``): the catch-up and every level as one capture-safe step over buffers
+allocated once, drafting what ``propose`` drafts on the same context.
 """
 
 from __future__ import annotations

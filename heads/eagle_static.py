@@ -70,7 +70,7 @@ class EagleStaticDraft:
         self.length = torch.zeros((), dtype=torch.long, device=dev)  # context pairs processed
         self.fresh = torch.ones((), dtype=torch.bool, device=dev)  # set by prefill: the next draft skips catch-up
         self.node_out = torch.zeros(1 + S, drafter.dims.hidden_size, device=dev, dtype=dtype)  # root, then slots
-        # Row 1 + s: slot s's ancestors and itself (1) ; row 0 (the root's children's parent) stays empty. Small
+        # Row 1 + s: slot s's ancestors and itself (1); row 0 (the root's children's parent) stays empty. Small
         # integers, not bool: inductor's CPU code generation fails on bool rows OR-ed through an index.
         self.ancestry = torch.zeros(1 + S, S, dtype=torch.uint8, device=dev)
         self.eye_SS = torch.eye(S, dtype=torch.uint8, device=dev)

@@ -10,7 +10,9 @@ Shape legend:  B batch, T sequence, D target hidden size, V vocabulary, K number
 
 Decoding: ``tree`` null is the top-1 chain (head k's argmax at depth k); a static tree (``inference.tree``: a preset
 name or a list of top-k index paths) verifies several candidates per depth in one target forward. Candidates are
-top-k picks, not draws, so they carry no draft probabilities and sampling acceptance stays lossless.
+top-k picks, not draws, so they carry no draft probabilities and sampling acceptance stays lossless. The step
+decoder drafts through ``static_draft`` (``MedusaStaticDraft``: the same heads on the last committed hidden state,
+one capture-safe step over fixed buffers).
 
 Training target: head k at position t is distilled toward the teacher's distribution for token t+k+1, which is the
 teacher's logits at position t+k; weights decay as ``loss_decay ** (k - 1)`` (Medusa's 0.8^k schedule).
