@@ -334,7 +334,8 @@ class DraftModel(Drafter):
         with sliding-window or other than full-attention layers."""
         if not self._batchable():
             return None
-        return DraftModelStaticDraft(self, committed, capacity, sampling, generator)
+        return self.reuse_static_draft((id(self.model),), committed, capacity, sampling, generator,
+                                       lambda: DraftModelStaticDraft(self, committed, capacity, sampling, generator))
 
     def _sync_cache(self, seq: Tensor) -> Tensor:
         """Make the cache hold exactly ``seq`` and return the logits after its last token ([V])."""

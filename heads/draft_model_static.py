@@ -74,7 +74,7 @@ class DraftModelStaticDraft:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 position, got {capacity}")
         self.drafter, self.committed, self.capacity, self.gamma = drafter, committed, capacity, M - 1
-        model = drafter.model
+        self.model = model = drafter.model  # the one its cache was shaped for
         dev = drafter.device
         R = M + 1
         self.columns = capacity + R + self.gamma
@@ -161,7 +161,7 @@ class DraftModelStaticDraft:
         if self.drafter._logits_to_keep:
             kw["logits_to_keep"] = keep if keep is not None else 1
         kw[self.cache_kwarg] = self.cache
-        out = self.drafter.model(input_ids=ids_1n, position_ids=pos_n[None], attention_mask=mask, use_cache=True,
+        out = self.model(input_ids=ids_1n, position_ids=pos_n[None], attention_mask=mask, use_cache=True,
                                  **kw)
         logits = out.logits[0]
         if keep is not None and not self.drafter._logits_to_keep:

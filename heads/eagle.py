@@ -483,7 +483,9 @@ class EagleDrafter(Drafter):
         ``propose``; ``generator`` is unused."""
         rows = committed.ids_M.shape[0]
         depth = min(self.depth or rows - 1, rows - 1)
-        return EagleStaticDraft(self, committed, capacity, depth)
+        settings = (self.tree_mode, self.top_k, depth, self.total_tokens)
+        return self.reuse_static_draft(settings, committed, capacity, sampling, generator,
+                                       lambda: EagleStaticDraft(self, committed, capacity, depth))
 
     def _advance(self, seq: Tensor) -> Tensor:
         """Run the context pairs not yet processed; return the last pair's output [D] (the root of the tree)."""

@@ -170,7 +170,10 @@ class MedusaHeads(Drafter):
         """The heads on the last committed hidden state as one capture-safe step (``MedusaStaticDraft``), drafting
         min(num_heads, committed rows - 1) deep. Candidates are top-k picks for any ``sampling``; ``generator`` and
         ``capacity`` are unused (the heads keep no context)."""
-        return MedusaStaticDraft(self, committed, min(self.num_heads, committed.ids_M.shape[0] - 1))
+        depth = min(self.num_heads, committed.ids_M.shape[0] - 1)
+        paths = self.tree.paths if self.tree is not None else None
+        return self.reuse_static_draft((paths, depth), committed, capacity, sampling, generator,
+                                       lambda: MedusaStaticDraft(self, committed, depth))
 
     def _static_tree(self, depth: int, device: torch.device) -> tuple[list[int], Tensor, Tensor, int]:
         """(candidates per head, index of each path's token among them, parents, depth) of the tree limited to

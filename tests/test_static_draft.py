@@ -236,13 +236,14 @@ def test_decoding_through_the_static_draft_equals_plain_greedy(target, kind):
 
     def counted(*args, **kwargs):
         static = build(*args, **kwargs)
-        draft, static.calls = static.draft, 0
+        if not hasattr(static, "calls"):
+            draft, static.calls = static.draft, 0
 
-        def run():
-            static.calls += 1
-            draft()
+            def run():
+                static.calls += 1
+                draft()
 
-        static.draft = run
+            static.draft = run
         made.append(static)
         return static
 
@@ -252,4 +253,16 @@ def test_decoding_through_the_static_draft_equals_plain_greedy(target, kind):
     for prompt_len in PROMPTS:
         prompt = torch.randint(0, 128, (1, prompt_len), generator=gen)
         assert dec.speculative(drafter, prompt, 40, rows - 1).new_tokens == dec.plain(prompt, 40).new_tokens
-    assert made and sum(s.calls for s in made) >= 2 * 8
+    assert len(made) == 2 and made[0] is made[1]  # one static draft (and one recorded step) for both prompts
+    assert made[0].calls >= 2 * 8
+
+
+def test_a_static_draft_is_made_once_per_buffers_and_settings(target):
+    drafter, rows = eagle(target, "eagle1", "dynamic")
+    committed = committed_for(drafter, rows)
+    first = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    assert drafter.static_draft(committed, CAPACITY, GREEDY, None) is first
+    assert drafter.static_draft(committed, 2 * CAPACITY, GREEDY, None) is not first
+    assert drafter.static_draft(committed_for(drafter, rows), CAPACITY, GREEDY, None) is not first
+    drafter.set_tree("chain")
+    assert drafter.static_draft(committed, CAPACITY, GREEDY, None).chain
