@@ -25,6 +25,8 @@ T draft nodes, C = Ccap + S key columns, h heads, hd head size, D hidden size, V
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -108,9 +110,10 @@ class EagleStaticDraft:
     @torch.no_grad()
     def draft(self) -> None:
         self._catch_up()
-        self._ctx_mask = (self.cols_C[: self.ctx_cols] < self.length)[None].expand(self.frontier, self.ctx_cols)
+        ctx_mask = (self.cols_C[: self.ctx_cols] < self.length)[None].expand(self.frontier, self.ctx_cols)
         d = self.drafter
-        tokens, parents = expand_dynamic_trees(self._score, self.top_k, self.depth, self.total)
+        tokens, parents = expand_dynamic_trees(functools.partial(self._score, ctx_mask), self.top_k, self.depth,
+                                               self.total)
         self.buffers.tokens_T.copy_(d.d2t[tokens[0]])
         self.buffers.parents_T.copy_(parents[0])
 
@@ -136,9 +139,10 @@ class EagleStaticDraft:
         self.length.add_(torch.where(self.fresh, 0, c.count))
         self.fresh.fill_(False)
 
-    def _score(self, level: int, parent_slot_BF: Tensor | None, tokens_BF: Tensor | None) -> Tensor:
+    def _score(self, ctx_mask_FC: Tensor, level: int, parent_slot_BF: Tensor | None, tokens_BF: Tensor | None
+               ) -> Tensor:
         """``expand_dynamic_trees``' level scorer: level 0 the root, level d its F frontier nodes written into their
-        slots and run over the context and their ancestors; logits [1, (F,) Vd]."""
+        slots and run over the valid context (``ctx_mask_FC``) and their ancestors; logits [1, (F,) Vd]."""
         d = self.drafter
         if level == 0:
             return d._logits(self.node_out[:1])
@@ -153,7 +157,7 @@ class EagleStaticDraft:
         self.v[:, :, self.ctx_cols + lo: self.ctx_cols + hi].copy_(v)
         rows = self.ancestry.index_select(0, parent) + self.eye_SS[lo:hi]  # [F, S]: the parent's, and itself
         self.ancestry[1 + lo: 1 + hi].copy_(rows)
-        mask = torch.cat([self._ctx_mask, rows.bool()], 1)  # [F, C]: the valid context, its ancestors and itself
+        mask = torch.cat([ctx_mask_FC, rows.bool()], 1)  # [F, C]: the valid context, its ancestors and itself
         out = d.layer.finish(F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask[None, None]),
                              residual)[0]
         self.node_out[1 + lo: 1 + hi].copy_(out)

@@ -142,6 +142,8 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
     for prompt_len in PROMPTS:
         play(drafter, static, committed, target, prompt_len, 12, recorded)
     assert layout(named) == before
+    # No step leaves a tensor of its own behind in the state (a prompt's prefill may add its write positions).
+    assert {k for k in tensors_of(static) if not k.startswith("state.cache._positions")} <= set(named)
     first = recorders[0].external
     for i, rec in enumerate(recorders):
         assert rec.external == first, f"step {i} touched other tensors than step 0"
