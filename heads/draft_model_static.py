@@ -96,7 +96,8 @@ class DraftModelStaticDraft:
         self.buffers = DraftBuffers(tokens_T=torch.zeros(self.gamma, dtype=torch.long, device=dev),
                                     parents_T=torch.arange(-1, self.gamma - 1, device=dev), probs_TV=probs, chain=True)
         mark_static(self.length, self.fresh, self.prefill_ids_R, self.rows_R, self.cols_C, self.seed, self.counter,
-                    self.draws_T, self.buffers.tokens_T, self.buffers.parents_T, *([probs] if probs is not None else []))
+                    self.draws_T, self.buffers.tokens_T, self.buffers.parents_T,
+                    *([probs] if probs is not None else []))
 
     @torch.no_grad()
     def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
