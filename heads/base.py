@@ -42,6 +42,8 @@ WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
 log = logging.getLogger(__name__)
 
+STATIC_DRAFTS_KEPT = 4  # static drafts a drafter keeps for reuse (one per decoder state, capacity and sampling)
+
 LossFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
@@ -225,6 +227,20 @@ class Drafter(nn.Module):
         """The whole draft step as one capture-safe function over preallocated buffers
         (``inference.static_draft.StaticDraft``), or None: this drafter decodes on the eager path only."""
         return None
+
+    def reuse_static_draft(self, settings: tuple, committed, capacity: int, sampling: SamplingConfig, generator,
+                           build: Callable[[], Any]):
+        """The static draft ``build`` makes, made once per (buffers, capacity, sampling, generator, device, the
+        drafter's decode ``settings``): a decoder asking again for the same buffers gets the same object, so the
+        step it recorded or compiled for it serves every later sequence (each starts with ``prefill``)."""
+        device = next(iter(self.parameters()), torch.empty(0)).device
+        key = (id(committed), capacity, sampling, id(generator), device, settings)
+        made = self.__dict__.setdefault("_static_drafts", {})  # a plain dict, not a submodule or buffer
+        if key not in made:
+            if len(made) >= STATIC_DRAFTS_KEPT:  # the oldest goes (its buffers with it)
+                made.pop(next(iter(made)))
+            made[key] = build()
+        return made[key]
 
     def rows(self, seeds: list[int]) -> "ForkedRows":
         """The decoding state of a batch of ``len(seeds)`` new sequences (``inference.proposer.ProposerRows``).

@@ -13,7 +13,8 @@ batched rows are tested against it. Its cache holds the ids of the previous prop
 the last (the last draft is never fed). A new proposal crops the cache back to the longest prefix it shares with
 ``tokens``, feeds the rest in one forward, then drafts one token per forward: argmax when greedy (probabilities
 None), else a draw from the draft logits warped by ``inference.sampling.warp`` exactly as the target's (those rows
-are the chain's ``probs_NV``).
+are the chain's ``probs_NV``). The step decoder drafts through ``static_draft`` (``heads.draft_model_static``: the
+catch-up and the chain as one capture-safe step over the draft model's own static cache).
 
 Training target: the draft model's logits at t are distilled toward the teacher's logits at t (both predict token
 t+1), wherever token t+1 is a real, loss-bearing token (``distill.data``'s ``loss_mask`` marks predicted tokens).
@@ -36,6 +37,7 @@ from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
 from heads.base import DraftOutput, DraftTerm, Drafter, ForkedRows, TargetDims
 from heads.draft_model_rows import DraftModelRows
+from heads.draft_model_static import DraftModelStaticDraft
 from heads.lora import check_lora_spec, check_targets_exist, lora_config
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
@@ -325,6 +327,15 @@ class DraftModel(Drafter):
         self._proposed, self._valid = (seq.shape[0], max_depth), None
         probs_NV = torch.stack(rows).to(tokens.device) if rows else None
         return DraftTree.chain(draft_ids.to(tokens.device), probs_NV)
+
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The catch-up and a chain of (committed rows - 1) tokens, greedy or sampled, as one capture-safe step over
+        the draft model's own static cache (``heads.draft_model_static``); None (the eager path) for draft models
+        with sliding-window or other than full-attention layers."""
+        if not self._batchable():
+            return None
+        return self.reuse_static_draft((id(self.model),), committed, capacity, sampling, generator,
+                                       lambda: DraftModelStaticDraft(self, committed, capacity, sampling, generator))
 
     def _sync_cache(self, seq: Tensor) -> Tensor:
         """Make the cache hold exactly ``seq`` and return the logits after its last token ([V])."""

@@ -29,7 +29,9 @@ keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.
 (``tree: chain``); candidates are top-k picks, so they carry no draft probabilities and sampling stays lossless.
 The decode loop drafts through ``rows`` (``heads.eagle_decode.EagleRows``: every row of a batch, batch 1 included,
 in one forward per tree level over a ragged context cache); ``propose`` below is the one-sequence entry on an
-arbitrary context, and both grow their trees with ``heads.eagle_decode.draft_trees``.
+arbitrary context, and both grow their trees with ``heads.eagle_decode.draft_trees``. The step decoder drafts through
+``static_draft`` instead (``heads.eagle_static``): the catch-up and every level as one capture-safe step over buffers
+allocated once, drafting what ``propose`` drafts on the same context.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from distill.chunked import Finished, Frozen, TeacherRows, positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads.eagle_decode import EagleRows, draft_trees
+from heads.eagle_static import EagleStaticDraft
 from heads.eagle_attention import EXPLICIT_ATTENTION_ELEMENTS, explicit_ttt_attention
 from inference.dynamic_tree import check_dynamic_tree_args
 from inference.sampling import GREEDY, SamplingConfig
@@ -144,11 +147,24 @@ class DraftLayer(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def qkv(self, x_BTI: Tensor, positions_T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self._project(x_BTI)
+        cos, sin = self.rope_tables(positions_T, q.dtype)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin) at ``positions`` (``_rope_tables``); a static draft step makes them once for every position
+        and indexes rows, which gives the same values."""
+        return _rope_tables(positions, self.head_dim, self.theta, dtype, positions.device)
+
+    def qkv_rotated(self, x_BTI: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``qkv`` with the rotary tables given (rows of ``rope_tables``, broadcast over heads)."""
+        q, k, v = self._project(x_BTI)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _project(self, x_BTI: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x_BTI.shape
         split = lambda y: y.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        q, k, v = split(self.q_proj(x_BTI)), split(self.k_proj(x_BTI)), split(self.v_proj(x_BTI))
-        cos, sin = _rope_tables(positions_T, self.head_dim, self.theta, q.dtype, q.device)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+        return split(self.q_proj(x_BTI)), split(self.k_proj(x_BTI)), split(self.v_proj(x_BTI))
 
     def finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
         B, _, T, _ = attn_BhTd.shape
@@ -459,6 +475,17 @@ class EagleDrafter(Drafter):
         tree = draft_trees(self, root_out[None], ctx_k, ctx_v, everything, context, depth)[0]
         return DraftTree(tree.tokens.to(tokens.device), tree.parents.to(tokens.device), chain_hint=tree.chain_hint,
                          depth_bound=tree.depth_bound)
+
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The catch-up and the whole tree (or chain) as one capture-safe step (``heads.eagle_static``), drafting
+        ``depth`` levels, at most as deep as the committed buffers allow (their rows - 1, the decoder's draft
+        length), as ``propose`` clips to its ``max_depth``. Candidates are top-k picks for any ``sampling``, as in
+        ``propose``; ``generator`` is unused."""
+        rows = committed.ids_M.shape[0]
+        depth = min(self.depth or rows - 1, rows - 1)
+        settings = (self.tree_mode, self.top_k, depth, self.total_tokens)
+        return self.reuse_static_draft(settings, committed, capacity, sampling, generator,
+                                       lambda: EagleStaticDraft(self, committed, capacity, depth))
 
     def _advance(self, seq: Tensor) -> Tensor:
         """Run the context pairs not yet processed; return the last pair's output [D] (the root of the tree)."""

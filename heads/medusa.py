@@ -10,7 +10,9 @@ Shape legend:  B batch, T sequence, D target hidden size, V vocabulary, K number
 
 Decoding: ``tree`` null is the top-1 chain (head k's argmax at depth k); a static tree (``inference.tree``: a preset
 name or a list of top-k index paths) verifies several candidates per depth in one target forward. Candidates are
-top-k picks, not draws, so they carry no draft probabilities and sampling acceptance stays lossless.
+top-k picks, not draws, so they carry no draft probabilities and sampling acceptance stays lossless. The step
+decoder drafts through ``static_draft`` (``MedusaStaticDraft``: the same heads on the last committed hidden state,
+one capture-safe step over fixed buffers).
 
 Training target: head k at position t is distilled toward the teacher's distribution for token t+k+1, which is the
 teacher's logits at position t+k; weights decay as ``loss_decay ** (k - 1)`` (Medusa's 0.8^k schedule).
@@ -27,6 +29,7 @@ from distill.chunked import Finished, TeacherRows, chunked_divergence, positions
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from inference.sampling import GREEDY, SamplingConfig
+from inference.static_draft import DraftBuffers, mark_static
 from inference.tree import DraftTree, parse_tree
 
 
@@ -163,6 +166,15 @@ class MedusaHeads(Drafter):
         top = torch.cat([self.heads[i](h).topk(r, dim=-1).indices for i, r in enumerate(ranks) if r], 1)
         return [DraftTree(row[flat], parents, chain_hint=False, depth_bound=tree_depth) for row in top]
 
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The heads on the last committed hidden state as one capture-safe step (``MedusaStaticDraft``), drafting
+        min(num_heads, committed rows - 1) deep. Candidates are top-k picks for any ``sampling``; ``generator`` and
+        ``capacity`` are unused (the heads keep no context)."""
+        depth = min(self.num_heads, committed.ids_M.shape[0] - 1)
+        paths = self.tree.paths if self.tree is not None else None
+        return self.reuse_static_draft((paths, depth), committed, capacity, sampling, generator,
+                                       lambda: MedusaStaticDraft(self, committed, depth))
+
     def _static_tree(self, depth: int, device: torch.device) -> tuple[list[int], Tensor, Tensor, int]:
         """(candidates per head, index of each path's token among them, parents, depth) of the tree limited to
         ``depth``, on ``device``: built on the first proposal and reused (a static tree's shape never changes)."""
@@ -203,3 +215,51 @@ class MedusaRows:
         if any(h is None for h in self.last):
             raise RuntimeError("MedusaRows.propose called before observe(); the decoder must prefill first")
         return self.drafter.draft(torch.cat(self.last), min(depths))
+
+
+class MedusaStaticDraft:
+    """``inference.static_draft.StaticDraft`` for Medusa heads (batch 1): the heads read the target's hidden state of
+    the last committed row (``count - 1``; after ``prefill``, the prompt's last), then the chain takes each head's
+    argmax and a static tree gathers each path's candidate from the heads' top-k through a preset index. The tree's
+    parents never change: they are written once."""
+
+    def __init__(self, drafter: MedusaHeads, committed, depth: int):
+        if -1 not in committed.hidden_M:
+            raise ValueError(f"medusa reads the target's final hidden state (layer -1); the committed buffers hold "
+                             f"{sorted(committed.hidden_M)}: allocate them with layers=drafter.teacher_layers")
+        if depth < 1:
+            raise ValueError(f"medusa needs committed buffers of at least 2 rows (1 + the draft depth), got "
+                             f"{committed.ids_M.shape[0]}")
+        self.drafter, self.committed = drafter, committed
+        weight = drafter.heads[0][-1].weight
+        dev = weight.device
+        self.last_1D = torch.zeros(1, drafter.dims.hidden_size, device=dev, dtype=weight.dtype)
+        self.fresh = torch.ones((), dtype=torch.bool, device=dev)  # set by prefill: read last_1D, not the rows
+        if drafter.tree is None:
+            self.ranks, self.flat, self.depth = None, None, depth
+            parents = torch.arange(-1, depth - 1, device=dev)
+        else:
+            self.ranks, self.flat, parents, self.depth = drafter._static_tree(depth, dev)
+        self.buffers = DraftBuffers(tokens_T=torch.zeros(parents.shape[0], dtype=torch.long, device=dev),
+                                    parents_T=parents.clone(), chain=drafter.tree is None)
+        mark_static(self.last_1D, self.fresh, self.buffers.tokens_T, self.buffers.parents_T,
+                    *([self.flat] if self.flat is not None else []))
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
+        self.last_1D.copy_(hidden_P[-1].reshape(-1, self.last_1D.shape[1])[-1:])
+        self.fresh.fill_(True)
+
+    @torch.no_grad()
+    def draft(self) -> None:
+        c = self.committed
+        newest = c.hidden_M[-1].index_select(0, (c.count - 1).reshape(1)).to(self.last_1D.dtype)
+        self.last_1D.copy_(torch.where(self.fresh, self.last_1D, newest))
+        self.fresh.fill_(False)
+        heads, h = self.drafter.heads, self.last_1D
+        if self.flat is None:
+            tokens = torch.cat([heads[i](h).argmax(-1) for i in range(self.depth)])
+        else:
+            top = torch.cat([heads[i](h).topk(r, dim=-1).indices for i, r in enumerate(self.ranks) if r], 1)[0]
+            tokens = top[self.flat]
+        self.buffers.tokens_T.copy_(tokens)

@@ -65,6 +65,17 @@ class StaticDraft(Protocol):
         ...
 
 
+def mark_static(*tensors: Tensor) -> None:
+    """Tell ``torch.compile`` these buffers keep their address: a compiled step with CUDA graphs
+    (``mode="reduce-overhead"``) then reads and writes them in place, where it would otherwise skip the graph for a
+    step that mutates its inputs."""
+    for t in tensors:
+        try:
+            torch._dynamo.mark_static_address(t)
+        except Exception:  # noqa: BLE001 - a hint only; a torch without it still decodes
+            pass
+
+
 def new_committed(rows: int, layers: tuple[int, ...], hidden_size: int, device: torch.device | str,
                   dtype: torch.dtype) -> CommittedBuffers:
     """``CommittedBuffers`` of ``rows`` rows, zero-filled, allocated once (the decoder's verify step writes them)."""

@@ -320,8 +320,11 @@ class Session:
             steps.use_draft(self.static.buffers)
             dec._draft_step(self.static)()
             b = self.static.buffers
-            T = b.tokens_T.shape[0]
-            self._next = (dec._bucket(steps, T, b.chain), T, b.chain, self.static_parents, None)
+            T = size = b.tokens_T.shape[0]
+            if b.chain and depth < T:  # no deeper than the tokens still wanted, as an eager proposal
+                b.tokens_T[depth:].fill_(-1)  # never accepted; the next draft rewrites them
+                size = depth
+            self._next = (dec._bucket(steps, T, b.chain), size, b.chain, self.static_parents, None)
             return
         tree = self.drafter.propose(self.seq[:, : self.m], depth, self.sampling)
         tree.check_shape(self.vocab)

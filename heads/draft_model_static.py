@@ -1,0 +1,170 @@
+"""A draft LM's chain as one capture-safe step (``inference.static_draft.StaticDraft``): the catch-up on the newly
+committed tokens and γ draft tokens, over a KV cache whose buffers never move.
+
+Which token each output predicts: as in ``heads.draft_model`` (the logits after token t predict token t + 1; draft k
+is the guess for the k-th token after the pending one).
+
+The cache is the step decoder's ``inference.static_cache.StaticKV`` (a transformers ``Cache``, so the draft model's
+own forward fills it), of ``columns`` = capacity + (M + 1) + γ positions, column = position. Columns below ``length``
+(this step's own device scalar) hold the committed tokens before the last verification's first row; a forward writes
+its n entries at device positions (``StaticKV.place``) by ``index_copy_`` and attends over the whole buffer under a
+4D mask (each query: the columns up to its own position), so every forward of a bucket has one shape.
+
+Sampled chains (temperature > 0): each draft is drawn from the draft logits warped exactly as the target's
+(``inference.sampling.warp``; those rows are ``DraftBuffers.probs_TV``) by inverse CDF from a uniform made inside the
+step: a counter-based hash (``hashed_uniforms``) of a per-sequence seed, drawn from the decoder's generator at
+``prefill``, and a step counter on the device. A recorded step thus draws fresh uniforms on every replay, with no
+generator inside it (dynamo cannot trace one) and no host work before it.
+
+Per ``draft()``: one forward of M + 1 rows (the verification's rows ``ids_M[:count]``, then the pending token, then
+padding, whose writes land past the new length and are overwritten before they are read), the first draft from the
+pending token's row, then γ - 1 one-token forwards feeding each draft; ``length`` advances by ``count``. ``prefill``
+feeds the prompt but its last token, and leaves that token and the pending one as the first step's rows.
+
+Shapes: M committed rows, R = M + 1 catch-up rows, γ draft tokens (= M - 1), C cache columns, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from inference.acceptance import sample_uniform
+from inference.generation import cache_kwarg
+from inference.sampling import SamplingConfig, warp
+from inference.static_cache import StaticKV, kv_shapes
+from inference.static_draft import CommittedBuffers, DraftBuffers, mark_static
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x, c < 2**32 in int64 arithmetic without overflow (16-bit halves)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash with good avalanche (xor-shift / multiply rounds, constants from C. Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hashed_uniforms(seed: Tensor, counter: Tensor, index_n: Tensor) -> Tensor:
+    """[n] float32 uniforms in [0, 1 - 2**-23] from (seed, counter, index): fixed-shape integer ops, so a CUDA graph
+    replays fresh draws as ``counter`` advances. 23 bits: u * total then stays below total in float32, so the
+    inverse CDF never runs past the last token."""
+    x = _mix32((seed & _MASK32) ^ _mul32(counter & _MASK32, 0x9E3779B1))
+    x = _mix32(x ^ _mul32(index_n & _MASK32, 0x85EBCA77))
+    return (x >> 9).to(torch.float32) * (1.0 / (1 << 23))
+
+
+class DraftModelStaticDraft:
+    """``StaticDraft`` for one ``heads.draft_model.DraftModel`` (a full-attention draft LM) at one capacity bucket:
+    a chain of γ = M - 1 tokens, greedy or sampled."""
+
+    def __init__(self, drafter, committed: CommittedBuffers, capacity: int, sampling: SamplingConfig,
+                 generator: torch.Generator | None):
+        M = committed.ids_M.shape[0]
+        if M < 2:
+            raise ValueError(f"a draft model needs committed buffers of at least 2 rows (1 + the draft depth), got {M}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 position, got {capacity}")
+        self.drafter, self.committed, self.capacity, self.gamma = drafter, committed, capacity, M - 1
+        self.model = model = drafter.model  # the one its cache was shaped for
+        dev = drafter.device
+        R = M + 1
+        self.columns = capacity + R + self.gamma
+        self.cache = StaticKV(kv_shapes(model), self.columns, dev, widths=(R, 1))
+        self.cache_kwarg = cache_kwarg(model)
+        self.length = torch.zeros((), dtype=torch.long, device=dev)
+        self.fresh = torch.ones((), dtype=torch.bool, device=dev)  # set by prefill: rows from prefill_ids_R
+        self.prefill_ids_R = torch.zeros(R, dtype=torch.long, device=dev)
+        self.rows_R = torch.arange(R, device=dev)
+        self.cols_C = torch.arange(self.columns, device=dev)
+        self.mask_dtype = model.dtype
+        self.neg = torch.finfo(model.dtype).min
+        self.sampling, self.generator = sampling, generator
+        self.seed = torch.zeros((), dtype=torch.long, device=dev)  # per sequence, from the generator (prefill)
+        self.counter = torch.zeros((), dtype=torch.long, device=dev)  # draft steps so far: fresh uniforms each
+        self.draws_T = torch.arange(self.gamma, device=dev)  # which of a step's uniforms each draft takes
+        vocab = drafter.dims.vocab_size
+        probs = None if sampling.greedy else torch.zeros(self.gamma, vocab, device=dev)
+        self.buffers = DraftBuffers(tokens_T=torch.zeros(self.gamma, dtype=torch.long, device=dev),
+                                    parents_T=torch.arange(-1, self.gamma - 1, device=dev), probs_TV=probs, chain=True)
+        mark_static(self.length, self.fresh, self.prefill_ids_R, self.rows_R, self.cols_C, self.seed, self.counter,
+                    self.draws_T, self.buffers.tokens_T, self.buffers.parents_T,
+                    *([probs] if probs is not None else []))
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
+        P = prompt_ids_P.shape[0]
+        if not 1 <= P <= self.capacity:
+            raise ValueError(f"draft model: a prompt of {P} tokens does not fit this static draft's capacity "
+                             f"{self.capacity}; allocate it with a larger capacity bucket")
+        dev = self.length.device
+        ids = prompt_ids_P.to(dev)
+        if P > 1:  # eager: a shape per prompt length is fine here
+            pos = torch.arange(P - 1, device=dev)
+            self.cache.place(P - 1, start=pos[0])
+            self._forward(ids[None, : P - 1], pos)
+        self.prefill_ids_R.zero_()
+        self.prefill_ids_R[0] = ids[P - 1]
+        self.prefill_ids_R[1] = pending.to(dev)
+        self.length.fill_(P - 1)
+        self.fresh.fill_(True)
+        if not self.sampling.greedy:
+            g = self.generator
+            seed = torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device if g is not None else "cpu")
+            self.seed.copy_(seed[0])
+            self.counter.zero_()
+
+    @torch.no_grad()
+    def draft(self) -> None:
+        c = self.committed
+        count = torch.where(self.fresh, 1, c.count)
+        committed_R = torch.cat([c.ids_M, c.ids_M[:1]])
+        rows = torch.where(self.rows_R < c.count, committed_R, torch.where(self.rows_R == c.count, c.pending, 0))
+        ids_R = torch.where(self.fresh, self.prefill_ids_R, rows)
+        self.cache.place(ids_R.shape[0], start=self.length)
+        logits = self._forward(ids_R[None], self.length + self.rows_R, count.reshape(1))
+        self.length.add_(count)
+        self.fresh.fill_(False)
+        uniforms = None
+        if not self.sampling.greedy:
+            uniforms = hashed_uniforms(self.seed, self.counter, self.draws_T)  # [γ]
+            self.counter.add_(1)
+        token = self._pick(logits, uniforms, 0)  # [1]
+        drafts = [token]
+        for k in range(1, self.gamma):
+            pos = self.cache.place(1, start=self.length + k)
+            token = self._pick(self._forward(token[None], pos), uniforms, k)
+            drafts.append(token)
+        self.buffers.tokens_T.copy_(torch.cat(drafts))
+
+    def _pick(self, logits_1V: Tensor, uniforms: Tensor | None, k: int) -> Tensor:
+        """Draft k [1]: the argmax, or a draw from the warped logits (kept as row k of ``probs_TV``)."""
+        if uniforms is None:
+            return logits_1V.argmax(-1)
+        probs_1V = warp(logits_1V, self.sampling)
+        self.buffers.probs_TV[k].copy_(probs_1V[0])
+        return sample_uniform(probs_1V[0], uniforms[k: k + 1])
+
+    def _forward(self, ids_1n: Tensor, pos_n: Tensor, keep: Tensor | None = None) -> Tensor:
+        """Logits [n or len(keep), V] of the rows fed at positions ``pos_n`` (each sees the columns up to its own)."""
+        allowed = self.cols_C[None, :] <= pos_n[:, None]
+        mask = torch.zeros(allowed.shape, dtype=self.mask_dtype, device=allowed.device)
+        mask = mask.masked_fill(~allowed, self.neg)[None, None]
+        kw = {}
+        if self.drafter._logits_to_keep:
+            kw["logits_to_keep"] = keep if keep is not None else 1
+        kw[self.cache_kwarg] = self.cache
+        out = self.model(input_ids=ids_1n, position_ids=pos_n[None], attention_mask=mask, use_cache=True,
+                                 **kw)
+        logits = out.logits[0]
+        if keep is not None and not self.drafter._logits_to_keep:
+            return logits.index_select(0, keep)
+        return logits if keep is not None else logits[-1:]

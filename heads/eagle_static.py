@@ -1,0 +1,164 @@
+"""EAGLE-1 / EAGLE-3 drafting as one capture-safe step (``inference.static_draft.StaticDraft``): the catch-up on the
+positions the target just committed and every tree level, over buffers allocated once.
+
+Which token each output predicts: as in ``heads.eagle`` (context pair t = the target's feature at t and token t + 1,
+whose output predicts token t + 2; a depth-d node predicts the token d + 1 past the pending one).
+
+One buffer holds every key the drafter's attention reads, so every attention call has the same key length:
+
+    columns [0, Ccap)         context pairs, column = position; ``length`` (a device scalar) of them are valid.
+                              Ccap = capacity + M: a catch-up writes all M rows at length + i, and the rows past the
+                              committed count land beyond the new length, where they are masked and later overwritten.
+    columns [Ccap, Ccap + S)  draft nodes, in the slots ``inference.dynamic_tree`` numbers them by (level d's
+                              frontier in slots (d - 1) F .. d F - 1); a node sees the valid context and its own
+                              ancestors (``ancestry``), never another step's stale slots.
+
+Per ``draft()``: catch-up (M rows, padding masked) -> root output -> ``expand_dynamic_trees`` (fixed shapes for fixed
+(top_k, depth, total_tokens); the chain is top_k 1) scoring each level into its slots -> ``DraftBuffers``. Rotary
+tables are made once for every position and indexed by device positions; nothing is read back, nothing the host keeps
+is allocated, and no Python value changes between calls, so one recording serves every step of every sequence that
+fits the capacity.
+
+Shapes: M committed rows, S node slots (F per level below the first), F frontier nodes per level (min(top_k, Vd)),
+T draft nodes, C = Ccap + S key columns, h heads, hd head size, D hidden size, Vd draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from inference.dynamic_tree import expand_dynamic_trees
+from inference.static_draft import CommittedBuffers, DraftBuffers, mark_static
+
+
+def tree_sizes(top_k: int, depth: int, total_tokens: int, vocab: int) -> tuple[int, int, int]:
+    """(F frontier nodes per level, S node slots, T draft nodes) of ``expand_dynamic_trees`` for these settings."""
+    frontier = min(top_k, vocab)
+    scored = frontier + (depth - 1) * frontier * frontier
+    return frontier, (depth - 1) * frontier, min(total_tokens, scored)
+
+
+class EagleStaticDraft:
+    """``StaticDraft`` for one ``heads.eagle.EagleDrafter`` at one capacity bucket (batch 1)."""
+
+    def __init__(self, drafter, committed: CommittedBuffers, capacity: int, depth: int):
+        missing = [i for i in drafter.teacher_layers if i not in committed.hidden_M]
+        if missing:
+            raise ValueError(f"{drafter.name} reads target hidden-state layers {list(drafter.teacher_layers)}; the "
+                             f"committed buffers hold {sorted(committed.hidden_M)} (missing {missing}): allocate them "
+                             f"with layers=drafter.teacher_layers")
+        M = committed.ids_M.shape[0]
+        if not 1 <= depth <= M - 1:
+            raise ValueError(f"{drafter.name}: a draft of depth {depth} needs committed buffers of at least 1 + depth "
+                             f"rows (the verify bucket's deepest path), got {M}: allocate them with rows >= "
+                             f"{max(depth, 1) + 1}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 position, got {capacity}")
+        self.drafter, self.committed, self.capacity, self.depth = drafter, committed, capacity, depth
+        layer = drafter.layer
+        dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+        self.chain = drafter.tree_mode == "chain"
+        self.top_k = 1 if self.chain else drafter.top_k
+        self.total = depth if self.chain else drafter.total_tokens
+        self.frontier, S, T = tree_sizes(self.top_k, depth, self.total, drafter.draft_vocab_size)
+        self.ctx_cols = capacity + M
+        C = self.ctx_cols + S
+        self.k = torch.zeros(1, layer.num_heads, C, layer.head_dim, device=dev, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = torch.zeros((), dtype=torch.long, device=dev)  # context pairs processed
+        self.fresh = torch.ones((), dtype=torch.bool, device=dev)  # set by prefill: the next draft skips catch-up
+        self.node_out = torch.zeros(1 + S, drafter.dims.hidden_size, device=dev, dtype=dtype)  # root, then slots
+        # Row 1 + s: slot s's ancestors and itself (1); row 0 (the root's children's parent) stays empty. Small
+        # integers, not bool: inductor's CPU code generation fails on bool rows OR-ed through an index.
+        self.ancestry = torch.zeros(1 + S, S, dtype=torch.uint8, device=dev)
+        self.eye_SS = torch.eye(S, dtype=torch.uint8, device=dev)
+        self.cos, self.sin = layer.rope_tables(torch.arange(C + depth, device=dev), dtype)  # [positions, hd]
+        self.cols_C = torch.arange(C, device=dev)
+        self.rows_M = torch.arange(M, device=dev)
+        self.buffers = DraftBuffers(tokens_T=torch.zeros(T, dtype=torch.long, device=dev),
+                                    parents_T=torch.full((T,), -1, dtype=torch.long, device=dev), chain=self.chain)
+        mark_static(self.k, self.v, self.length, self.fresh, self.node_out, self.ancestry, self.eye_SS, self.cos,
+                    self.sin, self.cols_C, self.rows_M, self.buffers.tokens_T, self.buffers.parents_T)
+
+    # --- eager, once per sequence -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
+        d = self.drafter
+        P = prompt_ids_P.shape[0]
+        if not 1 <= P <= self.capacity:
+            raise ValueError(f"{d.name}: a prompt of {P} tokens does not fit this static draft's capacity "
+                             f"{self.capacity}; allocate it with a larger capacity bucket")
+        dev, dtype = self.k.device, self.k.dtype
+        feats = torch.cat([hidden_P[i].reshape(P, -1) for i in d.teacher_layers], -1).to(dev, dtype)
+        nxt = torch.cat([prompt_ids_P[1:].to(dev), pending.reshape(1).to(dev)])  # token t + 1 of pair t
+        hid = d._first_hidden(feats[None])
+        x, residual = d._layer_input(d._embed(nxt[None], hid), hid)
+        q, k, v = d.layer.qkv_rotated(x, self.cos[:P], self.sin[:P])
+        self.k[:, :, :P] = k
+        self.v[:, :, :P] = v
+        mask = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        out = d.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)[0]
+        self.node_out[0] = out[P - 1]
+        self.length.fill_(P)
+        self.fresh.fill_(True)
+
+    # --- capture-safe, every step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft(self) -> None:
+        self._catch_up()
+        ctx_mask = (self.cols_C[: self.ctx_cols] < self.length)[None].expand(self.frontier, self.ctx_cols)
+        d = self.drafter
+        tokens, parents = expand_dynamic_trees(functools.partial(self._score, ctx_mask), self.top_k, self.depth,
+                                               self.total)
+        self.buffers.tokens_T.copy_(d.d2t[tokens[0]])
+        self.buffers.parents_T.copy_(parents[0])
+
+    def _catch_up(self) -> None:
+        """Run the committed rows as context pairs at positions length + i (pair i: the target's feature after
+        ids_M[i] and the token after it, ids_M[i + 1] or the pending token); advance ``length`` by ``count`` and
+        take row count - 1's output as the root. After ``prefill`` the same work runs and is discarded."""
+        d, c = self.drafter, self.committed
+        M = self.rows_M.shape[0]
+        feats = torch.cat([c.hidden_M[i] for i in d.teacher_layers], -1).to(self.k.dtype)
+        nxt = torch.where(self.rows_M + 1 < c.count, c.ids_M.roll(-1), c.pending)
+        pos = (self.length + self.rows_M).clamp(max=self.ctx_cols - 1)  # in range whenever length <= capacity
+        hid = d._first_hidden(feats[None])
+        x, residual = d._layer_input(d._embed(nxt[None], hid), hid)
+        q, k, v = d.layer.qkv_rotated(x, self.cos[pos], self.sin[pos])
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+        mask = self.cols_C[None, :] <= pos[:, None]  # [M, C]: its own and earlier pairs (never a node slot)
+        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask[None, None]),
+                             residual)[0]
+        last = out.index_select(0, (c.count - 1).reshape(1))[0]
+        self.node_out[0].copy_(torch.where(self.fresh, self.node_out[0], last))
+        self.length.add_(torch.where(self.fresh, 0, c.count))
+        self.fresh.fill_(False)
+
+    def _score(self, ctx_mask_FC: Tensor, level: int, parent_slot_BF: Tensor | None, tokens_BF: Tensor | None
+               ) -> Tensor:
+        """``expand_dynamic_trees``' level scorer: level 0 the root, level d its F frontier nodes written into their
+        slots and run over the valid context (``ctx_mask_FC``) and their ancestors; logits [1, (F,) Vd]."""
+        d = self.drafter
+        if level == 0:
+            return d._logits(self.node_out[:1])
+        Fn = self.frontier
+        lo, hi = (level - 1) * Fn, level * Fn  # this level's slots (Python constants per level)
+        parent = parent_slot_BF[0] + 1  # row of node_out / of ancestry (0: the root)
+        parent_out = self.node_out.index_select(0, parent)
+        x, residual = d._layer_input(d._embed(d.d2t[tokens_BF[0]][None], parent_out), parent_out[None])
+        pos = (self.length - 1 + level).reshape(1)
+        q, k, v = d.layer.qkv_rotated(x, self.cos[pos], self.sin[pos])
+        self.k[:, :, self.ctx_cols + lo: self.ctx_cols + hi].copy_(k)
+        self.v[:, :, self.ctx_cols + lo: self.ctx_cols + hi].copy_(v)
+        rows = self.ancestry.index_select(0, parent) + self.eye_SS[lo:hi]  # [F, S]: the parent's, and itself
+        self.ancestry[1 + lo: 1 + hi].copy_(rows)
+        mask = torch.cat([ctx_mask_FC, rows.bool()], 1)  # [F, C]: the valid context, its ancestors and itself
+        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask[None, None]),
+                             residual)[0]
+        self.node_out[1 + lo: 1 + hi].copy_(out)
+        return d._logits(out)[None]

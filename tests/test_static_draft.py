@@ -1,0 +1,270 @@
+"""Drafters' static draft steps (``inference.static_draft.StaticDraft``): played through a stand-in for the step
+decoder (``tests.static_harness``) over a greedy continuation of a tiny target, with a varying accepted length per
+step and two prompt lengths in one capacity bucket. Each step compiles to one graph with no break and no recompile,
+keeps every tensor it touches at one address, shape and stride, runs attention at a bounded set of shapes, and drafts
+exactly what the eager ``propose`` drafts on the same context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from distill.teacher import Teacher
+from heads.draft_model import DraftModel
+from heads.medusa import MedusaHeads
+from heads.medusa2 import Medusa2
+from heads.draft_model_static import hashed_uniforms
+from inference.acceptance import sample_uniform
+from inference.decoder import Decoder
+from inference.sampling import GREEDY, SamplingConfig, warp
+from tests.conftest import make_tiny_llama
+from tests.static_harness import Recorder, Replay, committed_for, counts, layout, tensors_of
+from tests.test_draft_model import truncated
+from tests.test_eagle import DIMS, make as make_eagle
+
+CAPACITY = 256
+PROMPTS = (7, 12)  # two prompt lengths in one capacity bucket
+STEPS = 34  # per prompt: 68 steps in all
+
+
+def eagle(teacher, variant, tree, **kw):
+    drafter = make_eagle(teacher, variant, tree=tree, **kw)
+    return drafter, 5  # committed rows: 1 + the draft depth
+
+
+def medusa(teacher, tree, cls=MedusaHeads):
+    torch.manual_seed(0)
+    drafter = cls(DIMS, num_heads=4, tree=tree)
+    MedusaHeads.bind_target(drafter, teacher, initialize=True)  # the heads only (Medusa-2's LoRA: the target's)
+    with torch.no_grad():  # heads that differ from the target's lm_head and from each other
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return drafter.eval(), 5
+
+
+def draft_model(teacher):
+    drafter = DraftModel(DIMS, model=truncated(teacher.model))
+    drafter.bind_target(teacher, initialize=False)
+    return drafter.eval(), 5
+
+
+KINDS = {
+    "eagle1-dynamic": lambda t: eagle(t, "eagle1", "dynamic"),
+    "eagle1-chain": lambda t: eagle(t, "eagle1", "chain"),
+    "eagle3-dynamic": lambda t: eagle(t, "eagle3", "dynamic", draft_vocab_size=96),
+    "eagle3-chain": lambda t: eagle(t, "eagle3", "chain", draft_vocab_size=96),
+    "medusa-chain": lambda t: medusa(t, None),
+    "medusa-tree": lambda t: medusa(t, "default"),
+    "medusa2-tree": lambda t: medusa(t, "small", Medusa2),
+    "draft-model": draft_model,
+}
+# Distinct attention (query, key) shapes a step may run: the catch-up's and one per level width.
+ATTENTION_SHAPES = {"eagle1-dynamic": 2, "eagle1-chain": 2, "eagle3-dynamic": 2, "eagle3-chain": 2,
+                    "medusa-chain": 0, "medusa-tree": 0, "medusa2-tree": 0,
+                    "draft-model": 2}
+
+# Aten ops per draft step (views aside), measured with a little headroom: a regression guard (the eager propose
+# runs 290 for EAGLE-1's tree, 359 for EAGLE-3's, 230 for the draft model's chain, 22 for Medusa's).
+OP_BUDGET = {"eagle1-dynamic": 280, "eagle1-chain": 275, "eagle3-dynamic": 350, "eagle3-chain": 345,
+             "medusa-chain": 30, "medusa-tree": 30, "medusa2-tree": 30, "draft-model": 260}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Teacher(make_tiny_llama(initializer_range=0.2), tokenizer=None, name="tiny-llama-varied")
+
+
+def play(drafter, static, committed, target, prompt_len, steps, step_fn, check=None):
+    """Prefill, then ``steps`` draft steps after varying accepted lengths; after each, compare the draft with the
+    eager ``propose`` on the same context (a second copy of the drafter's state, fed the same hidden states)."""
+    M = committed.ids_M.shape[0]
+    replay = Replay(target, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
+    replay.prefill(static)
+    drafter.reset()
+    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
+    for step, count in enumerate(counts(steps, M, seed=prompt_len)):
+        if step:
+            start = replay.position
+            replay.commit(committed, count)
+            drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
+        step_fn()
+        if check is not None:
+            check(step)
+        want = drafter.propose(replay.context(), M - 1, GREEDY)
+        got = static.buffers
+        assert got.tokens_T.tolist() == want.tokens.tolist(), f"step {step}: tokens differ from the eager propose"
+        assert got.parents_T.tolist() == want.parents.tolist(), f"step {step}: parents differ from the eager propose"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_compiled_draft_is_one_graph_and_drafts_what_propose_does(target, kind):
+    drafter, rows = KINDS[kind](target)
+    committed = committed_for(drafter, rows)
+    static = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
+
+    def no_recompile_after_warmup(i):
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+
+    try:
+        for prompt_len in PROMPTS:
+            play(drafter, static, committed, target, prompt_len, STEPS, step, no_recompile_after_warmup)
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, kind):
+    drafter, rows = KINDS[kind](target)
+    committed = committed_for(drafter, rows)
+    static = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    named = tensors_of(static)  # its own state, its draft buffers and the committed buffers it reads
+    assert {"state.buffers.tokens_T", "state.committed.ids_M"} <= set(named)
+    before = layout(named)
+    # What a step may read by address: its own state, the committed buffers, the weights (the drafter's and the
+    # target's embedding and lm_head it borrows).
+    known = {t.untyped_storage().data_ptr() for t in named.values()}
+    known |= {t.untyped_storage().data_ptr() for t in (*drafter.parameters(), *drafter.buffers())}
+    known |= {t.untyped_storage().data_ptr() for t in target.model.parameters()}
+    recorders = []
+
+    def recorded():
+        with Recorder() as rec:
+            static.draft()
+        recorders.append(rec)
+
+    for prompt_len in PROMPTS:
+        play(drafter, static, committed, target, prompt_len, 12, recorded)
+    assert layout(named) == before
+    # No step leaves a tensor of its own behind in the state (a prompt's prefill may add its write positions).
+    assert {k for k in tensors_of(static) if not k.startswith("state.cache._positions")} <= set(named)
+    first = recorders[0].external
+    for i, rec in enumerate(recorders):
+        assert rec.external == first, f"step {i} touched other tensors than step 0"
+        assert rec.ops == recorders[0].ops <= OP_BUDGET[kind]
+    unknown = set(first) - known
+    assert not unknown, f"a step reads {len(unknown)} tensor(s) outside its state, the committed buffers and weights"
+    shapes = set().union(*(rec.attention for rec in recorders))
+    assert len(shapes) <= ATTENTION_SHAPES[kind], shapes
+    assert bool(shapes) == bool(ATTENTION_SHAPES[kind])
+
+
+def test_eagle_static_draft_checks_its_buffers(target):
+    drafter, _ = eagle(target, "eagle1", "dynamic", depth=4)
+    with pytest.raises(ValueError, match="rows >= 2"):
+        drafter.static_draft(committed_for(drafter, 1), CAPACITY, GREEDY, None)
+    assert drafter.static_draft(committed_for(drafter, 3), CAPACITY, GREEDY, None).depth == 2  # clipped, as propose
+    wrong = committed_for(drafter, 5)
+    wrong.hidden_M = {2: wrong.hidden_M[-1]}
+    with pytest.raises(ValueError, match="missing \\[-1\\]"):
+        drafter.static_draft(wrong, CAPACITY, GREEDY, None)
+    static = drafter.static_draft(committed_for(drafter, 5), 8, GREEDY, None)
+    replay = Replay(target, (-1,), 9, 4)
+    with pytest.raises(ValueError, match="capacity 8"):
+        replay.prefill(static)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle1-dynamic", "medusa-tree", "draft-model"])
+def test_draft_compiles_with_inductor(target, kind):
+    drafter, rows = KINDS[kind](target)
+    committed = committed_for(drafter, rows)
+    static = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False)
+    play(drafter, static, committed, target, PROMPTS[0], 8, step)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_hashed_uniforms_are_uniform_and_fresh_per_step():
+    seed = torch.tensor(12345)
+    draws = torch.stack([hashed_uniforms(seed, torch.tensor(step), torch.arange(8)) for step in range(5000)])
+    assert draws.min() >= 0 and draws.max() < 1
+    histogram = torch.histc(draws.flatten(), bins=10, min=0, max=1) / draws.numel()
+    assert (histogram - 0.1).abs().max() < 0.005, histogram  # 40k draws: a bin's sd is 0.0015
+    flat = draws.flatten()
+    assert abs(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1]) < 0.02  # neighbours uncorrelated
+    other = torch.stack([hashed_uniforms(seed + 1, torch.tensor(step), torch.arange(8)) for step in range(5000)])
+    assert (other != draws).float().mean() > 0.99  # another sequence's seed draws otherwise
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    picks = torch.stack([sample_uniform(probs, u[None]) for u in flat[:20000]]).flatten()
+    freq = torch.bincount(picks, minlength=4) / picks.numel()
+    assert freq[1] == 0 and (freq - probs).abs().max() < 0.012, freq  # sd <= 0.0036
+
+
+def test_sampled_draft_model_chain_draws_from_its_warped_distributions(target):
+    drafter, rows = draft_model(target)
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    committed = committed_for(drafter, rows)
+    generator = torch.Generator().manual_seed(0)
+    static = drafter.static_draft(committed, CAPACITY, sampling, generator)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
+    drafted = []
+    for prompt_len in PROMPTS:
+        replay = Replay(target, (), prompt_len, new_tokens=rows * 34 + 2, seed=prompt_len)
+        replay.prefill(static)
+        for i, count in enumerate(counts(34, rows, seed=prompt_len)):
+            if i:
+                replay.commit(committed, count)
+            step()
+            tokens, probs = static.buffers.tokens_T.clone(), static.buffers.probs_TV.clone()
+            # The draft model's own distributions after the context and each earlier draft, warped as the target's.
+            seq = torch.cat([replay.context()[0], tokens[:-1]])
+            with torch.no_grad():
+                logits = drafter.model(input_ids=seq[None]).logits[0, -tokens.shape[0]:]
+            torch.testing.assert_close(probs, warp(logits, sampling), atol=1e-5, rtol=1e-5)
+            assert (probs.gather(1, tokens[:, None]) > 0).all()  # each draft drawn from its own row
+            drafted.append(tokens)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len({tuple(t.tolist()) for t in drafted}) > len(drafted) // 2  # draws, not one fixed chain
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_decoding_through_the_static_draft_equals_plain_greedy(target, kind):
+    """End to end: ``inference.decoder.Decoder`` at batch 1 drafts through the drafter's static step (counted here)
+    and decodes the same tokens as plain greedy decoding."""
+    drafter, rows = KINDS[kind](target)
+    made = []
+    build = drafter.static_draft
+
+    def counted(*args, **kwargs):
+        static = build(*args, **kwargs)
+        if not hasattr(static, "calls"):
+            draft, static.calls = static.draft, 0
+
+            def run():
+                static.calls += 1
+                draft()
+
+            static.draft = run
+        made.append(static)
+        return static
+
+    drafter.static_draft = counted
+    dec = Decoder(target)
+    gen = torch.Generator().manual_seed(3)
+    for prompt_len in PROMPTS:
+        prompt = torch.randint(0, 128, (1, prompt_len), generator=gen)
+        assert dec.speculative(drafter, prompt, 40, rows - 1).new_tokens == dec.plain(prompt, 40).new_tokens
+    assert len(made) == 2 and made[0] is made[1]  # one static draft (and one recorded step) for both prompts
+    assert made[0].calls >= 2 * 8
+
+
+def test_a_static_draft_is_made_once_per_buffers_and_settings(target):
+    drafter, rows = eagle(target, "eagle1", "dynamic")
+    committed = committed_for(drafter, rows)
+    first = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    assert drafter.static_draft(committed, CAPACITY, GREEDY, None) is first
+    assert drafter.static_draft(committed, 2 * CAPACITY, GREEDY, None) is not first
+    assert drafter.static_draft(committed_for(drafter, rows), CAPACITY, GREEDY, None) is not first
+    drafter.set_tree("chain")
+    assert drafter.static_draft(committed, CAPACITY, GREEDY, None).chain
