@@ -2,11 +2,12 @@
 
 A full disk, a path that is a file where a directory belongs, a directory without write permission, an output another
 job is writing: these are the user's environment, not a bug, and a traceback through torch or Hydra hides the one
-thing to act on. ``one_line_errors`` wraps an entry point's task function: an ``OSError`` (or a
-``WriterLockedError``) leaves as ``SystemExit`` with one line, exit status 1, and a Ctrl-C outside the training steps
-as one line, exit status 130 (Hydra passes ``SystemExit`` through; its own error printing handles only
-``Exception``). ``check_run_dir_override`` catches the one such error Hydra meets before any of our code runs:
-``hydra.run.dir`` naming a file. ``SPECDRAFT_TRACEBACK=1`` keeps the traceback, for a bug report.
+thing to act on; so is a refusal of a setting, which names the key, the value and the fix. ``one_line_errors`` wraps
+an entry point's task function: an ``OSError``, a ``WriterLockedError``, a ``ValueError`` (this project's refusals)
+or a ``FloatingPointError`` (a diverged run) leaves as ``SystemExit`` with one line, exit status 1, and a Ctrl-C
+outside the training steps as one line, exit status 130 (Hydra passes ``SystemExit`` through; its own error printing
+handles only ``Exception``). ``check_run_dir_override`` catches the one such error Hydra meets before any of our code
+runs: ``hydra.run.dir`` naming a file. ``SPECDRAFT_TRACEBACK=1`` keeps the traceback, for a bug report.
 
 It lives in ``distill``, the lowest layer with entry points (``python -m distill.cache``, ``distill.regenerate``).
 """
@@ -59,7 +60,7 @@ def one_line_errors(task: Callable) -> Callable:
             print("interrupted (Ctrl-C); rerun the same command to continue (a training run resumes from its last "
                   "checkpoint)", file=sys.stderr)
             raise SystemExit(128 + signal.SIGINT) from None
-        except WriterLockedError as e:
+        except (WriterLockedError, ValueError, FloatingPointError) as e:  # this project's refusals: key, value, fix
             raise SystemExit(f"error: {e}") from None
         except OSError as e:
             raise SystemExit(f"error: {explain(e)}") from None

@@ -350,7 +350,7 @@ def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path,
     damaged = cache_path(toy, load_corpus(toy)[2], tmp_path / "toy")
     shutil.copytree(cache_path(toy, load_corpus(toy)[2], None), damaged)
     (damaged / "model.safetensors").write_bytes((damaged / "model.safetensors").read_bytes()[:100])
-    with pytest.raises(RuntimeError, match="is damaged .*delete that directory and rerun"):
+    with pytest.raises(OSError, match="is damaged .*delete that directory and rerun"):
         load_or_build_toy_target(toy, cache_dir=tmp_path / "toy")
 
 

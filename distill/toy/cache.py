@@ -63,7 +63,7 @@ def load(path: pathlib.Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]
         model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     except Exception as e:  # a truncated or damaged file (safetensors, JSON, tokenizers each raise their own type)
-        raise RuntimeError(f"toy target cache {path} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+        raise OSError(f"toy target cache {path} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                            f"delete that directory and rerun: it is rebuilt (same seed, same weights)") from e
     model.eval()
     return model, tokenizer
