@@ -327,7 +327,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping
 
 def weights_digest(path: str | os.PathLike) -> str | None:
     """The sha256 of a saved drafter's weights file (None where there is none): what a report records for each drafter
-    it measured, so a report is only ever shown for the weights it measured (``heads.export``)."""
+    it measured, so a report is only ever shown for the weights it measured (``serve.export``)."""
     weights = Path(path) / WEIGHTS
     return file_digest(weights) if weights.is_file() else None
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from heads.base import save_drafter, weights_digest
 from heads.draft_model import DraftModel
-from heads.export import SIDECAR, check_export, export_drafter, load_export
+from serve.export import SIDECAR, check_export, export_drafter, load_export
 from inference.decoder import Decoder
 from tests.test_decoder import noisy_medusa
 from tests.test_draft_model import DIMS, truncated

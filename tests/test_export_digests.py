@@ -47,7 +47,7 @@ def _export(root: Path, kind: str) -> dict[str, dict[str, str]]:
 
 
 def _export_function():
-    from heads.export import export_drafter
+    from serve.export import export_drafter
 
     return export_drafter
 

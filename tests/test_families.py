@@ -19,7 +19,7 @@ import torch
 from distill.losses import forward_kl
 from distill.teacher import TESTED_FAMILIES, Teacher, check_family
 from heads.base import build_drafter, save_drafter
-from heads.export import check_export, export_drafter, load_export
+from serve.export import check_export, export_drafter, load_export
 from inference.batched import BatchedDecoder
 from inference.decoder import Decoder
 from tests.families import FAMILIES, VOCAB, WINDOW
@@ -323,7 +323,7 @@ VLLM_EAGLE3 = {"llama": True, "qwen2": True, "qwen3": True, "qwen3_moe": True, "
 def test_eagle3_export_decision_per_family(name):
     """What an EAGLE-3 export does for each family's model_type: vLLM's whitelist (vllm/config/speculative.py),
     SGLang's none, Gemma's scaled embeddings refused everywhere (docs/families.md)."""
-    from heads.export_eagle import check_target_family
+    from serve.eagle import check_target_family
 
     model_type = FAMILIES[name].build().config.model_type
     for engine in ("vllm", "speculators", "sglang"):
