@@ -24,7 +24,8 @@ import logging
 from pathlib import Path
 
 from distill.atomic import write_dir_atomically
-from heads.base import TargetDims, load_saved_drafter, weights_digest
+from heads.base import TargetDims
+from heads.saved import load_saved_drafter, weights_digest
 from serve.adapter import ENGINES, SIDECAR, ExportAdapter, refusal, serve_name
 from serve.draft_model import DraftModelAdapter
 from serve.eagle import EagleAdapter

@@ -14,7 +14,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distill.teacher import Teacher
-from heads.base import TargetDims, build_drafter, save_drafter
+from heads.base import TargetDims, build_drafter
+from heads.saved import save_drafter
 
 # The drafter config nodes (``conf/drafter/*.yaml`` with test-sized values). A new kind adds one entry here.
 MEDUSA_NODE = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 3, "num_layers": 1, "tree": "small"}
@@ -59,6 +60,18 @@ def perturbed(drafter, seed: int, scale: float):
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g))
+    return drafter.eval()
+
+
+def noisy_medusa(teacher: Teacher, seed: int = 0, scale: float = 0.5):
+    """3 Medusa heads off their init (global RNG seeded with ``seed``): they disagree with the target some of the
+    time, so both accepted and rejected drafts occur."""
+    drafter = build_drafter({"_target_": "heads.medusa.MedusaHeads", "num_heads": 3}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # perturb so heads disagree with the target some of the time
+        for p in drafter.parameters():
+            p.add_(scale * torch.randn_like(p))
     return drafter.eval()
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distill.teacher import Teacher
-from heads.base import save_drafter
+from heads.saved import save_drafter
 from heads.eagle import EagleDrafter, vocab_maps
 from serve.export import check_export, export_drafter, load_export
 from inference.decoder import Decoder
