@@ -36,6 +36,10 @@ class ExportAdapter(Protocol):
     refused: Mapping[tuple[str, str], str]
     needs_training: bool  # an untrained drafter of this family is refused (a draft LM is usable as it comes)
 
+    def supports(self, engine: str, kind: str) -> bool:
+        """Whether the adapter has a row for ``engine`` (what its loader reads); every engine in ``ENGINES`` is
+        either supported or refused, never neither."""
+
     def write(self, out: Path, drafter, engine: str, config: dict, output_dir: Path) -> None:
         """Fill ``out`` (a temporary directory, swapped in as ``output_dir``) with the engine's files."""
 

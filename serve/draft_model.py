@@ -40,6 +40,9 @@ class DraftModelAdapter:
     refused = {("speculators", "draft_model"): "the speculators format holds EAGLE-3 drafters only (speculators 0.9.0 "
                                                "has no draft_model model class); serve draft_model with format=vllm"}
 
+    def supports(self, engine: str, kind: str) -> bool:
+        return engine in SERVE
+
     def write(self, out: Path, drafter, engine: str, config: dict, output_dir: Path) -> None:
         drafter.model.save_pretrained(out, safe_serialization=True)
         _copy_tokenizer(config.get("target_config", {}), out)

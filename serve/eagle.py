@@ -369,6 +369,9 @@ class EagleAdapter:
     needs_training = True
     refused = {(engine, kind): reason for engine, row in ENGINES.items() for kind, reason in row.refused.items()}
 
+    def supports(self, engine: str, kind: str) -> bool:
+        return engine in ENGINES and kind in ENGINES[engine].architectures
+
     def write(self, out: Path, drafter, engine: str, config: dict, output_dir: Path) -> None:
         kind = drafter.variant
         facts = target_facts(config)

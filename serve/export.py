@@ -60,6 +60,10 @@ def _check_exportable(adapter: ExportAdapter, kind: str, config: dict, path: Pat
     reason = refusal(adapter, engine, kind)
     if reason:
         raise ValueError(f"cannot export drafter kind {kind!r} to format={engine}: {reason}")
+    if not adapter.supports(engine, kind):  # an engine added to ENGINES without a row in this kind's adapter
+        raise ValueError(f"cannot export drafter kind {kind!r} to format={engine}: its export adapter has no row "
+                         f"for {engine} (and no refusal); export to one of "
+                         f"{[e for e in ENGINES if adapter.supports(e, kind)]}")
     trained = config.get("training", {}).get("steps") or config.get("step")
     if adapter.needs_training and not trained:
         raise ValueError(

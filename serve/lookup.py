@@ -8,3 +8,6 @@ class LookupAdapter:
     needs_training = False
     refused = {("*", "lookup"): "prompt lookup has no weights: vLLM serves it with --speculative-config "
                                 "'{\"method\": \"ngram\", ...}' and SGLang with --speculative-algorithm NGRAM"}
+
+    def supports(self, engine: str, kind: str) -> bool:
+        return False

@@ -171,6 +171,9 @@ class MedusaAdapter:
     refused = {("sglang", "medusa"): _NO_SGLANG.format("Medusa"), ("sglang", "medusa2"): _NO_SGLANG.format("Medusa-2"),
                **{("speculators", kind): _NO_SPECULATORS.format(kind) for kind in ("medusa", "medusa2")}}
 
+    def supports(self, engine: str, kind: str) -> bool:
+        return engine in SPECS
+
     def write(self, out: Path, drafter, engine: str, config: dict, output_dir: Path) -> None:
         spec = SPECS[engine]
         # medusa2's state also holds its LoRA (lora.*): that goes into merged_target/ and adapter/ below.

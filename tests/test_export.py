@@ -171,3 +171,20 @@ def test_cli(teacher, tmp_path):  # noqa: F811
         cli.main(["drafter=x"])
     with pytest.raises(SystemExit, match="missing output_dir"):
         cli.main([f"drafter_path={path}", "format=vllm"])
+
+
+def test_every_adapter_supports_or_refuses_every_engine():
+    """Adding an engine is one row per adapter: each (kind, engine) pair is either a row (the adapter writes it) or
+    a refusal with its reason, never both and never neither, and the supported pairs are the ones whose exports
+    tests/test_export_digests.py pins."""
+    from serve.adapter import ENGINES, refusal
+    from serve.export import ADAPTERS
+    from tests.drafters import EXPORTS
+
+    for kind, adapter in ADAPTERS.items():
+        for engine in ENGINES:
+            refused = refusal(adapter, engine, kind) is not None
+            assert adapter.supports(engine, kind) != refused, (kind, engine)
+    supported = {kind: tuple(e for e in ENGINES if ADAPTERS[kind].supports(e, kind)) for kind in EXPORTS}
+    assert {k: sorted(v) for k, v in supported.items()} == {k: sorted(v) for k, v in EXPORTS.items()}
+    assert ADAPTERS["medusa2"].supports("vllm", "medusa2") and not ADAPTERS["lookup"].supports("vllm", "lookup")

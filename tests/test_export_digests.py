@@ -20,11 +20,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests import drafters  # noqa: E402
+from tests.drafters import EXPORTS  # noqa: E402
 
 DIGESTS = Path(__file__).resolve().parent / "data" / "export_digests.json"
-# Every engine each kind exports to (the refused pairs are tested in test_export*.py).
-EXPORTS = {"medusa": ("vllm", "hf"), "eagle1": ("vllm", "sglang", "hf"), "eagle3": ("vllm", "sglang", "speculators"),
-           "draft_model": ("vllm", "sglang", "hf")}
 
 
 def _digest(path: Path, root: Path) -> str:
