@@ -15,7 +15,7 @@ from distill.atomic import write_text_atomically
 from eval.batch_sweep import sweep_lines
 from eval.markdown import summary_markdown
 from eval.plots import write_plots
-from heads.base import weights_digest
+from heads.saved import weights_digest
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from eval.baselines import hf_assisted, hf_generate, hf_generate_static
 from eval.batch_sweep import batch_sweep
 from eval.mismatch import MAX_KEPT, Mismatch, logit_gap, mismatch
 from eval.report import DEFINITIONS, check_report_dir, machine_info, summary_table, write_report
-from heads.base import build_drafter, decode_overrides, load_drafter, read_drafter_config, weights_digest
+from heads.base import build_drafter
+from heads.saved import decode_overrides, load_drafter, read_drafter_config, weights_digest
 from inference.cost import auto_tune, measure, overhead_ratio, predict
 from inference.decoder import Decoder, DecoderConfig, Generation
 from inference.stats import simulated_tau
@@ -109,10 +110,7 @@ class Tally:
 
 
 def build_decoder(teacher, dcfg: DecoderConfig) -> Decoder:
-    return Decoder(teacher, eos_token_id=teacher.tokenizer.eos_token_id if teacher.tokenizer is not None else None,
-                   sampling=dcfg.sampling(), acceptance=dcfg.acceptance, typical_threshold=dcfg.typical_threshold,
-                   typical_alpha=dcfg.typical_alpha, seed=dcfg.seed, compile=dcfg.compile,
-                   cuda_graphs=dcfg.cuda_graphs)
+    return Decoder(teacher, dcfg, eos_token_id=teacher.tokenizer.eos_token_id if teacher.tokenizer is not None else None)
 
 
 def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: EvalConfig,
@@ -387,7 +385,7 @@ def _target_lines(results: Sequence[Mapping]) -> list[str]:
 
 def evaluate_saved(cfg: Config, teacher, drafter_path, run_dir, overrides: Mapping | None = None) -> dict:
     """Evaluate the drafter saved at ``drafter_path`` (reloaded from disk, as a user would) against ``teacher``.
-    ``overrides``: decode-time ``drafter.<key>`` settings (``heads.base.decode_overrides``)."""
+    ``overrides``: decode-time ``drafter.<key>`` settings (``heads.saved.decode_overrides``)."""
     drafter = load_drafter(drafter_path, teacher, overrides,
                            allow_other_target=cfg.eval.allow_other_target)
     final = read_drafter_config(drafter_path).get("training", {}).get("final") or None

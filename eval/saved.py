@@ -3,7 +3,7 @@ run, which from the command line, and how the rest fits the target.
 
 - drafter: the saved config.json defines it. ``drafter=<preset>`` is refused (the kind comes from the weights);
   ``drafter.<key>=`` applies when it only steers decoding (``Drafter.decode_keys``: tree, top_k, depth,
-  total_tokens) and is refused with the reason otherwise (``heads.base.decode_overrides``).
+  total_tokens) and is refused with the reason otherwise (``heads.saved.decode_overrides``).
 - target: the saved ``target_config`` unless ``target=<preset>`` names another; ``target.<key>=`` overrides apply on
   top of it. ``trust_remote_code`` comes from the command line only, never from a file.
 - eval: ``eval.<key>=`` on the command line wins; otherwise the run's own evaluation settings (saved with the

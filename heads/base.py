@@ -10,35 +10,24 @@ Decoding:  ``reset()`` for a new sequence, ``observe(hidden)`` with the target's
            a tree of candidates continuing ``tokens``, at most ``max_depth`` deep, with the draft distributions
            they were drawn from (warped by ``inference.sampling.warp`` exactly as the target's) or None when they
            were chosen deterministically.
-Saving:    ``save_drafter`` / ``load_drafter`` write and read a directory of ``model.safetensors`` +
-           ``config.json`` (the drafter's Hydra node, the target dims it was built for, the target identity).
+Saving:    ``saved_config`` (the node a save records); ``heads.saved`` writes and reads drafter directories.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from distill.atomic import write_dir_atomically
 from distill.chunked import TeacherRows, chunked_divergence
-from distill.fingerprint import file_digest
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
-
-FORMAT = "specdraft-drafter"
-FORMAT_VERSION = 1
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +119,9 @@ class DraftOutput:
         return out
 
 
-class Drafter(nn.Module):
-    """Base class. Subclasses set ``teacher_layers`` (hidden-state indices, see ``distill.teacher``)."""
+class TrainingHooks:
+    """What the training loop and the engines may ask a drafter beyond ``forward``; each has a default."""
 
-    name: str = "drafter"  # how reports label it
-    teacher_layers: tuple[int, ...] = ()
     # True when the drafter trains one next-token term yet drafts autoregressively to any depth (a draft LM): the
     # simulated τ then applies that term's accuracy at every depth instead of stopping after one.
     drafts_autoregressively: bool = False
@@ -148,20 +135,8 @@ class Drafter(nn.Module):
         """Whether the drafter is useless untrained (heads are; a pretrained draft LM or n-gram lookup is not)."""
         return any(True for _ in self.parameters())
 
-    def __init__(self, dims: TargetDims | Mapping[str, int]):
-        super().__init__()
-        self.dims = dims if isinstance(dims, TargetDims) else TargetDims(**dims)
-
-    def bind_target(self, teacher, initialize: bool) -> None:
-        """Attach frozen pieces of the target; when ``initialize``, copy initial weights from it."""
-
     def prepare(self, dataset) -> None:
         """Before training: fit whatever comes from training-data statistics (EAGLE-3's reduced vocabulary)."""
-
-    def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
-        """Bool mask over the positions draft term ``k`` (0-based: Medusa head k + 1, EAGLE step k) is trained at,
-        from the batch alone; ``forward`` selects term k's rows with it, so the two cannot disagree."""
-        raise NotImplementedError(f"drafter {self.name!r} does not implement train_mask")
 
     def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
         """The count ``forward(batch, ...)`` reports as ``DraftOutput.num_valid`` (what its loss is normalised by):
@@ -188,7 +163,7 @@ class Drafter(nn.Module):
         target's held-out loss beside the original's). Most drafters: none."""
         return {}
 
-    # --- on-policy data (distill.onpolicy) -------------------------------------------------------------------
+    # on-policy data (distill.onpolicy) -------------------------------------------------------------------
     can_sample: bool = False  # whether ``sample_continuations`` is implemented
 
     def sample_continuations(self, prompt_ids_BP: Tensor, num_new: int, temperature: float,
@@ -196,17 +171,12 @@ class Drafter(nn.Module):
         """[B, num_new] tokens drawn from the drafter's own distribution after each prompt row (no gradient)."""
         raise NotImplementedError(f"drafter {self.name!r} cannot sample continuations")
 
-    # --- decoding (``inference.proposer.Proposer``: all the decoders call) ---------------------------------------
+
+class DecodingHooks:
+    """What the decoders may ask beyond ``reset`` / ``observe`` / ``propose``; each has a default."""
+
     dynamic_tree: bool = False  # EAGLE-2 dynamic trees (EAGLE overrides)
     tree: DraftTree | None = None  # a static tree the cost model may prune (Medusa)
-
-    def reset(self, seed: int = 0) -> None:
-        """Forget the previous sequence. ``seed``: for drafters that sample their drafts; the decoder passes a fresh
-        one per sequence from its own generator, so drafts are independent draws (the premise of rejection
-        sampling) yet a seeded evaluation is reproducible."""
-
-    def observe(self, hidden: dict[int, Tensor]) -> None:
-        """Target hidden states ([1, m, D] per requested layer) of the positions just committed."""
 
     # An HF causal LM that HF's assisted generation can draft with (eval's ``hf_assisted`` baseline): a standalone
     # draft model's own LM; None for drafters that read the target's hidden states or draft without a model.
@@ -218,10 +188,6 @@ class Drafter(nn.Module):
         (``committed``: those tokens, on the host, where the caller has them). A drafter with its own cache resyncs
         from this instead of comparing sequences on the device. Callers that do not call it (a proposal on an
         arbitrary context) stay correct: the drafter then compares."""
-
-    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
-        """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
-        raise NotImplementedError
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The whole draft step as one capture-safe function over preallocated buffers
@@ -247,6 +213,15 @@ class Drafter(nn.Module):
         This default drafts row by row with per-row copies; drafters with a batched forward override it."""
         return ForkedRows(self, seeds)
 
+    def set_tree(self, spec) -> None:
+        """Decode with the static tree ``spec`` (``decoder.tree``); only drafters with top-k candidates have one."""
+        if spec is not None and spec != "chain":
+            raise ValueError(f"decoder.tree={spec!r}: drafter {self.name!r} drafts a chain; set decoder.tree=null")
+
+
+class PersistenceHooks:
+    """What saving and decode-time overrides read (``heads.saved``); defaults fit most kinds."""
+
     def saved_config(self, drafter_cfg: Mapping[str, Any]) -> dict:
         """The node ``save_drafter`` records and ``load_drafter`` rebuilds from; most drafters: as configured."""
         return dict(drafter_cfg)
@@ -255,10 +230,43 @@ class Drafter(nn.Module):
     # drafter_path=... drafter.<key>=...`` may change them on a trained drafter; every other key is refused there.
     decode_keys: tuple[str, ...] = ("tree", "top_k", "depth", "total_tokens")
 
-    def set_tree(self, spec) -> None:
-        """Decode with the static tree ``spec`` (``decoder.tree``); only drafters with top-k candidates have one."""
-        if spec is not None and spec != "chain":
-            raise ValueError(f"decoder.tree={spec!r}: drafter {self.name!r} drafts a chain; set decoder.tree=null")
+
+class Drafter(TrainingHooks, DecodingHooks, PersistenceHooks, nn.Module):
+    """What every drafter kind implements: ``name``, ``teacher_layers`` (hidden-state indices, see
+    ``distill.teacher``), a constructor taking the target's ``dims``, ``bind_target``, ``forward`` (training),
+    ``train_mask``, and the proposing calls ``reset`` / ``observe`` / ``propose``. Everything else has a default in
+    ``TrainingHooks``, ``DecodingHooks`` and ``PersistenceHooks``: a kind overrides only the hooks it has."""
+
+    name: str = "drafter"  # how reports label it
+    teacher_layers: tuple[int, ...] = ()
+
+    def __init__(self, dims: TargetDims | Mapping[str, int]):
+        super().__init__()
+        self.dims = dims if isinstance(dims, TargetDims) else TargetDims(**dims)
+
+    def bind_target(self, teacher, initialize: bool) -> None:
+        """Attach frozen pieces of the target; when ``initialize``, copy initial weights from it."""
+
+    def forward(self, batch: Mapping[str, Tensor], teacher_out, loss_fn: LossFn | None = None) -> DraftOutput:
+        """One training step's draft terms (see the module docstring)."""
+        raise NotImplementedError(f"drafter {self.name!r} does not implement forward")
+
+    def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
+        """Bool mask over the positions draft term ``k`` (0-based: Medusa head k + 1, EAGLE step k) is trained at,
+        from the batch alone; ``forward`` selects term k's rows with it, so the two cannot disagree."""
+        raise NotImplementedError(f"drafter {self.name!r} does not implement train_mask")
+
+    def reset(self, seed: int = 0) -> None:
+        """Forget the previous sequence. ``seed``: for drafters that sample their drafts; the decoder passes a fresh
+        one per sequence from its own generator, so drafts are independent draws (the premise of rejection
+        sampling) yet a seeded evaluation is reproducible."""
+
+    def observe(self, hidden: dict[int, Tensor]) -> None:
+        """Target hidden states ([1, m, D] per requested layer) of the positions just committed."""
+
+    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
+        """Candidates continuing ``tokens`` ([1, n]), at most ``max_depth`` deep (an empty tree is a plain step)."""
+        raise NotImplementedError
 
 
 def fork_drafter(drafter: Drafter, seed: int) -> Drafter:
@@ -294,75 +302,6 @@ class ForkedRows:
         self.forks = [self.forks[r] for r in rows]
 
 
-# --- save / load -------------------------------------------------------------------------------------------
-
-
-def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping[str, Any], target_cfg: Mapping[str, Any],
-                 target_identity: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
-                 state_dict: Mapping[str, Tensor] | None = None) -> Path:
-    """``state_dict``: the drafter's full weights when ``drafter`` itself holds only a shard (FSDP / ZeRO-3)."""
-    config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "drafter": drafter.saved_config(drafter_cfg),
-        "dims": asdict(drafter.dims),
-        "target": dict(target_identity),
-        "target_config": dict(target_cfg),
-        **(dict(extra) if extra else {}),
-    }
-    weights = drafter.state_dict() if state_dict is None else state_dict
-    tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise FloatingPointError(f"refusing to save {path}: {len(bad)} weight tensor(s) hold NaN or inf (first: "
-                                 f"{bad[0]}); training diverged: lower trainer.lr and train into a fresh hydra.run.dir")
-
-    def write(tmp: Path) -> None:
-        if tensors:
-            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
-
-    return write_dir_atomically(path, write)
-
-
-def weights_digest(path: str | os.PathLike) -> str | None:
-    """The sha256 of a saved drafter's weights file (None where there is none): what a report records for each drafter
-    it measured, so a report is only ever shown for the weights it measured (``heads.export``)."""
-    weights = Path(path) / WEIGHTS
-    return file_digest(weights) if weights.is_file() else None
-
-
-def read_drafter_config(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    cfg_file = path / CONFIG
-    if not cfg_file.is_file():
-        raise FileNotFoundError(
-            f"drafter_path={str(path)!r} has no {CONFIG}; point drafter_path at a directory written by "
-            f"`python -m train` (<run dir>/drafter)"
-        )
-    try:
-        config = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cfg_file} is damaged ({e}); copy the drafter directory again, or use another checkpoint "
-                         f"(checkpoints/step_*/drafter)") from None
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        found = config.get("format") if isinstance(config, dict) else type(config).__name__
-        raise ValueError(f"{cfg_file} is not a specdraft drafter config (format={found!r})")
-    return _no_remote_code(config, cfg_file)
-
-
-def _no_remote_code(config: dict, cfg_file: Path) -> dict:
-    """Remote code is enabled by the user's own command line, never by a file: a saved ``trust_remote_code: true``
-    (for the target, or a draft model's own weights) is read back as false, with a warning saying how to enable it."""
-    for key, node in (("target", config.get("target_config")), ("drafter", config.get("drafter"))):
-        if isinstance(node, dict) and node.get("trust_remote_code"):
-            log.warning("%s asks for %s.trust_remote_code=true; ignored: a saved file never enables remote code. "
-                        "Pass %s.trust_remote_code=true on the command line if you trust that code", cfg_file, key, key)
-        if isinstance(node, dict) and "trust_remote_code" in node:
-            node["trust_remote_code"] = False
-    return config
-
-
 def build_drafter(drafter_cfg: Mapping[str, Any], teacher) -> Drafter:
     return instantiate_drafter(drafter_cfg, TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers))
 
@@ -375,97 +314,3 @@ def instantiate_drafter(drafter_cfg: Mapping[str, Any], dims: TargetDims) -> Dra
         if isinstance(e.__cause__, (ValueError, FileNotFoundError)):
             raise e.__cause__ from None
         raise
-
-
-def decode_overrides(drafter_cfg: Mapping[str, Any], overrides: Mapping[str, Any], source: str) -> dict:
-    """``drafter_cfg`` (a saved drafter's node) with the user's ``drafter.<key>`` overrides applied. Only keys that
-    change how the trained weights are used, not the weights, apply: the class's ``decode_keys`` it takes, and
-    ``trust_remote_code`` (remote code comes from the command line only). Any other key is refused with the reason:
-    it would change (or would have changed) the weights, so only retraining can honour it."""
-    import inspect
-
-    from hydra.utils import get_class
-
-    cls = get_class(drafter_cfg["_target_"])
-    params = inspect.signature(cls.__init__).parameters
-    allowed = {k for k in cls.decode_keys if k in params} | ({"trust_remote_code"} & set(params))
-    out = dict(drafter_cfg)
-    for key, value in overrides.items():
-        if key not in params:
-            raise ValueError(f"drafter.{key} is not a setting of the saved drafter ({drafter_cfg['_target_']} at "
-                             f"{source}); settings that apply when decoding it: {sorted(allowed) or 'none'}")
-        if key not in allowed:
-            raise ValueError(f"drafter.{key}={value!r} cannot apply to the saved drafter at {source} (trained with "
-                             f"drafter.{key}={drafter_cfg.get(key)!r}): it fixes how the weights were built or trained, "
-                             f"so only retraining with it can honour it. Decode-time settings you can change: "
-                             f"{sorted(allowed) or 'none'}")
-        out[key] = value
-    return out
-
-
-def load_saved_drafter(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> tuple[Drafter, dict]:
-    """(drafter with its trained weights, its config.json), rebuilt for the dims it was saved with — no target
-    needed (exporting must not load an 8B model). Missing or unexpected tensors are an error, never skipped.
-    ``overrides``: decode-time ``drafter.<key>`` values from the command line (``decode_overrides``)."""
-    path = Path(path)
-    config = read_drafter_config(path)
-    if overrides:
-        config["drafter"] = decode_overrides(config["drafter"], overrides, str(path))
-    drafter = instantiate_drafter(config["drafter"], TargetDims(**config["dims"]))
-    expected = drafter.state_dict()
-    if expected:
-        weights = path / WEIGHTS
-        if not weights.is_file():
-            raise FileNotFoundError(f"{weights} is missing; the drafter directory {path} is incomplete")
-        try:
-            state = load_file(str(weights))
-        except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-            raise ValueError(f"{weights} is not a readable safetensors file ({type(e).__name__}: {e}); the drafter "
-                             f"directory is damaged: copy it again, or use another checkpoint "
-                             f"(checkpoints/step_*/drafter)") from None
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"{weights} does not match {config['drafter'].get('_target_')}: missing {missing}, unexpected {unexpected}")
-        drafter.load_state_dict(state, strict=True)
-    return drafter.eval(), config
-
-
-def check_target_weights(path: Path, config: Mapping, teacher, allow_other_target: bool = False) -> None:
-    """Refuse a target whose weights differ from those the drafter was trained against (same name and sizes, e.g. a
-    toy target built with another seed): its τ would be measured against the wrong model. Drafters saved before the
-    digest was stored are not checked."""
-    saved = (config.get("target") or {}).get("weights_digest")
-    if not saved:
-        return
-    actual = teacher.weights_digest()
-    if saved == actual:
-        return
-    message = (f"drafter at {path} was trained against target weights with digest {saved}, but the target "
-               f"{teacher.name!r} has {actual} (same name and sizes, other weights)")
-    if allow_other_target:
-        log.warning("%s; measuring anyway (eval.allow_other_target=true)", message)
-        return
-    raise ValueError(f"{message}; evaluate it against the target it was trained for (target_config in "
-                     f"{path / CONFIG}), or pass eval.allow_other_target=true to measure it against this one anyway")
-
-
-def load_drafter(path: str | os.PathLike, teacher, overrides: Mapping[str, Any] | None = None,
-                 allow_other_target: bool = False) -> Drafter:
-    """Rebuild a saved drafter for ``teacher``; refuse a checkpoint made for a target of other sizes or, unless
-    ``allow_other_target``, other weights. ``overrides``: decode-time settings (``decode_overrides``)."""
-    path = Path(path)
-    config = read_drafter_config(path)
-    saved = TargetDims(**config["dims"])
-    actual = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
-    for name in ("vocab_size", "hidden_size", "num_layers"):
-        if getattr(saved, name) != getattr(actual, name):
-            raise ValueError(
-                f"drafter at {path} was trained for a target with {name}={getattr(saved, name)}, but the target "
-                f"{teacher.name!r} has {name}={getattr(actual, name)}; evaluate it against the target it was trained "
-                f"for (target config saved in {path / CONFIG}) or retrain"
-            )
-    check_target_weights(path, config, teacher, allow_other_target)
-    drafter, _ = load_saved_drafter(path, overrides)
-    drafter.bind_target(teacher, initialize=False)
-    return drafter.to(teacher.device).eval()

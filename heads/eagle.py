@@ -16,7 +16,7 @@ reduced vocabulary; = V for EAGLE-1), F number of feature layers (EAGLE-1: 1; EA
 
 Feature layers use ``distill.teacher``'s hidden-state index: index i is HF ``hidden_states[i]``, the output of
 decoder layer i (1-based) = the *input* of 0-based layer i, which is also the number vLLM's
-``eagle_aux_hidden_state_layer_ids`` uses (SGLang's is i - 1: see heads/export_eagle.py); -1 (EAGLE-1's default) is
+``eagle_aux_hidden_state_layer_ids`` uses (SGLang's is i - 1: see serve/eagle.py); -1 (EAGLE-1's default) is
 the final, normed output the lm_head reads.
 
 Training-time test (EAGLE-3; also available to EAGLE-1 via ``ttt_steps``): step j at position t attends to the

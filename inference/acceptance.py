@@ -122,7 +122,12 @@ def tree_rejection_accept(tree: DraftTree, p_N1V: Tensor, generator: torch.Gener
         node = chosen
 
 
-def typical_accept(tree: DraftTree, p_N1V: Tensor, threshold: float = 0.09, alpha: float = 0.3,
+# Medusa's typical acceptance: ε and δ of p(x) > min(ε, δ·exp(-H(p))), the values Medusa's paper and code use. The one
+# place they are written: ``decoder.typical_threshold`` / ``decoder.typical_alpha`` default to these.
+TYPICAL_THRESHOLD, TYPICAL_ALPHA = 0.09, 0.3
+
+
+def typical_accept(tree: DraftTree, p_N1V: Tensor, threshold: float = TYPICAL_THRESHOLD, alpha: float = TYPICAL_ALPHA,
                    generator: torch.Generator | None = None) -> tuple[list[int], Tensor]:
     """Medusa's typical acceptance (LOSSY): a candidate passes when p(x) > min(threshold, alpha * exp(-H(p)))."""
     entropy_N1 = -(p_N1V * p_N1V.clamp(min=1e-12).log()).sum(-1)

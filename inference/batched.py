@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from inference.acceptance import Verdict, verdicts
+from inference.acceptance import TYPICAL_ALPHA, TYPICAL_THRESHOLD, Verdict, verdicts
 from inference.generation import (ACCEPTANCE_RULES, Generation, cache_kwarg, check_prompt, check_vocab, finish,
                                   prefill_kwargs, sync)
 from inference.kv_cache import TREE_HEADROOM, PreallocatedCache
@@ -151,8 +151,10 @@ class BatchedDecoder:
     """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
-                 compact_slack: float = 1.5, acceptance: str = "exact", typical_threshold: float = 0.09,
-                 typical_alpha: float = 0.3, compile: bool = False):
+                 compact_slack: float = 1.5, acceptance: str = "exact", typical_threshold: float = TYPICAL_THRESHOLD,
+                 typical_alpha: float = TYPICAL_ALPHA, compile: bool = False, generator: torch.Generator | None = None):
+        """``generator``: share the caller's random stream (``Decoder`` decodes a batch of one through this loop on
+        its own generator); None: a new one seeded with ``seed``."""
         if compact_slack < 1:
             raise ValueError(f"compact_slack must be >= 1 (cache columns per valid column before compaction), "
                              f"got {compact_slack}")
@@ -166,7 +168,7 @@ class BatchedDecoder:
         # (threshold, alpha) of Medusa's typical acceptance (lossy), or None: the exact rule (lossless)
         self.typical = (typical_threshold, typical_alpha) if acceptance == "typical" else None
         self.device = teacher.device
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = generator or torch.Generator(device=self.device).manual_seed(seed)
         self.mask_dtype = next(self.model.parameters()).dtype
         self.max_positions = teacher.max_positions
         self.layout = AttentionLayout.of(self.model)

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from transformers import Cache
 
+from inference.acceptance import TYPICAL_ALPHA, TYPICAL_THRESHOLD
 from inference.batched import BatchedDecoder
 from inference.generation import (  # noqa: F401  (re-exported: callers import them from here)
     ACCEPTANCE_RULES,
@@ -39,7 +40,7 @@ from inference.generation import (  # noqa: F401  (re-exported: callers import t
 )
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer
-from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.sampling import SamplingConfig, sample, warp
 from inference.step_decoder import NeedsEagerLoop, StepDecoder
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,8 @@ class DecoderConfig:
     top_p: float = 1.0
     top_k: int = 0
     acceptance: str = "exact"  # exact (lossless) | typical (Medusa's typical acceptance: LOSSY, labelled so)
-    typical_threshold: float = 0.09  # ε in p(x) > min(ε, δ·exp(-H(p)))
-    typical_alpha: float = 0.3  # δ
+    typical_threshold: float = TYPICAL_THRESHOLD  # ε in p(x) > min(ε, δ·exp(-H(p)))
+    typical_alpha: float = TYPICAL_ALPHA  # δ
     tree: Any = None  # null: each drafter's own; "chain"; a preset (small, default, wide); or top-k index paths
     auto_tune: bool = False  # pick the draft length / tree size with the best predicted speedup (inference.cost)
     seed: int = 0
@@ -74,16 +75,18 @@ class DecoderConfig:
 
 
 class Decoder:
-    """Decodes with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter."""
+    """Decodes with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter, as ``config`` (the
+    ``decoder:`` config; None: its defaults) says."""
 
-    def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY,
-                 acceptance: str = "exact", typical_threshold: float = 0.09, typical_alpha: float = 0.3, seed: int = 0,
-                 compile: bool = False, cuda_graphs: str = "auto"):
+    def __init__(self, teacher, config: DecoderConfig | None = None, eos_token_id: int | None = None):
+        config = config or DecoderConfig()
+        self.config = config
+        sampling, seed = config.sampling(), config.seed
         self.teacher = teacher
         self.model = teacher.model
         self.eos_token_id = eos_token_id
         self.sampling = sampling
-        self.acceptance = acceptance
+        self.acceptance = config.acceptance
         self.device = teacher.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.mask_dtype = next(self.model.parameters()).dtype
@@ -93,14 +96,14 @@ class Decoder:
         self.max_positions = teacher.max_positions
         self.prefill_kw = prefill_kwargs(self.model)
         # The eager decode loop (a batch of one, on this decoder's generator): the reference, and the fallback.
-        self.loop = BatchedDecoder(teacher, eos_token_id, sampling, seed, acceptance=acceptance,
-                                   typical_threshold=typical_threshold, typical_alpha=typical_alpha)
-        self.loop.generator = self.generator
+        self.loop = BatchedDecoder(teacher, eos_token_id, sampling, seed, acceptance=config.acceptance,
+                                   typical_threshold=config.typical_threshold, typical_alpha=config.typical_alpha,
+                                   generator=self.generator)
         self._target = self.model  # what ``_forward`` calls (the eager reference and the cost model's plain step)
         # Batch-1 decoding: recorded steps over a static cache (the eager loop above for typical acceptance and for
         # proposals the steps cannot verify exactly).
-        self.steps = StepDecoder(teacher, eos_token_id, sampling, self.generator, cuda_graphs=cuda_graphs,
-                                 compile=compile)
+        self.steps = StepDecoder(teacher, eos_token_id, sampling, self.generator, cuda_graphs=config.cuda_graphs,
+                                 compile=config.compile)
 
     @property
     def typical(self) -> tuple[float, float] | None:

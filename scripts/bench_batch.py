@@ -66,7 +66,8 @@ def load_cfg(preset: dict, extra: list[str]):
 
 
 def build_drafters(teacher, draft_cfg: dict, drafter_path: str | None) -> dict:
-    from heads.base import build_drafter, load_drafter
+    from heads.base import build_drafter
+    from heads.saved import load_drafter
 
     draft = build_drafter(draft_cfg, teacher)
     draft.bind_target(teacher, initialize=False)

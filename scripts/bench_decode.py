@@ -106,7 +106,7 @@ def load_cfg(preset: dict, extra: list[str], medusa_steps: int):
 
 def train_drafter(cfg, run_dir: Path, teacher, kind: str = "medusa"):
     """Train into ``run_dir`` (or reuse the drafter a previous run left there: same target, same config)."""
-    from heads.base import load_drafter
+    from heads.saved import load_drafter
     from train.run import run_training
 
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@
 
 Every row is ``python -m train`` (same windows: ``trainer.steps`` x 8 rows x 256 tokens from the stdlib data; only
 the row's overrides and ``seed=`` differ) in a subprocess, one after another, with ``OMP_NUM_THREADS=1`` so the
-CPU seconds it reports are one core's. Then this process reloads the saved drafter (``heads.base.load_drafter``) and
+CPU seconds it reports are one core's. Then this process reloads the saved drafter (``heads.saved.load_drafter``) and
 decodes the same held-out prompts (``eval.eval_prompts``: 20 stdlib excerpts, 128 prompt tokens, 96 new tokens,
 greedy) with the project's decoder under each tree budget (TREES), every output checked token-identical to plain
 greedy decoding. Proposals run in float32 (``eval.drafter_dtype=auto`` would pick the faster of fp32/bf16 per
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     from distill.teacher import load_teacher
     from eval.report import machine_info
     from eval.run import build_decoder, eval_prompts
-    from heads.base import load_drafter
+    from heads.saved import load_drafter
     from train.config import load_config, register_configs
 
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ Formats: vllm (EAGLE-1/3 as vLLM's Eagle(3)LlamaForCausalLM; Medusa as MedusaMod
 directory), sglang (EAGLE-1/3 as LlamaForCausalLMEagle(3); draft models served with --speculative-algorithm
 STANDALONE; SGLang has no Medusa), speculators (EAGLE-3 in the vllm-project/speculators format vLLM auto-detects),
 hf (EAGLE-1 in SafeAILab/EAGLE's layout; Medusa in FasterDecoding/Medusa's; draft models as a plain HF directory).
-The export is checked against the engine's conformance spec (``heads/export.py``, ``heads/export_eagle.py``) before
+The export is checked against the engine's conformance spec (``serve/export.py``, ``serve/eagle.py``) before
 it is swapped into place, and carries a README.md model card with the serving command.
 If the drafter's run dir holds a report.json (``python -m train`` writes one), its measured τ, α and speedup go into
 the model card.
@@ -26,7 +26,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import MISSING, OmegaConf
 
 from distill.environment import explain
-from heads.export import export_drafter
+from serve.export import export_drafter
 
 USAGE = ("python scripts/export.py drafter_path=<dir> format=vllm|sglang|speculators|hf output_dir=<dir> "
          "[overwrite=true]")

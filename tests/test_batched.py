@@ -32,7 +32,7 @@ from inference.policy import (
 )
 from inference.sampling import GREEDY, SamplingConfig
 from tests.conftest import make_tiny_llama
-from tests.test_decoder import noisy_medusa
+from tests.drafters import noisy_medusa
 from tests.test_lossless_sampling import (
     LENGTH,
     _decoder_setup,

@@ -12,7 +12,7 @@ from inference.cost import measure, measure_parts, overhead_ratio
 from inference.decoder import Decoder
 from inference.kv_cache import TREE_HEADROOM, PreallocatedCache
 from inference.tree import DraftTree
-from tests.test_decoder import noisy_medusa
+from tests.drafters import noisy_medusa
 
 
 class SecondSibling(Drafter):

@@ -5,6 +5,7 @@ from heads.base import Drafter, build_drafter
 from inference.acceptance import greedy_accept
 from inference.decoder import Decoder
 from inference.tree import DraftTree
+from tests.drafters import noisy_medusa
 
 
 class OracleDrafter(Drafter):
@@ -17,16 +18,6 @@ class OracleDrafter(Drafter):
     def propose(self, tokens, max_depth, sampling=None):
         out = self.model.generate(tokens, max_new_tokens=max_depth, do_sample=False, min_new_tokens=max_depth)
         return DraftTree.chain(out[0, tokens.shape[1]:])
-
-
-def noisy_medusa(teacher, seed=0, scale=0.5):
-    drafter = build_drafter({"_target_": "heads.medusa.MedusaHeads", "num_heads": 3}, teacher)
-    drafter.bind_target(teacher, initialize=True)
-    torch.manual_seed(seed)
-    with torch.no_grad():  # perturb so heads disagree with the target some of the time
-        for p in drafter.parameters():
-            p.add_(scale * torch.randn_like(p))
-    return drafter.eval()
 
 
 def test_greedy_accept_rule():

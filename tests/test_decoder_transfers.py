@@ -4,13 +4,15 @@ forward, for every drafter kind, chain and tree, greedy and sampled, counted by 
 Per step = (count over a long decode - count over a short one) / (steps of the long - steps of the short), on the
 same prompt: the prefill and the per-sequence set-up cancel out."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
 from heads.base import TargetDims, build_drafter
 from heads.draft_model import DraftModel
 from heads.eagle import EagleDrafter
-from inference.decoder import Decoder
+from inference.decoder import Decoder, DecoderConfig
 from inference.sampling import SamplingConfig
 from inference.transfers import TransferCounter
 from tests.conftest import make_tiny_llama
@@ -91,7 +93,7 @@ def test_transfers_per_decode_step_within_budget(tiny_teacher, kind, sampling):
     drafter = make(kind, tiny_teacher)
     prompt = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
     prompt = torch.cat([prompt, prompt[:, :8], prompt[:, :8]], 1)  # something for lookup to find
-    total, kinds = per_step(Decoder(tiny_teacher, sampling=sampling, seed=1), drafter, prompt)
+    total, kinds = per_step(Decoder(tiny_teacher, DecoderConfig(**asdict(sampling), seed=1)), drafter, prompt)
     print(f"TRANSFERS {kind} {sampling.describe()}: {total:.2f} per step {kinds}")
     assert total <= BUDGET, f"{kind}: {total:.2f} transfers per decode step > {BUDGET}: {kinds}"
 

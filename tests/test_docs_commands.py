@@ -155,8 +155,8 @@ def check_pip(args: list[str]) -> None:
 
 
 def check_serve(engine: str, line: str) -> None:
-    """A serve line must be what the model card writes for that export (heads.model_card.serve_command)."""
-    from heads.model_card import serve_command
+    """A serve line must be what the model card writes for that export (serve.export.serve_command)."""
+    from serve.export import serve_command
 
     if engine == "vllm":
         target, spec = re.match(r"vllm serve (\S+) --speculative-config '(.*)'$", line).groups()

@@ -16,28 +16,20 @@ from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerF
 from distill.losses import forward_kl
 from distill.toy import ToyTargetConfig
 from eval.baselines import hf_assisted, hf_generate
-from heads.base import TargetDims, build_drafter, load_drafter, load_saved_drafter, save_drafter
+from heads.base import TargetDims, build_drafter
+from heads.saved import load_drafter, load_saved_drafter, save_drafter
 from heads.draft_model import DraftModel
-from inference.decoder import Decoder
+from inference.decoder import Decoder, DecoderConfig
 from inference.sampling import GREEDY, SamplingConfig
 from tests.conftest import make_tiny_llama
+from tests.drafters import DIMS, truncated
 from train.config import _check_keys
 
-DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
 TARGET_CFG = {"source": "toy", "name": "tiny-llama"}
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 tiny_llama = make_tiny_llama  # the ``teacher`` fixture (conftest) is make_tiny_llama(initializer_range=0.2)
-
-
-def truncated(target, **overrides):
-    """A 1-layer draft holding the target's embeddings, first layer and final norm: it agrees with the target about
-    a third of the time, so accepted and rejected drafts (and every cache rollback) get exercised."""
-    model = tiny_llama(seed=1, initializer_range=0.2, num_hidden_layers=1, **overrides)
-    state = target.state_dict()
-    model.load_state_dict({k: state[k] for k in model.state_dict()})
-    return model
 
 
 def draft(model, teacher=None) -> DraftModel:
@@ -69,7 +61,7 @@ def test_greedy_speculative_is_token_identical_to_plain(teacher):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "t1"])
 def test_the_target_as_its_own_draft_is_always_fully_accepted(teacher, sampling):
-    dec = Decoder(teacher, sampling=sampling, seed=3)
+    dec = Decoder(teacher, DecoderConfig(**asdict(sampling), seed=3))
     drafter = draft(teacher.model, teacher)  # q == p: rejection sampling never rejects
     gen = torch.Generator().manual_seed(1)
     num_draft, max_new = 4, 23

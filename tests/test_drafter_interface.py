@@ -74,3 +74,14 @@ def test_every_drafter_is_a_proposer(tiny_teacher, name):
     drafter = build_drafter(cfg, tiny_teacher)
     assert isinstance(drafter, Proposer)
     assert isinstance(drafter.dynamic_tree, bool)
+
+
+def test_the_base_type_a_new_kind_implements_stays_narrow():
+    """``Drafter`` itself declares only what every kind must have; the optional hooks (training, decoding,
+    persistence) live in mixins with defaults. docs/design.md ("Add a drafter") quotes this count."""
+    from heads.base import Drafter
+
+    own = sorted(k for k in vars(Drafter) if not k.startswith("__") or k == "__init__")
+    assert own == ["__init__", "bind_target", "forward", "name", "observe", "propose", "reset", "teacher_layers",
+                   "train_mask"]
+    assert len(own) <= 12

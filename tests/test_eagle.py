@@ -8,7 +8,8 @@ import torch
 
 from distill.losses import forward_kl
 from distill.teacher import Teacher
-from heads.base import TargetDims, load_drafter, save_drafter
+from heads.base import TargetDims
+from heads.saved import load_drafter, save_drafter
 import heads.eagle  # its _ttt_attention reads these names: the tests patch them there
 from heads.eagle import EagleDrafter, default_feature_layers, explicit_ttt_attention, ttt_mask, vocab_maps
 from heads.eagle_decode import BatchNodes, score_level

@@ -11,8 +11,8 @@ from heads.draft_model import DraftModel
 from inference.cost import auto_tune, chain_tau, overhead_ratio, predict, tree_tau
 from inference.decoder import Decoder, DecoderConfig
 from tests.test_config import load
-from tests.test_decoder import noisy_medusa
-from tests.test_draft_model import DIMS, truncated
+from tests.drafters import noisy_medusa
+from tests.drafters import DIMS, truncated
 from train.config import EvalConfig, load_config
 
 EVAL = EvalConfig(max_new_tokens=16, num_draft=3, warmup_prompts=1, drafter_dtype="float32", hf_baselines=True)
@@ -91,7 +91,7 @@ def test_bad_decoding_input(tiny_teacher):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         dec.plain(torch.zeros(1, 300, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="decoder.acceptance"):
-        Decoder(tiny_teacher, acceptance="speculative")
+        Decoder(tiny_teacher, DecoderConfig(acceptance="speculative"))
 
 
 @pytest.mark.parametrize("override,message", [

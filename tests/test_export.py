@@ -6,21 +6,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.base import save_drafter, weights_digest
+from heads.saved import save_drafter, weights_digest
 from heads.draft_model import DraftModel
-from heads.export import SIDECAR, check_export, export_drafter, load_export
+from serve.export import SIDECAR, check_export, export_drafter, load_export
 from inference.decoder import Decoder
-from tests.test_decoder import noisy_medusa
-from tests.test_draft_model import DIMS, truncated
+from tests.drafters import DIMS, DRAFT_MODEL_NODE, MEDUSA_NODE, TRAINED, noisy_medusa, truncated
 
 TARGET_CFG = {"source": "hf", "name": "tiny-llama"}
-TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}
-MEDUSA_CFG = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 3, "num_layers": 1, "tree": "small"}
 
 
 def saved_medusa(teacher, tmp_path, extra=TRAINED, num_layers=1):  # noqa: F811
     drafter = noisy_medusa(teacher, scale=0.2) if num_layers == 1 else None
-    cfg = dict(MEDUSA_CFG, num_layers=num_layers)
+    cfg = dict(MEDUSA_NODE, num_layers=num_layers)
     if drafter is None:
         from heads.base import build_drafter
         drafter = build_drafter(cfg, teacher)
@@ -31,7 +28,7 @@ def saved_medusa(teacher, tmp_path, extra=TRAINED, num_layers=1):  # noqa: F811
 def saved_draft_model(teacher, tmp_path):  # noqa: F811
     drafter = DraftModel(DIMS, model=truncated(teacher.model))
     drafter.bind_target(teacher, initialize=False)
-    cfg = drafter.saved_config({"_target_": "heads.draft_model.DraftModel", "source": "hf", "name": "tiny-draft"})
+    cfg = drafter.saved_config(dict(DRAFT_MODEL_NODE))
     return drafter, save_drafter(drafter, tmp_path / "run" / "drafter", cfg, TARGET_CFG, teacher.identity(), TRAINED)
 
 
@@ -174,3 +171,20 @@ def test_cli(teacher, tmp_path):  # noqa: F811
         cli.main(["drafter=x"])
     with pytest.raises(SystemExit, match="missing output_dir"):
         cli.main([f"drafter_path={path}", "format=vllm"])
+
+
+def test_every_adapter_supports_or_refuses_every_engine():
+    """Adding an engine is one row per adapter: each (kind, engine) pair is either a row (the adapter writes it) or
+    a refusal with its reason, never both and never neither, and the supported pairs are the ones whose exports
+    tests/test_export_digests.py pins."""
+    from serve.adapter import ENGINES, refusal
+    from serve.export import ADAPTERS
+    from tests.drafters import EXPORTS
+
+    for kind, adapter in ADAPTERS.items():
+        for engine in ENGINES:
+            refused = refusal(adapter, engine, kind) is not None
+            assert adapter.supports(engine, kind) != refused, (kind, engine)
+    supported = {kind: tuple(e for e in ENGINES if ADAPTERS[kind].supports(e, kind)) for kind in EXPORTS}
+    assert {k: sorted(v) for k, v in supported.items()} == {k: sorted(v) for k, v in EXPORTS.items()}
+    assert ADAPTERS["medusa2"].supports("vllm", "medusa2") and not ADAPTERS["lookup"].supports("vllm", "lookup")

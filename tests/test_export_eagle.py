@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distill.teacher import Teacher
-from heads.base import save_drafter
+from heads.saved import save_drafter
 from heads.eagle import EagleDrafter, vocab_maps
-from heads.export import check_export, export_drafter, load_export
+from serve.export import check_export, export_drafter, load_export
 from inference.decoder import Decoder
 
 TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}
@@ -150,7 +150,7 @@ def test_refusals_name_the_reason(deep_target, tmp_path):
 
 
 def test_vllm_eagle3_target_whitelist(deep_target, tmp_path, monkeypatch):
-    import heads.export as export
+    import serve.eagle as export
 
     _, path = saved(deep_target, tmp_path, "eagle3")
     monkeypatch.setattr(export, "target_facts", lambda config: {"model_type": "phi3"})

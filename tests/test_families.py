@@ -18,27 +18,43 @@ import torch
 
 from distill.losses import forward_kl
 from distill.teacher import TESTED_FAMILIES, Teacher, check_family
-from heads.base import build_drafter, save_drafter
-from heads.export import check_export, export_drafter, load_export
+from heads.base import build_drafter
+from heads.saved import save_drafter
+from serve.export import check_export, export_drafter, load_export
 from inference.batched import BatchedDecoder
 from inference.decoder import Decoder
 from tests.families import FAMILIES, VOCAB, WINDOW
 
 NEW, GAMMA, STEPS, LR = 16, 3, 20, 1e-2
 PROMPT_LENGTHS = (6, 14, 20, 27)  # the last two exceed WINDOW before the first new token
-DRAFTERS = {
-    "medusa": {"_target_": "heads.medusa.MedusaHeads", "num_heads": 3},
-    "eagle1": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle1", "top_k": 2, "total_tokens": 6},
-    "eagle3": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3, "top_k": 2,
-               "total_tokens": 6, "draft_vocab_size": 192},
-    "draft_model": {"_target_": "heads.draft_model.DraftModel"},
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One row of the family x kind matrix: the drafter node trained on every family, its decode modes
+    (decoder.tree per mode; a mode a kind lacks is absent: docs/families.md gives the reason), and whether its vLLM
+    export is round-tripped per family."""
+
+    node: dict
+    trees: dict
+    exported: bool = False
+
+
+# The one table every family x kind test is parametrized from. EAGLE-3 is not exported per family: it needs 3
+# distinct target layers below L and the 2-layer tiny targets have none to give, so its export is tested on a
+# 4-layer Llama in tests/test_export_eagle.py and per family as a decision below.
+KINDS = {
+    "medusa": Kind({"_target_": "heads.medusa.MedusaHeads", "num_heads": 3}, {"chain": None, "tree": "small"},
+                   exported=True),
+    "eagle1": Kind({"_target_": "heads.eagle.EagleDrafter", "variant": "eagle1", "top_k": 2, "total_tokens": 6},
+                   {"chain": "chain", "tree": "dynamic"}, exported=True),
+    "eagle3": Kind({"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3, "top_k": 2,
+                    "total_tokens": 6, "draft_vocab_size": 192}, {"chain": "chain", "tree": "dynamic"}),
+    "draft_model": Kind({"_target_": "heads.draft_model.DraftModel"}, {"chain": None}, exported=True),
 }
-# decoder.tree per mode; a drafter kind without a tree mode is absent (docs/families.md: refused, with the reason)
-TREES = {"medusa": {"chain": None, "tree": "small"}, "eagle1": {"chain": "chain", "tree": "dynamic"},
-         "eagle3": {"chain": "chain", "tree": "dynamic"}, "draft_model": {"chain": None}}
-# Kinds exported per family (EAGLE-3 needs 3 distinct target layers below L: the 2-layer tiny targets have none to
-# give, so its export is tested on a 4-layer Llama in tests/test_export_eagle.py and per family as a decision here).
-EXPORT_KINDS = ("medusa", "draft_model", "eagle1")
+DRAFTERS = {kind: row.node for kind, row in KINDS.items()}
+TREES = {kind: row.trees for kind, row in KINDS.items()}
+EXPORT_KINDS = tuple(kind for kind, row in KINDS.items() if row.exported)
 FAMILY_IDS = sorted(FAMILIES)
 
 
@@ -323,7 +339,7 @@ VLLM_EAGLE3 = {"llama": True, "qwen2": True, "qwen3": True, "qwen3_moe": True, "
 def test_eagle3_export_decision_per_family(name):
     """What an EAGLE-3 export does for each family's model_type: vLLM's whitelist (vllm/config/speculative.py),
     SGLang's none, Gemma's scaled embeddings refused everywhere (docs/families.md)."""
-    from heads.export_eagle import check_target_family
+    from serve.eagle import check_target_family
 
     model_type = FAMILIES[name].build().config.model_type
     for engine in ("vllm", "speculators", "sglang"):

@@ -12,7 +12,7 @@ from inference.decoder import Decoder
 from inference.kv_cache import PreallocatedCache, PreallocatedLayer, RaggedCache
 from inference.masks import AttentionLayout
 from inference.tree import DraftTree, compact_cache, verify_inputs
-from tests.test_decoder import noisy_medusa
+from tests.drafters import noisy_medusa
 from tests.test_tree import ARCHS, TREE, path_to, tiny_model
 
 

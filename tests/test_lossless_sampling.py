@@ -232,12 +232,12 @@ def _decoder_setup(kind):
 @pytest.mark.parametrize("samples", [pytest.param(4_000, id="4k"), pytest.param(20_000, id="20k", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind,acceptance", [("draft_model", "exact"), ("medusa_tree", "exact"), ("medusa_tree", "typical")])
 def test_decoder_output_distribution(kind, acceptance, samples):
-    from inference.decoder import Decoder
+    from inference.decoder import Decoder, DecoderConfig
 
     teacher, drafter = _decoder_setup(kind)
     prompt = torch.tensor([[1, 2, 3]])
     exact = _exact_continuations(teacher.model, prompt, LENGTH)
-    decoder = Decoder(teacher, sampling=SamplingConfig(temperature=1.0), acceptance=acceptance, seed=0)
+    decoder = Decoder(teacher, DecoderConfig(temperature=1.0, acceptance=acceptance, seed=0))
     counts = torch.zeros_like(exact)
     accepted = 0
     for _ in range(samples):

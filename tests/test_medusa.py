@@ -5,7 +5,8 @@ import torch
 
 from distill.losses import forward_kl
 from distill.teacher import Teacher
-from heads.base import build_drafter, load_drafter, save_drafter
+from heads.base import build_drafter
+from heads.saved import load_drafter, save_drafter
 from tests.conftest import make_tiny_llama
 
 MEDUSA = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 3, "num_layers": 2, "loss_decay": 0.8}

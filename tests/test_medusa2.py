@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from distill.data import collate
 from distill.losses import forward_kl
 from distill.teacher import Teacher
-from heads.base import TargetDims, build_drafter, load_drafter, load_saved_drafter, save_drafter
-from heads.export import ADAPTER_DIR, MERGED, SIDECAR, check_export, export_drafter, load_export
+from heads.base import TargetDims, build_drafter
+from heads.saved import load_drafter, load_saved_drafter, save_drafter
+from serve.export import ADAPTER_DIR, MERGED, SIDECAR, check_export, export_drafter, load_export
 from heads.lora import lora_layers, save_peft_adapter
 from heads.medusa2 import Medusa2
 from inference.decoder import Decoder

@@ -14,7 +14,7 @@ from distill.losses import forward_kl
 from distill.onpolicy import OnPolicyBatches
 from heads.draft_model import DraftModel
 from heads.medusa import MedusaHeads
-from tests.test_draft_model import DIMS, truncated
+from tests.drafters import DIMS, truncated
 from train.config import Config, load_config, register_configs
 from train.engine import SingleEngine, TrainerConfig
 from train.loop import train

@@ -103,7 +103,7 @@ def test_smoke_eagle1_exports_for_every_engine(smoke_run, env, tmp_path, monkeyp
                            "format=vllm", f"output_dir={tmp_path / 'vllm'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from heads.export import export_drafter
+    from serve.export import export_drafter
 
     monkeypatch.setenv("SPECDRAFT_CACHE", env["SPECDRAFT_CACHE"])  # the toy target's cache, as the CLI saw it
     for engine in ("sglang", "hf"):  # the same function the CLI calls, without another interpreter start

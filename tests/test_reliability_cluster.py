@@ -201,7 +201,7 @@ def test_a_regeneration_file_written_twice_over_is_refused_when_training_reads_i
 
 
 def test_export_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path):
-    from heads.export import export_drafter
+    from serve.export import export_drafter
 
     other_run = tmp_path / "other"
     shutil.copytree(run_dir, other_run)
@@ -236,7 +236,7 @@ def test_eval_never_writes_over_another_runs_report(run_dir, tmp_path):
 
 
 def test_an_extended_run_never_exports_its_old_report(run_dir, cache, tmp_path):
-    from heads.export import export_drafter
+    from serve.export import export_drafter
 
     def card(out: Path) -> str:  # as scripts/export.py does: the run dir's report.json goes to the model card
         report = json.loads((run_dir / "report.json").read_text())

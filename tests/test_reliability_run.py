@@ -81,7 +81,7 @@ def test_finished_run_records_what_later_checks_need(finished):
 
 
 def test_export_overwrite_never_touches_the_run_dir(run_dir):
-    from heads.export import export_drafter
+    from serve.export import export_drafter
 
     before = snapshot(run_dir)
     for out in (run_dir, run_dir / "drafter", run_dir / "exports" / "vllm", run_dir.parent,

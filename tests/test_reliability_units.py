@@ -13,15 +13,8 @@ from hydra import compose, initialize_config_dir
 
 from distill.data import DataConfig, TokenBlockDataset, load_records, rows_fingerprint
 from distill.teacher import Teacher
-from heads.base import (
-    WEIGHTS,
-    build_drafter,
-    decode_overrides,
-    load_drafter,
-    load_saved_drafter,
-    read_drafter_config,
-    save_drafter,
-)
+from heads.base import build_drafter
+from heads.saved import WEIGHTS, decode_overrides, load_drafter, load_saved_drafter, read_drafter_config, save_drafter
 from tests.conftest import make_tiny_llama
 from tests.test_checkpoint import MEDUSA, DyingEngine, Killed, make_cfg, make_dataset, run
 from train import checkpoint

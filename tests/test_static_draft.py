@@ -20,7 +20,7 @@ from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig, warp
 from tests.conftest import make_tiny_llama
 from tests.static_harness import Recorder, Replay, committed_for, counts, layout, tensors_of
-from tests.test_draft_model import truncated
+from tests.drafters import truncated
 from tests.test_eagle import DIMS, make as make_eagle
 
 CAPACITY = 256

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from heads.base import TargetDims
-from inference.decoder import Decoder
+from inference.decoder import Decoder, DecoderConfig
 from inference.sampling import GREEDY, SamplingConfig
 from inference.static_cache import StaticKV, capacity_buckets, kv_shapes
 from inference.static_draft import DraftBuffers
@@ -221,7 +221,7 @@ def test_buffers_keep_their_addresses_and_attention_shapes_are_the_buckets(tiny_
 @pytest.mark.parametrize("kind", ["medusa_chain", "medusa_tree", "eagle1_chain", "eagle1_dynamic", "eagle3_chain",
                                   "eagle3_dynamic", "draft_model", "lookup", "table"])
 def test_greedy_step_path_is_token_identical(tiny_teacher, kind):
-    decoder = Decoder(tiny_teacher, seed=1)
+    decoder = Decoder(tiny_teacher, DecoderConfig(seed=1))
     drafter = drafter_for(kind, tiny_teacher)
     for prompt in prompts()[:2]:
         ref = decoder.plain_eager(prompt, 30).new_tokens
@@ -413,7 +413,7 @@ def test_sampling_through_the_steps_is_distributed_as_the_target(kind):
     teacher = Teacher(_tiny(0), tokenizer=None, name="tiny-v4")
     prompt = torch.tensor([[1, 2, 3]])
     exact = _exact_continuations(teacher.model, prompt, LENGTH)
-    decoder = Decoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
+    decoder = Decoder(teacher, DecoderConfig(temperature=1.0, seed=0))
     drafter = TableDrafter(teacher, gamma=2, spoil=False, context=prompt)
     samples, counts, accepted = 3000, torch.zeros_like(exact), 0
     for _ in range(samples):

@@ -11,7 +11,7 @@ from heads.base import Drafter, build_drafter
 from inference.decoder import Decoder
 from inference.dynamic_tree import expand_dynamic_tree
 from inference.tree import DraftTree, ancestor_mask, compact_cache, parse_tree, tree_geometry, verify_inputs
-from tests.test_decoder import noisy_medusa
+from tests.drafters import noisy_medusa
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from distill.atomic import write_text_atomically
 from distill.fingerprint import tree_digests
 from distill.toy import default_cache_dir
-from heads.base import WEIGHTS, read_drafter_config, save_drafter
+from heads.saved import WEIGHTS, read_drafter_config, save_drafter
 from train.engine import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -295,7 +295,7 @@ def _dims(identity: Mapping) -> dict:
 
 def _node(drafter_cfg: Mapping) -> dict:
     """A drafter node as compared on resume: ``trust_remote_code`` is never read back from a file
-    (``heads.base.read_drafter_config``), so it is not part of what must match."""
+    (``heads.saved.read_drafter_config``), so it is not part of what must match."""
     return {k: v for k, v in drafter_cfg.items() if k != "trust_remote_code"}
 
 

@@ -2,7 +2,8 @@
 
 Each group's dataclass lives with the code that reads it (``TargetConfig`` in ``distill.teacher``, with
 ``ToyTargetConfig`` from ``distill.toy``; ``DataConfig`` in ``distill.data``; ``TrainerConfig`` in ``train.engine``; ``LoggerConfig`` in ``train.logger``;
-``DecoderConfig`` in ``inference.decoder``); this module assembles them into
+``DecoderConfig`` in ``inference.decoder``; ``CacheConfig`` and ``RegenerateConfig`` beside their CLIs in
+``distill.cache`` and ``distill.regenerate``); this module assembles them into
 ``Config``, registered in Hydra's ConfigStore as ``base_config``. ``conf/config.yaml`` lists it first in its
 defaults, so a misspelt key (``trainer.lrr=1e-3``) fails at start-up instead of being ignored. ``drafter`` and
 ``loss`` are free-form mappings because each plugs in by ``_target_``; ``validate`` checks their keys against the
@@ -25,7 +26,9 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from distill.cache import CacheConfig
 from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
+from distill.regenerate import RegenerateConfig
 from distill.fused_kernels import check_kernel
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
@@ -54,34 +57,6 @@ class EvalConfig:
     allow_other_target: bool = False
     hf_baselines: bool = True  # also time HF generate() and, for a draft model, HF assisted generation
     plots: bool = True  # PNG figures beside report.json
-
-
-@dataclass
-class CacheConfig:
-    """``python -m distill.cache``: offline teacher signals (``distill.cache``); train on them with
-    ``data.teacher_cache=<dir>``."""
-
-    dir: Optional[str] = None  # required: where shards + manifest.json go
-    layers: Optional[List[int]] = None  # hidden-state indices; null: the configured drafter's teacher_layers
-    topk: int = 64  # teacher top-k kept per position (1..V)
-    dtype: str = "bfloat16"  # hidden states on disk: bfloat16 | float32
-    shard_rows: int = 256  # rows per shard file
-    batch_size: int = 8  # rows per target forward while writing
-
-
-@dataclass
-class RegenerateConfig:
-    """``python -m distill.regenerate``: the target answers the data's prompts (jsonl out); train on the answers with
-    ``data.mode=regenerated data.regenerated=<out>``."""
-
-    out: Optional[str] = None  # required: the jsonl to write (rerun the same command to resume)
-    prompt_tokens: int = 64  # text data: each training row's first P tokens are the prompt
-    max_new_tokens: Optional[int] = None  # null: data.max_length - prompt length (rows as long as the fixed data's)
-    batch_size: int = 16  # prompts per batched target decode
-    temperature: float = 0.0  # 0: greedy answers; > 0 samples
-    top_p: float = 1.0
-    seed: int = 0
-    num_prompts: Optional[int] = None  # null: every prompt of the data
 
 
 @dataclass

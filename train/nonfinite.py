@@ -3,7 +3,7 @@
 The loop checks the step's summed loss before the optimizer step (so the weights it would save are still those of
 the last good step) and the gradient norm after it. A non-finite gradient norm alone is not always divergence: an
 fp16 loss scaler skips such steps by design, and an engine may not report a norm; the run stops only when the
-weights themselves became non-finite. Saving refuses non-finite weights too (``heads.base.save_drafter``), so a NaN
+weights themselves became non-finite. Saving refuses non-finite weights too (``heads.saved.save_drafter``), so a NaN
 drafter never reaches a checkpoint, ``drafter/`` or an evaluation.
 """
 

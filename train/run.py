@@ -18,7 +18,8 @@ from distill.lock import WriterLockedError, writer_lock
 from distill.onpolicy import OnPolicyBatches
 from distill.regenerate import load_regenerated
 from distill.teacher import load_teacher
-from heads.base import build_drafter, save_drafter
+from heads.base import build_drafter
+from heads.saved import save_drafter
 from train import checkpoint
 from train.config import Config
 from train.engine import build_engine, resolve_batch, shard_target, world_from_env
@@ -27,6 +28,11 @@ from train.loop import train
 from train.preemption import Preempted
 
 log = logging.getLogger(__name__)
+
+
+def drafter_teacher_layers(cfg: Config, teacher) -> list[int]:
+    """The hidden-state indices the configured drafter reads: what an offline teacher cache must hold."""
+    return list(build_drafter(cfg.drafter, teacher).teacher_layers)
 
 
 def training_data(cfg: Config, teacher, drafter):

@@ -36,10 +36,10 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -57,6 +57,21 @@ from distill.teacher_output import TeacherOutput
 log = logging.getLogger(__name__)
 
 FORMAT, FORMAT_VERSION = "specdraft-teacher-cache", 1
+
+
+@dataclass
+class CacheConfig:
+    """``python -m distill.cache``: offline teacher signals (``distill.cache``); train on them with
+    ``data.teacher_cache=<dir>``."""
+
+    dir: Optional[str] = None  # required: where shards + manifest.json go
+    layers: Optional[List[int]] = None  # hidden-state indices; null: the configured drafter's teacher_layers
+    topk: int = 64  # teacher top-k kept per position (1..V)
+    dtype: str = "bfloat16"  # hidden states on disk: bfloat16 | float32
+    shard_rows: int = 256  # rows per shard file
+    batch_size: int = 8  # rows per target forward while writing
+
+
 MANIFEST = "manifest.json"
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 COLUMN_BYTES = 4 + 1 + 1  # input_ids int32, attention_mask bool, loss_mask bool

@@ -13,8 +13,8 @@ from distill.environment import check_run_dir_override, one_line_errors
 from distill.cache import STORE_DTYPES, write_cache
 from distill.data import build_train_dataset
 from distill.teacher import load_teacher
-from heads.base import build_drafter
 from train.config import Config, load_config, register_configs
+from train.run import drafter_teacher_layers
 from train.engine import resolve_device
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def build_cache(cfg: Config) -> dict:
     if c.layers is not None:
         layers = list(c.layers)
     else:
-        layers = list(build_drafter(cfg.drafter, teacher).teacher_layers)
+        layers = drafter_teacher_layers(cfg, teacher)
         log.info("cache.layers is null: caching the drafter's teacher_layers %s", layers)
     return write_cache(c.dir, teacher, dataset, cfg.data, layers, topk=c.topk, dtype=c.dtype,
                        shard_rows=c.shard_rows, batch_size=c.batch_size)

@@ -39,7 +39,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -62,6 +62,23 @@ from inference.sampling import SamplingConfig
 log = logging.getLogger(__name__)
 
 FORMAT, FORMAT_VERSION = "specdraft-regenerated", 1
+
+
+@dataclass
+class RegenerateConfig:
+    """``python -m distill.regenerate``: the target answers the data's prompts (jsonl out); train on the answers with
+    ``data.mode=regenerated data.regenerated=<out>``."""
+
+    out: Optional[str] = None  # required: the jsonl to write (rerun the same command to resume)
+    prompt_tokens: int = 64  # text data: each training row's first P tokens are the prompt
+    max_new_tokens: Optional[int] = None  # null: data.max_length - prompt length (rows as long as the fixed data's)
+    batch_size: int = 16  # prompts per batched target decode
+    temperature: float = 0.0  # 0: greedy answers; > 0 samples
+    top_p: float = 1.0
+    seed: int = 0
+    num_prompts: Optional[int] = None  # null: every prompt of the data
+
+
 WRITE_CMD = "python -m distill.regenerate"
 FINISH_REASONS = ("eos", "length")
 RECORD_KEYS = ("id", "prompt_ids", "prompt_loss_mask", "completion_ids", "finish")

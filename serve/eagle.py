@@ -2,6 +2,8 @@
 loader's name mapping (to prove that every engine parameter is set and no exported tensor is skipped), and the way
 back from engine parameters to a specdraft drafter (to decode an export and compare it with the checkpoint).
 
+Each engine is one ``EagleEngine`` row in ``ENGINES``: adding an engine is one row.
+
 Our drafter (heads/eagle.py) -> the engines' ``LlamaForCausalLM{Eagle,Eagle3}``:
     layer.{q,k,v,o}_proj          -> {P}self_attn.{q,k,v,o}_proj   (vLLM / SGLang pack q,k,v into qkv_proj on load)
     layer.{gate,up,down}_proj     -> {P}mlp.{gate,up,down}_proj     (gate,up packed into gate_up_proj on load)
@@ -22,12 +24,18 @@ Index L (the final, *normed* output) exists in no engine: each captures un-norme
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from heads.base import TargetDims
 from heads.eagle import EagleDrafter
+from serve.adapter import serve_name, target_dtype, target_facts, vocab_problem
+from serve.model_card import model_card
 
 EAGLE_KINDS = ("eagle1", "eagle3")
 # vllm/config/speculative.py (SpeculativeConfig, ``eagle3_target_supported``): a substring test on the target's
@@ -36,51 +44,104 @@ VLLM_EAGLE3_TARGETS = ("llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hun
 # Families whose forward multiplies the embedding output (Gemma: sqrt(D)); drafters here read that scaled
 # embedding (distill.teacher.TargetEmbedding), the engines' EAGLE modules do not.
 SCALED_EMBEDDING_FAMILIES = ("gemma",)
-ARCHITECTURES = {
-    # vLLM's EAGLEConfig renames LlamaForCausalLM to EagleLlamaForCausalLM (method eagle) and keeps
-    # LlamaForCausalLMEagle3 (method eagle3); SGLang picks the class named here.
-    ("vllm", "eagle1"): ["LlamaForCausalLM"],
-    ("sglang", "eagle1"): ["LlamaForCausalLMEagle"],
-    ("hf", "eagle1"): ["LlamaForCausalLM"],
-    ("vllm", "eagle3"): ["LlamaForCausalLMEagle3"],
-    ("sglang", "eagle3"): ["LlamaForCausalLMEagle3"],
-    ("speculators", "eagle3"): ["Eagle3Speculator"],
-}
-LOADERS = {
-    ("vllm", "eagle1"): "vllm/model_executor/models/llama_eagle.py (EagleLlamaForCausalLM.load_weights, LlamaModel)",
-    ("vllm", "eagle3"): "vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights, "
-                        "LlamaModel.load_weights); vllm/transformers_utils/configs/eagle.py; vllm/config/speculative.py",
-    ("sglang", "eagle1"): "python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle)",
-    ("sglang", "eagle3"): "python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3.load_weights); "
-                          "model_runner.py (eagle_config.eagle_aux_hidden_state_layer_ids)",
-    ("hf", "eagle1"): "SafeAILab/EAGLE eagle/model/cnets1.py (Model: fc with bias, layer 0 without input_layernorm, "
-                      "embedding read from the base model) and ea_model.py (EaModel.from_pretrained(use_eagle3=False): "
-                      "pytorch_model.bin else model.safetensors, load_state_dict(strict=False))",
-    ("speculators", "eagle3"): "vllm-project/speculators 0.9.0 speculators/models/eagle3 (Eagle3DraftModel, "
-                               "Eagle3SpeculatorConfig) - loaded for real by tests/test_export_eagle.py",
-}
-REFUSED = {
-    ("hf", "eagle3"): "SafeAILab/EAGLE's EAGLE-3 takes its target layers from its own modified modeling files, with "
-                      "no config key to name them, so a drafter trained on other layers would be fed other features; "
-                      "the hub-standard EAGLE-3 layout is format=speculators (vLLM auto-detects it), or use "
-                      "format=vllm / format=sglang",
-    ("speculators", "eagle1"): "speculators 0.9.0 has no EAGLE-1 model class (its eagle3 config requires auxiliary "
-                               "layers and its own lm_head); use format=vllm, sglang or hf",
-}
 _LAYER = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
           "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
           "down_proj": "mlp.down_proj", "post_attention_layernorm": "post_attention_layernorm"}
+METHOD = {"eagle1": ("eagle", "EAGLE"), "eagle3": ("eagle3", "EAGLE3")}  # (vLLM method, SGLang algorithm)
+
+
+def _vllm_serve(kind: str, target: str, export_dir: str, num_tokens: int, tree: dict) -> str:
+    # an explicit method: vLLM otherwise guesses it from the path string
+    spec = {"method": METHOD[kind][0], "model": export_dir, "num_speculative_tokens": num_tokens}
+    return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+
+
+def _sglang_serve(kind: str, target: str, export_dir: str, num_tokens: int, tree: dict) -> str:
+    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {METHOD[kind][1]} "
+            f"--speculative-draft-model-path {export_dir} --speculative-num-steps {num_tokens} "
+            f"--speculative-eagle-topk {tree.get('top_k', 4)} "
+            f"--speculative-num-draft-tokens {tree.get('total_tokens', 16)}")
+
+
+def _speculators_serve(kind: str, target: str, export_dir: str, num_tokens: int, tree: dict) -> str:
+    # vLLM reads the verifier and the method from the speculators config itself
+    return f"vllm serve {export_dir}   # or, explicitly:\n" + _vllm_serve(kind, target, export_dir, num_tokens, tree)
+
+
+def _safeailab_serve(kind: str, target: str, export_dir: str, num_tokens: int, tree: dict) -> str:
+    return (f"EaModel.from_pretrained(use_eagle3=False, base_model_path='{target}', ea_model_path='{export_dir}', "
+            f"total_token={tree.get('total_tokens', 16)}, depth={num_tokens}, top_k={tree.get('top_k', 4)})"
+            f"   # SafeAILab/EAGLE")
+
+
+@dataclass(frozen=True)
+class EagleEngine:
+    """One engine's EAGLE loader, as read from its source (``loaders``), and the facts the export follows from it."""
+
+    architectures: dict[str, list[str]]  # kind -> config.json ``architectures`` (the class the engine builds)
+    loaders: dict[str, str]  # kind -> the source file(s) the names and keys were read from
+    serve: Callable[[str, str, str, int, dict], str]  # (kind, target, export dir, num tokens, tree) -> command
+    refused: dict[str, str] = field(default_factory=dict)  # kind -> why this engine cannot serve it
+    packed: bool = True  # vLLM / SGLang modules pack q,k,v and gate,up on load (and prefix ``model.``)
+    midlayer: bool = False  # the EAGLE-3 layer is named ``midlayer.`` in the export
+    keeps_midlayer: bool = False  # ... and in the engine's own parameters (SGLang; vLLM renames it to layers.0)
+    eagle1_fc_bias: bool = True  # its EAGLE-1 fc has a bias (written as zeros: ours is trained without)
+    eagle1_config: dict[str, Any] = field(default_factory=dict)  # extra EAGLE-1 config keys its model reads
+    layer_id_offset: int = 0  # it captures the input of layer id + offset (SGLang: 1)
+    nested_layer_ids: bool = False  # reads eagle_aux_hidden_state_layer_ids from a nested eagle_config (SGLang)
+    speculators_config: bool = False  # the speculators format: the Llama config nested, a verifier block
+    eagle3_target_whitelist: bool = False  # refuses EAGLE-3 targets outside VLLM_EAGLE3_TARGETS
+    strict: bool = False  # rejects an unknown tensor (else skips it silently)
+
+
+ENGINES = {
+    "vllm": EagleEngine(
+        # vLLM's EAGLEConfig renames LlamaForCausalLM to EagleLlamaForCausalLM (method eagle) and keeps
+        # LlamaForCausalLMEagle3 (method eagle3)
+        architectures={"eagle1": ["LlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]},
+        loaders={"eagle1": "vllm/model_executor/models/llama_eagle.py (EagleLlamaForCausalLM.load_weights, "
+                           "LlamaModel)",
+                 "eagle3": "vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights, "
+                           "LlamaModel.load_weights); vllm/transformers_utils/configs/eagle.py; "
+                           "vllm/config/speculative.py"},
+        serve=_vllm_serve, midlayer=True, eagle1_fc_bias=False, eagle3_target_whitelist=True),
+    "sglang": EagleEngine(  # SGLang picks the class named in architectures
+        architectures={"eagle1": ["LlamaForCausalLMEagle"], "eagle3": ["LlamaForCausalLMEagle3"]},
+        loaders={"eagle1": "python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle)",
+                 "eagle3": "python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3.load_weights); "
+                           "model_runner.py (eagle_config.eagle_aux_hidden_state_layer_ids)"},
+        serve=_sglang_serve, midlayer=True, keeps_midlayer=True, layer_id_offset=1, nested_layer_ids=True),
+    "hf": EagleEngine(
+        architectures={"eagle1": ["LlamaForCausalLM"]},
+        loaders={"eagle1": "SafeAILab/EAGLE eagle/model/cnets1.py (Model: fc with bias, layer 0 without "
+                           "input_layernorm, embedding read from the base model) and ea_model.py "
+                           "(EaModel.from_pretrained(use_eagle3=False): pytorch_model.bin else model.safetensors, "
+                           "load_state_dict(strict=False))"},
+        refused={"eagle3": "SafeAILab/EAGLE's EAGLE-3 takes its target layers from its own modified modeling files, "
+                           "with no config key to name them, so a drafter trained on other layers would be fed other "
+                           "features; the hub-standard EAGLE-3 layout is format=speculators (vLLM auto-detects it), "
+                           "or use format=vllm / format=sglang"},
+        serve=_safeailab_serve, packed=False,
+        eagle1_config={"pretraining_tp": 1}),  # SafeAILab's cnets1 reads config.pretraining_tp directly
+    "speculators": EagleEngine(
+        architectures={"eagle3": ["Eagle3Speculator"]},
+        loaders={"eagle3": "vllm-project/speculators 0.9.0 speculators/models/eagle3 (Eagle3DraftModel, "
+                           "Eagle3SpeculatorConfig) - loaded for real by tests/test_export_eagle.py"},
+        refused={"eagle1": "speculators 0.9.0 has no EAGLE-1 model class (its eagle3 config requires auxiliary "
+                           "layers and its own lm_head); use format=vllm, sglang or hf"},
+        serve=_speculators_serve, packed=False, speculators_config=True, eagle3_target_whitelist=True, strict=True),
+}
 
 
 def layer_prefix(engine: str, kind: str) -> str:
-    return "midlayer." if kind == "eagle3" and engine in ("vllm", "sglang") else "layers.0."
+    return "midlayer." if kind == "eagle3" and ENGINES[engine].midlayer else "layers.0."
 
 
 def engine_layer_ids(engine: str, layers: list[int], num_layers: int) -> list[int]:
     """Our hidden-state indices in ``engine``'s ``eagle_aux_hidden_state_layer_ids`` convention; ValueError with
     the reason when the engine cannot capture them."""
     resolved = [num_layers if i == -1 else i for i in layers]
-    low = 1 if engine == "sglang" else 0
+    low = ENGINES[engine].layer_id_offset
     if len(set(resolved)) != len(resolved):
         raise ValueError(f"drafter.layers={layers} repeats a layer: the engines capture each layer once, so they "
                          f"cannot feed the same feature twice; retrain with distinct drafter.layers")
@@ -91,13 +152,13 @@ def engine_layer_ids(engine: str, layers: list[int], num_layers: int) -> list[in
             f"{low}..{num_layers - 1} (hidden-state indices) and never the final normed output (index {num_layers}); "
             f"retrain with drafter.layers inside {low}..{num_layers - 1}, e.g. "
             f"[{max(low, 1)}, {max(low, num_layers // 2)}, {num_layers - 1}]")
-    return [i - 1 for i in resolved] if engine == "sglang" else resolved
+    return [i - low for i in resolved]
 
 
 def written_layer_ids(engine: str, config: dict) -> list[int] | None:
     """The ``eagle_aux_hidden_state_layer_ids`` an export's config gives the engine, where that engine reads them
     (SGLang: nested in ``eagle_config``; vLLM and speculators: top level)."""
-    if engine == "sglang":
+    if ENGINES[engine].nested_layer_ids:
         return (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return config.get("eagle_aux_hidden_state_layer_ids")
 
@@ -107,8 +168,7 @@ def our_layers(engine: str, kind: str, config: dict) -> list[int]:
     ``engine_layer_ids``): what the engine would actually feed the drafter."""
     if kind == "eagle1":
         return [-1]  # the engines feed EAGLE-1 the target's final (normed) hidden state
-    ids = written_layer_ids(engine, config)
-    return [i + 1 for i in ids] if engine == "sglang" else list(ids)
+    return [i + ENGINES[engine].layer_id_offset for i in written_layer_ids(engine, config)]
 
 
 def check_target_family(engine: str, kind: str, model_type: str | None) -> None:
@@ -118,7 +178,7 @@ def check_target_family(engine: str, kind: str, model_type: str | None) -> None:
             f"while a {model_type!r} target's forward scales its embeddings by sqrt(hidden_size) (and Gemma-2 "
             f"soft-caps its logits): the drafter was trained on the target's own read-outs, so an engine would feed "
             f"it other inputs. Evaluate it with `python -m eval`; serving it needs an engine-side embedding scale")
-    if engine in ("vllm", "speculators") and kind == "eagle3" and model_type:
+    if ENGINES[engine].eagle3_target_whitelist and kind == "eagle3" and model_type:
         if not any(name in model_type for name in VLLM_EAGLE3_TARGETS):
             raise ValueError(f"vLLM serves EAGLE-3 only for targets whose model_type contains one of "
                              f"{list(VLLM_EAGLE3_TARGETS)} (vllm/config/speculative.py); this target is {model_type!r}")
@@ -138,7 +198,7 @@ def engine_state(drafter, engine: str, dtype: torch.dtype) -> dict[str, torch.Te
     out = {prefix + _LAYER[k.split(".", 1)[1].rsplit(".", 1)[0]] + ".weight": v
            for k, v in ours.items() if k.startswith("layer.")}
     out["fc.weight"] = ours["fc.weight"]
-    if kind == "eagle1" and engine in ("sglang", "hf"):  # their EAGLE-1 fc has a bias; ours is trained without
+    if kind == "eagle1" and ENGINES[engine].eagle1_fc_bias:  # their EAGLE-1 fc has a bias; ours is trained without
         out["fc.bias"] = torch.zeros(drafter.dims.hidden_size)
     if kind == "eagle3":
         out[prefix + "input_layernorm.weight"] = ours["input_layernorm.weight"]
@@ -163,26 +223,23 @@ def llama_config(drafter, dtype: str, max_positions: int) -> dict[str, Any]:
 
 
 def engine_config(drafter, engine: str, target: dict, dtype: str, num_tokens: int) -> dict[str, Any]:
-    kind, s = drafter.variant, sizes(drafter)
+    kind, s, row = drafter.variant, sizes(drafter), ENGINES[engine]
     base = llama_config(drafter, dtype, target.get("max_positions") or 0)
     if kind == "eagle1":
-        config = {"architectures": ARCHITECTURES[(engine, kind)], **base, "bias": engine != "vllm"}
-        if engine == "hf":  # SafeAILab's cnets1 reads config.pretraining_tp and config.rope_scaling directly
-            config["pretraining_tp"] = 1
-        return config
+        return {"architectures": row.architectures[kind], **base, "bias": row.eagle1_fc_bias, **row.eagle1_config}
     ids = engine_layer_ids(engine, list(drafter.teacher_layers), target["num_layers"])
     eagle3 = {"draft_vocab_size": s["Vd"], "target_hidden_size": s["D"], "norm_before_residual": False}
-    if engine == "speculators":
+    if row.speculators_config:
         verifier = {"name_or_path": target.get("serve_name") or target.get("name"),
                     "architectures": [target.get("architecture") or "LlamaForCausalLM"]}
-        return {"architectures": ARCHITECTURES[(engine, kind)], "speculators_model_type": "eagle3",
+        return {"architectures": row.architectures[kind], "speculators_model_type": "eagle3",
                 "transformer_layer_config": {k: v for k, v in base.items() if k != "torch_dtype"},
                 **eagle3, "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": dtype,
                 "speculators_config": {
                     "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens}]}}
-    config = {"architectures": ARCHITECTURES[(engine, kind)], **base, **eagle3, "bias": False}
-    if engine == "sglang":  # SGLang's model runner reads the ids from the nested eagle_config only
+    config = {"architectures": row.architectures[kind], **base, **eagle3, "bias": False}
+    if row.nested_layer_ids:  # SGLang's model runner reads the ids from the nested eagle_config only
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
     else:
         config["eagle_aux_hidden_state_layer_ids"] = ids
@@ -200,17 +257,18 @@ def engine_params(engine: str, kind: str, config: dict) -> dict[str, tuple[int, 
     hd = c.get("head_dim") or D // h
     F = 3 if kind == "eagle3" else 2
     inp = 2 * D if kind == "eagle3" else D
-    if engine == "speculators" or engine == "hf":  # plain torch modules: unpacked projections
+    row = ENGINES[engine]
+    if not row.packed:  # plain torch modules: unpacked projections
         p = "layers.0."
         params = {p + "self_attn.q_proj.weight": (h * hd, inp), p + "self_attn.k_proj.weight": (kv * hd, inp),
                   p + "self_attn.v_proj.weight": (kv * hd, inp), p + "mlp.gate_proj.weight": (I, D),
                   p + "mlp.up_proj.weight": (I, D)}
     else:
-        p = "model.midlayer." if (engine, kind) == ("sglang", "eagle3") else "model.layers.0."
+        p = "model." + ("midlayer." if kind == "eagle3" and row.keeps_midlayer else "layers.0.")
         params = {p + "self_attn.qkv_proj.weight": ((h + 2 * kv) * hd, inp), p + "mlp.gate_up_proj.weight": (2 * I, D)}
     params.update({p + "self_attn.o_proj.weight": (D, h * hd), p + "mlp.down_proj.weight": (D, I),
                    p + "post_attention_layernorm.weight": (D,)})
-    top = "" if engine in ("speculators", "hf") else "model."
+    top = "model." if row.packed else ""
     params[top + "fc.weight"] = (D, F * D)
     if kind == "eagle1" and config.get("bias"):
         params[top + "fc.bias"] = (D,)
@@ -226,6 +284,7 @@ def load_like_engine(engine: str, kind: str, state: dict[str, torch.Tensor], con
     """Apply the engine loader's own renames / packing to the exported tensors: (engine parameters, the target ids
     of the draft vocabulary as the engine computes them or None, problems). A problem is an exported tensor the
     loader would skip, a parameter it would leave unset, or a shape it would reject."""
+    row = ENGINES[engine]
     params, problems, vocab = {}, [], None
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
@@ -234,10 +293,10 @@ def load_like_engine(engine: str, kind: str, state: dict[str, torch.Tensor], con
         if name == "d2t":
             vocab = tensor.long() + torch.arange(tensor.shape[0])  # vLLM: base + draft_id_to_target_id; SGLang: hot_token_id
             continue
-        if engine in ("speculators", "hf"):
+        if not row.packed:
             params[name] = tensor
             continue
-        mapped = name.replace("midlayer.", "layers.0.") if engine == "vllm" else name
+        mapped = name if row.keeps_midlayer else name.replace("midlayer.", "layers.0.")
         full = mapped if mapped.startswith("lm_head") else "model." + mapped
         for packed, part in ((".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
                              (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")):
@@ -257,7 +316,7 @@ def load_like_engine(engine: str, kind: str, state: dict[str, torch.Tensor], con
     for name, tensor in params.items():
         if name not in expected:
             problems.append(f"tensor for {name!r} matches no parameter of the {engine} model: its loader would "
-                            f"{'skip it silently' if engine in ('vllm', 'sglang', 'hf') else 'reject it'}")
+                            f"{'reject it' if row.strict else 'skip it silently'}")
         elif tuple(tensor.shape) != expected[name]:
             problems.append(f"{name} has shape {tuple(tensor.shape)}, the {engine} model's is {expected[name]}")
     problems += [f"{name} {shape} is never set by the export (the model would keep uninitialised memory)"
@@ -300,3 +359,88 @@ def drafter_from_engine(engine: str, kind: str, params: dict[str, torch.Tensor],
         state.update(d2t=own["d2t"], t2d=own["t2d"])
     drafter.load_state_dict(state, strict=True)
     return drafter
+
+
+# --- the adapter -----------------------------------------------------------------------------------------------
+
+
+class EagleAdapter:
+    kinds = EAGLE_KINDS
+    needs_training = True
+    refused = {(engine, kind): reason for engine, row in ENGINES.items() for kind, reason in row.refused.items()}
+
+    def supports(self, engine: str, kind: str) -> bool:
+        return engine in ENGINES and kind in ENGINES[engine].architectures
+
+    def write(self, out: Path, drafter, engine: str, config: dict, output_dir: Path) -> None:
+        kind = drafter.variant
+        facts = target_facts(config)
+        check_target_family(engine, kind, facts.get("model_type"))
+        dtype = target_dtype(config)
+        target = {**config.get("target", {}), **facts, "serve_name": serve_name(config)}
+        num_tokens = drafter.depth or 4
+        config_out = engine_config(drafter, engine, target, str(dtype).removeprefix("torch."), num_tokens)
+        save_file(engine_state(drafter, engine, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config_out, indent=2))
+
+    def sidecar(self, drafter) -> dict[str, Any]:
+        return {}
+
+    def check(self, path: Path, engine: str, kind: str, config: dict, target: dict) -> list[str]:
+        """The config keys the engine reads, then the export run through the engine loader's own name mapping: every
+        tensor lands on a parameter, every parameter is set, shapes agree, d2t maps into the vocabulary."""
+        row = ENGINES[engine]
+        weights = path / "model.safetensors"
+        if not weights.is_file():
+            return [f"{weights} is missing ({row.loaders[kind]} reads it)"]
+        want = row.architectures[kind]
+        problems = [] if config.get("architectures") == want else [
+            f"config.json architectures={config.get('architectures')!r}, expected {want!r}"]
+        layer_cfg = config.get("transformer_layer_config", config)
+        problems += vocab_problem(layer_cfg.get("vocab_size"), target)
+        if kind == "eagle3":
+            ids = written_layer_ids(engine, config)
+            if not ids or len(ids) != 3:
+                problems.append(f"eagle_aux_hidden_state_layer_ids={ids!r}: {engine} needs the 3 target layers "
+                                f"({'nested in eagle_config' if row.nested_layer_ids else 'top level'})")
+            if "norm_before_residual" not in config:
+                problems.append("config.json lacks norm_before_residual (the residual convention must be explicit)")
+        state = load_file(str(weights))
+        _, vocab, mapped = load_like_engine(engine, kind, state, config)
+        problems += mapped
+        if vocab is not None and not (vocab.min() >= 0 and vocab.max() < layer_cfg["vocab_size"]
+                                      and vocab.unique().numel() == vocab.numel()):
+            problems.append("d2t offsets do not map the draft vocabulary onto distinct target ids")
+        if "t2d" in state and state["t2d"].dtype != torch.bool:
+            problems.append(f"t2d has dtype {state['t2d'].dtype}; the loaders expect bool")
+        return problems
+
+    def load(self, path: Path, engine: str, kind: str, sidecar: dict, dims: TargetDims):
+        config = json.loads((path / "config.json").read_text())
+        params, vocab, problems = load_like_engine(engine, kind, load_file(str(path / "model.safetensors")), config)
+        if problems:
+            raise ValueError(f"{path} does not load into {engine}'s {kind}: " + "; ".join(problems))
+        saved = sidecar["drafter"]
+        decode = {k: saved[k] for k in ("tree", "top_k", "depth", "total_tokens") if k in saved}
+        return drafter_from_engine(engine, kind, params, vocab, config, dims, our_layers(engine, kind, config), decode)
+
+    def serve_command(self, engine: str, kind: str, target: str, export_dir: str, num_tokens: int,
+                      tree: dict | None = None) -> str:
+        return ENGINES[engine].serve(kind, target, export_dir, num_tokens, tree or {})
+
+    def card(self, engine: str, kind: str, config: dict, output_dir: Path, report: dict | None,
+             serve_target: str) -> str:
+        drafter = config.get("drafter", {})
+        line = self.serve_command(engine, kind, serve_target, str(output_dir), drafter.get("depth") or 4, drafter)
+        return model_card(engine, kind, config, report, line, _notes(kind, drafter))
+
+
+def _notes(kind: str, drafter: dict) -> list[str]:
+    notes = ["The target's embeddings"
+             + (" and lm_head are" if kind == "eagle1" else " are")
+             + " not in this export: the engine shares the target's own (the drafter was trained on them)."]
+    if kind == "eagle3":
+        notes.append(f"Target layers (specdraft hidden-state indices, HF `hidden_states[i]`): {drafter.get('layers')}; "
+                     "config.json writes them in this engine's own `eagle_aux_hidden_state_layer_ids` convention "
+                     "(SGLang: index - 1, nested in `eagle_config`).")
+    return [" ".join(notes), ""]

@@ -1,0 +1,131 @@
+"""Shared test helpers: the drafter config nodes (one spelling per kind), tiny targets, and deterministic tiny
+drafters saved the way ``python -m train`` saves them.
+
+A plain module, imported by the test files that need it (``from tests.drafters import ...``): test files do not
+import from one another, and ``conftest.py`` keeps only fixtures. Every builder is seeded: equal arguments give
+equal weights, so exports of these drafters are byte-reproducible.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from distill.teacher import Teacher
+from heads.base import TargetDims, build_drafter
+from heads.saved import save_drafter
+
+# The drafter config nodes (``conf/drafter/*.yaml`` with test-sized values). A new kind adds one entry here.
+MEDUSA_NODE = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 3, "num_layers": 1, "tree": "small"}
+EAGLE1_NODE = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle1", "num_heads": 2, "tree": "dynamic",
+               "top_k": 3, "total_tokens": 10}
+EAGLE3_NODE = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "num_heads": 2, "tree": "dynamic",
+               "top_k": 3, "total_tokens": 10, "layers": [1, 2, 3], "draft_vocab_size": 96}
+DRAFT_MODEL_NODE = {"_target_": "heads.draft_model.DraftModel", "source": "hf", "name": "tiny-draft"}
+NODES = {"medusa": MEDUSA_NODE, "eagle1": EAGLE1_NODE, "eagle3": EAGLE3_NODE, "draft_model": DRAFT_MODEL_NODE}
+
+# Every engine each kind exports to (the refused pairs are tested in test_export*.py).
+EXPORTS = {"medusa": ("vllm", "hf"), "eagle1": ("vllm", "sglang", "hf"), "eagle3": ("vllm", "sglang", "speculators"),
+           "draft_model": ("vllm", "sglang", "hf")}
+TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}
+DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 128, **overrides) -> LlamaForCausalLM:
+    """A tiny random Llama (any ``LlamaConfig`` field overridable), seeded: equal arguments, equal weights."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=True), **overrides})
+    return LlamaForCausalLM(config).eval()
+
+
+def varied_teacher(name: str = "tiny-llama-varied") -> Teacher:
+    """The 2-layer tiny target at init 0.2 (the ``teacher`` fixture): its greedy output varies."""
+    return Teacher(tiny_llama(initializer_range=0.2), tokenizer=None, name=name)
+
+
+def deep_teacher(path: Path) -> Teacher:
+    """A 4-layer tiny Llama saved to ``path`` (so an export can name a target the loaders resolve)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    model.save_pretrained(path)
+    return Teacher(model, tokenizer=None, name=str(path))
+
+
+def perturbed(drafter, seed: int, scale: float):
+    """``drafter`` with every parameter moved off its init (a swapped name then changes the output)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return drafter.eval()
+
+
+def noisy_medusa(teacher: Teacher, seed: int = 0, scale: float = 0.5):
+    """3 Medusa heads off their init (global RNG seeded with ``seed``): they disagree with the target some of the
+    time, so both accepted and rejected drafts occur."""
+    drafter = build_drafter({"_target_": "heads.medusa.MedusaHeads", "num_heads": 3}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # perturb so heads disagree with the target some of the time
+        for p in drafter.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return drafter.eval()
+
+
+def medusa(teacher: Teacher, seed: int = 0, **node):
+    drafter = build_drafter({**MEDUSA_NODE, **node}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    return perturbed(drafter, seed, 0.2)
+
+
+def eagle(teacher: Teacher, variant: str, seed: int = 1):
+    from heads.eagle import vocab_maps
+
+    node = NODES[variant]
+    drafter = build_drafter(node, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    if variant == "eagle3":
+        g = torch.Generator().manual_seed(seed)
+        d2t, t2d = vocab_maps(torch.randint(0, 100, (teacher.vocab_size,), generator=g), drafter.draft_vocab_size)
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+    return perturbed(drafter, seed + 1, 0.3)
+
+
+def truncated(target, **overrides) -> LlamaForCausalLM:
+    """A 1-layer draft holding the target's embeddings, first layer and final norm."""
+    model = tiny_llama(seed=1, initializer_range=0.2, num_hidden_layers=1, **overrides)
+    state = target.state_dict()
+    model.load_state_dict({k: state[k] for k in model.state_dict()})
+    return model
+
+
+def draft_model(teacher: Teacher):
+    from heads.draft_model import DraftModel
+
+    drafter = DraftModel(TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers),
+                         model=truncated(teacher.model))
+    drafter.bind_target(teacher, initialize=False)
+    return drafter
+
+
+def build(kind: str, teacher: Teacher):
+    """A deterministic tiny drafter of ``kind`` (a key of ``NODES``) bound to ``teacher``."""
+    if kind == "medusa":
+        return medusa(teacher)
+    if kind == "draft_model":
+        return draft_model(teacher)
+    return eagle(teacher, kind)
+
+
+def save(drafter, run_dir: Path, kind: str, teacher: Teacher, target_name: str | None = None) -> Path:
+    """``drafter`` saved as ``<run_dir>/drafter`` with a training record (exportable), as training saves it."""
+    cfg = drafter.saved_config(dict(NODES[kind]))
+    target = {"source": "hf", "name": target_name or teacher.name}
+    return save_drafter(drafter, run_dir / "drafter", cfg, target, teacher.identity(), TRAINED)
