@@ -146,7 +146,8 @@ def measure_parts(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
 
 @torch.no_grad()
 def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
-                  shapes: Mapping[int, torch.Tensor], repeats: int = 15, chain_nodes: int | None = None) -> dict:
+                  shapes: Mapping[int, torch.Tensor], repeats: int = 15, chain_nodes: int | None = None,
+                  max_new_tokens: int | None = None) -> dict:
     """``measure_parts``' figures for the batch-1 step decoder (``inference.step_decoder``), timed on a moving
     context: each part is one step of a running sequence (``Session``), which commits what it accepts, so no two
     repeats see the same context length (and no per-length state of an attention backend stays warm for free, as it
@@ -154,7 +155,9 @@ def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
     the verify step of a random tree of shape n (a chain in the bucket of a decode drafting ``chain_nodes``, default
     n: a real decode verifies every chain in the bucket of its γ, padded); t_draft(d): the
     drafter's proposal of depth d right after the verification of its previous one (the catch-up a real step gives
-    it). Every part is run once before the timed repeats (a bucket's first step compiles or records it)."""
+    it). Every part is run once before the timed repeats (a bucket's first step compiles or records it). The
+    contexts stay within those of a real decode of ``max_new_tokens`` (default 64): a sequence that would pass them
+    starts over from the prompt (untimed)."""
     sd, device = decoder.steps, decoder.device
     vocab = decoder.teacher.vocab_size
     shapes = {0: torch.empty(0, dtype=torch.long), **shapes}
@@ -162,27 +165,40 @@ def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
     for n, parents in shapes.items():
         chain = parents.tolist() == list(range(-1, parents.shape[0] - 1))
         trees[n] = (parents.to(device), chain, DraftTree(parents, parents).depth)
-    deepest = max([*depths, *(t[2] for t in trees.values()), 1])
-    budget = (repeats + 1) * (len(shapes) + len(depths) * (1 + deepest) + 1) + 8  # tokens a session may commit
+    deepest = max([*depths, *(t[2] for t in trees.values()), chain_nodes or 0, 1])
+    room = max_new_tokens or 64  # committed tokens a sequence may reach, as in the decode being modelled
+    widest = max([*shapes, *depths, deepest]) + 1
     gen = torch.Generator().manual_seed(0)
     times: dict = {"prefill": [], "plain": [], **{("v", n): [] for n in shapes}, **{("d", d): [] for d in depths}}
+
+    def fresh(drafting: bool):
+        if drafting:
+            return sd.session(drafter, prompt_ids, room + widest, deepest)
+        return sd.session(None, prompt_ids, room + 1, 0)
+
     with sd._pinned():
-        plain = sd.session(None, prompt_ids, budget, 0)
-        run = sd.session(drafter, prompt_ids, budget, max(deepest, chain_nodes or 0))
+        plain, run = fresh(False), fresh(True)
         for r in range(repeats + 1):
-            timed = {"prefill": _seconds(lambda: sd.session(None, prompt_ids, 1, 0), device),
-                     "plain": _seconds(plain.plain_step, device)}
+            if len(plain.new) >= room:
+                plain = fresh(False)
+            timed = {"plain": _seconds(plain.plain_step, device)}
             for n, (parents, chain, depth) in trees.items():
+                if len(run.new) + max(depth, 1) > room:  # as a real decode, whose drafts end at max_new_tokens
+                    run = fresh(True)
                 tokens = torch.randint(0, vocab, parents.shape, generator=gen).to(device)
                 run.load(DraftTree(tokens, parents, chain_hint=chain, depth_bound=depth),
                          (chain_nodes or max(n, 1)) if chain else None)
                 timed[("v", n)] = _seconds(run.verify, device)
             for d in depths:
+                if len(run.new) + d > room:
+                    run = fresh(True)
                 timed[("d", d)] = _seconds(lambda d=d: run.draft(d), device)
                 run.verify()
             if r:  # the first round compiles / records each bucket
                 for key, t in timed.items():
                     times[key].append(t)
+        # Last: a prefill starts its state's sequence over (the plain steps above share that state).
+        times["prefill"] = [_seconds(lambda: sd.session(None, prompt_ids, 1, 0), device) for _ in range(repeats)]
     median = {key: statistics.median(v) for key, v in times.items()}
     measured = {n: median[("v", n)] for n in shapes}
     return {"t_prefill": median["prefill"], "t_plain": median["plain"], "t_verify": _fit_linear(measured),
@@ -196,7 +212,7 @@ def measure(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depth
     through it (the exact acceptance rule), else the eager loop's (``measure_parts``)."""
     if decoder.acceptance == "exact":
         try:
-            return measure_steps(decoder, drafter, prompt_ids, depths, shapes, repeats, chain_nodes)
+            return measure_steps(decoder, drafter, prompt_ids, depths, shapes, repeats, chain_nodes, max_new_tokens)
         except NeedsEagerLoop:
             pass
     return measure_parts(decoder, drafter, prompt_ids, depths, shapes, repeats, catch_up, max_new_tokens)

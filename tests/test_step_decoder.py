@@ -368,19 +368,25 @@ def test_cost_model_times_the_step_that_runs_on_a_moving_context(tiny_teacher, m
     from inference.cost import measure_steps
     from inference.step_decoder import Session
 
-    contexts, original = [], Session.verify
+    contexts, plain_contexts, original, original_plain = [], [], Session.verify, Session.plain_step
 
     def verify(self):
         contexts.append(self.steps.cache.host_length)
         return original(self)
 
+    def plain_step(self):
+        plain_contexts.append(self.steps.cache.host_length)
+        return original_plain(self)
+
     monkeypatch.setattr(Session, "verify", verify)
+    monkeypatch.setattr(Session, "plain_step", plain_step)
     drafter = make("medusa_tree", tiny_teacher)
     shapes = {3: torch.tensor([-1, 0, 0]), 2: torch.tensor([-1, 0])}
-    parts = measure_steps(Decoder(tiny_teacher), drafter, prompts()[0], [1, 3], shapes, repeats=3)
+    parts = measure_steps(Decoder(tiny_teacher), drafter, prompts()[0], [1, 3], shapes, repeats=3, max_new_tokens=150)
     assert set(parts["t_verify_measured"]) == {0, 2, 3} and set(parts["t_draft"]) == {1, 3}
     assert all(t > 0 for t in [parts["t_plain"], parts["t_prefill"], *parts["t_draft"].values()])
     assert len(contexts) == 4 * (3 + 2) and len(set(contexts)) == len(contexts), contexts  # always moving
+    assert len(plain_contexts) == 4 and len(set(plain_contexts)) == 4, plain_contexts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by the GPU recipe)")
