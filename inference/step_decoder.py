@@ -244,7 +244,7 @@ class StepDecoder:
         n, chain = tree.size, tree.is_chain
         if tree.probs_NV is not None and not chain and not sampling.greedy:
             raise NeedsEagerLoop("siblings sampled with draft probabilities are walked on the host")
-        N = num_draft if chain else tree_nodes(n)
+        N = (num_draft if n else 0) if chain else tree_nodes(n)  # an empty chain: a one-token verify
         if max(n, N) > steps.max_nodes:
             raise NeedsEagerLoop(f"a proposal of {n} nodes is wider than the step decoder's {steps.max_nodes}")
         d = steps.own_draft
