@@ -1,8 +1,10 @@
 """Drafters' static draft steps (``inference.static_draft.StaticDraft``): played through a stand-in for the step
 decoder (``tests.static_harness``) over a greedy continuation of a tiny target, with a varying accepted length per
 step and two prompt lengths in one capacity bucket. Each step compiles to one graph with no break and no recompile,
-keeps every tensor it touches at one address, shape and stride, runs attention at a bounded set of shapes, and drafts
-exactly what the eager ``propose`` drafts on the same context."""
+keeps every tensor it touches at one address, shape and stride, runs attention at a bounded set of shapes and a fixed
+number of ops, and drafts exactly what the eager ``propose`` drafts on the same context (greedy). A sampled draft-model
+chain draws from its own warped distributions with uniforms made in the step; decoding through ``Decoder`` with each
+static step gives plain greedy decoding's tokens."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from torch._dynamo.utils import counters
 
 from distill.teacher import Teacher
 from heads.draft_model import DraftModel
+from heads.draft_model_static import hashed_uniforms
 from heads.medusa import MedusaHeads
 from heads.medusa2 import Medusa2
-from heads.draft_model_static import hashed_uniforms
 from inference.acceptance import sample_uniform
 from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig, warp
