@@ -1,4 +1,5 @@
-"""Hugging Face ``generate`` as reference points: plain decoding, and assisted generation — the peer to beat.
+"""Hugging Face ``generate`` as reference points: plain decoding (eager, and on CUDA with the static cache it
+compiles), and assisted generation — the peer to beat.
 
 Both run with the same decoding rule as ``inference.decoder`` (greedy, or temperature -> top-k -> top-p sampling
 from ``SamplingConfig``) and nothing else: the model's own ``generation_config`` (hub checkpoints ship a
@@ -66,6 +67,16 @@ def hf_generate(teacher, prompt_ids: Tensor, max_new_tokens: int, sampling: Samp
                 eos_token_id: int | None, seed: int = 0) -> dict:
     """Plain ``teacher.model.generate``: {"new_tokens": list[int], "seconds": float}."""
     kwargs = _decoding_kwargs(teacher, sampling, max_new_tokens, eos_token_id)
+    with _generation_config(teacher.model, GenerationConfig()):
+        return _timed_generate(teacher, prompt_ids, kwargs, seed)
+
+
+def hf_generate_static(teacher, prompt_ids: Tensor, max_new_tokens: int, sampling: SamplingConfig,
+                       eos_token_id: int | None, seed: int = 0) -> dict:
+    """``generate(cache_implementation="static")``: transformers' static cache, whose decode step ``generate``
+    compiles with CUDA graphs on a CUDA device (the best plain decoding a user of transformers already has); the
+    first call of a shape pays the compilation. {"new_tokens": list[int], "seconds": float}."""
+    kwargs = {**_decoding_kwargs(teacher, sampling, max_new_tokens, eos_token_id), "cache_implementation": "static"}
     with _generation_config(teacher.model, GenerationConfig()):
         return _timed_generate(teacher, prompt_ids, kwargs, seed)
 

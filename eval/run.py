@@ -20,12 +20,12 @@ from distill.data import default_prefix_ids
 from distill.prompts import heldout_prompts, prompt_records_from_file
 from distill.teacher import load_teacher, target_config
 from eval import saved as saved_settings
-from eval.baselines import hf_assisted, hf_generate
+from eval.baselines import hf_assisted, hf_generate, hf_generate_static
 from eval.batch_sweep import batch_sweep
 from eval.mismatch import MAX_KEPT, Mismatch, logit_gap, mismatch
 from eval.report import DEFINITIONS, machine_info, summary_table, write_report
 from heads.base import build_drafter, decode_overrides, load_drafter, read_drafter_config
-from inference.cost import auto_tune, measure_parts, overhead_ratio, predict
+from inference.cost import auto_tune, measure, overhead_ratio, predict
 from inference.decoder import Decoder, DecoderConfig, Generation
 from inference.stats import simulated_tau
 from train.config import Config, EvalConfig, load_config
@@ -218,7 +218,7 @@ def _cast(decoder: Decoder, drafter, dtype: torch.dtype, auto: bool, prompt, dep
     times = {}
     for candidate in (torch.float32, torch.bfloat16):
         drafter.to(candidate)
-        times[candidate] = measure_parts(decoder, drafter, prompt, [depth], {}, repeats=7)["t_draft"][depth]
+        times[candidate] = measure(decoder, drafter, prompt, [depth], {}, repeats=7)["t_draft"][depth]
     best = min(times, key=times.get)
     drafter.to(best)
     return best
@@ -234,6 +234,9 @@ def _hf_baselines(teacher, drafters: Mapping, eval_cfg: EvalConfig, decoder: Dec
         return Generation(new_tokens=decoder.finish(out["new_tokens"], max_new), seconds=out["seconds"])
 
     runs = {"hf_generate": lambda p, seed: wrap(hf_generate(teacher, p, max_new, decoder.sampling, eos, seed=seed))}
+    if teacher.device.type == "cuda":  # compiled with CUDA graphs by generate itself: a CUDA-only reference
+        runs["hf_generate_static"] = lambda p, seed: wrap(
+            hf_generate_static(teacher, p, max_new, decoder.sampling, eos, seed=seed))
     for name, drafter in drafters.items():
         if drafter.assistant_model is not None and decoder.lossless:
             runs[f"hf_assisted[{name}]"] = lambda p, seed, m=drafter.assistant_model: wrap(
@@ -280,8 +283,8 @@ def _cost(decoder: Decoder, drafter, prompt, t: Tally, num_draft: int, tuning: d
           max_new: int) -> dict:
     """Isolated timings of the parts this run used; predicted speedup (from this run's τ, or from the auto-tune
     calibration when there was one) next to the measured one; the overhead ratio."""
-    parts = measure_parts(decoder, drafter, prompt, [num_draft], t.total.shapes, catch_up=max(1, round(tau)),
-                          max_new_tokens=max_new)
+    parts = measure(decoder, drafter, prompt, [num_draft], t.total.shapes, catch_up=max(1, round(tau)),
+                    max_new_tokens=max_new, chain_nodes=num_draft)
     full = max(t.total.nodes_per_forward, key=lambda n: (t.total.nodes_per_forward[n], n), default=0)
     t_draft = parts["t_draft"][num_draft]
     out = {

@@ -1,7 +1,9 @@
 """Cost model: predict the speedup of each draft length / tree size from measured parts, and pick the best.
 
-Parts, each measured in isolation (medians of repeated calls on a fixed context, nothing else running in between),
-each by calling the step that decoding runs (``measure_parts``: the one decode loop, ``inference.batched``, B = 1):
+Parts, each measured in isolation (medians of repeated calls, nothing else running in between), each by calling the
+step that decoding runs (``measure``): at batch 1 the step decoder's steps on a moving context (``measure_steps``,
+``inference.step_decoder``), or for what it does not decode, the eager loop's on a fixed, rewound context
+(``measure_parts``: ``inference.batched``, B = 1):
     t_plain      one plain decoding step (``Decoder.plain_step``: a 1-token target forward, the token read back)
     t_verify(n)  one verification of n draft nodes (+ the pending token): inputs and mask, forward, acceptance with
                  its one read-back, holes / compaction, the hand-off to the drafter (t_verify(0): nothing drafted)
@@ -30,6 +32,7 @@ import torch
 from inference.decoder import Decoder
 from inference.generation import sync
 from inference.proposer import Proposer
+from inference.step_decoder import NeedsEagerLoop
 from inference.stats import AcceptStats, chain_tau
 from inference.tree import DraftTree
 
@@ -141,6 +144,80 @@ def measure_parts(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
             "t_verify_measured": measured, "t_draft": {d: median[("d", d)] for d in depths}}
 
 
+@torch.no_grad()
+def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
+                  shapes: Mapping[int, torch.Tensor], repeats: int = 15, chain_nodes: int | None = None,
+                  max_new_tokens: int | None = None) -> dict:
+    """``measure_parts``' figures for the batch-1 step decoder (``inference.step_decoder``), timed on a moving
+    context: each part is one step of a running sequence (``Session``), which commits what it accepts, so no two
+    repeats see the same context length (and no per-length state of an attention backend stays warm for free, as it
+    does over a rewound context). t_prefill: a session's prefill and first token; t_plain: a plain step; t_verify(n):
+    the verify step of a random tree of shape n (a chain in the bucket of a decode drafting ``chain_nodes``, default
+    n: a real decode verifies every chain in the bucket of its γ, padded); t_draft(d): the
+    drafter's proposal of depth d right after the verification of its previous one (the catch-up a real step gives
+    it). Every part is run once before the timed repeats (a bucket's first step compiles or records it). The
+    contexts stay within those of a real decode of ``max_new_tokens`` (default 64): a sequence that would pass them
+    starts over from the prompt (untimed)."""
+    sd, device = decoder.steps, decoder.device
+    vocab = decoder.teacher.vocab_size
+    shapes = {0: torch.empty(0, dtype=torch.long), **shapes}
+    trees = {}
+    for n, parents in shapes.items():
+        chain = parents.tolist() == list(range(-1, parents.shape[0] - 1))
+        trees[n] = (parents.to(device), chain, DraftTree(parents, parents).depth)
+    deepest = max([*depths, *(t[2] for t in trees.values()), chain_nodes or 0, 1])
+    room = max_new_tokens or 64  # committed tokens a sequence may reach, as in the decode being modelled
+    widest = max([*shapes, *depths, deepest]) + 1
+    gen = torch.Generator().manual_seed(0)
+    times: dict = {"prefill": [], "plain": [], **{("v", n): [] for n in shapes}, **{("d", d): [] for d in depths}}
+
+    def fresh(drafting: bool):
+        if drafting:
+            return sd.session(drafter, prompt_ids, room + widest, deepest)
+        return sd.session(None, prompt_ids, room + 1, 0)
+
+    with sd._pinned():
+        plain, run = fresh(False), fresh(True)
+        for r in range(repeats + 1):
+            if len(plain.new) >= room:
+                plain = fresh(False)
+            timed = {"plain": _seconds(plain.plain_step, device)}
+            for n, (parents, chain, depth) in trees.items():
+                if len(run.new) + max(depth, 1) > room:  # as a real decode, whose drafts end at max_new_tokens
+                    run = fresh(True)
+                tokens = torch.randint(0, vocab, parents.shape, generator=gen).to(device)
+                run.load(DraftTree(tokens, parents, chain_hint=chain, depth_bound=depth),
+                         (chain_nodes or max(n, 1)) if chain else None)
+                timed[("v", n)] = _seconds(run.verify, device)
+            for d in depths:
+                if len(run.new) + d > room:
+                    run = fresh(True)
+                timed[("d", d)] = _seconds(lambda d=d: run.draft(d), device)
+                run.verify()
+            if r:  # the first round compiles / records each bucket
+                for key, t in timed.items():
+                    times[key].append(t)
+        # Last: a prefill starts its state's sequence over (the plain steps above share that state).
+        times["prefill"] = [_seconds(lambda: sd.session(None, prompt_ids, 1, 0), device) for _ in range(repeats)]
+    median = {key: statistics.median(v) for key, v in times.items()}
+    measured = {n: median[("v", n)] for n in shapes}
+    return {"t_prefill": median["prefill"], "t_plain": median["plain"], "t_verify": _fit_linear(measured),
+            "t_verify_measured": measured, "t_draft": {d: median[("d", d)] for d in depths}}
+
+
+def measure(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
+            shapes: Mapping[int, torch.Tensor], repeats: int = 15, catch_up: int = 1,
+            max_new_tokens: int | None = None, chain_nodes: int | None = None) -> dict:
+    """The parts of the decode that runs: the step decoder's (``measure_steps``) where batch-1 decoding goes
+    through it (the exact acceptance rule), else the eager loop's (``measure_parts``)."""
+    if decoder.acceptance == "exact":
+        try:
+            return measure_steps(decoder, drafter, prompt_ids, depths, shapes, repeats, chain_nodes, max_new_tokens)
+        except NeedsEagerLoop:
+            pass
+    return measure_parts(decoder, drafter, prompt_ids, depths, shapes, repeats, catch_up, max_new_tokens)
+
+
 def tree_tau(node_accept_rate: Sequence[float], num_nodes: int) -> float:
     return 1.0 + sum(node_accept_rate[:num_nodes])
 
@@ -196,8 +273,8 @@ def auto_tune(decoder: Decoder, drafter: Proposer, prompts: Sequence[torch.Tenso
         shapes = {n: torch.tensor(static.truncated(n).parents) for n in sizes}
         rates = [accepts[i] / forwards[full] if forwards[full] else 0.0 for i in range(full)]
         taus = {n: tree_tau(rates, n) for n in sizes}
-    parts = measure_parts(decoder, drafter, prompts[0], sorted(set(depths.values())), shapes, repeats,
-                          catch_up=max(1, round(stats.tau)), max_new_tokens=max_new_tokens)
+    parts = measure(decoder, drafter, prompts[0], sorted(set(depths.values())), shapes, repeats,
+                    catch_up=max(1, round(stats.tau)), max_new_tokens=max_new_tokens)
     candidates = [
         {"size": n, "num_draft": depths[n], "tree_nodes": n if static is not None else None, "predicted_tau": taus[n],
          "t_draft_s": parts["t_draft"][depths[n]], "t_verify_s": parts["t_verify"][n],

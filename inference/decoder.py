@@ -1,11 +1,16 @@
 """Batch-1 decoding: plain (one target forward per token) and speculative, for every drafter and any Hugging Face
 causal LM.
 
-Speculative decoding runs the one decode loop of ``inference.batched`` with a batch of one, so batch 1 and batch B
-share every step: the drafter proposes a chain or tree of candidates continuing the committed sequence; the target
-runs ONE forward over [pending token, candidates...] on top of its KV cache (tree attention through a 4D mask and
-explicit position ids); the acceptance rule (``inference.acceptance.verdicts``) picks the accepted path and one target
-token, read back once; the drafter is handed the accepted path's hidden states; rejected entries leave the cache.
+Both run as recorded steps over a static cache (``inference.step_decoder``, docs/gpu-decoding.md): per step the
+drafter proposes a chain or tree of candidates continuing the committed sequence (or runs its own static step); the
+target runs ONE forward over [pending token, candidates...] on top of its KV cache (tree attention through a 4D mask
+and explicit position ids); the acceptance rule picks the accepted path and one target token on the device, read back
+once; the drafter is handed the accepted path's hidden states; rejected entries leave the cache. On CUDA each step
+is a CUDA graph replay (``decoder.cuda_graphs``).
+
+The eager decode loop of ``inference.batched`` with a batch of one (``speculative_eager``, ``plain_eager``) remains
+the reference, and decodes what the steps do not: Medusa's typical acceptance (lossy), and siblings sampled with
+draft probabilities (walked on the host). The cost model's eager figures (``inference.cost.measure_parts``) time it.
 
 Shapes: a single sequence (batch 1): ``tokens`` [1, n]. The pending token is the last committed token, predicted by
 the target but not yet fed to it.
@@ -87,11 +92,11 @@ class Decoder:
         self.layout = AttentionLayout.of(self.model)
         self.max_positions = teacher.max_positions
         self.prefill_kw = prefill_kwargs(self.model)
-        # The decode loop speculative decoding runs (a batch of one), on this decoder's generator and compiled forward.
+        # The eager decode loop (a batch of one, on this decoder's generator): the reference, and the fallback.
         self.loop = BatchedDecoder(teacher, eos_token_id, sampling, seed, acceptance=acceptance,
                                    typical_threshold=typical_threshold, typical_alpha=typical_alpha)
         self.loop.generator = self.generator
-        self._target = self.loop._target  # what ``_forward`` calls (the cost model's plain step)
+        self._target = self.model  # what ``_forward`` calls (the eager reference and the cost model's plain step)
         # Batch-1 decoding: recorded steps over a static cache (the eager loop above for typical acceptance and for
         # proposals the steps cannot verify exactly).
         self.steps = StepDecoder(teacher, eos_token_id, sampling, self.generator, cuda_graphs=cuda_graphs,
@@ -110,14 +115,7 @@ class Decoder:
         self.generator.manual_seed(seed)
 
     def _forward(self, inputs: dict, cache: Cache, layers: tuple[int, ...]):
-        past = cache.get_seq_length()
-        if self._target is self.model or not past:  # eager; the prefill always (once per decode, any prompt length)
-            out = self.model(**inputs, **{self.loop._cache_kw: cache}, use_cache=True, output_hidden_states=bool(layers))
-        else:  # compiled steps see one call signature, so plain steps, chains and trees share graphs: 2 (mask or not)
-            if "position_ids" not in inputs:
-                n = inputs["input_ids"].shape[1]
-                inputs = {**inputs, "position_ids": torch.arange(past, past + n, device=self.device)[None]}
-            out = self._target(**inputs, **{self.loop._cache_kw: cache}, use_cache=True, output_hidden_states=True)
+        out = self.model(**inputs, **{self.loop._cache_kw: cache}, use_cache=True, output_hidden_states=bool(layers))
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
 

@@ -118,15 +118,16 @@ class StaticKV(Cache):
         self.bucket = self.capacity  # key columns attention reads
         self._arange = torch.arange(self.capacity, device=self.device)
         self._positions: dict[int, Tensor] = {}
+        self._scratch: Tensor | None = None
         for n in widths:
-            self.positions(n)
+            self.declare(n)
         for t in (self.length, self._arange, *(x for layer in layers for x in (layer.keys, layer.values))):
             _mark_static(t)
 
     # --- positions and lengths -------------------------------------------------------------------------------------
-    def positions(self, n: int) -> Tensor:
-        """The ``[n]`` buffer the next forward of n tokens writes at (allocated on first use of a width: declare the
-        step widths at construction so that none is allocated inside a recording)."""
+    def declare(self, n: int) -> Tensor:
+        """Allocate (once) the ``[n]`` write positions of a step width: every width a recorded step uses must be
+        declared before its recording (at construction, or here)."""
         buf = self._positions.get(n)
         if buf is None:
             if n > self.capacity:
@@ -134,6 +135,18 @@ class StaticKV(Cache):
             buf = self._positions[n] = torch.arange(n, device=self.device)
             _mark_static(buf)
         return buf
+
+    def positions(self, n: int) -> Tensor:
+        """The ``[n]`` positions the next forward of n tokens writes at: a declared width's buffer, else (an eager
+        prefill of any length) a scratch one kept until the next undeclared width."""
+        buf = self._positions.get(n)
+        if buf is not None:
+            return buf
+        if self._scratch is None or self._scratch.shape[0] != n:
+            if n > self.capacity:
+                raise ValueError(f"a forward of {n} tokens does not fit a StaticKV of capacity {self.capacity}")
+            self._scratch = torch.arange(n, device=self.device)
+        return self._scratch
 
     def place(self, n: int, start: Tensor | None = None) -> Tensor:
         """Capture-safe: the next forward of n tokens writes at ``start + arange(n)`` (default: behind ``length``);

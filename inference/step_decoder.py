@@ -13,8 +13,9 @@ Per decode: the prompt runs eagerly into the static cache; then per step the hos
 
 Batch > 1 stays on the eager ``inference.batched.BatchedDecoder`` (batch buckets come later).
 
-CUDA graphs (``decoder.cuda_graphs``): each bucket's step is recorded with ``torch.cuda.graph`` on first use (one
-eager warm-up, decode state restored around it, graphs sharing one memory pool) and replayed afterwards; the
+CUDA graphs (``decoder.cuda_graphs``): each bucket's step (and a static drafter's draft step) runs eagerly on a side
+stream the first time (a real step that warms up the libraries), is recorded with ``torch.cuda.graph`` the second
+(graphs share one memory pool) and replayed from then on; the
 attention backend is pinned (no cuDNN attention, whose per-shape plans the static shapes would not need anyway but
 whose choice must not change under a recording); a recording that fails falls back to the eager step, with the
 reason logged. ``decoder.compile`` compiles the step functions instead (``mode="reduce-overhead"`` on CUDA).
@@ -45,8 +46,8 @@ MAX_NODES = 64  # the widest draft the fixed buffers hold (a larger tree is refu
 
 
 class NeedsEagerLoop(Exception):
-    """A proposal the step path cannot verify exactly (siblings sampled with draft probabilities): the caller decodes
-    this drafter with the eager loop instead."""
+    """A proposal the step path cannot verify (siblings sampled with draft probabilities, walked on the host; a draft
+    wider than ``MAX_NODES``): the caller decodes this drafter with the eager loop instead."""
 
 
 def resolve_graphs(cuda_graphs: str, device: torch.device) -> bool:
@@ -86,6 +87,7 @@ class StepDecoder:
         self._states: dict[tuple, Steps] = {}
         self._fns: dict[tuple, object] = {}
         self._pool = None
+        self._static: dict[tuple, tuple] = {}  # (drafter, buffers, sampling) -> (drafter, its StaticDraft or None)
         self.fallback_reason: str | None = None  # why a CUDA graph recording fell back to the eager step
 
     # --- state and step functions ----------------------------------------------------------------------------------
@@ -101,7 +103,10 @@ class StepDecoder:
             steps = Steps(self.model, self.layout, _capacity(columns), self.teacher.vocab_size, hf, max_nodes, rows,
                           probs=probs, shapes=self._shapes)
             self._states[key] = steps
-            self._fns = {k: f for k, f in self._fns.items() if k[0] != key}
+            live = {id(s) for s in self._states.values()}  # what a replaced state's recordings held goes with it
+            self._static = {k: v for k, v in self._static.items() if k[1] in live}
+            drafts = {("draft", id(v[1])) for v in self._static.values()}
+            self._fns = {k: f for k, f in self._fns.items() if k[0] in live or k in drafts}
         return steps
 
     def _step(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig) -> None:
@@ -117,47 +122,26 @@ class StepDecoder:
     def _make(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig):
         fn = (functools.partial(steps.plain, sampling) if bucket.nodes == 0
               else functools.partial(steps.verify, bucket, sampling))
+        return self._wrap(fn)
+
+    def _wrap(self, fn):
+        """``fn`` as this decoder runs a step: compiled, recorded as a CUDA graph, or as it is."""
         if self.compile:
             kw = {"backend": self.compile_backend} if self.compile_backend else {}
             if self.device.type == "cuda" and not self.compile_backend:
                 kw["mode"] = "reduce-overhead"
             return torch.compile(fn, fullgraph=True, dynamic=False, **kw)
         if self.graphs:
-            return self._record(steps, fn)
+            return _Recorded(fn, self)
         return fn
 
-    def _record(self, steps: Steps, fn):
-        """A CUDA graph of ``fn``: one eager warm-up on a side stream, then the recording; the decode state the
-        step advances is restored around both, so the first real step is the first replay."""
-        c = steps.committed
-        state = [steps.cache.length, steps.pending, steps.out, c.ids_M, c.count, c.position, c.pending,
-                 *c.hidden_M.values()]
-        saved = [t.clone() for t in state]
-
-        def restore():
-            for t, s in zip(state, saved):
-                t.copy_(s)
-
-        try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            restore()
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                fn()
-            restore()
-        except Exception as e:  # noqa: BLE001 - any failure to record: decode eagerly, and say why
-            restore()
-            self.fallback_reason = f"{type(e).__name__}: {e}"
-            log.warning("CUDA graph recording of a decode step failed (%s); this step runs eagerly",
-                        self.fallback_reason)
-            return fn
-        return graph.replay
+    def _draft_step(self, static):
+        """The static drafter's ``draft`` as this decoder runs a step (recorded / compiled like the verify steps)."""
+        key = ("draft", id(static))
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self._wrap(static.draft)
+        return fn
 
     @contextlib.contextmanager
     def _pinned(self):
@@ -169,6 +153,17 @@ class StepDecoder:
 
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             yield
+
+    def _static_draft(self, drafter: Proposer, steps: Steps, sampling: SamplingConfig):
+        """The drafter's static step for these buffers (built once and kept: its buffers are what recorded steps
+        read), or None."""
+        if not hasattr(drafter, "static_draft"):
+            return None
+        key = (id(drafter), id(steps), sampling)
+        if key not in self._static:
+            self._static[key] = (drafter, drafter.static_draft(steps.committed, steps.cache.capacity, sampling,
+                                                               self.generator))
+        return self._static[key][1]
 
     def _first(self, logits_V: Tensor, sampling: SamplingConfig) -> Tensor:
         if sampling.greedy:
@@ -182,116 +177,67 @@ class StepDecoder:
     # --- decoding --------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def plain(self, prompt_ids: Tensor, max_new_tokens: int, sampling: SamplingConfig | None = None) -> Generation:
-        sampling = sampling or self.sampling
         check_prompt(prompt_ids, max_new_tokens, 0, self.teacher.max_positions)
-        P = prompt_ids.shape[1]
-        steps = self.state(P + max_new_tokens + 1)
         sync(self.device)
         start = time.perf_counter()
         with self._pinned():
-            logits, _ = steps.prefill(prompt_ids[0].to(self.device), self.prefill_kw)
-            nxt = self._first(logits, sampling)
-            steps.pending.copy_(nxt[0])
-            out = [int(nxt)]
-            while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
-                self._step(steps, self._bucket(steps, 0, True), sampling)
-                out.append(int(steps.out[3]))  # the step's one read-back
-                steps.cache.host_length += 1
+            run = self.session(None, prompt_ids, max_new_tokens, 0, sampling)
+            while len(run.new) < max_new_tokens and run.new[-1] != self.eos_token_id:
+                run.plain_step()
         sync(self.device)
-        return Generation(new_tokens=finish(out, max_new_tokens, self.eos_token_id),
+        return Generation(new_tokens=finish(run.new, max_new_tokens, self.eos_token_id),
                           seconds=time.perf_counter() - start)
 
     @torch.no_grad()
     def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int,
                     sampling: SamplingConfig | None = None) -> Generation:
-        sampling = sampling or self.sampling
         check_vocab(drafter, self.teacher.vocab_size)
         check_prompt(prompt_ids, max_new_tokens, num_draft, self.teacher.max_positions)
         if num_draft < 1:
             return self.plain(prompt_ids, max_new_tokens, sampling)
-        P, vocab = prompt_ids.shape[1], self.teacher.vocab_size
-        layers = tuple(drafter.teacher_layers)
-        probs = not sampling.greedy
-        steps = self.state(P + max_new_tokens + MAX_NODES + 1, layers, MAX_NODES, 1 + num_draft, probs)
-        static = drafter.static_draft(steps.committed, steps.cache.capacity, sampling, self.generator) \
-            if hasattr(drafter, "static_draft") else None
-        steps.use_draft(static.buffers if static is not None else None)
-        if static is not None:
-            T = static.buffers.tokens_T.shape[0]
-            if T > MAX_NODES:
-                raise ValueError(f"drafter {drafter.name!r} drafts {T} nodes per step; the step decoder holds at most "
-                                 f"{MAX_NODES}: lower its total_tokens")
-            steps.cache.positions(1 + T)
-            static_parents = None if static.buffers.chain else static.buffers.parents_T.cpu()
-        gen = Generation(new_tokens=[], seconds=0.0)
         sync(self.device)
         start = time.perf_counter()
         with self._pinned():
-            logits, hidden = steps.prefill(prompt_ids[0].to(self.device), self.prefill_kw)
-            nxt = self._first(logits, sampling)
-            steps.pending.copy_(nxt[0])
-            new = [int(nxt)]
-            seq = torch.empty(1, P + max_new_tokens + MAX_NODES + 1, dtype=torch.long, device=self.device)
-            seq[0, :P].copy_(prompt_ids[0])
-            seq[0, P].copy_(nxt[0])
-            m = P + 1
-            if static is not None:
-                static.prefill(prompt_ids[0].to(self.device), hidden, steps.pending)
-            else:
-                drafter.reset(int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device)))
-                drafter.observe({i: h[None] for i, h in hidden.items()})
+            run = self.session(drafter, prompt_ids, max_new_tokens, num_draft, sampling)
             sync(self.device)
+            gen = run.gen
             gen.prefill_seconds = time.perf_counter() - start
-            while len(new) < max_new_tokens and (self.eos_token_id is None or self.eos_token_id not in new):
+            while len(run.new) < max_new_tokens and (self.eos_token_id is None or self.eos_token_id not in run.new):
                 t0 = time.perf_counter()
-                if static is not None:
-                    static.draft()
-                    T, chain, parents = static.buffers.tokens_T.shape[0], static.buffers.chain, static_parents
-                    bucket, size = self._bucket(steps, T, chain), T
-                    tree = None
-                    left = max_new_tokens - len(new)
-                    if chain and left < T:  # no deeper than the tokens still wanted, as an eager proposal
-                        static.buffers.tokens_T[left:].fill_(-1)  # never accepted; the next draft rewrites them
-                        size = left
-                else:
-                    depth = min(num_draft, max_new_tokens - len(new))
-                    tree = drafter.propose(seq[:, :m], depth, sampling)
-                    tree.check_shape(vocab)
-                    N, size, chain, parents = self._load(steps, tree, num_draft, sampling)
-                    bucket = self._bucket(steps, N, chain)
+                run.draft(min(num_draft, max_new_tokens - len(run.new)))
                 sync(self.device)
                 t1 = time.perf_counter()
-                context = steps.cache.host_length
-                self._step(steps, bucket, sampling)
-                values = steps.out[: bucket.packed].tolist()  # the step's one read-back
-                count, depth_seen, flags = values[:3]
-                N = bucket.nodes
-                if flags:
-                    self._raise(flags, tree if tree is not None else DraftTree(
-                        static.buffers.tokens_T.clone(), static.buffers.parents_T.clone()), vocab)
-                path, committed = values[3: 3 + count], values[3 + N: 4 + N + count]
-                steps.cache.host_length += 1 + count
-                seq[0, m: m + 1 + count].copy_(steps.out[3 + N: 4 + N + count])
-                m += 1 + count
-                gen.stats.update(size if chain else depth_seen, count)
-                gen.nodes_per_forward[size] += 1
-                if size not in gen.shapes:
-                    gen.shapes[size] = (torch.arange(-1, size - 1) if chain else parents[:size].cpu())
-                gen.node_accepts[size].update(path)
-                gen.context_tokens += context + 1
-                if static is None:
-                    c = steps.committed
-                    drafter.observe({i: h[: 1 + count].clone()[None] for i, h in c.hidden_M.items()})
-                    drafter.accepted(path, committed)
-                new.extend(committed)
+                run.verify()
                 sync(self.device)
                 t2 = time.perf_counter()
                 gen.draft_seconds += t1 - t0
                 gen.verify_seconds += t2 - t1
         sync(self.device)
         gen.seconds = time.perf_counter() - start
-        gen.new_tokens = finish(new, max_new_tokens, self.eos_token_id)
+        gen.new_tokens = finish(run.new, max_new_tokens, self.eos_token_id)
         return gen
+
+    def session(self, drafter: Proposer | None, prompt_ids: Tensor, max_new_tokens: int, num_draft: int,
+                sampling: SamplingConfig | None = None) -> "Session":
+        """A sequence prefilled and ready to step (``Session``): room for ``max_new_tokens`` committed tokens; a
+        drafter (None: plain steps only) drafting at most ``num_draft`` deep. The caller pins the attention backend
+        (``_pinned``) around the decode."""
+        sampling = sampling or self.sampling
+        P = prompt_ids.shape[1]
+        if drafter is None:
+            steps = self.state(P + max_new_tokens + 1)
+            return Session(self, steps, None, None, prompt_ids, sampling, 0, max_new_tokens)
+        steps = self.state(P + max_new_tokens + MAX_NODES + 1, tuple(drafter.teacher_layers), MAX_NODES,
+                           1 + num_draft, not sampling.greedy)
+        static = self._static_draft(drafter, steps, sampling)
+        steps.use_draft(static.buffers if static is not None else None)
+        if static is not None:
+            T = static.buffers.tokens_T.shape[0]
+            if T > MAX_NODES:
+                raise NeedsEagerLoop(f"drafter {drafter.name!r} drafts {T} nodes per step, more than the step "
+                                     f"decoder's {MAX_NODES}")
+            steps.cache.declare(1 + T)
+        return Session(self, steps, drafter, static, prompt_ids, sampling, num_draft, max_new_tokens)
 
     def _load(self, steps: Steps, tree: DraftTree, num_draft: int, sampling: SamplingConfig):
         """An eager proposal into the step's fixed draft buffers: (bucket nodes, real nodes, chain, parents)."""
@@ -300,8 +246,7 @@ class StepDecoder:
             raise NeedsEagerLoop("siblings sampled with draft probabilities are walked on the host")
         N = num_draft if chain else tree_nodes(n)
         if max(n, N) > steps.max_nodes:
-            raise ValueError(f"a proposal of {n} nodes exceeds the step decoder's {steps.max_nodes}: lower the "
-                             f"drafter's tree size (total_tokens / decoder.tree) or eval.num_draft")
+            raise NeedsEagerLoop(f"a proposal of {n} nodes is wider than the step decoder's {steps.max_nodes}")
         d = steps.own_draft
         if n:
             d.tokens_T[:n].copy_(tree.tokens)
@@ -327,4 +272,143 @@ class StepDecoder:
         raise_bad_tokens(tree.tokens, vocab)
 
 
-__all__ = ["StepDecoder", "NeedsEagerLoop", "resolve_graphs", "CUDA_GRAPHS", "TREE_BUCKET"]
+class Session:
+    """One sequence on a ``StepDecoder``'s buffers: prefilled at construction, then ``plain_step``, or ``draft``
+    followed by ``verify``, each one step of the real loop on the moving context (what ``inference.cost`` times)."""
+
+    def __init__(self, dec: StepDecoder, steps: Steps, drafter: Proposer | None, static, prompt_ids: Tensor,
+                 sampling: SamplingConfig, num_draft: int, max_new_tokens: int):
+        self.dec, self.steps, self.drafter, self.static = dec, steps, drafter, static
+        self.sampling, self.num_draft = sampling, num_draft
+        self.vocab = dec.teacher.vocab_size
+        self.gen = Generation(new_tokens=[], seconds=0.0)
+        P = prompt_ids.shape[1]
+        prompt = prompt_ids[0].to(dec.device)
+        logits, hidden = steps.prefill(prompt, dec.prefill_kw)
+        nxt = dec._first(logits, sampling)
+        steps.pending.copy_(nxt[0])
+        steps.committed.pending.copy_(nxt[0])
+        self.new = [int(nxt)]
+        self.seq = torch.empty(1, P + max_new_tokens + MAX_NODES + 1, dtype=torch.long, device=dec.device)
+        self.seq[0, :P].copy_(prompt)
+        self.seq[0, P].copy_(nxt[0])
+        self.m = P + 1
+        self.static_parents = None
+        self._next = None  # (bucket, size, chain, parents, tree) of the drafted proposal
+        if static is not None:
+            static.prefill(prompt, hidden, steps.pending)
+            if not static.buffers.chain:
+                self.static_parents = static.buffers.parents_T.cpu()
+        elif drafter is not None:
+            drafter.reset(int(torch.randint(0, 2**62, (1,), generator=dec.generator, device=dec.device)))
+            drafter.observe({i: h[None] for i, h in hidden.items()})
+
+    def plain_step(self) -> int:
+        """One plain step: the next token (read back)."""
+        steps = self.steps
+        self.dec._step(steps, self.dec._bucket(steps, 0, True), self.sampling)
+        token = int(steps.out[3])  # the step's one read-back
+        steps.cache.host_length += 1
+        self.new.append(token)
+        return token
+
+    def draft(self, depth: int) -> None:
+        """The drafter's proposal for the next ``verify``: its static step, or an eager proposal of at most
+        ``depth`` (copied into the step's buffers)."""
+        dec, steps = self.dec, self.steps
+        if self.static is not None:
+            steps.use_draft(self.static.buffers)
+            dec._draft_step(self.static)()
+            b = self.static.buffers
+            T = size = b.tokens_T.shape[0]
+            if b.chain and depth < T:  # no deeper than ``depth``, as an eager proposal
+                b.tokens_T[depth:].fill_(-1)  # never accepted; the next draft rewrites them
+                size = depth
+            self._next = (dec._bucket(steps, T, b.chain), size, b.chain, self.static_parents, None)
+            return
+        tree = self.drafter.propose(self.seq[:, : self.m], depth, self.sampling)
+        tree.check_shape(self.vocab)
+        N, size, chain, parents = dec._load(steps, tree, self.num_draft, self.sampling)
+        self._next = (dec._bucket(steps, N, chain), size, chain, parents, tree)
+
+    def load(self, tree: DraftTree, num_draft: int | None = None) -> None:
+        """Verify ``tree`` next instead of a drafted proposal (the cost model's random trees of a shape), a chain in
+        the bucket of a decode drafting ``num_draft`` (default: this session's)."""
+        N, size, chain, parents = self.dec._load(self.steps, tree, num_draft or self.num_draft, self.sampling)
+        self.steps.use_draft(None)
+        self._next = (self.dec._bucket(self.steps, N, chain), size, chain, parents, tree)
+
+    def verify(self) -> tuple[list[int], list[int]]:
+        """Verify the proposal: (accepted path, committed tokens); the drafter is handed the committed rows."""
+        dec, steps, gen = self.dec, self.steps, self.gen
+        bucket, size, chain, parents, tree = self._next
+        context = steps.cache.host_length
+        dec._step(steps, bucket, self.sampling)
+        N = bucket.nodes
+        values = steps.out[: bucket.packed].tolist()  # the step's one read-back
+        count, depth_seen, flags = values[:3]
+        if flags:
+            dec._raise(flags, tree if tree is not None else DraftTree(
+                steps.draft.tokens_T.clone(), steps.draft.parents_T.clone()), self.vocab)
+        path, committed = values[3: 3 + count], values[3 + N: 4 + N + count]
+        steps.cache.host_length += 1 + count
+        self.seq[0, self.m: self.m + 1 + count].copy_(steps.out[3 + N: 4 + N + count])
+        self.m += 1 + count
+        gen.stats.update(size if chain else depth_seen, count)
+        gen.nodes_per_forward[size] += 1
+        if size not in gen.shapes:
+            gen.shapes[size] = torch.arange(-1, size - 1) if chain else parents[:size].cpu()
+        gen.node_accepts[size].update(path)
+        gen.context_tokens += context + 1
+        if self.static is None and self.drafter is not None:
+            c = steps.committed
+            self.drafter.observe({i: h[: 1 + count].clone()[None] for i, h in c.hidden_M.items()})
+            self.drafter.accepted(path, committed)
+        self.new.extend(committed)
+        return path, committed
+
+
+class _Recorded:
+    """A step as a CUDA graph. Its first call runs it eagerly on a side stream (a real step, which also warms up
+    every library it touches, as a recording needs); its second records it (recording runs nothing, so no decode
+    state moves) and replays it; later calls replay. A recording that fails leaves the step eager, with the reason
+    logged (``StepDecoder.fallback_reason``)."""
+
+    def __init__(self, fn, owner: StepDecoder):
+        self.fn, self.owner, self.calls, self.graph, self.failed = fn, owner, 0, None, False
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self.calls += 1
+        if self.failed:
+            self.fn()
+        elif self.calls == 1:
+            device = self.owner.device
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self.fn()
+            torch.cuda.current_stream(device).wait_stream(stream)
+        else:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                if hasattr(graph, "register_generator_state"):  # a static drafter may sample inside its step
+                    graph.register_generator_state(self.owner.generator)
+                if self.owner._pool is None:
+                    self.owner._pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self.owner._pool):
+                    self.fn()
+            except Exception as e:  # noqa: BLE001 - any failure to record: decode eagerly, and say why
+                self.failed = True
+                self.owner.fallback_reason = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph recording of a decode step failed (%s); it runs eagerly",
+                            self.owner.fallback_reason)
+                self.fn()
+                return
+            self.graph = graph
+            graph.replay()
+
+
+__all__ = ["StepDecoder", "Session", "NeedsEagerLoop", "resolve_graphs", "CUDA_GRAPHS", "TREE_BUCKET"]

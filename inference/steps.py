@@ -34,7 +34,7 @@ from inference.masks import AttentionLayout
 from inference.sampling import SamplingConfig, warp
 from inference.static_cache import StaticKV, _mark_static, kv_shapes
 from inference.static_draft import CommittedBuffers, DraftBuffers, new_committed
-from inference.tree import DraftTree
+from inference.tree import DraftTree, tree_geometry
 
 TREE_BUCKET = 8  # tree widths are padded to a multiple of this many nodes
 
@@ -135,11 +135,19 @@ class Steps:
         parents = self.chain_parents[:N] if bucket.chain else d.parents_T[:N]
         probs = d.probs_TV[:N] if (d.probs_TV is not None and bucket.chain and not sampling.greedy) else None
         valid = tokens >= 0
+        if bucket.chain:
+            depth_N = self.chain_parents[:N] + 2
+            ancestors_NN = torch.ones(N, N, dtype=torch.bool, device=self.device).tril()
+        else:
+            depth_N, ancestors_NN = tree_geometry(parents, N)
         tree = DraftTree(tokens, parents, probs, chain_hint=bucket.chain, depth_bound=N)
-        depth_N, ancestors_NN = tree.geometry
+        # The shape facts the rules read, set on the instance (``DraftTree`` caches them behind a lock that a
+        # traced step must not take).
+        tree.is_chain = bucket.chain
+        tree.geometry = (depth_N, ancestors_NN)
         depth = torch.cat([depth_N.new_zeros(1), depth_N])  # [W]
         block = torch.eye(W, dtype=torch.bool, device=self.device)
-        block[:, 0] = True
+        block[:, 0].fill_(True)
         block[1:, 1:] = ancestors_NN
         col = cache._arange[: cache.bucket]
         rel = col - L  # a column's index inside the new block

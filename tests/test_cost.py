@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heads.base import Drafter
-from inference.cost import measure_parts, overhead_ratio
+from inference.cost import measure, measure_parts, overhead_ratio
 from inference.decoder import Decoder
 from inference.kv_cache import TREE_HEADROOM, PreallocatedCache
 from inference.tree import DraftTree
@@ -100,8 +100,8 @@ def test_the_parts_add_up_to_the_decode_that_runs(tiny_teacher):
         steps = sum(gen.nodes_per_forward.values())
         assert steps >= 6
         context = torch.cat([prompt, torch.tensor([gen.new_tokens[:6]])], 1)
-        parts = measure_parts(dec, drafter, context, [3], gen.shapes, repeats=5, catch_up=max(1, round(gen.stats.tau)),
-                              max_new_tokens=24)
+        parts = measure(dec, drafter, context, [3], gen.shapes, repeats=5, catch_up=max(1, round(gen.stats.tau)),
+                        max_new_tokens=24, chain_nodes=3)  # the parts of the decode that runs (the step path)
     finally:
         handle.remove()
     per_step = (gen.draft_seconds + gen.verify_seconds) / steps
@@ -130,7 +130,7 @@ def test_batch_one_keeps_its_cache_dense(tiny_teacher, monkeypatch):
 
     monkeypatch.setattr(dec.loop, "_verify", verify)
     prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(2))
-    gen = dec.speculative(drafter, prompt, 40, 3)
+    gen = dec.speculative_eager(drafter, prompt, 40, 3)
     assert gen.new_tokens == dec.plain(prompt, 40).new_tokens
     assert len(seen) >= 5 and all(path == [1] for path, *_ in seen)  # node 0 rejected: a hole without the copy
     for path, valid, length, pos in seen:  # the cached tokens (pos), the pending one, the accepted node: no more

@@ -100,6 +100,7 @@ def test_bad_decoding_input(tiny_teacher):
     ("decoder.temperature=-1", "decoder.temperature"),
     ("decoder.tree=bushy", "valid presets"),
     ("decoder.acceptance=fast", "decoder.acceptance"),
+    ("decoder.cuda_graphs=yes", "decoder.cuda_graphs"),
 ])
 def test_bad_decoder_config_fails_validation(override, message):
     with pytest.raises(ValueError, match=message):

@@ -75,11 +75,11 @@ def test_decoder_verifies_through_the_preallocated_cache(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     for i in range(6):
         prompt = torch.randint(0, 128, (1, 5 + 3 * i), generator=gen)
-        ref = dec.plain(prompt, 20).new_tokens
+        ref = dec.plain_eager(prompt, 20).new_tokens
         hf = teacher.model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, prompt.shape[1]:]
-        assert ref == hf.tolist()
+        assert ref == hf.tolist() == dec.plain(prompt, 20).new_tokens  # the step path (static cache) too
         for drafter in (chain, tree):
-            assert dec.speculative(drafter, prompt, 20, num_draft=3).new_tokens == ref, f"prompt {i}"
+            assert dec.speculative_eager(drafter, prompt, 20, num_draft=3).new_tokens == ref, f"prompt {i}"
     assert set(seen) == {PreallocatedCache}
 
 

@@ -144,8 +144,9 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
     for prompt_len in PROMPTS:
         play(drafter, static, committed, target, prompt_len, 12, recorded)
     assert layout(named) == before
-    # No step leaves a tensor of its own behind in the state (a prompt's prefill may add its write positions).
-    assert {k for k in tensors_of(static) if not k.startswith("state.cache._positions")} <= set(named)
+    # No step leaves a tensor of its own behind in the state (a prompt's eager prefill may keep its write positions).
+    assert {k for k in tensors_of(static) if not k.startswith(("state.cache._positions", "state.cache._scratch"))
+            } <= set(named)
     first = recorders[0].external
     for i, rec in enumerate(recorders):
         assert rec.external == first, f"step {i} touched other tensors than step 0"
@@ -257,7 +258,7 @@ def test_decoding_through_the_static_draft_equals_plain_greedy(target, kind):
     for prompt_len in PROMPTS:
         prompt = torch.randint(0, 128, (1, prompt_len), generator=gen)
         assert dec.speculative(drafter, prompt, 40, rows - 1).new_tokens == dec.plain(prompt, 40).new_tokens
-    assert len(made) == 2 and made[0] is made[1]  # one static draft (and one recorded step) for both prompts
+    assert made and all(s is made[0] for s in made)  # one static draft (and one recorded step) for both prompts
     assert made[0].calls >= 2 * 8
 
 

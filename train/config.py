@@ -28,6 +28,7 @@ from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
 from distill.fused_kernels import check_kernel
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
+from inference.step_decoder import CUDA_GRAPHS
 from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
 from train.engine import ENGINES, TARGET_SHARDING, TrainerConfig
@@ -158,6 +159,9 @@ def validate(cfg: Config) -> None:
     cfg.decoder.sampling()  # temperature / top_p / top_k ranges
     if cfg.decoder.acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"decoder.acceptance={cfg.decoder.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
+    if cfg.decoder.cuda_graphs not in CUDA_GRAPHS:
+        raise ValueError(f"decoder.cuda_graphs={cfg.decoder.cuda_graphs!r}; valid: {list(CUDA_GRAPHS)} (auto: on for "
+                         f"a CUDA target)")
     parse_tree(cfg.decoder.tree)
     _check_batched(cfg.decoder)
     if cfg.drafter:

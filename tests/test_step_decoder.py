@@ -1,0 +1,455 @@
+"""The batch-1 step decoder (inference.steps, inference.step_decoder, inference.static_cache): what makes its steps
+recordable as CUDA graphs, checked on the CPU.
+
+- every step function compiles with ``torch.compile(fullgraph=True, dynamic=False)`` (no graph break), and a decode
+  of >= 64 steps over two prompt lengths with varying accepted lengths makes one graph per bucket used and no
+  recompile after warm-up (``set_stance("fail_on_recompile")``): plain, lookup, a static drafter;
+- every tensor a step reads or writes keeps its address, shape and stride for the whole decode;
+- the distinct attention (query, key) shapes of the steps are at most the buckets used;
+- greedy output token-identical to plain decoding and to the eager loop, for every drafter kind;
+- one read-back per step, and the host's own ops outside the steps bounded.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from heads.base import TargetDims
+from inference.decoder import Decoder
+from inference.sampling import GREEDY, SamplingConfig
+from inference.static_cache import StaticKV, capacity_buckets, kv_shapes
+from inference.static_draft import DraftBuffers
+from inference.step_decoder import StepDecoder, resolve_graphs
+from inference.steps import Steps
+from inference.transfers import TransferCounter
+from inference.tree import DraftTree
+from tests.test_decoder_transfers import make
+
+GAMMA = 3
+
+
+class TableDrafter:
+    """A drafter with a static step: after token x it drafts the target's own greedy continuation of the lone token
+    x (right in some contexts, wrong in others: varying accepted lengths). ``propose`` drafts the same on the eager
+    path, so both paths can be compared."""
+
+    name = "table"
+    teacher_layers: tuple[int, ...] = ()
+    dynamic_tree = False
+    tree = None
+
+    def __init__(self, teacher, gamma: int = GAMMA, spoil: bool = True, context=None):
+        V = teacher.vocab_size
+        self.dims = TargetDims(teacher.hidden_size, V, teacher.num_layers)
+        ids = torch.arange(V, device=teacher.device).view(V, 1)
+        if context is not None:  # continuations of context + x instead of the lone x
+            ids = torch.cat([context.to(teacher.device).expand(V, -1), ids], 1)
+        with torch.no_grad():
+            for _ in range(gamma):
+                ids = torch.cat([ids, teacher.model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        self.table = ids[:, -gamma:].contiguous()  # [V, γ]
+        self.gamma, self.spoil = gamma, spoil
+        self.steps = 0
+
+    # the eager protocol
+    def observe(self, hidden) -> None: ...
+
+    def reset(self, seed: int = 0) -> None:
+        self.steps = 0
+
+    def accepted(self, path, committed=None) -> None:
+        self.steps += 1
+
+    def _spoil(self, chain, step):
+        """From node ``step % (γ + 1)`` on, a token the target did not predict: accepted lengths vary."""
+        wrong = (torch.arange(self.gamma, device=chain.device) >= step % (self.gamma + 1)) & self.spoil
+        return torch.where(wrong, (chain + 1) % self.dims.vocab_size, chain)
+
+    def propose(self, tokens, max_depth, sampling):
+        return DraftTree.chain(self._spoil(self.table[int(tokens[0, -1])], self.steps)[:max_depth])
+
+    def set_tree(self, spec) -> None: ...
+
+    def rows(self, seeds):
+        drafter = self
+
+        drafter.reset()
+
+        class Rows:
+            def observe(self, row, hidden): ...
+
+            def accepted(self, row, path, committed=None):
+                drafter.accepted(path, committed)
+
+            def keep(self, rows): ...
+
+            def propose(self, tokens, depths, samplings):
+                return [drafter.propose(t, d, s) for t, d, s in zip(tokens, depths, samplings)]
+
+        return Rows()
+
+    # the static step
+    def static_draft(self, committed, capacity, sampling, generator):
+        drafter = self
+
+        class Static:
+            buffers = DraftBuffers(tokens_T=torch.zeros(drafter.gamma, dtype=torch.long),
+                                   parents_T=torch.arange(-1, drafter.gamma - 1), chain=True)
+
+            step = torch.zeros((), dtype=torch.long)
+
+            def prefill(self, prompt_ids_P, hidden_P, pending):
+                self.step.zero_()
+
+            def draft(self):
+                chain = drafter.table.index_select(0, committed.pending.view(1))[0]
+                self.buffers.tokens_T.copy_(drafter._spoil(chain, self.step))
+                self.step.add_(1)
+
+        return Static()
+
+
+def prompts(lengths=(11, 37, 23), seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        p = torch.randint(0, 128, (1, n), generator=gen)
+        out.append(torch.cat([p, p[:, :8], p[:, :8]], 1))  # something for lookup to find
+    return out
+
+
+def compiled(teacher, sampling=GREEDY, seed=0):
+    return StepDecoder(teacher, None, sampling, torch.Generator().manual_seed(seed), cuda_graphs="off", compile=True,
+                       compile_backend="eager")
+
+
+def drafter_for(kind, teacher):
+    return TableDrafter(teacher) if kind == "table" else make(kind, teacher)
+
+
+def decode(dec, kind, drafter, prompt, n):
+    return dec.plain(prompt, n) if kind == "plain" else dec.speculative(drafter, prompt, n, num_draft=GAMMA)
+
+
+@pytest.mark.parametrize("kind", ["plain", "lookup", "table"])
+def test_one_graph_per_bucket_and_no_recompile(tiny_teacher, kind):
+    torch._dynamo.reset()
+    counters.clear()
+    dec, ref = compiled(tiny_teacher), Decoder(tiny_teacher)
+    drafter = drafter_for(kind, tiny_teacher)
+    short, long, third = prompts()
+    decode(dec, kind, drafter, short, 8)  # warm-up: records the bucket
+    graphs = counters["stats"]["unique_graphs"]
+    expected = 2 if kind == "table" else 1  # the verify bucket (and a static drafter's draft step)
+    assert graphs == expected and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
+    steps, accepted = 0, set()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for prompt in (short, long, third):
+            out = decode(dec, kind, drafter, prompt, 110)
+            assert out.new_tokens == ref.plain_eager(prompt, 110).new_tokens
+            steps += sum(out.nodes_per_forward.values()) if kind != "plain" else 109
+            for row in out.stats.counts.values():
+                accepted.update(row)
+    assert steps >= 64
+    assert kind == "plain" or len(accepted) >= 2, f"accepted lengths did not vary: {accepted}"
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("kind", ["medusa_chain", "medusa_tree", "eagle1_dynamic", "eagle3_chain", "draft_model"])
+def test_eager_drafters_verify_steps_compile_one_graph_per_bucket(tiny_teacher, kind):
+    """Drafters proposing eagerly (their static steps are theirs to test): every verify bucket their proposals use
+    (chains padded to γ; trees rounded up to multiples of 8, smaller near the end) is one graph, token-identical."""
+    torch._dynamo.reset()
+    counters.clear()
+    dec, ref = compiled(tiny_teacher), Decoder(tiny_teacher)
+    drafter = make(kind, tiny_teacher)
+    for prompt in prompts()[:2]:
+        assert dec.speculative(drafter, prompt, 24, num_draft=GAMMA).new_tokens == \
+            ref.plain_eager(prompt, 24).new_tokens
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == len(dec._fns) <= 3, [k[1] for k in dec._fns]
+
+
+class Shapes:
+    """The (query, key) lengths of every attention call (the SDPA function Hugging Face's attention calls)."""
+
+    def __init__(self, monkeypatch):
+        self.seen, self.on = set(), False
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def watched(q, k, *args, **kwargs):
+            if self.on:
+                self.seen.add((q.shape[-2], k.shape[-2]))
+            return sdpa(q, k, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
+
+
+def _watch(steps: Steps):
+    """Address, shape and stride of every buffer a step reads or writes."""
+    return {i: (t.data_ptr(), tuple(t.shape), t.stride()) for i, t in enumerate(steps.buffers())}
+
+
+@pytest.mark.parametrize("kind", ["plain", "lookup", "table", "medusa_tree"])
+def test_buffers_keep_their_addresses_and_attention_shapes_are_the_buckets(tiny_teacher, kind, monkeypatch):
+    dec = StepDecoder(tiny_teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off")
+    drafter = drafter_for(kind, tiny_teacher)
+    short, long, _ = prompts()
+    decode(dec, kind, drafter, short, 4)
+    (steps,) = dec._states.values()
+    before = _watch(steps)
+    buckets, shapes = set(), Shapes(monkeypatch)
+    original = dec._step
+
+    def step(s, bucket, sampling):
+        buckets.add(bucket)
+        assert _watch(s) == before
+        shapes.on = True
+        original(s, bucket, sampling)
+        shapes.on = False
+        assert _watch(s) == before
+
+    monkeypatch.setattr(dec, "_step", step)
+    for prompt in (short, long):
+        decode(dec, kind, drafter, prompt, 40)
+    assert _watch(steps) == before
+    assert shapes.seen and {(b.width, b.columns) for b in buckets} == shapes.seen, (buckets, shapes.seen)
+
+
+@pytest.mark.parametrize("kind", ["medusa_chain", "medusa_tree", "eagle1_chain", "eagle1_dynamic", "eagle3_chain",
+                                  "eagle3_dynamic", "draft_model", "lookup", "table"])
+def test_greedy_step_path_is_token_identical(tiny_teacher, kind):
+    decoder = Decoder(tiny_teacher, seed=1)
+    drafter = drafter_for(kind, tiny_teacher)
+    for prompt in prompts()[:2]:
+        ref = decoder.plain_eager(prompt, 30).new_tokens
+        assert decoder.plain(prompt, 30).new_tokens == ref
+        out = decoder.speculative(drafter, prompt, 30, num_draft=GAMMA)
+        eager = decoder.speculative_eager(drafter, prompt, 30, num_draft=GAMMA)
+        assert out.new_tokens == eager.new_tokens == ref
+        if kind != "table":  # a static drafter drafts its whole width to the end (the eager one is clipped)
+            assert out.stats.counts == eager.stats.counts
+            assert dict(out.nodes_per_forward) == dict(eager.nodes_per_forward)
+
+
+class HostOps(TorchDispatchMode):
+    """Aten ops (views excluded) outside the step functions."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside = False
+        self.outside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside and not func.is_view:
+            self.outside += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.8)], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("kind", ["plain", "table", "lookup"])
+def test_one_read_back_and_few_host_ops_per_step(tiny_teacher, kind, sampling, monkeypatch):
+    dec = StepDecoder(tiny_teacher, None, sampling, torch.Generator().manual_seed(0), cuda_graphs="off")
+    drafter = drafter_for(kind, tiny_teacher)
+    prompt = prompts()[0]
+    decode(dec, kind, drafter, prompt, 8)
+    ops, calls = HostOps(), []
+    original = dec._step
+
+    def step(s, bucket, sampling):
+        calls.append(bucket)
+        ops.inside = True
+        try:
+            with TransferCounter() as inside:
+                original(s, bucket, sampling)
+        finally:
+            ops.inside = False
+        assert inside.total == 0, dict(inside.counts)  # nothing syncs inside a step
+
+    monkeypatch.setattr(dec, "_step", step)
+    totals = []
+    for n in (10, 50):
+        calls.clear()
+        ops.outside = 0
+        with TransferCounter() as c, ops:
+            decode(dec, kind, drafter, prompt, n)
+        totals.append((c.counts["item"] + c.counts["tolist"], ops.outside, len(calls)))
+    (r0, o0, s0), (r1, o1, s1) = totals
+    assert s1 > s0 + 5
+    assert (r1 - r0) / (s1 - s0) <= 1.0, totals  # the verdict, read back once per step
+    host_ops = (o1 - o0) / (s1 - s0)
+    print(f"HOST OPS {kind} {sampling.describe()}: {host_ops:.1f} per step")
+    assert host_ops <= 20, totals
+
+
+def test_static_cache_decodes_like_the_models_own_cache(tiny_teacher):
+    """The model's own forward over StaticKV (whole bucket, mask) gives the logits it gives over a DynamicCache."""
+    model = tiny_teacher.model
+    cache = StaticKV(kv_shapes(model), 300, "cpu", widths=(1,))
+    assert capacity_buckets(300) == [256, 300] and cache.use_bucket(257) == 300
+    steps = Steps(model, Decoder(tiny_teacher).layout, 256, 128, {}, 0, 1)
+    prompt = prompts()[0][0]
+    logits, _ = steps.prefill(prompt, {})
+    with torch.no_grad():
+        ref = model(prompt[None]).logits[0, -1]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="capacity"):
+        cache.use_bucket(301)
+
+
+def test_cuda_graphs_key_is_checked():
+    assert resolve_graphs("auto", torch.device("cpu")) is False
+    assert resolve_graphs("off", torch.device("cuda")) is False
+    assert resolve_graphs("auto", torch.device("cuda")) is True
+    with pytest.raises(ValueError, match="decoder.cuda_graphs=on needs a CUDA target"):
+        resolve_graphs("on", torch.device("cpu"))
+    with pytest.raises(ValueError, match="valid"):
+        resolve_graphs("yes", torch.device("cpu"))
+
+
+def test_sampled_siblings_repeating_a_token_are_refused():
+    from inference.acceptance import refuse_repeated_sampled_siblings
+
+    q = torch.full((3, 5), 0.2)
+    refuse_repeated_sampled_siblings(DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]), q))
+    with pytest.raises(ValueError, match="without replacement"):
+        refuse_repeated_sampled_siblings(DraftTree(torch.tensor([1, 1, 3]), torch.tensor([-1, -1, 0]), q))
+    refuse_repeated_sampled_siblings(DraftTree(torch.tensor([1, 1, 3]), torch.tensor([-1, -1, 0])))  # point masses
+
+
+class _FakeCuda:
+    """Enough of torch.cuda for the recording logic to run on a CPU: streams are no-ops and a recording fails."""
+
+    class Stream:
+        def __init__(self, *a, **k): ...
+
+        def wait_stream(self, other): ...
+
+    @staticmethod
+    def stream(s):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream(device=None):
+        return _FakeCuda.Stream()
+
+    class CUDAGraph:
+        def replay(self):
+            raise AssertionError("a failed recording must not be replayed")
+
+    @staticmethod
+    def graph_pool_handle():
+        return object()
+
+    @staticmethod
+    def graph(g, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_recording_falls_back_to_the_eager_step_and_says_why(tiny_teacher, monkeypatch):
+    dec = Decoder(tiny_teacher)
+    dec.steps.graphs = True  # as on CUDA; the recording below fails
+    for name in ("Stream", "stream", "current_stream", "CUDAGraph", "graph_pool_handle", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(_FakeCuda, name))
+    drafter = TableDrafter(tiny_teacher)
+    prompt = prompts()[0]
+    ref = dec.plain_eager(prompt, 20).new_tokens
+    assert dec.plain(prompt, 20).new_tokens == ref
+    assert "operation not permitted" in dec.steps.fallback_reason
+    assert dec.speculative(drafter, prompt, 20, num_draft=GAMMA).new_tokens == ref
+
+
+def test_cost_model_times_the_step_that_runs_on_a_moving_context(tiny_teacher, monkeypatch):
+    """``measure_steps`` times the step decoder's own steps, and no two timed verifications see the same context."""
+    from inference.cost import measure_steps
+    from inference.step_decoder import Session
+
+    contexts, plain_contexts, original, original_plain = [], [], Session.verify, Session.plain_step
+
+    def verify(self):
+        contexts.append(self.steps.cache.host_length)
+        return original(self)
+
+    def plain_step(self):
+        plain_contexts.append(self.steps.cache.host_length)
+        return original_plain(self)
+
+    monkeypatch.setattr(Session, "verify", verify)
+    monkeypatch.setattr(Session, "plain_step", plain_step)
+    drafter = make("medusa_tree", tiny_teacher)
+    shapes = {3: torch.tensor([-1, 0, 0]), 2: torch.tensor([-1, 0])}
+    parts = measure_steps(Decoder(tiny_teacher), drafter, prompts()[0], [1, 3], shapes, repeats=3, max_new_tokens=150)
+    assert set(parts["t_verify_measured"]) == {0, 2, 3} and set(parts["t_draft"]) == {1, 3}
+    assert all(t > 0 for t in [parts["t_plain"], parts["t_prefill"], *parts["t_draft"].values()])
+    assert len(contexts) == 4 * (3 + 2) and len(set(contexts)) == len(contexts), contexts  # always moving
+    assert len(plain_contexts) == 4 and len(set(plain_contexts)) == 4, plain_contexts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by the GPU recipe)")
+def test_cuda_graphs_replay_token_identically_on_cuda():
+    from distill.teacher import Teacher
+    from inference.step_decoder import _Recorded
+    from tests.conftest import make_tiny_llama
+
+    teacher = Teacher(make_tiny_llama().cuda(), tokenizer=None, name="tiny-cuda")
+    graphed, eager = Decoder(teacher), Decoder(teacher, cuda_graphs="off")
+    assert graphed.steps.graphs and not eager.steps.graphs
+    drafters = {"table": TableDrafter(teacher), "lookup": make("lookup", teacher),
+                "medusa_tree": make("medusa_tree", teacher).cuda()}
+    for prompt in prompts()[:2]:
+        ref = eager.plain_eager(prompt, 40).new_tokens
+        assert graphed.plain(prompt, 40).new_tokens == eager.plain(prompt, 40).new_tokens == ref
+        for name, drafter in drafters.items():
+            assert graphed.speculative(drafter, prompt, 40, num_draft=GAMMA).new_tokens == ref, name
+    assert graphed.steps.fallback_reason is None
+    assert any(isinstance(f, _Recorded) and f.graph is not None for f in graphed.steps._fns.values())
+
+
+@pytest.mark.parametrize("kind", ["plain", "table"])
+def test_sampling_through_the_steps_is_distributed_as_the_target(kind):
+    """Temperature 1 on a 4-token vocabulary: 3 new tokens drawn 3000 times through the step path (plain steps'
+    inverse-CDF draws, and a static drafter's point-mass chain under rejection sampling) match the exact joint."""
+    from distill.teacher import Teacher
+    from tests.test_lossless_sampling import LENGTH, _exact_continuations, _tiny, tv
+
+    teacher = Teacher(_tiny(0), tokenizer=None, name="tiny-v4")
+    prompt = torch.tensor([[1, 2, 3]])
+    exact = _exact_continuations(teacher.model, prompt, LENGTH)
+    decoder = Decoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
+    drafter = TableDrafter(teacher, gamma=2, spoil=False, context=prompt)
+    samples, counts, accepted = 3000, torch.zeros_like(exact), 0
+    for _ in range(samples):
+        if kind == "plain":
+            gen = decoder.plain(prompt, LENGTH)
+        else:
+            gen = decoder.speculative(drafter, prompt, LENGTH, num_draft=2)
+        counts[tuple(gen.new_tokens)] += 1
+        accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    assert kind == "plain" or accepted > samples // 10
+    tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
+    assert tv(counts / samples, exact) < tol
+
+
+def test_a_longer_decode_moves_to_a_larger_cache_and_its_buckets():
+    """Past the first capacity bucket (256 columns) attention reads the next one; a decode needing more than the
+    cache holds gets a larger cache (and the old one's recorded steps are dropped), token-identically."""
+    from distill.teacher import Teacher
+    from tests.conftest import make_tiny_llama
+
+    dec = Decoder(Teacher(make_tiny_llama(max_position_embeddings=1024), tokenizer=None, name="tiny-1024"))
+    short = prompts()[0]
+    assert dec.plain(short, 10).new_tokens == dec.plain_eager(short, 10).new_tokens
+    (small,) = dec.steps._states.values()
+    assert small.cache.capacity == 256
+    long = torch.randint(0, 128, (1, 230), generator=torch.Generator().manual_seed(5))
+    buckets = set()
+    original = dec.steps._step
+    dec.steps._step = lambda s, bucket, sampling: (buckets.add(bucket.columns), original(s, bucket, sampling))
+    assert dec.plain(long, 50).new_tokens == dec.plain_eager(long, 50).new_tokens
+    (large,) = dec.steps._states.values()
+    assert large is not small and large.cache.capacity == 512 and buckets == {256, 512}
+    assert all(k[0] == id(large) for k in dec.steps._fns)
