@@ -321,7 +321,7 @@ class Session:
             dec._draft_step(self.static)()
             b = self.static.buffers
             T = size = b.tokens_T.shape[0]
-            if b.chain and depth < T:  # no deeper than the tokens still wanted, as an eager proposal
+            if b.chain and depth < T:  # no deeper than ``depth``, as an eager proposal
                 b.tokens_T[depth:].fill_(-1)  # never accepted; the next draft rewrites them
                 size = depth
             self._next = (dec._bucket(steps, T, b.chain), size, b.chain, self.static_parents, None)

@@ -120,7 +120,7 @@ def tensors_of(obj, prefix: str = "state", depth: int = 5) -> dict[str, Tensor]:
         return {}
     out = {}
     for key, value in items:
-        if key in ("drafter", "owner"):
+        if key in ("drafter", "owner", "_owner", "model"):
             continue
         out |= tensors_of(value, f"{prefix}.{key}", depth - 1)
     return out

@@ -1,8 +1,10 @@
 """Drafters' static draft steps (``inference.static_draft.StaticDraft``): played through a stand-in for the step
 decoder (``tests.static_harness``) over a greedy continuation of a tiny target, with a varying accepted length per
 step and two prompt lengths in one capacity bucket. Each step compiles to one graph with no break and no recompile,
-keeps every tensor it touches at one address, shape and stride, runs attention at a bounded set of shapes, and drafts
-exactly what the eager ``propose`` drafts on the same context."""
+keeps every tensor it touches at one address, shape and stride, runs attention at a bounded set of shapes and a fixed
+number of ops, and drafts exactly what the eager ``propose`` drafts on the same context (greedy). A sampled draft-model
+chain draws from its own warped distributions with uniforms made in the step; decoding through ``Decoder`` with each
+static step gives plain greedy decoding's tokens."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from torch._dynamo.utils import counters
 
 from distill.teacher import Teacher
 from heads.draft_model import DraftModel
+from heads.draft_model_static import hashed_uniforms
 from heads.medusa import MedusaHeads
 from heads.medusa2 import Medusa2
-from heads.draft_model_static import hashed_uniforms
 from inference.acceptance import sample_uniform
 from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig, warp
@@ -142,8 +144,9 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
     for prompt_len in PROMPTS:
         play(drafter, static, committed, target, prompt_len, 12, recorded)
     assert layout(named) == before
-    # No step leaves a tensor of its own behind in the state (a prompt's prefill may add its write positions).
-    assert {k for k in tensors_of(static) if not k.startswith("state.cache._positions")} <= set(named)
+    # No step leaves a tensor of its own behind in the state (a prompt's eager prefill may keep its write positions).
+    assert {k for k in tensors_of(static) if not k.startswith(("state.cache._positions", "state.cache._scratch"))
+            } <= set(named)
     first = recorders[0].external
     for i, rec in enumerate(recorders):
         assert rec.external == first, f"step {i} touched other tensors than step 0"
@@ -255,7 +258,7 @@ def test_decoding_through_the_static_draft_equals_plain_greedy(target, kind):
     for prompt_len in PROMPTS:
         prompt = torch.randint(0, 128, (1, prompt_len), generator=gen)
         assert dec.speculative(drafter, prompt, 40, rows - 1).new_tokens == dec.plain(prompt, 40).new_tokens
-    assert len(made) == 2 and made[0] is made[1]  # one static draft (and one recorded step) for both prompts
+    assert made and all(s is made[0] for s in made)  # one static draft (and one recorded step) for both prompts
     assert made[0].calls >= 2 * 8
 
 
