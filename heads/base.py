@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from distill.chunked import TeacherRows, chunked_divergence
 from inference.sampling import GREEDY, SamplingConfig
+from inference.static_draft import weights_signature
 from inference.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -196,11 +197,11 @@ class DecodingHooks:
 
     def reuse_static_draft(self, settings: tuple, committed, capacity: int, sampling: SamplingConfig, generator,
                            build: Callable[[], Any]):
-        """The static draft ``build`` makes, made once per (buffers, capacity, sampling, generator, device, the
-        drafter's decode ``settings``): a decoder asking again for the same buffers gets the same object, so the
-        step it recorded or compiled for it serves every later sequence (each starts with ``prefill``)."""
-        device = next(iter(self.parameters()), torch.empty(0)).device
-        key = (id(committed), capacity, sampling, id(generator), device, settings)
+        """The static draft ``build`` makes, made once per (buffers, capacity, sampling, generator, the weights'
+        dtype, device and storage, the drafter's decode ``settings``): a decoder asking again for the same buffers
+        gets the same object, so the step it recorded or compiled for it serves every later sequence (each starts
+        with ``prefill``)."""
+        key = (id(committed), capacity, sampling, id(generator), weights_signature(self), settings)
         made = self.__dict__.setdefault("_static_drafts", {})  # a plain dict, not a submodule or buffer
         if key not in made:
             if len(made) >= STATIC_DRAFTS_KEPT:  # the oldest goes (its buffers with it)

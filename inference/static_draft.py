@@ -76,6 +76,13 @@ def mark_static(*tensors: Tensor) -> None:
             pass
 
 
+def weights_signature(module) -> tuple:
+    """The dtype, device and storage of every parameter of ``module``: a cast (``module.to``) reallocates them, and a
+    step recorded over the old ones would read freed memory, so a static draft is reused only while this holds."""
+    parameters = getattr(module, "parameters", None)  # a proposer need not be an nn.Module
+    return tuple((p.dtype, p.device, p.data_ptr()) for p in parameters()) if parameters else ()
+
+
 def new_committed(rows: int, layers: tuple[int, ...], hidden_size: int, device: torch.device | str,
                   dtype: torch.dtype) -> CommittedBuffers:
     """``CommittedBuffers`` of ``rows`` rows, zero-filled, allocated once (the decoder's verify step writes them)."""

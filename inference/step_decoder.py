@@ -36,6 +36,7 @@ from inference.masks import AttentionLayout
 from inference.proposer import Proposer
 from inference.sampling import SamplingConfig, sample, warp
 from inference.static_cache import BUCKET, kv_shapes
+from inference.static_draft import weights_signature
 from inference.steps import TREE_BUCKET, Bucket, Steps, tree_nodes
 from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 
@@ -159,7 +160,7 @@ class StepDecoder:
         read), or None."""
         if not hasattr(drafter, "static_draft"):
             return None
-        key = (id(drafter), id(steps), sampling)
+        key = (id(drafter), id(steps), sampling, weights_signature(drafter))  # a cast drafter: a new static draft
         if key not in self._static:
             self._static[key] = (drafter, drafter.static_draft(steps.committed, steps.cache.capacity, sampling,
                                                                self.generator))

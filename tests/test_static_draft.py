@@ -271,3 +271,19 @@ def test_a_static_draft_is_made_once_per_buffers_and_settings(target):
     assert drafter.static_draft(committed_for(drafter, rows), CAPACITY, GREEDY, None) is not first
     drafter.set_tree("chain")
     assert drafter.static_draft(committed, CAPACITY, GREEDY, None).chain
+
+
+def test_a_cast_drafter_gets_a_new_static_draft_and_still_decodes_losslessly(target):
+    """A cast (``drafter.to``, as evaluation does to pick the faster dtype) reallocates the weights: the static draft
+    built over the old ones (and any step recorded for it) must not be reused."""
+    drafter, rows = medusa(target, "chain")
+    committed = committed_for(drafter, rows)
+    first = drafter.static_draft(committed, CAPACITY, GREEDY, None)
+    drafter.to(torch.bfloat16)
+    assert drafter.static_draft(committed, CAPACITY, GREEDY, None) is not first
+    dec = Decoder(target)
+    prompt = torch.randint(0, 128, (1, PROMPTS[0]), generator=torch.Generator().manual_seed(5))
+    plain = dec.plain(prompt, 24).new_tokens
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        drafter.to(dtype)
+        assert dec.speculative(drafter, prompt, 24, rows - 1).new_tokens == plain
