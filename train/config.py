@@ -33,6 +33,7 @@ from inference.step_decoder import CUDA_GRAPHS
 from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
 from train.engine import ENGINES, TARGET_SHARDING, TrainerConfig
+from train.selection import SELECTIONS
 from train.logger import LoggerConfig
 
 
@@ -215,6 +216,14 @@ def _check_schedule(t: TrainerConfig) -> None:
         raise ValueError(f"trainer.loss_chunk_elements={t.loss_chunk_elements} must be >= 1 (rows x vocabulary per "
                          f"loss chunk) or null (per device: 2^25 on a CPU, 2^28 on a GPU)")
     check_kernel(t.fused_kernel)
+    if t.select not in SELECTIONS:
+        raise ValueError(f"trainer.select={t.select!r}; valid: {list(SELECTIONS)}")
+    if t.eval_every < 0 or t.eval_rows < 1:
+        raise ValueError(f"trainer.eval_every={t.eval_every} must be >= 0 (0: no held-out evaluation) and "
+                         f"trainer.eval_rows={t.eval_rows} >= 1")
+    if t.select == "best_tau" and t.eval_every == 0:
+        raise ValueError("trainer.select=best_tau needs the held-out evaluation: set trainer.eval_every >= 1 (e.g. "
+                         "200), or trainer.select=last")
     if t.keep_last < 1:
         raise ValueError(f"trainer.keep_last={t.keep_last} must be >= 1 (the newest checkpoint is what a resume needs)")
 

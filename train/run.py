@@ -25,6 +25,7 @@ from train.engine import build_engine, resolve_batch, shard_target, world_from_e
 from train.logger import MetricsLogger
 from train.loop import train
 from train.preemption import Preempted
+from train.selection import HeldoutTau, Selection, heldout_rows
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +101,21 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
             log.info("training %s on %d blocks of %d tokens (data.mode=%s, trainer.engine=%s, %d rank(s), global "
                      "batch %d rows)", type(drafter).__name__, len(dataset), cfg.data.max_length, cfg.data.mode,
                      engine.name, engine.world_size, trainer.micro_batch_size * trainer.grad_accum * engine.world_size)
+            selection = _selection(cfg, teacher, drafter, run_dir, identity)
             try:
                 summary = train(cfg, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger,
-                                batch_source=batch_source)
+                                batch_source=batch_source, selection=selection)
             except Preempted:  # checkpointed on every rank: leave the process group together, then exit
                 engine.close()
                 raise
             summary.update(drafter.after_training(teacher))
             weights = engine.model_state_dict()  # collective: the full weights, gathered on the main rank
+            best = selection.final_weights() if selection is not None and engine.is_main else None
+            if best is not None:
+                log.info("drafter/ takes the weights of step %d (held-out simulated tau %.3f; trainer.select=%s)",
+                         selection.best_step, selection.best_tau, trainer.select)
+                weights = best
+                summary.update({"selected_step": selection.best_step, "selected_heldout_sim_tau": selection.best_tau})
         else:
             log.info("%s has no trainable parameters; skipping training", type(drafter).__name__)
             weights = None
@@ -139,6 +147,18 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
         return report
     finally:
         logger.close()
+
+
+def _selection(cfg: Config, teacher, drafter, run_dir: Path, identity: dict) -> Selection | None:
+    """The held-out evaluation and best-weights keeper (``train.selection``); None with ``trainer.eval_every=0``."""
+    t = cfg.trainer
+    if not t.eval_every:
+        return None
+    rows = heldout_rows(teacher.tokenizer, t.eval_rows, cfg.data.max_length)
+    depth = cfg.eval.num_draft if drafter.drafts_autoregressively else None
+    evaluate = HeldoutTau(teacher, rows, t.micro_batch_size, depth)  # the live target, even over a teacher cache
+    return Selection(evaluate, t.select, run_dir, {"drafter_cfg": cfg.drafter, "target_cfg": dataclasses.asdict(cfg.target),
+                                                   "target_identity": identity})
 
 
 @contextlib.contextmanager
