@@ -83,6 +83,9 @@ class RegenerateConfig:
     top_p: float = 1.0
     seed: int = 0
     num_prompts: Optional[int] = None  # null: every prompt of the data
+    # How each rank generates (distill.regenerate.engines): batched (this project's batched decoder) | hf
+    # (transformers' generate(), static cache + compile on CUDA) | vllm (vllm.LLM.generate; untested here)
+    engine: str = "batched"
 
 
 @dataclass
@@ -234,6 +237,9 @@ def _check_data_mode(data: DataConfig, trainer: TrainerConfig) -> None:
     if data.mode == "regenerated" and not data.regenerated:
         raise ValueError("data.mode=regenerated needs data.regenerated=<file.jsonl>, written by "
                          "`python -m distill.regenerate regenerate.out=<file.jsonl>`")
+    if data.mode == "regenerate" and data.teacher_cache:
+        raise ValueError(f"data.mode=regenerate trains on the target's new answers; data.teacher_cache="
+                         f"{data.teacher_cache} holds the fixed rows' signals. Set data.teacher_cache=null")
     if data.mode == "fixed" and data.regenerated:
         raise ValueError(f"data.regenerated={data.regenerated} is set but data.mode=fixed ignores it; set "
                          f"data.mode=regenerated (or mixed), or data.regenerated=null")

@@ -16,8 +16,11 @@ from distill.cache import open_teacher_cache
 from distill.data import ON_POLICY_MODES, build_train_dataset, collate
 from distill.lock import WriterLockedError, writer_lock
 from distill.onpolicy import OnPolicyBatches
-from distill.regenerate import load_regenerated
+from distill.ranks import Ranks
+from distill.regenerate import (check_settings, load_regenerated, prompts_from_data, regenerated_path,
+                                write_regenerated)
 from distill.teacher import load_teacher
+from distill.toy import default_cache_dir
 from heads.base import build_drafter, save_drafter
 from train import checkpoint
 from train.config import Config
@@ -30,12 +33,15 @@ from train.selection import HeldoutTau, Selection, heldout_rows
 log = logging.getLogger(__name__)
 
 
-def training_data(cfg: Config, teacher, drafter):
+def training_data(cfg: Config, teacher, drafter, engine=None):
     """(dataset, what the loop asks for teacher signals, batch_source) for ``data.mode`` (see ``distill.data``):
-    fixed rows, the target's regenerated answers, the offline teacher cache, or on-policy rows the draft writes."""
+    fixed rows, the target's regenerated answers (``regenerate``: written first, over ``engine``'s ranks), the offline
+    teacher cache, or on-policy rows the draft writes."""
     signals = teacher  # the live target, or the offline cache
     if cfg.data.teacher_cache:
         dataset, signals = open_teacher_cache(cfg.data.teacher_cache, teacher, cfg.data, drafter.teacher_layers, cfg.loss)
+    elif cfg.data.mode == "regenerate":
+        dataset = load_regenerated(regenerate_first(cfg, teacher, engine), teacher.tokenizer, cfg.data, teacher)
     elif cfg.data.regenerated and cfg.data.mode != "fixed":
         dataset = load_regenerated(cfg.data.regenerated, teacher.tokenizer, cfg.data, teacher)
     else:
@@ -44,6 +50,21 @@ def training_data(cfg: Config, teacher, drafter):
     if cfg.data.mode in ON_POLICY_MODES:
         batch_source = OnPolicyBatches(drafter, cfg.data, cfg.seed)
     return dataset, signals, batch_source
+
+
+def regenerate_first(cfg: Config, teacher, engine=None) -> Path:
+    """``data.mode=regenerate``: the target's answers to the data's prompts, written (or finished, or found done) by
+    every rank together before training; the jsonl's path."""
+    settings = dataclasses.asdict(cfg.regenerate)
+    check_settings(settings)
+    out = Path(cfg.data.regenerated or regenerated_path(teacher, cfg.data, settings,
+                                                        cfg.target.cache_dir or default_cache_dir()))
+    log.info("data.mode=regenerate: the target's answers in %s (written once, then reused)", out)
+    prompts = prompts_from_data(cfg.data, teacher.tokenizer, cfg.regenerate.prompt_tokens, cfg.regenerate.num_prompts)
+    ranks = None
+    if engine is not None and engine.world_size > 1:
+        ranks = Ranks(rank=engine.rank, world=engine.world_size, barrier=engine.barrier)
+    return write_regenerated(out, teacher, prompts, cfg.data, settings, ranks)
 
 
 def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = None) -> dict | None:
@@ -96,7 +117,7 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
                 "model_type": teacher.model.config.model_type}  # exports check the engines' family support by it
     try:
         if any(p.requires_grad for p in drafter.parameters()):
-            dataset, signals, batch_source = training_data(cfg, teacher, drafter)
+            dataset, signals, batch_source = training_data(cfg, teacher, drafter, engine)
             drafter.prepare(dataset)
             log.info("training %s on %d blocks of %d tokens (data.mode=%s, trainer.engine=%s, %d rank(s), global "
                      "batch %d rows)", type(drafter).__name__, len(dataset), cfg.data.max_length, cfg.data.mode,
