@@ -92,7 +92,9 @@ class Selection:
 
     def evaluate(self, step: int, model, drafter, loss_fn: Callable, engine) -> dict:
         """Evaluate after ``step`` optimizer steps; keep the weights when they beat the best so far."""
-        tau = float(self.evaluate_fn(step, model, drafter, loss_fn, engine))
+        # Rank 0's figure on every rank: ranks computing it apart could round differently, and a rank that alone
+        # saw a new best would enter the collective weight gather below alone.
+        tau = float(engine.broadcast_object(float(self.evaluate_fn(step, model, drafter, loss_fn, engine))))
         better = self.best_tau is None or tau > self.best_tau
         if better and self.select == "best_tau":
             weights = engine.model_state_dict()  # collective under sharding engines
