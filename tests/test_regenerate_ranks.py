@@ -138,3 +138,20 @@ def test_hf_generate_engine_answers_like_the_batched_decoder_at_t0_and_by_seed(t
         assert hf == answers("batched", "batched")
     else:
         assert hf == answers("hf_again", "hf") != answers("hf_seed1", "hf", seed=1)
+
+
+def test_progress_lines_give_tokens_per_second_and_an_eta(caplog):
+    from distill.progress import Progress
+
+    now = [0.0]
+    progress = Progress("regenerate", 100, "prompts", every_s=10.0, clock=lambda: now[0])
+    with caplog.at_level("INFO", logger="distill.progress"):
+        now[0] = 5.0
+        progress.update(10, 500)  # under every_s since the start: no line yet
+        now[0] = 20.0
+        progress.update(30, 1500)
+        now[0] = 50.0
+        progress.update(60, 3000)  # done: always a line
+    assert [r.getMessage() for r in caplog.records] == [
+        "regenerate: 40/100 prompts (40.0%), 100 tokens/s, ETA 0m30s",
+        "regenerate: 100/100 prompts (100.0%), 100 tokens/s, ETA 0m00s"]

@@ -116,3 +116,25 @@ def test_python_m_train_writes_drafter_from_the_best_heldout_tau(tmp_path):
     assert final["selected_step"] == best["step"] in (2, 4)
     assert final["selected_heldout_sim_tau"] == best["heldout_sim_tau"] == final["eval/best_heldout_sim_tau"]
     assert_same(load_file(str(tmp_path / "run" / "drafter" / WEIGHTS)), load_file(str(tmp_path / "run" / BEST_DIR / WEIGHTS)))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["trainer.select=best"], r"trainer.select='best'; valid: \['last', 'best_tau'\]"),
+    (["trainer.eval_every=0"], r"trainer.select=best_tau needs the held-out evaluation"),
+    (["trainer.eval_rows=0"], r"trainer.eval_rows=0 >= 1"),
+    (["data.mode=regenerate", "target.shard=fsdp"], r"data.mode=regenerate .*\(target.shard=fsdp\) cannot"),
+])
+def test_selection_and_regenerate_settings_are_checked_at_start_up(overrides, match):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from train.config import load_config, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    with pytest.raises(ValueError, match=match):
+        load_config(cfg)
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        assert load_config(compose(config_name="config", overrides=["trainer.select=last", "trainer.eval_every=0"]))

@@ -190,6 +190,11 @@ def validate(cfg: Config) -> None:
     if cfg.loss:
         _check_keys(cfg.loss, "loss")
     _check_data_mode(cfg.data, cfg.trainer)
+    if cfg.data.mode == "regenerate" and cfg.target.shard != "replicate":
+        raise ValueError(f"data.mode=regenerate decodes a different share of the prompts on each rank, which a target "
+                         f"split over the ranks (target.shard={cfg.target.shard}) cannot do; regenerate first with "
+                         f"`torchrun -m distill.regenerate regenerate.out=<file.jsonl>` where the target fits, then "
+                         f"train with data.mode=regenerated data.regenerated=<file.jsonl>")
     _check_loss_values(cfg.loss)
     if cfg.target.source == "toy" and cfg.data.max_length > cfg.target.toy.max_seq_len:
         raise ValueError(
