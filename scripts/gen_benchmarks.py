@@ -112,6 +112,15 @@ def render_batch(d: dict) -> str:
             f"round(s); auto = `decoder.policy=auto`.\n\n" + _table(header, rows))
 
 
+def render_regenerate(d: dict) -> str:
+    header = ["batch", "batched decoder tokens/s", "HF generate() tokens/s", "batched ÷ HF", "identical answers"]
+    rows = [[_f(r["batch_size"]), _f(r["batched_tokens_per_s"], 0), _f(r["hf_tokens_per_s"], 0),
+             _x(r["batched_over_hf"]), f"{r['identical_answers']}/{r['answers']}"] for r in d["results"]]
+    s = d["settings"]
+    return (_table(header, rows) + f"\n\nTarget `{d['target']}` on {d['device']} ({d['threads']} threads), greedy, "
+            f"{s['prompt_tokens']}-token prompts, up to {s['max_new_tokens']} new tokens, {s['batches']} timed batches.")
+
+
 def render_recipe(d: dict) -> str:
     header = ["row", "seed", "steps", "CPU s", "τ chain", "τ 16-node", "τ 59-node", "identical"]
     rows = []
@@ -277,6 +286,11 @@ SOURCES: dict[str, Source] = {
         "vs 1,765 (`bench_decode_steps_tiny_cpu_before.json`)."),
     "bench_decode_steps_tiny_cpu_before.json": Source(
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
+    "bench_regenerate_toy_cpu.json": Source(
+        "Regeneration throughput: our batched decoder vs HF generate() (CPU, tiny toy target)",
+        "python scripts/bench_regenerate.py --threads 2 --batch-sizes 8 32 --batches 3", render_regenerate,
+        "The same prompts and batch for both engines, run alone on a shared 2-core machine. On a CPU neither uses a "
+        "static cache or compilation; the GPU comparison (HF with a static cache, compiled) is still to be measured."),
     "bench_step_cpu.json": Source(
         "Training step time across versions", "", None, "A comparison of versions of the code; not rendered."),
 }

@@ -63,13 +63,14 @@ def test_every_row_composes_into_a_valid_config():
                                                                             base.trainer.lr), name
 
 
-@pytest.mark.parametrize("experiment,row", [
-    ("eagle1_regen_top1", "eagle1_regen0_top1ce_kl1"),
-    ("eagle3_regen_top1", "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup300_10cpumin"),
+@pytest.mark.parametrize("experiment,row,regenerates", [
+    ("eagle1_regen_top1", "eagle1_regen0_top1ce_kl1", True),
+    ("eagle3_regen_top1", "eagle3_ttt3_regen0_top1ce_kl1_decay1_vocab1024_warmup300_10cpumin", False),
 ])
-def test_experiment_preset_is_the_winning_recipe_row_and_asks_for_its_data(tmp_path, experiment, row):
+def test_experiment_preset_is_the_winning_recipe_row_and_asks_for_its_data(tmp_path, experiment, row, regenerates):
     """conf/experiment/<experiment>.yaml composes to the overrides of bench_recipe's winning row for its drafter
-    kind; without data.regenerated it is refused, naming the key."""
+    kind; a preset that regenerates its data itself (data.mode=regenerate) needs no file, the other one refuses to
+    start without data.regenerated, naming the key."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
     from train.config import load_config, register_configs
@@ -83,7 +84,10 @@ def test_experiment_preset_is_the_winning_recipe_row_and_asks_for_its_data(tmp_p
         by_hand = compose(config_name="config", overrides=[o if not o.startswith("data.regenerated=") else
                                                            f"data.regenerated={regen}" for o in row])
         missing = compose(config_name="config", overrides=[f"experiment={experiment}"])
-    for node in ("data", "loss", "drafter"):
+    for node in ("loss", "drafter") if regenerates else ("data", "loss", "drafter"):
         assert OmegaConf.to_container(preset[node]) == OmegaConf.to_container(by_hand[node])
+    if regenerates:  # the row's file was written at T = 0: the preset regenerates greedily itself
+        assert load_config(missing).data.mode == "regenerate" and preset.regenerate.temperature == 0
+        return
     with pytest.raises(Exception, match="data.regenerated"):
         load_config(missing)

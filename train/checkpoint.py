@@ -49,9 +49,10 @@ def checkpoint_root(run_dir: str | os.PathLike) -> Path:
 
 def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping, target_cfg: Mapping,
                     target_identity: Mapping, layout: Mapping, keep_last: int, recipe: Mapping | None = None,
-                    metrics: Mapping | None = None) -> Path:
+                    metrics: Mapping | None = None, selection=None) -> Path:
     """``recipe``: the optimisation settings a resume must find unchanged (``training_recipe``); ``metrics``: the last
-    logged metrics, handed back on resume so a finished run's summary survives a rerun."""
+    logged metrics, handed back on resume so a finished run's summary survives a rerun; ``selection``: the best
+    held-out τ so far and its weights (``train.selection``), stored so a resume keeps them."""
     root = checkpoint_root(run_dir)
     name = f"step_{step:07d}"
     final, tmp = root / name, root / f".{name}.partial"
@@ -79,8 +80,11 @@ def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping,
                 "rng": rng,
                 "recipe": dict(recipe or {}),
                 "last_metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+                "selection": selection.state() if selection is not None else None,
                 **engine.extra_state(),
             }
+            if selection is not None:
+                selection.copy_into(tmp)
             if (tmp / "deepspeed").is_dir():  # pickled by DeepSpeed: sign what we wrote (verify_shards)
                 state["shards"] = sign_shards(tmp / "deepspeed")
             torch.save(state, tmp / STATE)
@@ -203,6 +207,11 @@ def _earlier_outputs(run_dir: Path, resume: str) -> list[str]:
 def saved_metrics(path: Path) -> dict:
     """The last logged metrics stored with a checkpoint (empty for checkpoints written before they were)."""
     return dict(torch.load(path / STATE, weights_only=True).get("last_metrics") or {})
+
+
+def saved_selection(path: Path) -> dict | None:
+    """The checkpoint's best held-out τ so far (``train.selection``); None for checkpoints written before it was."""
+    return torch.load(path / STATE, weights_only=True).get("selection")
 
 
 def load_checkpoint(path: Path, engine, optimizer, drafter_cfg: Mapping, target_identity: Mapping,

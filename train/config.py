@@ -36,6 +36,7 @@ from inference.step_decoder import CUDA_GRAPHS
 from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
 from train.engine import ENGINES, TARGET_SHARDING, TrainerConfig
+from train.selection import SELECTIONS
 from train.logger import LoggerConfig
 
 
@@ -161,6 +162,11 @@ def validate(cfg: Config) -> None:
     if cfg.loss:
         _check_keys(cfg.loss, "loss")
     _check_data_mode(cfg.data, cfg.trainer)
+    if cfg.data.mode == "regenerate" and cfg.target.shard != "replicate":
+        raise ValueError(f"data.mode=regenerate decodes a different share of the prompts on each rank, which a target "
+                         f"split over the ranks (target.shard={cfg.target.shard}) cannot do; regenerate first with "
+                         f"`torchrun -m distill.regenerate regenerate.out=<file.jsonl>` where the target fits, then "
+                         f"train with data.mode=regenerated data.regenerated=<file.jsonl>")
     _check_loss_values(cfg.loss)
     if cfg.target.source == "toy" and cfg.data.max_length > cfg.target.toy.max_seq_len:
         raise ValueError(
@@ -190,6 +196,14 @@ def _check_schedule(t: TrainerConfig) -> None:
         raise ValueError(f"trainer.loss_chunk_elements={t.loss_chunk_elements} must be >= 1 (rows x vocabulary per "
                          f"loss chunk) or null (per device: 2^25 on a CPU, 2^28 on a GPU)")
     check_kernel(t.fused_kernel)
+    if t.select not in SELECTIONS:
+        raise ValueError(f"trainer.select={t.select!r}; valid: {list(SELECTIONS)}")
+    if t.eval_every < 0 or t.eval_rows < 1:
+        raise ValueError(f"trainer.eval_every={t.eval_every} must be >= 0 (0: no held-out evaluation) and "
+                         f"trainer.eval_rows={t.eval_rows} >= 1")
+    if t.select == "best_tau" and t.eval_every == 0:
+        raise ValueError("trainer.select=best_tau needs the held-out evaluation: set trainer.eval_every >= 1 (e.g. "
+                         "200), or trainer.select=last")
     if t.keep_last < 1:
         raise ValueError(f"trainer.keep_last={t.keep_last} must be >= 1 (the newest checkpoint is what a resume needs)")
 
@@ -200,6 +214,9 @@ def _check_data_mode(data: DataConfig, trainer: TrainerConfig) -> None:
     if data.mode == "regenerated" and not data.regenerated:
         raise ValueError("data.mode=regenerated needs data.regenerated=<file.jsonl>, written by "
                          "`python -m distill.regenerate regenerate.out=<file.jsonl>`")
+    if data.mode == "regenerate" and data.teacher_cache:
+        raise ValueError(f"data.mode=regenerate trains on the target's new answers; data.teacher_cache="
+                         f"{data.teacher_cache} holds the fixed rows' signals. Set data.teacher_cache=null")
     if data.mode == "fixed" and data.regenerated:
         raise ValueError(f"data.regenerated={data.regenerated} is set but data.mode=fixed ignores it; set "
                          f"data.mode=regenerated (or mixed), or data.regenerated=null")

@@ -61,6 +61,13 @@ class TrainerConfig:
     ckpt_every: int = 200
     keep_last: int = 2
     resume: str = "auto"  # auto: continue from <run dir>/checkpoints/latest if present | never
+    # What <run dir>/drafter/ is written from (train.selection): best_tau = the evaluated weights with the best
+    # held-out simulated τ | last = the last step's. The held-out evaluation runs every eval_every steps and at the
+    # last step, on eval_rows rows of data.max_length tokens, under either choice (eval_every=0: never; select must
+    # then be last).
+    select: str = "best_tau"
+    eval_every: int = 200
+    eval_rows: int = 16
     num_threads: Optional[int] = None
     # Rows x vocabulary per chunk of the chunked loss (distill.chunked). null: per device (distill.chunked.
     # default_chunk_elements): on a CPU 2^25 = 261 rows at V 128k, 128 MB per float32 [rows, V] buffer (~3 per

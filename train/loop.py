@@ -34,6 +34,7 @@ from distill.data import rows_fingerprint
 from distill.fused_kernels import fused_kernel
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
+from train.selection import Selection
 from train.preemption import Preempted, StopFlag, stop_on_signals, stopped_line
 from train.config import Config
 from train.engine import TrainerConfig
@@ -74,17 +75,20 @@ class BatchOrder:
 
 
 def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
-          run_dir, logger, batch_source: Callable | None = None) -> dict:
+          run_dir, logger, batch_source: Callable | None = None, selection: Selection | None = None) -> dict:
     """``batch_source(batch, micro_batch_number)``: what replaces a collated batch before the teacher sees it
-    (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is. SIGTERM, SIGINT and
-    SIGUSR1 stop the run after the step they arrive in, checkpointed (``train.preemption``)."""
+    (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is. ``selection``: the
+    held-out evaluation every ``trainer.eval_every`` steps and the best weights so far (``train.selection``); None
+    evaluates nothing. SIGTERM, SIGINT and SIGUSR1 stop the run after the step they arrive in, checkpointed
+    (``train.preemption``)."""
     with chunk_budget(cfg.trainer.loss_chunk_elements or default_chunk_elements(engine.device)), \
             fused_kernel(cfg.trainer.fused_kernel), stop_on_signals() as stop:
-        return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source, stop)
+        return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source, stop,
+                      selection)
 
 
 def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
-           run_dir, logger, batch_source: Callable | None, stop: StopFlag) -> dict:
+           run_dir, logger, batch_source: Callable | None, stop: StopFlag, selection: Selection | None) -> dict:
     t = cfg.trainer
     model, optimizer = engine.setup(drafter, lambda groups: torch.optim.AdamW(
         groups, lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay))
@@ -95,6 +99,8 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
     if (ckpt := checkpoint.resume_point(run_dir, t.resume, t.steps)) is not None:
         start = checkpoint.load_checkpoint(ckpt, engine, optimizer, cfg.drafter, identity, layout, recipe)
         last = checkpoint.saved_metrics(ckpt)  # a finished run resumed to done keeps its final metrics
+        if selection is not None:
+            selection.restore(checkpoint.saved_selection(ckpt), ckpt, engine.is_main)
     order = BatchOrder(len(dataset), t.micro_batch_size, cfg.seed)
     layers = tuple(drafter.teacher_layers)
     sim_depth = cfg.eval.num_draft if drafter.drafts_autoregressively else None
@@ -109,7 +115,9 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         drafter.begin_step(step)
-        logging_step = step % t.log_every == 0 or step == t.steps - 1
+        # A held-out evaluation step (train.selection) is a logging step too: its figures share the step's row.
+        eval_step = selection is not None and t.eval_every > 0 and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps)
+        logging_step = step % t.log_every == 0 or step == t.steps - 1 or eval_step
         clock = PhaseClock(engine.device, enabled=logging_step)
         # This rank's micro-batches: global numbers [first, first + accum). Ranks take disjoint, consecutive slices
         # of the step's global batch, so any world size sees the same rows per step and none twice.
@@ -157,6 +165,8 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
             last.update({f"train/acc_head{k + 1}": a for k, a in enumerate(accs)})
             last["train/sim_tau"] = simulated_tau(accs, sim_depth)
             last.update(throughput(engine, clock, tokens_window, time.perf_counter() - t_window))
+            if eval_step:
+                last.update(selection.evaluate(step + 1, model, drafter, loss_fn, engine))
             t_window = time.perf_counter()
             tokens_window.zero_()
             logger.log(last, step=step)
@@ -166,7 +176,8 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
         # The last step is checkpointed too, so rerunning a finished run dir resumes to "done", not to step N-k.
         if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps or signum:
             saved = checkpoint.save_checkpoint(run_dir, step + 1, engine, optimizer, cfg.drafter, asdict(cfg.target),
-                                               identity, layout, t.keep_last, recipe=recipe, metrics=last)
+                                               identity, layout, t.keep_last, recipe=recipe, metrics=last,
+                                               selection=selection)
         if signum:
             bar.close()
             if engine.is_main:

@@ -16,8 +16,11 @@ from distill.cache import open_teacher_cache
 from distill.data import ON_POLICY_MODES, build_train_dataset, collate
 from distill.lock import WriterLockedError, writer_lock
 from distill.onpolicy import OnPolicyBatches
-from distill.regenerate import load_regenerated
+from distill.ranks import Ranks
+from distill.regenerate import (check_settings, load_regenerated, prompts_from_data, regenerated_path,
+                                write_regenerated)
 from distill.teacher import load_teacher
+from distill.toy import default_cache_dir
 from heads.base import build_drafter
 from heads.saved import save_drafter
 from train import checkpoint
@@ -26,6 +29,7 @@ from train.engine import build_engine, resolve_batch, shard_target, world_from_e
 from train.logger import MetricsLogger
 from train.loop import train
 from train.preemption import Preempted
+from train.selection import HeldoutTau, Selection, heldout_rows
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +39,15 @@ def drafter_teacher_layers(cfg: Config, teacher) -> list[int]:
     return list(build_drafter(cfg.drafter, teacher).teacher_layers)
 
 
-def training_data(cfg: Config, teacher, drafter):
+def training_data(cfg: Config, teacher, drafter, engine=None):
     """(dataset, what the loop asks for teacher signals, batch_source) for ``data.mode`` (see ``distill.data``):
-    fixed rows, the target's regenerated answers, the offline teacher cache, or on-policy rows the draft writes."""
+    fixed rows, the target's regenerated answers (``regenerate``: written first, over ``engine``'s ranks), the offline
+    teacher cache, or on-policy rows the draft writes."""
     signals = teacher  # the live target, or the offline cache
     if cfg.data.teacher_cache:
         dataset, signals = open_teacher_cache(cfg.data.teacher_cache, teacher, cfg.data, drafter.teacher_layers, cfg.loss)
+    elif cfg.data.mode == "regenerate":
+        dataset = load_regenerated(regenerate_first(cfg, teacher, engine), teacher.tokenizer, cfg.data, teacher)
     elif cfg.data.regenerated and cfg.data.mode != "fixed":
         dataset = load_regenerated(cfg.data.regenerated, teacher.tokenizer, cfg.data, teacher)
     else:
@@ -49,6 +56,21 @@ def training_data(cfg: Config, teacher, drafter):
     if cfg.data.mode in ON_POLICY_MODES:
         batch_source = OnPolicyBatches(drafter, cfg.data, cfg.seed)
     return dataset, signals, batch_source
+
+
+def regenerate_first(cfg: Config, teacher, engine=None) -> Path:
+    """``data.mode=regenerate``: the target's answers to the data's prompts, written (or finished, or found done) by
+    every rank together before training; the jsonl's path."""
+    settings = dataclasses.asdict(cfg.regenerate)
+    check_settings(settings)
+    out = Path(cfg.data.regenerated or regenerated_path(teacher, cfg.data, settings,
+                                                        cfg.target.cache_dir or default_cache_dir()))
+    log.info("data.mode=regenerate: the target's answers in %s (written once, then reused)", out)
+    prompts = prompts_from_data(cfg.data, teacher.tokenizer, cfg.regenerate.prompt_tokens, cfg.regenerate.num_prompts)
+    ranks = None
+    if engine is not None and engine.world_size > 1:
+        ranks = Ranks(rank=engine.rank, world=engine.world_size, barrier=engine.barrier)
+    return write_regenerated(out, teacher, prompts, cfg.data, settings, ranks)
 
 
 def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = None) -> dict | None:
@@ -101,19 +123,26 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
                 "model_type": teacher.model.config.model_type}  # exports check the engines' family support by it
     try:
         if any(p.requires_grad for p in drafter.parameters()):
-            dataset, signals, batch_source = training_data(cfg, teacher, drafter)
+            dataset, signals, batch_source = training_data(cfg, teacher, drafter, engine)
             drafter.prepare(dataset)
             log.info("training %s on %d blocks of %d tokens (data.mode=%s, trainer.engine=%s, %d rank(s), global "
                      "batch %d rows)", type(drafter).__name__, len(dataset), cfg.data.max_length, cfg.data.mode,
                      engine.name, engine.world_size, trainer.micro_batch_size * trainer.grad_accum * engine.world_size)
+            selection = _selection(cfg, teacher, drafter, run_dir, identity)
             try:
                 summary = train(cfg, signals, drafter, dataset, collate, instantiate(cfg.loss), engine, run_dir, logger,
-                                batch_source=batch_source)
+                                batch_source=batch_source, selection=selection)
             except Preempted:  # checkpointed on every rank: leave the process group together, then exit
                 engine.close()
                 raise
             summary.update(drafter.after_training(teacher))
             weights = engine.model_state_dict()  # collective: the full weights, gathered on the main rank
+            best = selection.final_weights() if selection is not None and engine.is_main else None
+            if best is not None:
+                log.info("drafter/ takes the weights of step %d (held-out simulated tau %.3f; trainer.select=%s)",
+                         selection.best_step, selection.best_tau, trainer.select)
+                weights = best
+                summary.update({"selected_step": selection.best_step, "selected_heldout_sim_tau": selection.best_tau})
         else:
             log.info("%s has no trainable parameters; skipping training", type(drafter).__name__)
             weights = None
@@ -145,6 +174,18 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
         return report
     finally:
         logger.close()
+
+
+def _selection(cfg: Config, teacher, drafter, run_dir: Path, identity: dict) -> Selection | None:
+    """The held-out evaluation and best-weights keeper (``train.selection``); None with ``trainer.eval_every=0``."""
+    t = cfg.trainer
+    if not t.eval_every:
+        return None
+    rows = heldout_rows(teacher.tokenizer, t.eval_rows, cfg.data.max_length)
+    depth = cfg.eval.num_draft if drafter.drafts_autoregressively else None
+    evaluate = HeldoutTau(teacher, rows, t.micro_batch_size, depth)  # the live target, even over a teacher cache
+    return Selection(evaluate, t.select, run_dir, {"drafter_cfg": cfg.drafter, "target_cfg": dataclasses.asdict(cfg.target),
+                                                   "target_identity": identity})
 
 
 @contextlib.contextmanager

@@ -32,9 +32,11 @@ keeps its components, so a cache opened for another target or data names what di
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import os
+import shutil
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from collections.abc import Mapping, Sequence
@@ -52,6 +54,8 @@ from distill.atomic import write_file_atomically, write_text_atomically
 from distill.data import DataConfig, collate, source_fingerprint
 from distill.fingerprint import differences, file_digest, grouped, json_digest, vocab_digest
 from distill.lock import writer_lock
+from distill.progress import Progress
+from distill.ranks import Ranks
 from distill.teacher_output import TeacherOutput
 
 log = logging.getLogger(__name__)
@@ -222,47 +226,77 @@ def _prepare_dir(cache_dir: Path, fp: str, components: Mapping) -> None:
 
 def write_cache(cache_dir: str | os.PathLike, teacher, dataset, data_cfg: DataConfig, layers: Sequence[int],
                 topk: int = 64, dtype: str = "bfloat16", shard_rows: int = 256, batch_size: int = 8,
-                max_shards: int | None = None) -> dict | None:
+                max_shards: int | None = None, ranks: Ranks | None = None) -> dict | None:
     """Write (or finish) the cache of ``dataset`` under ``cache_dir``; returns the manifest. Shards already complete
     for this config are kept. ``max_shards``: stop after writing that many new shards, returning None without a
-    manifest (an interruption, for tests)."""
+    manifest (an interruption, for tests). ``ranks``: this process among several (torchrun): shard i is written by
+    rank ``i mod N``, and the main rank writes the manifest once all are done; the files are the ones one process
+    writes (each shard is a function of its rows)."""
     layers = _check_write_args(teacher, layers, topk, dtype, shard_rows, batch_size)
-    with writer_lock(cache_dir, "cache.dir"):  # one writer: it sweeps temp files, which another's would be
+    main = ranks is None or ranks.is_main
+    # One writer job: its main rank holds the lock (it sweeps temp files, which another job's would be).
+    with writer_lock(cache_dir, "cache.dir") if main else contextlib.nullcontext():
         return _write_cache(Path(cache_dir), teacher, dataset, data_cfg, layers, topk, dtype, shard_rows, batch_size,
-                            max_shards)
+                            max_shards, ranks)
+
+
+def _check_space(cache_dir: Path, needed: int) -> None:
+    """Refuse to start a write the disk cannot hold (a full disk mid-write fails late and costs the time spent)."""
+    free = shutil.disk_usage(cache_dir).free
+    if needed > free:
+        raise OSError(f"cache.dir={cache_dir}: the shards still to write need about {_size(needed)}, but only "
+                      f"{_size(free)} is free there; free space, choose a cache.dir on a larger disk, or cache fewer "
+                      f"rows or layers (cache.layers) or a smaller cache.topk")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _write_cache(cache_dir: Path, teacher, dataset, data_cfg: DataConfig, layers: list[int], topk: int, dtype: str,
-                 shard_rows: int, batch_size: int, max_shards: int | None) -> dict | None:
+                 shard_rows: int, batch_size: int, max_shards: int | None, ranks: Ranks | None = None) -> dict | None:
     components = fingerprint_components(teacher, data_cfg, layers, topk, dtype)
     fp = fingerprint(components)
-    _prepare_dir(cache_dir, fp, components)
+    rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
+    if rank == 0:
+        _prepare_dir(cache_dir, fp, components)
+    if ranks is not None:
+        ranks.barrier()  # no rank writes before the main rank has swept the temp files
     if len(dataset) == 0:
         raise ValueError("the training dataset is empty; nothing to cache")
     num_rows, max_length = len(dataset), int(dataset[0]["input_ids"].shape[-1])
     per_token = bytes_per_token(len(layers), teacher.hidden_size, topk, dtype)
     total = num_rows * max_length * per_token
-    size = f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**20:.2f} MiB"
+    size = _size(total)
     message = (f"teacher cache: {num_rows} rows x {max_length} tokens, layers {layers} (D={teacher.hidden_size}, "
                f"{dtype}), top-{topk} (int32 ids + float32 log-probs): {per_token} bytes/token, expected {size} "
                f"in {cache_dir}")
     log.info(message)
     print(message, flush=True)
-    shards, written = [], 0
     recorded = _recorded_digests(cache_dir)
-    for index, start in enumerate(range(0, num_rows, shard_rows)):
-        rows, path = range(start, min(start + shard_rows, num_rows)), cache_dir / shard_name(index)
-        if not _shard_is_complete(path, fp, rows) or _damaged(path, recorded.get(path.name)):
-            if max_shards is not None and written >= max_shards:
-                log.info("stopping after %d new shard(s) (max_shards); rerun to resume", written)
-                return None
-            tensors = _teacher_rows(teacher, dataset, rows, layers, topk, dtype, batch_size)
-            meta = {FORMAT: _shard_metadata(fp, rows)}
-            write_file_atomically(path, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
-            written += 1
-            log.info("wrote %s (rows %d..%d)", path.name, rows.start, rows.stop - 1)
-        shards.append({"file": path.name, "start": rows.start, "end": rows.stop, "bytes": path.stat().st_size,
-                       "sha256": file_digest(path)})
+    plan = [(index, range(start, min(start + shard_rows, num_rows)), cache_dir / shard_name(index))
+            for index, start in enumerate(range(0, num_rows, shard_rows))]
+    missing = [(index, rows, path) for index, rows, path in plan
+               if not _shard_is_complete(path, fp, rows) or _damaged(path, recorded.get(path.name))]
+    _check_space(cache_dir, sum(len(rows) for _, rows, _ in missing) * max_length * per_token)  # all ranks' shards
+    todo = [(rows, path) for index, rows, path in missing if index % world == rank]
+    progress = Progress("teacher cache", sum(len(rows) for rows, _ in todo), "rows")
+    for written, (rows, path) in enumerate(todo):
+        if max_shards is not None and written >= max_shards:
+            log.info("stopping after %d new shard(s) (max_shards); rerun to resume", written)
+            return None
+        tensors = _teacher_rows(teacher, dataset, rows, layers, topk, dtype, batch_size)
+        meta = {FORMAT: _shard_metadata(fp, rows)}
+        write_file_atomically(path, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
+        log.info("wrote %s (rows %d..%d)", path.name, rows.start, rows.stop - 1)
+        progress.update(len(rows), len(rows) * max_length)
+    written = len(todo)
+    if ranks is not None:
+        ranks.barrier()  # every rank's shards are in place
+    if rank != 0:
+        return None
+    shards = [{"file": path.name, "start": rows.start, "end": rows.stop, "bytes": path.stat().st_size,
+               "sha256": file_digest(path)} for _, rows, path in plan]
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fp, "components": components,
                 "layers": layers, "topk": topk, "dtype": dtype, "logprob_dtype": "float32",
                 "hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size, "num_rows": num_rows,

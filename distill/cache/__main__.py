@@ -1,5 +1,6 @@
 """Entry point: ``python -m distill.cache cache.dir=<dir> [hydra overrides]``: the offline teacher cache of the
-configured target over the configured training rows (format: ``distill.cache``). An entry point, so it may read the
+configured target over the configured training rows (format: ``distill.cache``); under ``torchrun --nproc-per-node N``
+the ranks share the shards. An entry point, so it may read the
 layers above ``distill`` (the training config, the engine's device choice, the drafter's teacher layers)."""
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from omegaconf import DictConfig
 from distill.environment import check_run_dir_override, one_line_errors
 from distill.cache import STORE_DTYPES, write_cache
 from distill.data import build_train_dataset
+from distill.ranks import job_ranks, leave
 from distill.teacher import load_teacher
 from train.config import Config, load_config, register_configs
+from train.engine import resolve_device, world_from_env
 from train.run import drafter_teacher_layers
-from train.engine import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +30,19 @@ def build_cache(cfg: Config) -> dict:
                          "with data.teacher_cache=<that directory>")
     if c.dtype not in STORE_DTYPES:
         raise ValueError(f"cache.dtype={c.dtype!r} is not supported; valid: {sorted(STORE_DTYPES)}")
-    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
-    dataset = build_train_dataset(cfg.data, teacher.tokenizer)
-    if c.layers is not None:
-        layers = list(c.layers)
-    else:
-        layers = drafter_teacher_layers(cfg, teacher)
-        log.info("cache.layers is null: caching the drafter's teacher_layers %s", layers)
-    return write_cache(c.dir, teacher, dataset, cfg.data, layers, topk=c.topk, dtype=c.dtype,
-                       shard_rows=c.shard_rows, batch_size=c.batch_size)
+    ranks = job_ranks()  # under torchrun: shard i is rank (i mod N)'s
+    try:
+        teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device, world_from_env()[2]))
+        dataset = build_train_dataset(cfg.data, teacher.tokenizer)
+        if c.layers is not None:
+            layers = list(c.layers)
+        else:  # only what the configured drafter reads
+            layers = drafter_teacher_layers(cfg, teacher)
+            log.info("cache.layers is null: caching the drafter's teacher_layers %s", layers)
+        return write_cache(c.dir, teacher, dataset, cfg.data, layers, topk=c.topk, dtype=c.dtype,
+                           shard_rows=c.shard_rows, batch_size=c.batch_size, ranks=ranks)
+    finally:
+        leave(ranks)
 
 
 def main() -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,9 +53,11 @@ from distill.data import (
     pack_examples,
     pad_examples,
 )
-from distill.fingerprint import differences, vocab_digest
+from distill.fingerprint import differences, json_digest, vocab_digest
 from distill.lock import writer_lock
-from inference.batched import BatchedDecoder
+from distill.progress import Progress
+from distill.ranks import Ranks
+from distill.regenerate.engines import build_engine, check_engine
 from inference.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class RegenerateConfig:
     top_p: float = 1.0
     seed: int = 0
     num_prompts: Optional[int] = None  # null: every prompt of the data
+    # How each rank generates (distill.regenerate.engines): batched (this project's batched decoder) | hf
+    # (transformers' generate(), static cache + compile on CUDA) | vllm (vllm.LLM.generate; untested here)
+    engine: str = "batched"
 
 
 WRITE_CMD = "python -m distill.regenerate"
@@ -195,46 +199,45 @@ def check_settings(settings: Mapping) -> None:
         raise ValueError(f"regenerate.temperature must be >= 0 (0 = greedy), got {settings['temperature']}")
     if not 0 < float(settings["top_p"]) <= 1:
         raise ValueError(f"regenerate.top_p must lie in (0, 1], got {settings['top_p']}; 1.0 disables it")
+    check_engine(settings.get("engine", "batched"))
 
 
-def _lines_to_keep(out: Path, total: int, batch_size: int) -> tuple[int, int]:
-    """(records to keep, their bytes) of an existing ``out``: whole batches of valid lines, or every prompt."""
-    data = out.read_bytes()
-    lines = data.splitlines(keepends=True)
-    kept, size = 0, 0
+def batch_plan(total: int, batch_size: int, rank: int = 0, world: int = 1) -> list[range]:
+    """The prompt ids of each batch ``rank`` decodes: batches k = rank, rank + world, ... of the single-process
+    order, so batch k keeps its prompts and its seed (``regenerate.seed + k``) on any number of ranks."""
+    return [range(first, min(first + batch_size, total)) for first in range(rank * batch_size, total, batch_size * world)]
+
+
+def _lines_to_keep(out: Path, plan: Sequence[range], what: str = "regenerate.out") -> tuple[int, int]:
+    """(whole batches to keep, their bytes) of an existing ``out`` written for ``plan``: a batch cut short is
+    decoded again whole, since its seed and max_new_tokens cover the whole batch."""
+    expected = [i for batch in plan for i in batch]
+    lines = out.read_bytes().splitlines(keepends=True)
+    kept = 0
     for number, line in enumerate(lines, start=1):
-        last = number == len(lines)
         try:
             record = json.loads(line) if line.endswith(b"\n") else None
         except (json.JSONDecodeError, UnicodeDecodeError):
             record = None
-        if record is None and last:  # cut off mid-write
+        if record is None and number == len(lines):  # cut off mid-write
             log.info("regenerate: dropping the unfinished last line of %s", out)
             break
-        if not isinstance(record, dict) or record.get("id") != kept:
-            raise ValueError(f"regenerate.out={out} line {number} is not the record with id {kept} this command "
+        if kept >= len(expected):
+            raise ValueError(f"{what}={out} holds more records than the config gives prompts ({len(expected)}); "
+                             f"delete the file or choose another regenerate.out")
+        if not isinstance(record, dict) or record.get("id") != expected[kept]:
+            raise ValueError(f"{what}={out} line {number} is not the record with id {expected[kept]} this command "
                              f"writes there; delete the file or choose another regenerate.out")
-        kept, size = kept + 1, size + len(line)
-    if kept > total:
-        raise ValueError(f"regenerate.out={out} holds {kept} records but the config gives {total} prompts; delete "
-                         f"the file or choose another regenerate.out")
-    if kept < total:  # a batch cut short is decoded again whole: its seed and max_new_tokens cover the whole batch
-        whole = kept - kept % batch_size
-        size = sum(len(line) for line in lines[:whole])
-        kept = whole
-    return kept, size
+        kept += 1
+    batches, records = 0, 0
+    for batch in plan:
+        if records + len(batch) > kept:
+            break
+        batches, records = batches + 1, records + len(batch)
+    return batches, sum(len(line) for line in lines[:records])
 
 
-def _prepare_out(out: Path, meta: Mapping, total: int, batch_size: int) -> int:
-    """Write the sidecar or check it against an existing ``out``; returns the first prompt id still to decode."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.is_dir():  # never advise deleting it: it is not something this command wrote
-        raise IsADirectoryError(f"regenerate.out={out} is a directory; regenerate.out names the jsonl file to write, "
-                                f"e.g. regenerate.out={out / 'regenerated.jsonl'}")
-    if not out.exists():
-        _write_meta(out, meta)
-        out.touch()
-        return 0
+def _check_sidecar(out: Path, meta: Mapping) -> None:
     stored = read_meta(out)
     if stored is None:
         raise ValueError(f"regenerate.out={out} exists without its {meta_path(out).name}, so what wrote it is unknown; "
@@ -243,14 +246,27 @@ def _prepare_out(out: Path, meta: Mapping, total: int, batch_size: int) -> int:
     if diff:
         raise ValueError(f"regenerate.out={out} was started with another config (differs: {'; '.join(diff)}); delete "
                          f"{out} and {meta_path(out).name} or choose another regenerate.out")
-    kept, size = _lines_to_keep(out, total, batch_size)
+
+
+def _prepare_out(out: Path, meta: Mapping, plan: Sequence[range], what: str = "regenerate.out") -> int:
+    """Write the sidecar or check it against an existing ``out``; returns how many batches of ``plan`` it holds."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():  # never advise deleting it: it is not something this command wrote
+        raise IsADirectoryError(f"{what}={out} is a directory; regenerate.out names the jsonl file to write, "
+                                f"e.g. regenerate.out={out / 'regenerated.jsonl'}")
+    if not out.exists():
+        _write_meta(out, meta)
+        out.touch()
+        return 0
+    _check_sidecar(out, meta)
+    batches, size = _lines_to_keep(out, plan, what)
     if size < out.stat().st_size:
-        log.info("regenerate: keeping %d complete records of %s, rewriting the rest", kept, out)
+        log.info("regenerate: keeping %d complete batches of %s, rewriting the rest", batches, out)
         with out.open("r+b") as f:
             f.truncate(size)
             f.flush()
             os.fsync(f.fileno())
-    return kept
+    return batches
 
 
 def _record(index: int, prompt: Prompt, completion: list[int], eos: int | None, tokenizer) -> dict:
@@ -278,42 +294,56 @@ def _max_new_tokens(settings: Mapping, data_cfg: DataConfig, max_positions: int,
 
 
 def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig,
-                      settings: Mapping) -> Path:
-    """Decode every prompt with ``teacher`` into ``out`` (format: module docstring), resuming a started file."""
+                      settings: Mapping, ranks: Ranks | None = None) -> Path:
+    """Decode every prompt with ``teacher`` into ``out`` (format: module docstring), resuming a started file.
+    ``ranks``: this process's place among several (``distill.regenerate.ranks``); each decodes its share into a
+    shard file and the main rank merges them into ``out``."""
     check_settings(settings)
+    if ranks is not None and ranks.world > 1:
+        from distill.regenerate.ranks import write_sharded
+
+        return write_sharded(Path(out), teacher, prompts, data_cfg, settings, ranks)
     with writer_lock(out, "regenerate.out"):  # one writer: two jobs appending to one file would write rows twice
-        return _write_regenerated(Path(out), teacher, prompts, data_cfg, settings)
-
-
-def _write_regenerated(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping) -> Path:
-    batch_size, tokenizer = int(settings["batch_size"]), teacher.tokenizer
-    start_id = _prepare_out(out, build_meta(teacher, data_cfg, settings), len(prompts), batch_size)
-    if start_id == len(prompts):
-        log.info("regenerate: %s already holds all %d prompts", out, len(prompts))
+        out = Path(out)
+        plan = batch_plan(len(prompts), int(settings["batch_size"]))
+        done = _prepare_out(out, build_meta(teacher, data_cfg, settings), plan)
+        decode_batches(out, teacher, prompts, data_cfg, settings, plan, done)
         return out
+
+
+def decode_batches(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping,
+                   plan: Sequence[range], done: int) -> None:
+    """Append the records of ``plan``'s batches after the first ``done`` to ``out``, one fsynced batch at a time;
+    batch k (of the single-process order) is decoded with the seed ``regenerate.seed + k``."""
+    todo = plan[done:]
+    if not todo:
+        log.info("regenerate: %s already holds all its %d prompts", out, sum(len(b) for b in plan))
+        return
+    tokenizer = teacher.tokenizer
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     sampling = SamplingConfig(temperature=float(settings["temperature"]), top_p=float(settings["top_p"]))
-    decoder = BatchedDecoder(teacher, eos_token_id=eos, sampling=sampling, seed=int(settings["seed"]))
-    log.info("regenerate: %d prompts (%s) into %s, starting at %d", len(prompts), sampling.describe(), out, start_id)
-    started, new_tokens = time.perf_counter(), 0
+    engine = build_engine(settings.get("engine", "batched"), teacher, eos, sampling)
+    batch_size = int(settings["batch_size"])
+    progress = Progress("regenerate", sum(len(b) for b in todo), "prompts")
+    log.info("regenerate: %d prompts (%s, regenerate.engine=%s) into %s, starting at prompt %d",
+             progress.total, sampling.describe(), settings.get("engine", "batched"), out, todo[0][0])
     with out.open("ab") as f:
-        for first in range(start_id, len(prompts), batch_size):
-            batch = prompts[first : first + batch_size]
-            decoder.reseed(int(settings["seed"]) + first // batch_size)
+        for ids in todo:
+            batch = [prompts[i] for i in ids]
             max_new = _max_new_tokens(settings, data_cfg, teacher.max_positions, max(len(p.ids) for p in batch))
-            ids = [torch.tensor(p.ids, dtype=torch.long) for p in batch]
-            generations = decoder.plain(ids, max_new).generations
-            lines = [_record(first + i, p, list(g.new_tokens), eos, tokenizer) for i, (p, g)
-                     in enumerate(zip(batch, generations))]
+            answers = engine.generate([p.ids for p in batch], max_new, int(settings["seed"]) + ids[0] // batch_size)
+            lines = [_record(i, p, a, eos, tokenizer) for i, p, a in zip(ids, batch, answers)]
             f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in lines))
             f.flush()
             os.fsync(f.fileno())
-            new_tokens += sum(len(g.new_tokens) for g in generations)
-            done = first + len(batch)
-            elapsed = time.perf_counter() - started
-            log.info("regenerate: %d/%d prompts, %.0f tokens/s", done, len(prompts), new_tokens / max(elapsed, 1e-9))
-    log.info("regenerate: wrote %s (%d prompts)", out, len(prompts))
-    return out
+            progress.update(len(batch), sum(len(a) for a in answers))
+    log.info("regenerate: wrote %s", out)
+
+
+def regenerated_path(teacher, data_cfg: DataConfig, settings: Mapping, cache_root: str | os.PathLike) -> Path:
+    """Where ``data.mode=regenerate`` keeps the answers for this target, data and settings: named by the digest of
+    the sidecar (``build_meta``), so a run with the same three reuses the file and any change writes another."""
+    return Path(cache_root) / "regenerated" / f"{json_digest(build_meta(teacher, data_cfg, settings))[:16]}.jsonl"
 
 
 # --------------------------------------------------------------------------- reading

@@ -1,6 +1,8 @@
 """Entry point: ``python -m distill.regenerate regenerate.out=<file.jsonl> [hydra overrides]``: the configured
-target's answers to the configured data's prompts (format: ``distill.regenerate``). An entry point, so it may read
-the layers above ``distill`` (the training config, the engine's device choice)."""
+target's answers to the configured data's prompts (format: ``distill.regenerate``). Under ``torchrun
+--nproc-per-node N`` each rank decodes its share into a shard and the shards merge into the same file
+(``distill.regenerate.ranks``). An entry point, so it may read the layers above ``distill`` (the training config,
+the engine's device choice)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import hydra
 from omegaconf import DictConfig
 
 from distill.environment import check_run_dir_override, one_line_errors
+from distill.ranks import job_ranks, leave
 from distill.regenerate import WRITE_CMD, check_settings, prompts_from_data, write_regenerated
 from distill.teacher import load_teacher
 from train.config import Config, load_config, register_configs
-from train.engine import resolve_device
+from train.engine import resolve_device, world_from_env
 
 
 def regenerate(cfg: Config) -> Path:
@@ -24,9 +27,14 @@ def regenerate(cfg: Config) -> Path:
         raise ValueError(f"regenerate.out is required: {WRITE_CMD} regenerate.out=<file.jsonl>")
     settings = asdict(r)
     check_settings(settings)
-    teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device))
-    prompts = prompts_from_data(cfg.data, teacher.tokenizer, r.prompt_tokens, r.num_prompts)
-    return write_regenerated(r.out, teacher, prompts, cfg.data, settings)
+    ranks = job_ranks()
+    try:
+        local_rank = world_from_env()[2]
+        teacher = load_teacher(cfg.target, device=resolve_device(cfg.trainer.device, local_rank))
+        prompts = prompts_from_data(cfg.data, teacher.tokenizer, r.prompt_tokens, r.num_prompts)
+        return write_regenerated(r.out, teacher, prompts, cfg.data, settings, ranks)
+    finally:
+        leave(ranks)
 
 
 def main() -> None:

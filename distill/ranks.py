@@ -1,0 +1,48 @@
+"""The ranks of a data job (regeneration, feature capture) launched by torchrun or Slurm: which share this process
+takes and a barrier to wait for the others. The training engine (``train.engine``) owns the training job's process
+group; a data job needs only a gloo group to wait on, whatever its device."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+# Ranks finish their shares at different times and the main rank's merge waits for the slowest one: far longer
+# than a collective's default timeout.
+BARRIER_TIMEOUT = datetime.timedelta(hours=72)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process among the job's ``world`` ranks; ``barrier()`` waits for all of them."""
+
+    rank: int
+    world: int
+    barrier: Callable[[], None]
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def job_ranks() -> Ranks | None:
+    """This process's place in a torchrun launch (``RANK`` / ``WORLD_SIZE``), joined to a gloo group; None for
+    one process. Ranks other than 0 log warnings only."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return None
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    return Ranks(rank=rank, world=world, barrier=dist.barrier)
+
+
+def leave(ranks: Ranks | None) -> None:
+    if ranks is not None and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,117 @@
+"""How each rank generates a batch of answers (``regenerate.engine``).
+
+Every engine answers ``generate(prompts, max_new_tokens, seed) -> [new tokens per prompt]``: the new tokens of each
+prompt, ending with EOS where the target chose to stop. ``seed`` is the batch's (``regenerate.seed + batch index``):
+a batch gets the same answers whichever rank decodes it, which is what lets shards merge into a single process's
+bytes.
+
+- ``batched``: ``inference.batched.BatchedDecoder``, this project's batched decoder (one target forward per token,
+  finished rows dropped).
+- ``hf``: transformers' ``generate()``, left-padded, on CUDA with a static KV cache (which transformers compiles).
+  A maintained library path, and the one to compare against (scripts/bench_regenerate.py). Greedy answers can differ
+  from ``batched``'s where two logits tie within rounding, since padding changes the kernels' shapes.
+- ``vllm``: ``vllm.LLM.generate`` on the target's hub id (``target.name``), with ``target.revision``. Kept thin, and
+  UNTESTED here: vLLM is not installed in this project's test environment. vLLM's sampler is its own, so a ``vllm``
+  file is reproducible by vLLM, not byte-identical to the other engines'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from inference.batched import BatchedDecoder
+from inference.sampling import SamplingConfig
+
+ENGINES = ("batched", "hf", "vllm")
+
+
+def check_engine(name: str) -> None:
+    if name not in ENGINES:
+        raise ValueError(f"regenerate.engine={name!r}; valid: {list(ENGINES)}")
+
+
+def build_engine(name: str, teacher, eos: int | None, sampling: SamplingConfig):
+    check_engine(name)
+    if name == "batched":
+        return BatchedEngine(teacher, eos, sampling)
+    if name == "hf":
+        return HFGenerateEngine(teacher, eos, sampling)
+    return VLLMEngine(teacher, eos, sampling)
+
+
+def _cut_at_eos(tokens: Sequence[int], eos: int | None) -> list[int]:
+    tokens = list(tokens)
+    if eos is not None and eos in tokens:
+        return tokens[: tokens.index(eos) + 1]
+    return tokens
+
+
+class BatchedEngine:
+    def __init__(self, teacher, eos: int | None, sampling: SamplingConfig):
+        self.decoder = BatchedDecoder(teacher, eos_token_id=eos, sampling=sampling)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
+        self.decoder.reseed(seed)
+        ids = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        return [list(g.new_tokens) for g in self.decoder.plain(ids, max_new_tokens).generations]
+
+
+class HFGenerateEngine:
+    def __init__(self, teacher, eos: int | None, sampling: SamplingConfig):
+        self.model, self.eos, self.sampling = teacher.model, eos, sampling
+        self.device = next(self.model.parameters()).device
+        tokenizer = teacher.tokenizer
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad = pad if pad is not None else (eos if eos is not None else 0)
+
+    def _config(self, max_new_tokens: int):
+        from transformers import GenerationConfig
+
+        s = self.sampling
+        # Every setting stated: a hub model's generation_config.json (top_k=50, repetition penalties) must not leak in.
+        kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=not s.greedy, num_beams=1,
+                      pad_token_id=self.pad, eos_token_id=self.eos, top_k=s.top_k or None,
+                      top_p=s.top_p if not s.greedy else None, temperature=s.temperature if not s.greedy else None,
+                      repetition_penalty=1.0)
+        if self.device.type == "cuda":  # a fixed-shape cache transformers compiles the decode step for
+            kwargs["cache_implementation"] = "static"
+        return GenerationConfig(**kwargs)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's next token lands in the same column
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        torch.manual_seed(seed)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  generation_config=self._config(max_new_tokens))
+        return [_cut_at_eos(row, self.eos) for row in out[:, width:].tolist()]
+
+
+class VLLMEngine:
+    """UNTESTED here (vLLM is not installed in this project's test environment); kept thin on purpose."""
+
+    def __init__(self, teacher, eos: int | None, sampling: SamplingConfig):
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError("regenerate.engine=vllm needs vLLM: pip install vllm (or use regenerate.engine=hf or "
+                              "batched)") from e
+        self.sampling, self.eos = sampling, eos
+        # One engine per rank (data parallel over torchrun's ranks); vLLM's own tensor parallelism is not wired here.
+        self.llm = LLM(model=teacher.name, revision=teacher.revision, skip_tokenizer_init=True)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        s = self.sampling
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
+                                max_tokens=max_new_tokens, seed=seed, stop_token_ids=[self.eos] if self.eos is not None else None)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [_cut_at_eos(o.outputs[0].token_ids, self.eos) + ([self.eos] if o.outputs[0].finish_reason == "stop"
+                and self.eos is not None and self.eos not in o.outputs[0].token_ids else []) for o in outs]
