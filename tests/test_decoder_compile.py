@@ -5,13 +5,13 @@ inductor takes about a minute on CPU."""
 import pytest
 import torch
 
-from inference.decoder import Decoder
+from inference.decoder import Decoder, DecoderConfig
 from tests.test_decoder_transfers import make
 
 
 @pytest.mark.slow
 def test_compiled_decoder_is_token_identical(tiny_teacher):
-    eager, compiled = Decoder(tiny_teacher), Decoder(tiny_teacher, compile=True)
+    eager, compiled = Decoder(tiny_teacher), Decoder(tiny_teacher, DecoderConfig(compile=True))
     assert compiled.steps.compile and not eager.steps.compile  # it really runs the compiled steps
     gen = torch.Generator().manual_seed(0)
     for kind in ("medusa_tree", "medusa_chain"):

@@ -400,7 +400,7 @@ def test_cuda_graphs_replay_token_identically_on_cuda():
     from tests.conftest import make_tiny_llama
 
     teacher = Teacher(make_tiny_llama().cuda(), tokenizer=None, name="tiny-cuda")
-    graphed, eager = Decoder(teacher), Decoder(teacher, cuda_graphs="off")
+    graphed, eager = Decoder(teacher), Decoder(teacher, DecoderConfig(cuda_graphs="off"))
     assert graphed.steps.graphs and not eager.steps.graphs
     drafters = {"table": TableDrafter(teacher), "lookup": make("lookup", teacher),
                 "medusa_tree": make("medusa_tree", teacher).cuda()}
