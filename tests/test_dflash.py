@@ -1,0 +1,193 @@
+"""DFlash: training blocks equal decoding blocks, training reduces the loss, greedy identity (batch 1 and B), the
+sampled output distribution, save/load, anchor draws and config errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from distill.losses import forward_kl
+from heads.base import build_drafter
+from heads.dflash import DFlashDrafter, block_mask, default_feature_layers
+from heads.saved import load_drafter
+from inference.batched import BatchedDecoder
+from inference.decoder import Decoder, DecoderConfig
+from tests.drafters import DFLASH_NODE, DIMS, dflash, save, tiny_llama, varied_teacher
+from distill.teacher import Teacher
+
+
+def batch_of(ids):
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return varied_teacher()
+
+
+def test_training_block_equals_the_decoding_block(teacher):
+    """Slot k of the block anchored at a in training computes exactly what ``propose`` computes after a + 1
+    tokens: pins the block mask (context strictly before the anchor, the whole block non-causal) and the positions."""
+    drafter = dflash(teacher, objective="distill")
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = drafter(batch_of(ids), teacher.signals(batch_of(ids), drafter.teacher_layers))
+    assert len(out.terms) == drafter.block_size - 1
+    for a in (1, 6, 13):
+        drafter.reset()
+        drafter.observe(teacher(ids[:, :a], None, drafter.teacher_layers).hidden)
+        with torch.no_grad():
+            keys = drafter._context_keys(a)
+            S = drafter.block_size
+            block = torch.full((1, S), drafter.mask_token_id)
+            block[0, 0] = ids[0, a]
+            h = drafter._embed(block, drafter.fc.weight)
+            for layer, (ck, cv) in zip(drafter.layers, keys):
+                h = layer(h, torch.arange(a, a + S), ck, cv, None)
+            logits = drafter._logits(drafter.norm(h[0]))
+        for k in range(1, S):
+            if a + k < 20:  # term k - 1's rows are the anchors 1, 2, ... in order
+                torch.testing.assert_close(logits[k], out.terms[k - 1].student_NV[a - 1], atol=1e-5, rtol=1e-5)
+        drafter.reset()
+        drafter.observe(teacher(ids[:, :a], None, drafter.teacher_layers).hidden)
+        tree = drafter.propose(ids[:, : a + 1], 3)
+        assert tree.tokens.tolist() == logits[1:4].argmax(-1).tolist()
+
+
+def test_block_mask_sees_the_context_before_the_anchor_and_its_own_block():
+    anchors = torch.tensor([[1, 3]])
+    attn = torch.tensor([[1, 1, 1, 1, 0]]).bool()
+    m = block_mask(anchors, attn, 2)[0, 0]  # [4, 5 + 4]
+    assert m[:2, :5].tolist() == [[True, False, False, False, False]] * 2
+    assert m[2:, :5].tolist() == [[True, True, True, False, False]] * 2
+    assert m[:, 5:].tolist() == [[True, True, False, False], [True, True, False, False],
+                                 [False, False, True, True], [False, False, True, True]]
+
+
+def _greedy_batch(teacher, n=4, new=24):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (m,), generator=g) for m in (5, 9, 12, 16)][:n]
+    refs = [Decoder(teacher).plain(p[None], new).new_tokens for p in prompts]
+    rows = [torch.cat([p, torch.tensor(r)]) for p, r in zip(prompts, refs)]
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    return prompts, refs, {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.clone()}
+
+
+@pytest.fixture(scope="module")
+def trained(teacher):
+    """A DFlash drafter trained on the target's own greedy continuations: (drafter, losses, prompts, references)."""
+    prompts, refs, batch = _greedy_batch(teacher)
+    torch.manual_seed(0)
+    drafter = build_drafter(DFLASH_NODE, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    signals = teacher.signals(batch, drafter.teacher_layers)
+    drafter.train()
+    losses = []
+    for _ in range(30):
+        assert drafter.count_valid(batch) == drafter(batch, signals).num_valid
+        total, n = drafter(batch, signals).loss(forward_kl)
+        loss = total / n
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(p.grad is None for p in teacher.model.parameters())  # the frozen target never trains
+    return drafter.eval(), losses, prompts, refs
+
+
+def test_training_reduces_the_loss(trained):
+    _, losses, _, _ = trained
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0], f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
+    drafter, _, prompts, refs = trained
+    decoder = Decoder(teacher)
+    gens = [decoder.speculative(drafter, p[None], 24, 5) for p in prompts]
+    assert [g.new_tokens for g in gens] == refs
+    accepted = sum(a * c for g in gens for row in g.stats.counts.values() for a, c in row.items())
+    assert accepted > 0  # trained drafts are accepted: the identity covers accepted chains, not only rejections
+    result = BatchedDecoder(teacher).speculative(drafter, prompts, 24, 5)
+    assert [g.new_tokens for g in result.generations] == refs
+    assert result.stats.forwards < len(prompts) * 24
+
+
+def test_save_load_round_trip(teacher, trained, tmp_path):
+    drafter = trained[0]
+    path = save(drafter, tmp_path, "dflash", teacher)
+    loaded = load_drafter(path, teacher)
+    assert isinstance(loaded, DFlashDrafter)
+    assert loaded.teacher_layers == drafter.teacher_layers and loaded.mask_token_id == drafter.mask_token_id
+    for name, p in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], p, atol=0, rtol=0)
+    p = trained[2][1]
+    assert Decoder(teacher).speculative(loaded, p[None], 16, 5).new_tokens == trained[3][1][:16]
+
+
+def test_anchor_draws_are_bounded_and_counted(teacher):
+    drafter = dflash(teacher, num_anchors=3, objective="distill")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    batch = batch_of(ids)
+    batch["attention_mask"][1, 10:] = 0  # a padded row
+    batch["loss_mask"][1, 10:] = 0
+    anchors, drawn = drafter._draw_anchors(drafter._candidates(batch))
+    assert drawn.sum(1).tolist() == [3, 3] and bool((anchors[1] < 9).all())
+    assert anchors[0].tolist() == sorted(anchors[0].tolist())
+    out = drafter(batch, teacher.signals(batch, drafter.teacher_layers))
+    assert int(out.num_valid) == int(drafter.count_valid(batch)) == 6 == len(out.terms[0].student_ND)
+
+
+# --- the sampled output distribution through the real decode loop ------------------------------------------------
+
+def test_sampled_output_distribution_is_the_targets():
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0, vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_key_value_heads=1, initializer_range=0.5)
+    teacher = Teacher(model, tokenizer=None, name="tiny-v4")
+    torch.manual_seed(5)
+    drafter = build_drafter({**DFLASH_NODE, "block_size": 3}, teacher)
+    drafter.bind_target(teacher, initialize=False)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.5)
+    drafter.eval()
+    prompt, length, samples = torch.tensor([[1, 2, 3]]), 3, 3000
+    seqs = torch.tensor(list(itertools.product(range(4), repeat=length)))
+    with torch.no_grad():
+        logp = model(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.log_softmax(-1)
+    exact = logp[:, 2: 2 + length].gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp().view((4,) * length)
+    decoder = Decoder(teacher, DecoderConfig(temperature=1.0, seed=0))
+    counts, accepted = torch.zeros_like(exact), 0
+    for _ in range(samples):
+        gen = decoder.speculative(drafter, prompt, length, num_draft=2)
+        counts[tuple(gen.new_tokens)] += 1
+        accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    assert accepted > samples // 10
+    tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
+    distance = 0.5 * float((counts / samples - exact).abs().sum())
+    assert distance < tol, f"TV {distance:.4f} exceeds {tol:.4f}"
+
+
+# --- configuration ---------------------------------------------------------------------------------------------
+
+def test_default_layers_follow_the_anchors_spread():
+    assert default_feature_layers(36, 5) == (2, 10, 18, 26, 34)  # 0-based target_layer_ids 1, 9, 17, 25, 33
+    assert default_feature_layers(32, 1) == (17,)
+    assert default_feature_layers(2, 2) == (1, 2)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("block_size", 1, "drafter.block_size=1"), ("layers", [5], "drafter.layers contains 5"),
+    ("objective", "mse", "drafter.objective='mse'"), ("mask_token_id", 128, "drafter.mask_token_id=128"),
+    ("depth", 9, "drafter.depth=9"), ("num_anchors", 0, "drafter.num_anchors=0")])
+def test_bad_config_names_the_key(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        DFlashDrafter(DIMS, **{"block_size": 6, key: value})
