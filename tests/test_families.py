@@ -51,6 +51,7 @@ KINDS = {
     "eagle3": Kind({"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3, "top_k": 2,
                     "total_tokens": 6, "draft_vocab_size": 192}, {"chain": "chain", "tree": "dynamic"}),
     "draft_model": Kind({"_target_": "heads.draft_model.DraftModel"}, {"chain": None}, exported=True),
+    "dflash": Kind({"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "objective": "distill"}, {"chain": None}),
 }
 DRAFTERS = {kind: row.node for kind, row in KINDS.items()}
 TREES = {kind: row.trees for kind, row in KINDS.items()}
