@@ -52,13 +52,18 @@ GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # the anchors' loss decay per block
 
 def default_feature_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """The anchors' spread as hidden-state indices: one layer per draft layer, evenly from 0-based layer 1 to
-    L - 3 (index 2 .. L - 2); a one-layer drafter reads the middle layer. Shallow targets (L < 5, the toy)
-    spread over every layer's output instead (index 1 .. L)."""
+    L - 3 (index 2 .. L - 2); a one-layer drafter reads the middle layer (index L // 2 + 1). Shallow targets (L < 5,
+    the toy) spread over indices 1 .. L - 1 instead (never L, the final normed output no engine captures), without
+    repeats."""
     L, n = num_target_layers, num_draft_layers
+    if L >= 5:
+        if n == 1:
+            return (L // 2 + 1,)
+        return tuple(int(round(1 + i * (L - 4) / (n - 1))) + 1 for i in range(n))
+    top = max(1, L - 1)
     if n == 1:
-        return (L // 2 + 1,)
-    start, end = (1, L - 3) if L >= 5 else (0, L - 1)
-    return tuple(int(round(start + i * (end - start) / (n - 1))) + 1 for i in range(n))
+        return (max(1, top // 2 + top % 2),)
+    return tuple(sorted({int(round(1 + i * (top - 1) / (n - 1))) for i in range(n)}))
 
 
 def default_loss_gamma(block_size: int) -> float:

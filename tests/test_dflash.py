@@ -14,7 +14,8 @@ from heads.dflash import DFlashDrafter, block_mask, default_feature_layers
 from heads.saved import load_drafter
 from inference.batched import BatchedDecoder
 from inference.decoder import Decoder, DecoderConfig
-from tests.drafters import DFLASH_NODE, DIMS, dflash, save, tiny_llama, varied_teacher
+from serve.export import check_export, export_drafter, load_export
+from tests.drafters import DFLASH_NODE, DIMS, deep_teacher, dflash, save, tiny_llama, varied_teacher
 from distill.teacher import Teacher
 
 
@@ -145,6 +146,62 @@ def test_anchor_draws_are_bounded_and_counted(teacher):
     assert int(out.num_valid) == int(drafter.count_valid(batch)) == 6 == len(out.terms[0].student_ND)
 
 
+# --- export ------------------------------------------------------------------------------------------------------
+
+def test_vllm_export_round_trip(tmp_path):
+    """Export in vLLM's layout, check it against the loader's transcription, rebuild the drafter from the engine's
+    files only: the same weights and the same greedy decoding."""
+    import json
+
+    teacher = deep_teacher(tmp_path / "target")
+    drafter = dflash(teacher)
+    path = save(drafter, tmp_path / "run", "dflash", teacher, target_name=str(tmp_path / "target"))
+    out = export_drafter(path, "vllm", tmp_path / "vllm")
+    assert check_export(out, "vllm", "dflash", teacher.identity()) == []
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [i - 1 for i in drafter.teacher_layers]
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == drafter.block_size
+    assert '"method": "dflash"' in (out / "README.md").read_text()
+    reloaded = load_export(out, teacher)
+    for name, p in drafter.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    decoder = Decoder(teacher)
+    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == decoder.speculative(drafter, prompt, 12, 4).new_tokens
+
+
+def test_vllm_check_catches_a_departure(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    teacher = deep_teacher(tmp_path / "target")
+    path = save(dflash(teacher), tmp_path / "run", "dflash", teacher)
+    out = export_drafter(path, "vllm", tmp_path / "vllm")
+    state = load_file(str(out / "model.safetensors"))
+    state["layers.0.self_attn.qkv_proj.weight"] = state.pop("layers.0.self_attn.q_proj.weight")
+    save_file(state, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"]["mask_token_id"] = 10_000
+    (out / "config.json").write_text(json.dumps(config))
+    problems = check_export(out, "vllm", "dflash", teacher.identity())
+    assert any("mask_token_id=10000" in p for p in problems)
+    config["dflash_config"]["mask_token_id"] = 5
+    (out / "config.json").write_text(json.dumps(config))
+    problems = check_export(out, "vllm", "dflash", teacher.identity())
+    assert "tensor 'layers.0.self_attn.q_proj.weight' is missing" in problems
+    assert "tensor 'layers.0.self_attn.qkv_proj.weight' is not part of vLLM's DFlash draft" in problems
+
+
+def test_export_refuses_what_no_engine_captures_and_unsupported_engines(tmp_path):
+    teacher = deep_teacher(tmp_path / "target")
+    path = save(dflash(teacher, layers=[1, 4]), tmp_path / "run", "dflash", teacher)
+    with pytest.raises(ValueError, match=r"drafter.layers=\[1, 4\].*final normed output"):
+        export_drafter(path, "vllm", tmp_path / "vllm")
+    with pytest.raises(ValueError, match="SGLang's DFLASH loader is not transcribed"):
+        export_drafter(path, "sglang", tmp_path / "sglang")
+
+
 # --- the sampled output distribution through the real decode loop ------------------------------------------------
 
 def test_sampled_output_distribution_is_the_targets():
@@ -181,7 +238,8 @@ def test_sampled_output_distribution_is_the_targets():
 def test_default_layers_follow_the_anchors_spread():
     assert default_feature_layers(36, 5) == (2, 10, 18, 26, 34)  # 0-based target_layer_ids 1, 9, 17, 25, 33
     assert default_feature_layers(32, 1) == (17,)
-    assert default_feature_layers(2, 2) == (1, 2)
+    assert default_feature_layers(2, 2) == (1,)  # shallow: indices 1 .. L - 1, never the final normed output
+    assert default_feature_layers(4, 3) == (1, 2, 3)
 
 
 @pytest.mark.parametrize("key,value,match", [
