@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from distill.chunked import Frozen, LabelRows, TeacherRows, cross_entropy_sum
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
+from heads.dflash_static import DFlashStaticDraft
 from heads.eagle import RMSNorm, _rope, _rope_tables
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
@@ -371,6 +372,16 @@ class DFlashDrafter(Drafter):
         probs = warp(logits, sampling)
         drafts = sample(probs, self._sampler(probs.device))
         return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
+
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The catch-up and the whole block as one capture-safe step (``heads.dflash_static``), drafting ``depth``
+        tokens, at most as many as the committed buffers allow (their rows - 1, the decoder's draft length) and the
+        block holds, as ``propose`` clips to its ``max_depth``."""
+        rows = committed.ids_M.shape[0]
+        depth = min(self.depth or self.block_size - 1, rows - 1, self.block_size - 1)
+        return self.reuse_static_draft((depth,), committed, capacity, sampling, generator,
+                                       lambda: DFlashStaticDraft(self, committed, capacity, depth, sampling,
+                                                                 generator))
 
 
 def block_mask(anchors_BN: Tensor, attn_BT: Tensor, block_size: int) -> Tensor:

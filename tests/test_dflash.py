@@ -249,3 +249,47 @@ def test_default_layers_follow_the_anchors_spread():
 def test_bad_config_names_the_key(key, value, match):
     with pytest.raises(ValueError, match=match):
         DFlashDrafter(DIMS, **{"block_size": 6, key: value})
+
+
+# --- the static (capture-safe) draft step ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt_len", [5, 11])
+def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len):
+    """Played through the step decoder's stand-in with a varying accepted length per step: every static draft
+    equals the eager ``propose`` on the same context (greedy), and the sampled step's distributions are the eager
+    logits' (its draws lie in their support)."""
+    from inference.sampling import GREEDY, SamplingConfig, warp
+    from tests.static_harness import Replay, committed_for, counts
+
+    drafter = dflash(teacher)
+    M = 4
+    for sampling in (GREEDY, SamplingConfig(temperature=0.8, top_k=20)):
+        committed = committed_for(drafter, M)
+        static = drafter.static_draft(committed, 64, sampling, torch.Generator().manual_seed(0))
+        assert static is drafter.static_draft(committed, 64, sampling, static.generator)  # reused, not rebuilt
+        replay = Replay(teacher, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * 8 + 2, seed=prompt_len)
+        replay.prefill(static)
+        drafter.reset()
+        drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
+        for step, count in enumerate(counts(8, M, seed=prompt_len)):
+            if step:
+                start = replay.position
+                replay.commit(committed, count)
+                drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
+            static.draft()
+            eager = drafter.propose(replay.context(), M - 1, GREEDY)
+            if sampling.greedy:
+                assert static.buffers.tokens_T.tolist() == eager.tokens.tolist(), (step, count)
+                continue
+            keys = drafter._context_keys(replay.context().shape[1] - 1)
+            S = drafter.block_size
+            block = torch.full((1, S), drafter.mask_token_id)
+            block[0, 0] = replay.context()[0, -1]
+            h = drafter._embed(block, drafter.fc.weight)
+            pos = torch.arange(replay.context().shape[1] - 1, replay.context().shape[1] - 1 + S)
+            with torch.no_grad():
+                for layer, (ck, cv) in zip(drafter.layers, keys):
+                    h = layer(h, pos, ck, cv, None)
+                want = warp(drafter._logits(drafter.norm(h[0, 1:M])), sampling)
+            torch.testing.assert_close(static.buffers.probs_TV, want, atol=1e-5, rtol=1e-5)
+            assert bool((want.gather(1, static.buffers.tokens_T[:, None]) > 0).all())
