@@ -379,7 +379,8 @@ class DFlashDrafter(Drafter):
         block holds, as ``propose`` clips to its ``max_depth``."""
         rows = committed.ids_M.shape[0]
         depth = min(self.depth or self.block_size - 1, rows - 1, self.block_size - 1)
-        return self.reuse_static_draft((depth,), committed, capacity, sampling, generator,
+        # keyed by the weights' dtype too: its buffers are allocated in it (eval times each candidate dtype)
+        return self.reuse_static_draft((depth, self.fc.weight.dtype), committed, capacity, sampling, generator,
                                        lambda: DFlashStaticDraft(self, committed, capacity, depth, sampling,
                                                                  generator))
 

@@ -70,11 +70,11 @@ class DFlashStaticDraft:
 
     def _write_context(self, feats_ND: Tensor, pos_N: Tensor) -> None:
         d = self.drafter
-        ctx = d._context(feats_ND.to(self.keys[0][0].dtype)[None])
+        ctx = d._context(feats_ND.to(d.fc.weight.dtype)[None])  # the weights' dtype now (eval may recast them)
         for layer, (kbuf, vbuf) in zip(d.layers, self.keys):
             k, v = layer.self_attn.keys(ctx, pos_N)
-            kbuf.index_copy_(2, pos_N, k)
-            vbuf.index_copy_(2, pos_N, v)
+            kbuf.index_copy_(2, pos_N, k.to(kbuf.dtype))
+            vbuf.index_copy_(2, pos_N, v.to(vbuf.dtype))
 
     # --- eager, once per sequence -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -112,7 +112,7 @@ class DFlashStaticDraft:
         mask = torch.cat([ctx_ok, self.own_block], 1)[None, None]  # [1, 1, S, Ccap + S]
         h = d._embed(ids[None], d.fc.weight)
         for layer, (kbuf, vbuf) in zip(d.layers, self.keys):
-            h = layer(h, block_pos, kbuf, vbuf, mask)
+            h = layer(h, block_pos, kbuf.to(h.dtype), vbuf.to(h.dtype), mask)
         logits = d._logits(d.norm(h[0, 1: self.depth + 1]))  # [T, V]
         if self.sampling.greedy:
             self.buffers.tokens_T.copy_(logits.argmax(-1))

@@ -293,3 +293,21 @@ def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len):
                 want = warp(drafter._logits(drafter.norm(h[0, 1:M])), sampling)
             torch.testing.assert_close(static.buffers.probs_TV, want, atol=1e-5, rtol=1e-5)
             assert bool((want.gather(1, static.buffers.tokens_T[:, None]) > 0).all())
+
+
+def test_static_draft_follows_a_recast_drafter(teacher):
+    """Evaluation times a drafter in float32 and bfloat16 through the same step decoder: its static step, built in
+    one dtype, drafts with the weights in the other."""
+    from inference.sampling import GREEDY
+    from tests.static_harness import Replay, committed_for
+
+    drafter = dflash(teacher)
+    committed = committed_for(drafter, 4)
+    static = drafter.static_draft(committed, 64, GREEDY, None)
+    drafter.to(torch.bfloat16)
+    replay = Replay(teacher, tuple(drafter.teacher_layers), 6, new_tokens=10)
+    replay.prefill(static)
+    static.draft()
+    drafter.reset()
+    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, 6).items()})
+    assert static.buffers.tokens_T.tolist() == drafter.propose(replay.context(), 3).tokens.tolist()
