@@ -14,6 +14,7 @@ from heads.dflash import DFlashDrafter, block_mask, default_feature_layers
 from heads.saved import load_drafter
 from inference.batched import BatchedDecoder
 from inference.decoder import Decoder, DecoderConfig
+from inference.sampling import SamplingConfig
 from serve.export import check_export, export_drafter, load_export
 from tests.drafters import DFLASH_NODE, DIMS, deep_teacher, dflash, save, tiny_llama, varied_teacher
 from distill.teacher import Teacher
@@ -204,7 +205,10 @@ def test_export_refuses_what_no_engine_captures_and_unsupported_engines(tmp_path
 
 # --- the sampled output distribution through the real decode loop ------------------------------------------------
 
-def test_sampled_output_distribution_is_the_targets():
+@pytest.mark.parametrize("batch", [1, 4])
+def test_sampled_output_distribution_is_the_targets(batch):
+    """Temperature-1 sampling through the decode loop (batch 1: the step decoder with the static step; batch 4: the
+    batched loop, one prompt per row) draws each 3-token continuation with the target's own probability."""
     torch.manual_seed(0)
     model = tiny_llama(seed=0, vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                        num_key_value_heads=1, initializer_range=0.5)
@@ -221,12 +225,20 @@ def test_sampled_output_distribution_is_the_targets():
     with torch.no_grad():
         logp = model(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.log_softmax(-1)
     exact = logp[:, 2: 2 + length].gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp().view((4,) * length)
-    decoder = Decoder(teacher, DecoderConfig(temperature=1.0, seed=0))
     counts, accepted = torch.zeros_like(exact), 0
-    for _ in range(samples):
-        gen = decoder.speculative(drafter, prompt, length, num_draft=2)
-        counts[tuple(gen.new_tokens)] += 1
-        accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    if batch == 1:
+        decoder = Decoder(teacher, DecoderConfig(temperature=1.0, seed=0))
+        for _ in range(samples):
+            gen = decoder.speculative(drafter, prompt, length, num_draft=2)
+            counts[tuple(gen.new_tokens)] += 1
+            accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    else:
+        decoder = BatchedDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
+        for _ in range(samples // batch):
+            result = decoder.speculative(drafter, [prompt[0]] * batch, length, 2)
+            for gen in result.generations:
+                counts[tuple(gen.new_tokens)] += 1
+            accepted += sum(a * c for row in result.stats.counts.values() for a, c in row.items())
     assert accepted > samples // 10
     tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
     distance = 0.5 * float((counts / samples - exact).abs().sum())
