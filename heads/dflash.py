@@ -158,7 +158,7 @@ class DFlashDrafter(Drafter):
                  layers: Sequence[int] | None = None, num_heads: int | None = None, num_kv_heads: int | None = None,
                  intermediate_size: int | None = None, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
                  mask_token_id: int | None = None, num_anchors: int = 512, loss_gamma: float | None = None,
-                 objective: str = "ce", depth: int | None = None):
+                 objective: str = "ce", depth: int | None = None, sliding_window: int | None = None):
         super().__init__(dims)
         D, V, L = self.dims.hidden_size, self.dims.vocab_size, self.dims.num_layers
         if block_size < 2:
@@ -185,6 +185,10 @@ class DFlashDrafter(Drafter):
         self.teacher_layers = layers
         self.block_size, self.num_anchors, self.objective, self.depth = block_size, num_anchors, objective, depth
         self.mask_token_id = mask_token_id
+        if sliding_window is not None and sliding_window < block_size:
+            raise ValueError(f"drafter.sliding_window={sliding_window} must be >= block_size={block_size} (a query "
+                             f"must see its whole block) or null (full attention)")
+        self.sliding_window = sliding_window
         self.loss_gamma = default_loss_gamma(block_size) if loss_gamma is None else float(loss_gamma)
         if self.loss_gamma <= 0:
             raise ValueError(f"drafter.loss_gamma={loss_gamma} must be > 0 (slot k's weight: exp(-(k-1)/gamma))")
@@ -216,6 +220,7 @@ class DFlashDrafter(Drafter):
         node = dict(drafter_cfg)
         node["layers"] = list(self.teacher_layers)  # resolved defaults, so a load never re-derives them
         node["mask_token_id"] = self.mask_token_id
+        node["sliding_window"] = self.sliding_window  # the attention it was trained with
         return node
 
     def _embed(self, ids: Tensor, like: Tensor) -> Tensor:
@@ -286,7 +291,7 @@ class DFlashDrafter(Drafter):
         block_ids[..., 0] = ids.gather(1, anchors)
         h = self._embed(block_ids.view(B, N * S), ctx)  # [B, N*S, D]
         pos_q = pos_BNS.view(B, N * S)
-        mask = block_mask(anchors, attn, S)  # [B, 1, N*S, T + N*S]
+        mask = block_mask(anchors, attn, S, self.sliding_window)  # [B, 1, N*S, T + N*S]
         ctx_pos = torch.arange(T, device=dev)
         for layer in self.layers:
             ck, cv = layer.self_attn.keys(ctx, ctx_pos)
@@ -356,22 +361,31 @@ class DFlashDrafter(Drafter):
         depth = min(self.depth or self.block_size - 1, max_depth, self.block_size - 1)
         if depth < 1:
             return DraftTree.empty(tokens.device)
-        n = tokens.shape[1]
-        keys = self._context_keys(n - 1)  # the anchor (token n - 1) has no target feature yet
-        dev = self.fc.weight.device
-        S = self.block_size  # the whole block, as trained (its masked slots attend to one another)
-        block = torch.full((1, S), self.mask_token_id, dtype=torch.long, device=dev)
-        block[0, 0] = tokens[0, -1]
-        h = self._embed(block, self.fc.weight)
-        pos = torch.arange(n - 1, n - 1 + S, device=dev)
-        for layer, (ck, cv) in zip(self.layers, keys):
-            h = layer(h, pos, ck, cv, None)
-        logits = self._logits(self.norm(h[0, 1: depth + 1]))  # [depth, V]
+        logits = self._block_logits(tokens[0, -1], tokens.shape[1] - 1)[1: depth + 1]  # [depth, V]
         if sampling.greedy:
             return DraftTree.chain(logits.argmax(-1).to(tokens.device))
         probs = warp(logits, sampling)
         drafts = sample(probs, self._sampler(probs.device))
         return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
+
+    def _block_logits(self, anchor: Tensor, position: int) -> Tensor:
+        """[S, V]: the whole block [anchor, MASK ...] at ``position`` .. ``position`` + S - 1 over the context keys of
+        positions < ``position`` (all of them, or those inside the sliding window of each slot's position), as
+        trained (the masked slots attend to one another); row k >= 1 predicts the token at position + k."""
+        keys = self._context_keys(position)
+        dev = self.fc.weight.device
+        S = self.block_size
+        block = torch.full((1, S), self.mask_token_id, dtype=torch.long, device=dev)
+        block[0, 0] = anchor
+        h = self._embed(block, self.fc.weight)
+        pos = torch.arange(position, position + S, device=dev)
+        mask = None
+        if self.sliding_window is not None:  # slot k sees context positions within the window of its own position
+            sees = (pos[:, None] - torch.arange(position, device=dev)[None, :]) < self.sliding_window
+            mask = torch.cat([sees, torch.ones(S, S, dtype=torch.bool, device=dev)], 1)[None, None]
+        for layer, (ck, cv) in zip(self.layers, keys):
+            h = layer(h, pos, ck, cv, mask)
+        return self._logits(self.norm(h[0]))
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole block as one capture-safe step (``heads.dflash_static``), drafting ``depth``
@@ -385,14 +399,19 @@ class DFlashDrafter(Drafter):
                                                                  generator))
 
 
-def block_mask(anchors_BN: Tensor, attn_BT: Tensor, block_size: int) -> Tensor:
-    """[B, 1, N*S, T + N*S] bool: block n's queries see the real context positions before its anchor and every
-    position of their own block (non-causal), nothing of the other blocks."""
+def block_mask(anchors_BN: Tensor, attn_BT: Tensor, block_size: int, window: int | None = None) -> Tensor:
+    """[B, 1, N*S, T + N*S] bool: block n's queries see the real context positions before its anchor (with
+    ``window``: only those less than ``window`` positions before the query's own) and every position of their own
+    block (non-causal), nothing of the other blocks."""
     B, N = anchors_BN.shape
     T, S = attn_BT.shape[1], block_size
     ctx = torch.arange(T, device=attn_BT.device)
     sees_ctx = (ctx[None, None, :] < anchors_BN[..., None]) & attn_BT[:, None, :]  # [B, N, T]
-    sees_ctx = sees_ctx[:, :, None, :].expand(B, N, S, T).reshape(B, N * S, T)
+    sees_ctx = sees_ctx[:, :, None, :].expand(B, N, S, T)
+    if window is not None:
+        pos_q = anchors_BN[..., None] + torch.arange(S, device=attn_BT.device)  # [B, N, S]
+        sees_ctx = sees_ctx & ((pos_q[..., None] - ctx) < window)
+    sees_ctx = sees_ctx.reshape(B, N * S, T)
     blk = torch.arange(N, device=attn_BT.device).repeat_interleave(S)
     same = (blk[:, None] == blk[None, :])[None].expand(B, -1, -1)
     return torch.cat([sees_ctx, same], -1)[:, None]

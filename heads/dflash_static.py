@@ -109,6 +109,8 @@ class DFlashStaticDraft:
         ids = torch.where(self.slots_S == 0, anchor, self.block_ids)
         block_pos = self.length + self.slots_S
         ctx_ok = (self.cols_C < self.length)[None].expand(self.slots_S.shape[0], -1)
+        if d.sliding_window is not None:  # each slot sees the context within the window of its own position
+            ctx_ok = ctx_ok & ((block_pos[:, None] - self.cols_C[None, :]) < d.sliding_window)
         mask = torch.cat([ctx_ok, self.own_block], 1)[None, None]  # [1, 1, S, Ccap + S]
         h = d._embed(ids[None], d.fc.weight)
         for layer, (kbuf, vbuf) in zip(d.layers, self.keys):

@@ -37,7 +37,12 @@ def engine_config(drafter: DFlashDrafter, dtype: str, max_positions: int | None)
     D, V, L = drafter.dims.hidden_size, drafter.dims.vocab_size, drafter.dims.num_layers
     attn = drafter.layers[0].self_attn
     theta = attn.theta
-    return {
+    window = {}
+    if drafter.sliding_window is not None:
+        # vLLM takes a sliding-window DFlash layer as causal unless dflash_config.causal says otherwise
+        window = {"layer_types": ["sliding_attention"] * len(drafter.layers), "sliding_window": drafter.sliding_window,
+                  "use_sliding_window": True}
+    return {**window,
         "architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_size": D, "vocab_size": V,
         "intermediate_size": drafter.layers[0].mlp.gate_proj.out_features,
         "num_hidden_layers": len(drafter.layers), "num_attention_heads": attn.h, "num_key_value_heads": attn.g,
@@ -47,7 +52,8 @@ def engine_config(drafter: DFlashDrafter, dtype: str, max_positions: int | None)
         "max_position_embeddings": max_positions or 4096, "torch_dtype": dtype,
         "block_size": drafter.block_size, "num_target_layers": L,
         "dflash_config": {"target_layer_ids": [i - 1 for i in drafter.teacher_layers],
-                          "mask_token_id": drafter.mask_token_id},
+                          "mask_token_id": drafter.mask_token_id,
+                          **({"causal": False} if window else {})},
     }
 
 
@@ -122,6 +128,15 @@ class DFlashAdapter:
         mask = dflash.get("mask_token_id")
         if not isinstance(mask, int) or not 0 <= mask < config["vocab_size"]:
             problems.append(f"dflash_config.mask_token_id={mask!r} is not a token id of the vocabulary")
+        types = config.get("layer_types")
+        if types is not None:
+            if types != ["sliding_attention"] * config["num_hidden_layers"]:
+                problems.append(f"layer_types={types}: specdraft's DFlash layers are all full or all sliding_attention")
+            if not isinstance(config.get("sliding_window"), int):
+                problems.append("sliding_attention layers need an integer sliding_window (vLLM refuses to start)")
+            if dflash.get("causal") is not False:
+                problems.append("dflash_config.causal must be false: vLLM runs sliding_attention DFlash layers "
+                                "causally otherwise, and the block was trained non-causal")
         if not isinstance(config["block_size"], int) or config["block_size"] < 2:
             problems.append(f"block_size={config['block_size']!r} must be an integer >= 2")
         problems += vocab_problem(config["vocab_size"], target)
@@ -146,7 +161,8 @@ class DFlashAdapter:
                                 layers=[i + 1 for i in dflash["target_layer_ids"]],
                                 num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
                                 intermediate_size=config["intermediate_size"], rope_theta=theta,
-                                rms_norm_eps=config["rms_norm_eps"], mask_token_id=dflash["mask_token_id"])
+                                rms_norm_eps=config["rms_norm_eps"], mask_token_id=dflash["mask_token_id"],
+                                sliding_window=config.get("sliding_window") if config.get("layer_types") else None)
         state = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in read_weights(f).items()}
         drafter.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
         return drafter

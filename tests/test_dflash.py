@@ -29,10 +29,12 @@ def teacher():
     return varied_teacher()
 
 
-def test_training_block_equals_the_decoding_block(teacher):
+@pytest.mark.parametrize("window", [None, 7])
+def test_training_block_equals_the_decoding_block(teacher, window):
     """Slot k of the block anchored at a in training computes exactly what ``propose`` computes after a + 1
-    tokens: pins the block mask (context strictly before the anchor, the whole block non-causal) and the positions."""
-    drafter = dflash(teacher, objective="distill")
+    tokens: pins the block mask (context strictly before the anchor, within the sliding window of each slot when one
+    is set; the whole block non-causal) and the positions."""
+    drafter = dflash(teacher, objective="distill", sliding_window=window)
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = drafter(batch_of(ids), teacher.signals(batch_of(ids), drafter.teacher_layers))
@@ -41,21 +43,17 @@ def test_training_block_equals_the_decoding_block(teacher):
         drafter.reset()
         drafter.observe(teacher(ids[:, :a], None, drafter.teacher_layers).hidden)
         with torch.no_grad():
-            keys = drafter._context_keys(a)
-            S = drafter.block_size
-            block = torch.full((1, S), drafter.mask_token_id)
-            block[0, 0] = ids[0, a]
-            h = drafter._embed(block, drafter.fc.weight)
-            for layer, (ck, cv) in zip(drafter.layers, keys):
-                h = layer(h, torch.arange(a, a + S), ck, cv, None)
-            logits = drafter._logits(drafter.norm(h[0]))
-        for k in range(1, S):
+            logits = drafter._block_logits(ids[0, a], a)
+        for k in range(1, drafter.block_size):
             if a + k < 20:  # term k - 1's rows are the anchors 1, 2, ... in order
                 torch.testing.assert_close(logits[k], out.terms[k - 1].student_NV[a - 1], atol=1e-5, rtol=1e-5)
-        drafter.reset()
-        drafter.observe(teacher(ids[:, :a], None, drafter.teacher_layers).hidden)
         tree = drafter.propose(ids[:, : a + 1], 3)
         assert tree.tokens.tolist() == logits[1:4].argmax(-1).tolist()
+    if window is not None:  # the window bites: the full-attention drafter drafts otherwise at a = 13
+        full = dflash(teacher, objective="distill")
+        full.observe(teacher(ids[:, :13], None, full.teacher_layers).hidden)
+        with torch.no_grad():
+            assert not torch.allclose(full._block_logits(ids[0, 13], 13), logits, atol=1e-4)
 
 
 def test_block_mask_sees_the_context_before_the_anchor_and_its_own_block():
@@ -149,13 +147,14 @@ def test_anchor_draws_are_bounded_and_counted(teacher):
 
 # --- export ------------------------------------------------------------------------------------------------------
 
-def test_vllm_export_round_trip(tmp_path):
+@pytest.mark.parametrize("window", [None, 8])
+def test_vllm_export_round_trip(tmp_path, window):
     """Export in vLLM's layout, check it against the loader's transcription, rebuild the drafter from the engine's
-    files only: the same weights and the same greedy decoding."""
+    files only: the same weights and the same greedy decoding (a sliding window included)."""
     import json
 
     teacher = deep_teacher(tmp_path / "target")
-    drafter = dflash(teacher)
+    drafter = dflash(teacher, sliding_window=window)
     path = save(drafter, tmp_path / "run", "dflash", teacher, target_name=str(tmp_path / "target"))
     out = export_drafter(path, "vllm", tmp_path / "vllm")
     assert check_export(out, "vllm", "dflash", teacher.identity()) == []
@@ -163,12 +162,20 @@ def test_vllm_export_round_trip(tmp_path):
     assert config["dflash_config"]["target_layer_ids"] == [i - 1 for i in drafter.teacher_layers]
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == drafter.block_size
     assert '"method": "dflash"' in (out / "README.md").read_text()
+    if window:
+        assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == window
+        assert config["dflash_config"]["causal"] is False
+        assert reloaded_window(out, teacher) == window
     reloaded = load_export(out, teacher)
     for name, p in drafter.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
     prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     decoder = Decoder(teacher)
     assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == decoder.speculative(drafter, prompt, 12, 4).new_tokens
+
+
+def reloaded_window(out, teacher):
+    return load_export(out, teacher).sliding_window
 
 
 def test_vllm_check_catches_a_departure(tmp_path):
@@ -265,15 +272,15 @@ def test_bad_config_names_the_key(key, value, match):
 
 # --- the static (capture-safe) draft step ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompt_len", [5, 11])
-def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len):
+@pytest.mark.parametrize("prompt_len,window", [(5, None), (11, None), (11, 8)])
+def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, window):
     """Played through the step decoder's stand-in with a varying accepted length per step: every static draft
     equals the eager ``propose`` on the same context (greedy), and the sampled step's distributions are the eager
     logits' (its draws lie in their support)."""
     from inference.sampling import GREEDY, SamplingConfig, warp
     from tests.static_harness import Replay, committed_for, counts
 
-    drafter = dflash(teacher)
+    drafter = dflash(teacher, sliding_window=window)
     M = 4
     for sampling in (GREEDY, SamplingConfig(temperature=0.8, top_k=20)):
         committed = committed_for(drafter, M)
@@ -293,16 +300,9 @@ def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len):
             if sampling.greedy:
                 assert static.buffers.tokens_T.tolist() == eager.tokens.tolist(), (step, count)
                 continue
-            keys = drafter._context_keys(replay.context().shape[1] - 1)
-            S = drafter.block_size
-            block = torch.full((1, S), drafter.mask_token_id)
-            block[0, 0] = replay.context()[0, -1]
-            h = drafter._embed(block, drafter.fc.weight)
-            pos = torch.arange(replay.context().shape[1] - 1, replay.context().shape[1] - 1 + S)
             with torch.no_grad():
-                for layer, (ck, cv) in zip(drafter.layers, keys):
-                    h = layer(h, pos, ck, cv, None)
-                want = warp(drafter._logits(drafter.norm(h[0, 1:M])), sampling)
+                n = replay.context().shape[1]
+                want = warp(drafter._block_logits(replay.context()[0, -1], n - 1)[1:M], sampling)
             torch.testing.assert_close(static.buffers.probs_TV, want, atol=1e-5, rtol=1e-5)
             assert bool((want.gather(1, static.buffers.tokens_T[:, None]) > 0).all())
 
