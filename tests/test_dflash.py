@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distill.losses import forward_kl
+from distill.teacher import Teacher
 from heads.base import build_drafter
 from heads.dflash import DFlashDrafter, block_mask, default_feature_layers
 from heads.saved import load_drafter
@@ -17,7 +18,6 @@ from inference.decoder import Decoder, DecoderConfig
 from inference.sampling import SamplingConfig
 from serve.export import check_export, export_drafter, load_export
 from tests.drafters import DFLASH_NODE, DIMS, deep_teacher, dflash, save, tiny_llama, varied_teacher
-from distill.teacher import Teacher
 
 
 def batch_of(ids):
@@ -171,7 +171,8 @@ def test_vllm_export_round_trip(tmp_path, window):
         torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
     prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     decoder = Decoder(teacher)
-    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == decoder.speculative(drafter, prompt, 12, 4).new_tokens
+    want = decoder.speculative(drafter, prompt, 12, 4).new_tokens
+    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == want
 
 
 def reloaded_window(out, teacher):
