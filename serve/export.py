@@ -27,6 +27,7 @@ from distill.atomic import write_dir_atomically
 from heads.base import TargetDims
 from heads.saved import load_saved_drafter, weights_digest
 from serve.adapter import ENGINES, SIDECAR, ExportAdapter, refusal, serve_name
+from serve.dflash import DFlashAdapter
 from serve.draft_model import DraftModelAdapter
 from serve.eagle import EagleAdapter
 from serve.lookup import LookupAdapter
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 
 # One adapter per drafter family; a new kind adds its adapter here.
 ADAPTERS: dict[str, ExportAdapter] = {kind: adapter for adapter in
-                                      (MedusaAdapter(), EagleAdapter(), DraftModelAdapter(), LookupAdapter())
+                                      (MedusaAdapter(), EagleAdapter(), DraftModelAdapter(), LookupAdapter(),
+                                       DFlashAdapter())
                                       for kind in adapter.kinds}
 __all__ = ["ADAPTER_DIR", "ADAPTERS", "ENGINES", "MERGED", "SIDECAR", "adapter_for", "check_export",
            "export_drafter", "load_export", "serve_command"]

@@ -24,11 +24,13 @@ EAGLE1_NODE = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle1", "num
 EAGLE3_NODE = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "num_heads": 2, "tree": "dynamic",
                "top_k": 3, "total_tokens": 10, "layers": [1, 2, 3], "draft_vocab_size": 96}
 DRAFT_MODEL_NODE = {"_target_": "heads.draft_model.DraftModel", "source": "hf", "name": "tiny-draft"}
-NODES = {"medusa": MEDUSA_NODE, "eagle1": EAGLE1_NODE, "eagle3": EAGLE3_NODE, "draft_model": DRAFT_MODEL_NODE}
+DFLASH_NODE = {"_target_": "heads.dflash.DFlashDrafter", "block_size": 6, "num_layers": 2}
+NODES = {"medusa": MEDUSA_NODE, "eagle1": EAGLE1_NODE, "eagle3": EAGLE3_NODE, "draft_model": DRAFT_MODEL_NODE,
+         "dflash": DFLASH_NODE}
 
 # Every engine each kind exports to (the refused pairs are tested in test_export*.py).
 EXPORTS = {"medusa": ("vllm", "hf"), "eagle1": ("vllm", "sglang", "hf"), "eagle3": ("vllm", "sglang", "speculators"),
-           "draft_model": ("vllm", "sglang", "hf")}
+           "draft_model": ("vllm", "sglang", "hf"), "dflash": ("vllm",)}
 TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
 
@@ -115,12 +117,22 @@ def draft_model(teacher: Teacher):
     return drafter
 
 
+def dflash(teacher: Teacher, seed: int = 3, **node):
+    """A 2-layer DFlash drafter (block 6) off its init."""
+    torch.manual_seed(seed)
+    drafter = build_drafter({**DFLASH_NODE, **node}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    return perturbed(drafter, seed + 1, 0.2)
+
+
 def build(kind: str, teacher: Teacher):
     """A deterministic tiny drafter of ``kind`` (a key of ``NODES``) bound to ``teacher``."""
     if kind == "medusa":
         return medusa(teacher)
     if kind == "draft_model":
         return draft_model(teacher)
+    if kind == "dflash":
+        return dflash(teacher)
     return eagle(teacher, kind)
 
 

@@ -42,6 +42,9 @@ MEDUSA = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 2, "num_layers": 
 # whole vocabulary offline), three feature layers, a 3-step training-time test.
 EAGLE3 = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "layers": [0, 1, 2], "ttt_steps": 3,
           "draft_vocab_size": None}
+# Random anchors (fewer than a row has): the offline run must draw the same ones from the same seed.
+DFLASH = {"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "layers": [1], "num_anchors": 8,
+          "objective": "distill"}
 
 
 def make_rows(n=N):
@@ -106,7 +109,8 @@ def run_training(teacher, dataset, run_dir, steps=10, drafter_cfg=MEDUSA):
     return [json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("drafter_cfg,layers", [(MEDUSA, (-1,)), (EAGLE3, (0, 1, 2))], ids=["medusa", "eagle3"])
+@pytest.mark.parametrize("drafter_cfg,layers", [(MEDUSA, (-1,)), (EAGLE3, (0, 1, 2)), (DFLASH, (1,))],
+                         ids=["medusa", "eagle3", "dflash"])
 def test_offline_training_follows_the_online_loss_curve(tiny_teacher, tmp_path, drafter_cfg, layers):
     rows = make_rows()
     online = run_training(tiny_teacher, rows, tmp_path / "online", drafter_cfg=drafter_cfg)

@@ -17,14 +17,16 @@ from train.logger import LoggerConfig, MetricsLogger
 from train.loop import BatchOrder, train
 
 MEDUSA = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 2, "num_layers": 1, "loss_decay": 0.8}
+# DFlash draws random anchors (4 of a row's 14): a resume must draw the ones the uninterrupted run draws.
+DFLASH = {"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "num_anchors": 4}
 
 
-def make_cfg(**trainer) -> Config:
+def make_cfg(drafter=MEDUSA, **trainer) -> Config:
     t = {"engine": "single", "device": "cpu", "steps": 6, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2,
          "min_lr_ratio": 0.1, "warmup_steps": 2, "weight_decay": 0.0, "grad_clip": 1.0, "bf16": False,
          "log_every": 1, "ckpt_every": 3, "keep_last": 2, "resume": "auto", "num_threads": None}
     t.update(trainer)
-    return Config(trainer=TrainerConfig(**t), drafter=MEDUSA, target=TargetConfig(source="toy", name="tiny-llama"),
+    return Config(trainer=TrainerConfig(**t), drafter=drafter, target=TargetConfig(source="toy", name="tiny-llama"),
                   seed=0, logger=LoggerConfig(name="none"))
 
 
@@ -65,8 +67,9 @@ def run(teacher, run_dir, cfg, engine=None):
     return drafter
 
 
-def test_kill_and_resume_matches_uninterrupted(tiny_teacher, tmp_path):
-    cfg = make_cfg()
+@pytest.mark.parametrize("drafter", [MEDUSA, DFLASH], ids=["medusa", "dflash"])
+def test_kill_and_resume_matches_uninterrupted(tiny_teacher, tmp_path, drafter):
+    cfg = make_cfg(drafter)
     reference = run(tiny_teacher, tmp_path / "a", cfg)
     with pytest.raises(Killed):
         run(tiny_teacher, tmp_path / "b", cfg, DyingEngine(cfg.trainer, die_at=4))

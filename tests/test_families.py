@@ -51,6 +51,8 @@ KINDS = {
     "eagle3": Kind({"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3, "top_k": 2,
                     "total_tokens": 6, "draft_vocab_size": 192}, {"chain": "chain", "tree": "dynamic"}),
     "draft_model": Kind({"_target_": "heads.draft_model.DraftModel"}, {"chain": None}, exported=True),
+    "dflash": Kind({"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "objective": "distill"}, {"chain": None},
+                   exported=True),
 }
 DRAFTERS = {kind: row.node for kind, row in KINDS.items()}
 TREES = {kind: row.trees for kind, row in KINDS.items()}
@@ -300,7 +302,7 @@ def test_export_reloads_and_decodes_identically(family, kind, tmp_path):
     identity = {**teacher.identity(), "model_type": teacher.model.config.model_type}  # as train/run.py saves it
     path = save_drafter(drafter, tmp_path / "drafter", cfg, {"source": "hf", "name": teacher.name}, identity,
                         {"training": {"steps": STEPS, "loss": {"_target_": "distill.losses.forward_kl"}}})
-    if kind == "eagle1" and family.name.startswith("gemma"):  # scaled embeddings: no engine feeds them to a drafter
+    if kind in ("eagle1", "dflash") and family.name.startswith("gemma"):  # scaled embeddings: no engine feeds them
         with pytest.raises(ValueError, match="scales its embeddings by sqrt"):
             export_drafter(path, "vllm", tmp_path / "vllm")
         return

@@ -1,0 +1,417 @@
+"""DFlash: a block-diffusion drafter that fills a whole block of masked positions in one forward.
+
+Which token each output predicts: a block is anchored at position a (the last verified token, whose target hidden
+state is not known yet): its inputs are [token a, MASK, ..., MASK] at positions a .. a + block_size - 1, and the
+output at block slot k >= 1 (position a + k) predicts token a + k itself (the target's distribution at a + k - 1).
+One forward drafts the chain of block_size - 1 tokens after the anchor.
+
+Shape legend:  B batch, T sequence, D target hidden size (= the drafter's), V target vocabulary, F number of target
+feature layers, L draft layers, S block size, N anchors per row, h query heads, g key/value heads, hd head size.
+    context  c_TD = hidden_norm(fc([feat_1 ; ... ; feat_F]))       (F*D -> D, no bias): the target's context
+    per draft layer l (Qwen3-style, non-causal within the block):
+             x  = input_layernorm(h_SD)
+             q  = q_norm(q_proj(x))                                  queries: the block's S positions only
+             k  = k_norm(k_proj([c ; x])), v = v_proj([c ; x])      keys: context positions < a, then the block
+             h  = h + o_proj(attn(q, k, v));  h = h + mlp(post_attention_layernorm(h))
+    out_SD = norm(h) -> the target's frozen lm_head -> logits_SV; slots 1 .. S-1 are the drafts.
+The context keys of a layer depend on the fused target features alone (never on the layer's input), so decoding
+caches them once per committed position, as the anchors' engines do.
+
+Feature layers use ``distill.teacher``'s hidden-state index (i = output of decoder layer i, 1-based); the anchors'
+``target_layer_ids`` are 0-based layer numbers, i.e. index - 1 (an exporter converts). Default: the anchors' spread
+(one feature layer per draft layer, from layer 1 to L - 3; the middle layer for a one-layer drafter).
+
+Training (the anchors' recipe): up to ``num_anchors`` random anchor positions per row, every anchor's block drafted
+in the same forward (one attention over [context ; all blocks] under ``block_mask``: a block sees the context strictly
+before its anchor and its own S positions); slot k's loss weight is exp(-(k - 1) / loss_gamma). ``objective: ce``
+(the anchors'): cross-entropy on the target's tokens (its greedy token at a + k - 1, which greedy decoding must
+match); ``objective: distill``: the configured divergence (``loss=``) against the target's distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distill.chunked import Frozen, LabelRows, TeacherRows, cross_entropy_sum
+from distill.teacher_output import TeacherOutput
+from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
+from heads.dflash_static import DFlashStaticDraft
+from heads.eagle import RMSNorm, _rope, _rope_tables
+from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.tree import DraftTree
+
+OBJECTIVES = ("ce", "distill")
+GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # the anchors' loss decay per block size
+
+
+def default_feature_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The anchors' spread as hidden-state indices: one layer per draft layer, evenly from 0-based layer 1 to
+    L - 3 (index 2 .. L - 2); a one-layer drafter reads the middle layer (index L // 2 + 1). Shallow targets (L < 5,
+    the toy) spread over indices 1 .. L - 1 instead (never L, the final normed output no engine captures), without
+    repeats."""
+    L, n = num_target_layers, num_draft_layers
+    if L >= 5:
+        if n == 1:
+            return (L // 2 + 1,)
+        return tuple(int(round(1 + i * (L - 4) / (n - 1))) + 1 for i in range(n))
+    top = max(1, L - 1)
+    if n == 1:
+        return (max(1, top // 2 + top % 2),)
+    return tuple(sorted({int(round(1 + i * (top - 1) / (n - 1))) for i in range(n)}))
+
+
+def default_loss_gamma(block_size: int) -> float:
+    return GAMMA_BY_BLOCK.get(block_size, max(1.0, (block_size - 1) / 2))
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3-style attention (per-head q/k norms, grouped key/value heads) whose keys are the context's and the
+    block's. Parameter names follow the anchors' checkpoints (``self_attn.q_proj`` ...)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, theta: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"drafter.num_kv_heads={num_kv_heads} must divide drafter.num_heads={num_heads}")
+        self.h, self.g, self.hd, self.theta = num_heads, num_kv_heads, head_dim, theta
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def keys(self, x_BND: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, g, N, hd] of ``x`` at positions ``pos`` ([N] or [B, N]), rotated."""
+        B, N, _ = x_BND.shape
+        k = self.k_norm(self.k_proj(x_BND).view(B, N, self.g, self.hd)).transpose(1, 2)
+        v = self.v_proj(x_BND).view(B, N, self.g, self.hd).transpose(1, 2)
+        cos, sin = _rope_tables(pos, self.hd, self.theta, k.dtype, k.device)
+        return _rope(k, cos, sin), v
+
+    def forward(self, x_BSD: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.q_norm(self.q_proj(x_BSD).view(B, S, self.h, self.hd)).transpose(1, 2)
+        cos, sin = _rope_tables(pos, self.hd, self.theta, q.dtype, q.device)
+        q = _rope(q, cos, sin)
+        k, v = self.keys(x_BSD, pos)
+        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
+        if self.g != self.h:
+            k, v = k.repeat_interleave(self.h // self.g, 1), v.repeat_interleave(self.h // self.g, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 eps: float, theta: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = DFlashAttention(hidden_size, num_heads, num_kv_heads, head_dim, eps, theta)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = DFlashMLP(hidden_size, intermediate_size)
+
+    def forward(self, h_BSD: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
+        h = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos, ctx_k, ctx_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class TargetTokens(LabelRows):
+    """The target's own tokens as hard labels (``objective: ce``); agreement counts the same tokens."""
+
+    def labels(self) -> Tensor:
+        return self.labels_N
+
+
+@dataclass
+class TokenTerm(DraftTerm):
+    """A draft term trained with cross-entropy on ``TargetTokens`` whatever divergence is configured."""
+
+    def evaluate(self, loss_fn) -> Tensor:
+        return super().evaluate(cross_entropy_sum)
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    dense_teacher_logits = False  # each term reads its teacher rows once
+    decode_keys = ("depth",)
+
+    def __init__(self, dims: TargetDims | Mapping[str, int], block_size: int = 16, num_layers: int = 1,
+                 layers: Sequence[int] | None = None, num_heads: int | None = None, num_kv_heads: int | None = None,
+                 intermediate_size: int | None = None, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
+                 mask_token_id: int | None = None, num_anchors: int = 512, loss_gamma: float | None = None,
+                 objective: str = "ce", depth: int | None = None, sliding_window: int | None = None):
+        super().__init__(dims)
+        D, V, L = self.dims.hidden_size, self.dims.vocab_size, self.dims.num_layers
+        if block_size < 2:
+            raise ValueError(f"drafter.block_size={block_size} must be >= 2 (the anchor token plus at least one draft)")
+        if num_layers < 1:
+            raise ValueError(f"drafter.num_layers={num_layers} must be >= 1")
+        layers = tuple(default_feature_layers(L, num_layers) if layers is None else layers)
+        if not layers:
+            raise ValueError("drafter.layers is empty; give the hidden-state indices to read (or null for the default)")
+        for i in layers:
+            if not 0 <= i <= L:
+                raise ValueError(f"drafter.layers contains {i}, out of range for a target with {L} layers; valid "
+                                 f"hidden-state indices are 0..{L} (i = output of decoder layer i)")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"drafter.objective={objective!r} is not known; valid: {list(OBJECTIVES)} (ce: "
+                             f"cross-entropy on the target's tokens; distill: the configured loss=)")
+        if num_anchors < 1:
+            raise ValueError(f"drafter.num_anchors={num_anchors} must be >= 1 (blocks trained per row)")
+        mask_token_id = V - 1 if mask_token_id is None else mask_token_id
+        if not 0 <= mask_token_id < V:
+            raise ValueError(f"drafter.mask_token_id={mask_token_id} is outside the target's vocabulary 0..{V - 1}")
+        if depth is not None and not 1 <= depth <= block_size - 1:
+            raise ValueError(f"drafter.depth={depth} must be in 1..block_size-1={block_size - 1} (or null)")
+        self.teacher_layers = layers
+        self.block_size, self.num_anchors, self.objective, self.depth = block_size, num_anchors, objective, depth
+        self.mask_token_id = mask_token_id
+        if sliding_window is not None and sliding_window < block_size:
+            raise ValueError(f"drafter.sliding_window={sliding_window} must be >= block_size={block_size} (a query "
+                             f"must see its whole block) or null (full attention)")
+        self.sliding_window = sliding_window
+        self.loss_gamma = default_loss_gamma(block_size) if loss_gamma is None else float(loss_gamma)
+        if self.loss_gamma <= 0:
+            raise ValueError(f"drafter.loss_gamma={loss_gamma} must be > 0 (slot k's weight: exp(-(k-1)/gamma))")
+        heads = num_heads or max(1, D // 64)
+        if D % heads:
+            raise ValueError(f"drafter.num_heads={heads} must divide the target's hidden size {D}")
+        kv = num_kv_heads or heads
+        inter = intermediate_size or 64 * math.ceil(8 * D / 3 / 64)
+        self.fc = nn.Linear(len(layers) * D, D, bias=False)
+        self.hidden_norm = RMSNorm(D, rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(D, heads, kv, D // heads, inter, rms_norm_eps, rope_theta)
+                                     for _ in range(num_layers)])  # built separately: no shared weights
+        self.norm = RMSNorm(D, rms_norm_eps)
+        self._frozen: dict[str, nn.Module] = {}  # the target's embedding / lm_head: used, never owned or saved
+        self.reset()
+
+    # --- binding to the target ----------------------------------------------------------------------------
+    def bind_target(self, teacher, initialize: bool) -> None:
+        for i in self.teacher_layers:
+            teacher.resolve_layer(i)
+        self._frozen = {"embed": teacher.input_embedding, "lm_head": teacher.output_logits}
+        if initialize:
+            gain = teacher.final_norm_gain  # start the output norm where the target's ends
+            if gain is not None and gain.shape == self.norm.weight.shape:
+                with torch.no_grad():
+                    self.norm.weight.copy_(gain.to(self.norm.weight))
+
+    def saved_config(self, drafter_cfg: Mapping[str, Any]) -> dict:
+        node = dict(drafter_cfg)
+        node["layers"] = list(self.teacher_layers)  # resolved defaults, so a load never re-derives them
+        node["mask_token_id"] = self.mask_token_id
+        node["sliding_window"] = self.sliding_window  # the attention it was trained with
+        return node
+
+    def _embed(self, ids: Tensor, like: Tensor) -> Tensor:
+        if "embed" not in self._frozen:
+            raise RuntimeError(f"{self.name} is not bound to a target; call bind_target(teacher, ...) first")
+        return self._frozen["embed"](ids.to(self._frozen["embed"].weight.device)).to(like.device, like.dtype)
+
+    def _context(self, feats: Tensor) -> Tensor:
+        """The fused target context [.., D] from the concatenated feature layers [.., F*D]."""
+        return self.hidden_norm(self.fc(feats))
+
+    def _logits(self, out_ND: Tensor) -> Tensor:
+        head = self._frozen["lm_head"]
+        return head(out_ND.to(head.weight.dtype)).to(out_ND.dtype)
+
+    # --- training ------------------------------------------------------------------------------------------
+    def _candidates(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """[B, T] bool: positions a that may anchor a block (a real token with a real context before it and a
+        loss-bearing token after it)."""
+        attn = batch["attention_mask"].bool()
+        valid = batch["loss_mask"].bool() & attn
+        cand = torch.zeros_like(valid)
+        cand[:, 1:-1] = attn[:, 1:-1] & valid[:, 2:] & attn[:, :1]
+        return cand
+
+    def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
+        """[B, T]: anchors a whose slot k + 1 (predicting token a + k + 1) is trainable, were a drawn (training draws
+        at most ``num_anchors`` of them per row at random)."""
+        valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        cand = self._candidates(batch)
+        T = valid.shape[1]
+        mask = torch.zeros_like(cand)
+        mask[:, : max(T - k - 1, 0)] = cand[:, : max(T - k - 1, 0)] & valid[:, k + 1:]
+        return mask
+
+    def count_valid(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """Anchors drawn (each trains slot 1): min(num_anchors, candidates) per row."""
+        return self._candidates(batch).sum(1).clamp(max=self.num_anchors).sum()
+
+    def _draw_anchors(self, cand_BT: Tensor) -> tuple[Tensor, Tensor]:
+        """(anchors [B, N], drawn [B, N]): up to ``num_anchors`` candidates per row, uniformly without replacement
+        (all of them when fewer), in increasing position order."""
+        score = torch.rand(cand_BT.shape, device=cand_BT.device).masked_fill(~cand_BT, -1.0)
+        n = int(min(self.num_anchors, int(cand_BT.sum(1).max())))
+        top, idx = score.topk(max(n, 1), dim=1)
+        drawn = top >= 0
+        idx = torch.where(drawn, idx, cand_BT.shape[1])  # undrawn slots sort last
+        idx, order = idx.sort(1)
+        return idx.clamp(max=cand_BT.shape[1] - 1), drawn.gather(1, order)
+
+    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
+        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+        B, T = ids.shape
+        S = self.block_size
+        cand = self._candidates(batch)
+        if not cand.any():
+            raise ValueError(f"data.max_length={T} is too short for {self.name}: no row has an anchor (a token with "
+                             f"context before it and a loss-bearing token after it)")
+        feats = torch.cat([teacher_out.hidden[i] for i in self.teacher_layers], -1)
+        dtype = self.fc.weight.dtype if not torch.is_autocast_enabled(feats.device.type) else feats.dtype
+        ctx = self._context(feats.to(dtype))  # [B, T, D]
+        anchors, drawn = self._draw_anchors(cand)  # [B, N]
+        N = anchors.shape[1]
+        dev = ids.device
+        slot = torch.arange(S, device=dev)
+        pos_BNS = anchors[..., None] + slot  # block positions
+        block_ids = torch.full((B, N, S), self.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[..., 0] = ids.gather(1, anchors)
+        h = self._embed(block_ids.view(B, N * S), ctx)  # [B, N*S, D]
+        pos_q = pos_BNS.view(B, N * S)
+        mask = block_mask(anchors, attn, S, self.sliding_window)  # [B, 1, N*S, T + N*S]
+        ctx_pos = torch.arange(T, device=dev)
+        for layer in self.layers:
+            ck, cv = layer.self_attn.keys(ctx, ctx_pos)
+            h = layer(h, pos_q, ck, cv, mask)
+        out = self.norm(h).view(B, N, S, -1)
+        valid = batch["loss_mask"].bool() & attn
+        terms = []
+        head = Frozen(self._frozen["lm_head"])
+        for k in range(1, S):
+            target = pos_BNS[..., k]  # [B, N]: the token slot k predicts
+            rows = drawn & (target < T)
+            rows &= valid.gather(1, target.clamp(max=T - 1))
+            if not rows.any():
+                break
+            b_N, n_N = rows.nonzero(as_tuple=True)
+            t_N = target[b_N, n_N] - 1  # the target's distribution for token a + k sits at position a + k - 1
+            weight = math.exp(-(k - 1) / self.loss_gamma)
+            student = out[b_N, n_N, k]
+            if self.objective == "ce":
+                labels = teacher_out.argmax_BT()[b_N, t_N]
+                terms.append(TokenTerm(student, head, TargetTokens(labels, self.dims.vocab_size), weight=weight))
+            else:
+                terms.append(DraftTerm(student, head, TeacherRows(teacher_out, b_N, t_N), weight=weight))
+        return DraftOutput(terms=terms, num_valid=drawn.sum()).evaluate(loss_fn)
+
+    # --- decoding ------------------------------------------------------------------------------------------
+    def reset(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._generator: torch.Generator | None = None
+        self._feats: list[Tensor] = []  # [m, F*D] per observe call: target features of committed positions
+        self._num_feats = 0
+        self._ctx_kv: list[tuple[Tensor, Tensor]] | None = None  # per layer: [1, g, c, hd] context keys / values
+        self._ctx_len = 0
+
+    def observe(self, hidden: dict[int, Tensor]) -> None:
+        if not hidden:
+            return
+        new = torch.cat([hidden[i][0] for i in self.teacher_layers], -1)
+        self._feats.append(new)
+        self._num_feats += new.shape[0]
+
+    def _context_keys(self, need: int) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's context keys / values for positions 0 .. need - 1 (computed once per position)."""
+        if self._num_feats < need:
+            raise RuntimeError(f"{self.name}.propose needs target features for {need} tokens, observed "
+                               f"{self._num_feats}; the decoder must observe() the prefill and every step")
+        if self._ctx_len < need:
+            if len(self._feats) > 1:
+                self._feats = [torch.cat(self._feats)]
+            dev, dtype = self.fc.weight.device, self.fc.weight.dtype
+            new = self._context(self._feats[0][self._ctx_len: need].to(dev, dtype)[None])
+            pos = torch.arange(self._ctx_len, need, device=dev)
+            fresh = [layer.self_attn.keys(new, pos) for layer in self.layers]
+            if self._ctx_kv is not None:
+                fresh = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
+                         for (k0, v0), (k, v) in zip(self._ctx_kv, fresh)]
+            self._ctx_kv, self._ctx_len = fresh, need
+        return [(k[:, :, :need], v[:, :, :need]) for k, v in self._ctx_kv]
+
+    def _sampler(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generator
+
+    @torch.no_grad()
+    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
+        depth = min(self.depth or self.block_size - 1, max_depth, self.block_size - 1)
+        if depth < 1:
+            return DraftTree.empty(tokens.device)
+        logits = self._block_logits(tokens[0, -1], tokens.shape[1] - 1)[1: depth + 1]  # [depth, V]
+        if sampling.greedy:
+            return DraftTree.chain(logits.argmax(-1).to(tokens.device))
+        probs = warp(logits, sampling)
+        drafts = sample(probs, self._sampler(probs.device))
+        return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
+
+    def _block_logits(self, anchor: Tensor, position: int) -> Tensor:
+        """[S, V]: the whole block [anchor, MASK ...] at ``position`` .. ``position`` + S - 1 over the context keys of
+        positions < ``position`` (all of them, or those inside the sliding window of each slot's position), as
+        trained (the masked slots attend to one another); row k >= 1 predicts the token at position + k."""
+        keys = self._context_keys(position)
+        dev = self.fc.weight.device
+        S = self.block_size
+        block = torch.full((1, S), self.mask_token_id, dtype=torch.long, device=dev)
+        block[0, 0] = anchor
+        h = self._embed(block, self.fc.weight)
+        pos = torch.arange(position, position + S, device=dev)
+        mask = None
+        if self.sliding_window is not None:  # slot k sees context positions within the window of its own position
+            sees = (pos[:, None] - torch.arange(position, device=dev)[None, :]) < self.sliding_window
+            mask = torch.cat([sees, torch.ones(S, S, dtype=torch.bool, device=dev)], 1)[None, None]
+        for layer, (ck, cv) in zip(self.layers, keys):
+            h = layer(h, pos, ck, cv, mask)
+        return self._logits(self.norm(h[0]))
+
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The catch-up and the whole block as one capture-safe step (``heads.dflash_static``), drafting ``depth``
+        tokens, at most as many as the committed buffers allow (their rows - 1, the decoder's draft length) and the
+        block holds, as ``propose`` clips to its ``max_depth``."""
+        rows = committed.ids_M.shape[0]
+        depth = min(self.depth or self.block_size - 1, rows - 1, self.block_size - 1)
+        # keyed by the weights' dtype too: its buffers are allocated in it (eval times each candidate dtype)
+        return self.reuse_static_draft((depth, self.fc.weight.dtype), committed, capacity, sampling, generator,
+                                       lambda: DFlashStaticDraft(self, committed, capacity, depth, sampling,
+                                                                 generator))
+
+
+def block_mask(anchors_BN: Tensor, attn_BT: Tensor, block_size: int, window: int | None = None) -> Tensor:
+    """[B, 1, N*S, T + N*S] bool: block n's queries see the real context positions before its anchor (with
+    ``window``: only those less than ``window`` positions before the query's own) and every position of their own
+    block (non-causal), nothing of the other blocks."""
+    B, N = anchors_BN.shape
+    T, S = attn_BT.shape[1], block_size
+    ctx = torch.arange(T, device=attn_BT.device)
+    sees_ctx = (ctx[None, None, :] < anchors_BN[..., None]) & attn_BT[:, None, :]  # [B, N, T]
+    sees_ctx = sees_ctx[:, :, None, :].expand(B, N, S, T)
+    if window is not None:
+        pos_q = anchors_BN[..., None] + torch.arange(S, device=attn_BT.device)  # [B, N, S]
+        sees_ctx = sees_ctx & ((pos_q[..., None] - ctx) < window)
+    sees_ctx = sees_ctx.reshape(B, N * S, T)
+    blk = torch.arange(N, device=attn_BT.device).repeat_interleave(S)
+    same = (blk[:, None] == blk[None, :])[None].expand(B, -1, -1)
+    return torch.cat([sees_ctx, same], -1)[:, None]
