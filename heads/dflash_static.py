@@ -22,7 +22,7 @@ from torch import Tensor
 from heads.draft_model_static import hashed_uniforms
 from inference.acceptance import sample_uniform
 from inference.sampling import SamplingConfig, warp
-from inference.static_draft import CommittedBuffers, DraftBuffers, mark_static
+from inference.static_draft import CommittedBuffers, DraftBuffers, check_prompt_fits, mark_static, reseed_draws
 
 
 class DFlashStaticDraft:
@@ -81,9 +81,7 @@ class DFlashStaticDraft:
     def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
         d = self.drafter
         P = prompt_ids_P.shape[0]
-        if not 1 <= P <= self.capacity:
-            raise ValueError(f"{d.name}: a prompt of {P} tokens does not fit this static draft's capacity "
-                             f"{self.capacity}; allocate it with a larger capacity bucket")
+        check_prompt_fits(d.name, P, self.capacity)
         dev = self.length.device
         feats = torch.cat([hidden_P[i].reshape(P, -1) for i in d.teacher_layers], -1).to(dev)
         self._write_context(feats, torch.arange(P, device=dev))
@@ -91,10 +89,7 @@ class DFlashStaticDraft:
         self.anchor.copy_(pending.reshape(()).to(dev))
         self.fresh.fill_(True)
         if not self.sampling.greedy:
-            g = self.generator
-            seed = torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device if g is not None else "cpu")
-            self.seed.copy_(seed[0])
-            self.counter.zero_()
+            reseed_draws(self.seed, self.counter, self.generator)
 
     # --- capture-safe, every step -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -33,7 +33,7 @@ from inference.acceptance import sample_uniform
 from inference.generation import cache_kwarg
 from inference.sampling import SamplingConfig, warp
 from inference.static_cache import StaticKV, kv_shapes
-from inference.static_draft import CommittedBuffers, DraftBuffers, mark_static
+from inference.static_draft import CommittedBuffers, DraftBuffers, check_prompt_fits, mark_static, reseed_draws
 
 _MASK32 = 0xFFFFFFFF
 
@@ -102,9 +102,7 @@ class DraftModelStaticDraft:
     @torch.no_grad()
     def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
         P = prompt_ids_P.shape[0]
-        if not 1 <= P <= self.capacity:
-            raise ValueError(f"draft model: a prompt of {P} tokens does not fit this static draft's capacity "
-                             f"{self.capacity}; allocate it with a larger capacity bucket")
+        check_prompt_fits("draft model", P, self.capacity)
         dev = self.length.device
         ids = prompt_ids_P.to(dev)
         if P > 1:  # eager: a shape per prompt length is fine here
@@ -117,10 +115,7 @@ class DraftModelStaticDraft:
         self.length.fill_(P - 1)
         self.fresh.fill_(True)
         if not self.sampling.greedy:
-            g = self.generator
-            seed = torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device if g is not None else "cpu")
-            self.seed.copy_(seed[0])
-            self.counter.zero_()
+            reseed_draws(self.seed, self.counter, self.generator)
 
     @torch.no_grad()
     def draft(self) -> None:

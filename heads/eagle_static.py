@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inference.dynamic_tree import expand_dynamic_trees
-from inference.static_draft import CommittedBuffers, DraftBuffers, mark_static
+from inference.static_draft import CommittedBuffers, DraftBuffers, check_prompt_fits, mark_static
 
 
 def tree_sizes(top_k: int, depth: int, total_tokens: int, vocab: int) -> tuple[int, int, int]:
@@ -89,9 +89,7 @@ class EagleStaticDraft:
     def prefill(self, prompt_ids_P: Tensor, hidden_P: dict[int, Tensor], pending: Tensor) -> None:
         d = self.drafter
         P = prompt_ids_P.shape[0]
-        if not 1 <= P <= self.capacity:
-            raise ValueError(f"{d.name}: a prompt of {P} tokens does not fit this static draft's capacity "
-                             f"{self.capacity}; allocate it with a larger capacity bucket")
+        check_prompt_fits(d.name, P, self.capacity)
         dev, dtype = self.k.device, self.k.dtype
         feats = torch.cat([hidden_P[i].reshape(P, -1) for i in d.teacher_layers], -1).to(dev, dtype)
         nxt = torch.cat([prompt_ids_P[1:].to(dev), pending.reshape(1).to(dev)])  # token t + 1 of pair t

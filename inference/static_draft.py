@@ -83,6 +83,23 @@ def weights_signature(module) -> tuple:
     return tuple((p.dtype, p.device, p.data_ptr()) for p in parameters()) if parameters else ()
 
 
+def check_prompt_fits(name: str, prompt_len: int, capacity: int) -> None:
+    """A ``StaticDraft.prefill`` refusal: the prompt must fit the capacity its buffers were allocated for."""
+    if not 1 <= prompt_len <= capacity:
+        raise ValueError(f"{name}: a prompt of {prompt_len} tokens does not fit this static draft's capacity "
+                         f"{capacity}; allocate it with a larger capacity bucket")
+
+
+def reseed_draws(seed: Tensor, counter: Tensor, generator: torch.Generator | None) -> None:
+    """Eager, per sequence: a sampling static draft's in-step uniforms are a hash of (``seed``, ``counter``) (a
+    compiled step cannot trace a generator); draw a fresh ``seed`` from the decoder's ``generator`` and restart
+    ``counter``, so each sequence's drafts are independent yet a seeded evaluation is reproducible."""
+    draw = torch.randint(0, 2**31 - 1, (1,), generator=generator,
+                         device=generator.device if generator is not None else "cpu")
+    seed.copy_(draw[0])
+    counter.zero_()
+
+
 def new_committed(rows: int, layers: tuple[int, ...], hidden_size: int, device: torch.device | str,
                   dtype: torch.dtype) -> CommittedBuffers:
     """``CommittedBuffers`` of ``rows`` rows, zero-filled, allocated once (the decoder's verify step writes them)."""
