@@ -128,7 +128,10 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = DFlashMLP(hidden_size, intermediate_size)
 
-    def forward(self, h_BSD: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, h_BSD: Tensor, pos: Tensor, ctx_k: Tensor | None, ctx_v: Tensor | None, mask: Tensor | None,
+                ctx_BTD: Tensor | None = None, ctx_pos: Tensor | None = None) -> Tensor:
+        if ctx_BTD is not None:  # the context keys from inside this call: a sharded layer (FSDP) has its weights here
+            ctx_k, ctx_v = self.self_attn.keys(ctx_BTD, ctx_pos)
         h = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos, ctx_k, ctx_v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -294,8 +297,7 @@ class DFlashDrafter(Drafter):
         mask = block_mask(anchors, attn, S, self.sliding_window)  # [B, 1, N*S, T + N*S]
         ctx_pos = torch.arange(T, device=dev)
         for layer in self.layers:
-            ck, cv = layer.self_attn.keys(ctx, ctx_pos)
-            h = layer(h, pos_q, ck, cv, mask)
+            h = layer(h, pos_q, None, None, mask, ctx_BTD=ctx, ctx_pos=ctx_pos)
         out = self.norm(h).view(B, N, S, -1)
         valid = batch["loss_mask"].bool() & attn
         terms = []

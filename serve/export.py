@@ -14,7 +14,9 @@ Kinds and engines (the adapters' own tables hold the details and the reasons for
     medusa2      the heads exactly as medusa + ``merged_target/`` (serve THIS, not the original) + ``adapter/``
     draft_model  a plain Hugging Face model directory for every engine: ``serve/draft_model.py``
     lookup       nothing to export (the engines have n-gram drafting built in): refused (``serve/lookup.py``)
-The speculators format holds EAGLE-3 only (speculators 0.9.0 has no Medusa, EAGLE-1 or draft-model class).
+    dflash       vllm (``method: dflash``), sglang (``DFLASH``), speculators (``DFlashSpeculator``); hf refused:
+                 ``serve/dflash.py``
+The speculators format holds EAGLE-3 and DFlash only (speculators 0.9.0 has no Medusa, EAGLE-1 or draft-model class).
 """
 
 from __future__ import annotations

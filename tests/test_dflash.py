@@ -207,8 +207,8 @@ def test_export_refuses_what_no_engine_captures_and_unsupported_engines(tmp_path
     path = save(dflash(teacher, layers=[1, 4]), tmp_path / "run", "dflash", teacher)
     with pytest.raises(ValueError, match=r"drafter.layers=\[1, 4\].*final normed output"):
         export_drafter(path, "vllm", tmp_path / "vllm")
-    with pytest.raises(ValueError, match="SGLang's DFLASH loader is not transcribed"):
-        export_drafter(path, "sglang", tmp_path / "sglang")
+    with pytest.raises(ValueError, match="no Hugging Face reference model class"):
+        export_drafter(path, "hf", tmp_path / "hf")
 
 
 # --- the sampled output distribution through the real decode loop ------------------------------------------------

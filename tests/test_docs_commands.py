@@ -165,6 +165,11 @@ def check_serve(engine: str, line: str) -> None:
         want = serve_command("vllm", kind, target, spec["model"], spec["num_speculative_tokens"])
     else:
         flags = dict(re.findall(r"--([\w-]+) (\S+)", line))
+        if flags["speculative-algorithm"] == "DFLASH":  # the verify window: the anchor plus the drafts
+            want = serve_command("sglang", "dflash", flags["model-path"], flags["speculative-draft-model-path"],
+                                 int(flags["speculative-num-draft-tokens"]) - 1)
+            assert line == want, f"the model card would write:\n{want}"
+            return
         kind = {"EAGLE": "eagle1", "EAGLE3": "eagle3"}.get(flags["speculative-algorithm"], "draft_model")
         tree = {"top_k": int(flags["speculative-eagle-topk"]), "total_tokens": int(flags["speculative-num-draft-tokens"])}
         want = serve_command("sglang", kind, flags["model-path"], flags["speculative-draft-model-path"],
