@@ -2,7 +2,7 @@
 bfloat16 cache and from an fp8 one (e4m3 with a float32 scale per token).
 
     python scripts/bench_cache_dtype.py                   # the tiny toy target, EAGLE-3 (a few minutes on 2 cores)
-    python scripts/bench_cache_dtype.py --preset toy      # the 4M toy target
+    python scripts/bench_cache_dtype.py --preset toy      # the 4M toy target (built first if missing: ~1 hour)
 
 Per ``cache.dtype``: ``python -m distill.cache`` writes the configured drafter's layers, then ``python -m train
 data.teacher_cache=<it>`` trains the drafter from it with the same seed, data order and steps, and evaluates it

@@ -303,10 +303,6 @@ SOURCES: dict[str, Source] = {
         "python scripts/bench_cache_dtype.py", render_cache_dtype,
         "The same EAGLE-3 drafter, seed and steps trained offline from each cache, then decoded greedy on held-out "
         "prompts; fp8 is e4m3 with a float32 scale per token and layer."),
-    "bench_cache_dtype_toy_cpu.json": Source(
-        "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, 4M toy target)",
-        "python scripts/bench_cache_dtype.py --preset toy", render_cache_dtype,
-        "As above, on the default toy target."),
     "bench_step_cpu.json": Source(
         "Training step time across versions", "", None, "A comparison of versions of the code; not rendered."),
 }
