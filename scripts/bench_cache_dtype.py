@@ -5,8 +5,9 @@ bfloat16 cache and from an fp8 one (e4m3 with a float32 scale per token).
     python scripts/bench_cache_dtype.py --preset toy      # the 4M toy target (built first if missing: ~1 hour)
 
 Per ``cache.dtype``: ``python -m distill.cache`` writes the configured drafter's layers, then ``python -m train
-data.teacher_cache=<it>`` trains the drafter from it with the same seed, data order and steps, and evaluates it
-(greedy, held-out prompts: ``report.json``). Only the stored hidden states differ between the runs.
+data.teacher_cache=<it>`` trains the drafter from it once per ``--seeds`` seed (the same seeds, data order and
+steps for both caches) and evaluates it (greedy, held-out prompts: ``report.json``). Within a seed only the stored
+hidden states differ; across seeds, the spread of τ shows the noise a dtype's difference must beat.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from eval.report import machine_info  # noqa: E402
 
 DTYPES = ("bfloat16", "fp8")
 PRESETS = {
-    "tiny": ["experiment=smoke", "trainer.steps=200", "eval.num_prompts=8", "eval.max_new_tokens=48"],
+    "tiny": ["experiment=smoke", "trainer.steps=200", "eval.num_prompts=16", "eval.max_new_tokens=48"],
     "toy": ["trainer.steps=300", "data.corpus_max_bytes=400000", "eval.num_prompts=20", "eval.max_new_tokens=96"],
 }
 DRAFTER = ["drafter=eagle3"]
@@ -44,24 +45,24 @@ def run(cmd: list[str], log_path: Path) -> float:
     return time.perf_counter() - start
 
 
-def measure(dtype: str, common: list[str], work: Path) -> dict:
-    cache, run_dir = work / f"cache-{dtype}", work / f"run-{dtype}"
-    for path in (cache, run_dir):
-        if path.exists():
-            raise SystemExit(f"{path} exists from an earlier run; delete {work} or pass another --work")
-    py = [sys.executable]
-    run([*py, "-m", "distill.cache", *common, f"cache.dtype={dtype}", f"cache.dir={cache}",
+def build_cache(dtype: str, common: list[str], work: Path) -> Path:
+    cache = work / f"cache-{dtype}"
+    if cache.exists():
+        raise SystemExit(f"{cache} exists from an earlier run; delete {work} or pass another --work")
+    run([sys.executable, "-m", "distill.cache", *common, f"cache.dtype={dtype}", f"cache.dir={cache}",
          f"hydra.run.dir={work / f'hydra-cache-{dtype}'}"], work / f"cache-{dtype}.log")
-    manifest = json.loads((cache / "manifest.json").read_text())
-    train_s = run([*py, "-m", "train", *common, *EVAL, f"data.teacher_cache={cache}", f"hydra.run.dir={run_dir}"],
-                  work / f"train-{dtype}.log")
+    return cache
+
+
+def train_from(cache: Path, seed: int, common: list[str], work: Path) -> dict:
+    run_dir = work / f"run-{cache.name}-seed{seed}"
+    train_s = run([sys.executable, "-m", "train", *common, *EVAL, f"seed={seed}", f"data.teacher_cache={cache}",
+                   f"hydra.run.dir={run_dir}"], work / f"train-{cache.name}-seed{seed}.log")
     report = json.loads((run_dir / "report.json").read_text())
     row = next(r for r in report["results"] if r["drafter"] != "lookup")
     final = json.loads((run_dir / "drafter" / "config.json").read_text())["training"]["final"]
-    return {"bytes_per_token": manifest["bytes_per_token"],
-            "cache_bytes": sum(p.stat().st_size for p in cache.glob("shard-*.safetensors")),
-            "tau": row["tau"], "alpha": row.get("alpha"), "train_loss": final.get("train/loss"),
-            "train_sim_tau": final.get("train/sim_tau"), "train_wall_s": train_s}
+    return {"seed": seed, "tau": row["tau"], "alpha": row.get("alpha"), "train_loss": final.get("train/loss"),
+            "train_wall_s": train_s}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,19 +70,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--work", default="runs/bench_cache_dtype", help="caches, run dirs and logs")
     parser.add_argument("--out", default=None, help="JSON path (default scripts/results/bench_cache_dtype_<preset>_cpu.json)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="a training run per seed and cache")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every cache and run")
     args = parser.parse_args(argv)
     work = (ROOT / args.work / args.preset).resolve()
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or ROOT / "scripts" / "results" / f"bench_cache_dtype_{args.preset}_cpu.json")
     common = [*PRESETS[args.preset], *DRAFTER, *args.overrides]
-    results = {dtype: measure(dtype, common, work) for dtype in DTYPES}
-    for dtype, r in results.items():
-        print(f"cache.dtype={dtype}: {r['bytes_per_token']} bytes/token, tau {r['tau']:.3f}", flush=True)
+    results = {}
+    for dtype in DTYPES:
+        cache = build_cache(dtype, common, work)
+        manifest = json.loads((cache / "manifest.json").read_text())
+        runs = [train_from(cache, seed, common, work) for seed in args.seeds]
+        results[dtype] = {"bytes_per_token": manifest["bytes_per_token"],
+                          "cache_bytes": sum(p.stat().st_size for p in cache.glob("shard-*.safetensors")),
+                          "mean_tau": sum(r["tau"] for r in runs) / len(runs), "runs": runs}
+        taus = ", ".join(f"{r['tau']:.3f}" for r in runs)
+        print(f"cache.dtype={dtype}: {manifest['bytes_per_token']} bytes/token, tau {taus}", flush=True)
     command = " ".join(["python scripts/bench_cache_dtype.py", *(["--preset", args.preset] if args.preset != "tiny"
                                                                   else []), *args.overrides])
+    settings = {"preset": args.preset, "common": common, "eval": EVAL, "seeds": args.seeds}
     out.write_text(json.dumps({"machine": machine_info(), "command": command,
-                               "settings": {"preset": args.preset, "common": common, "eval": EVAL},
+                               "settings": settings,
                                "results": results}, indent=2) + "\n")
     print(f"wrote {out}")
 
