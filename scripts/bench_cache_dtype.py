@@ -27,7 +27,8 @@ from eval.report import machine_info  # noqa: E402
 DTYPES = ("bfloat16", "fp8")
 PRESETS = {
     "tiny": ["experiment=smoke", "trainer.steps=200", "eval.num_prompts=16", "eval.max_new_tokens=48"],
-    "toy": ["trainer.steps=300", "data.corpus_max_bytes=400000", "eval.num_prompts=20", "eval.max_new_tokens=96"],
+    "toy": ["trainer.steps=100", "trainer.micro_batch_size=4", "data.corpus_max_bytes=400000", "eval.num_prompts=16",
+            "eval.max_new_tokens=64"],
 }
 DRAFTER = ["drafter=eagle3"]
 EVAL = ["eval.hf_baselines=false", "eval.plots=false", "eval.baselines=[]", "trainer.select=last",

@@ -307,6 +307,10 @@ SOURCES: dict[str, Source] = {
         "The same EAGLE-3 drafter trained offline from each cache, per seed with the same data order and steps, then "
         "decoded greedy on held-out prompts; fp8 is e4m3 with a float32 scale per token and layer. The spread "
         "between seeds is the noise a difference between the dtypes must beat."),
+    "bench_cache_dtype_toy_cpu.json": Source(
+        "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, 4M toy target)",
+        "python scripts/bench_cache_dtype.py --preset toy", render_cache_dtype,
+        "As above, on the default toy target (D = 256, EAGLE-3's three layers); a short budget of 100 steps."),
     "bench_step_cpu.json": Source(
         "Training step time across versions", "", None, "A comparison of versions of the code; not rendered."),
 }
