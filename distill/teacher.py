@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from distill.teacher_output import TeacherOutput
-from distill.toy import ToyTargetConfig, load_or_build_toy_target
+from distill.toy import ToyTargetConfig, load_or_build_toy_target, toy_cache_path
 from inference.masks import AttentionLayout
 
 log = logging.getLogger(__name__)
@@ -282,7 +282,10 @@ class Teacher:
 
         h = hashlib.sha256()
         for module in (self.lm_head, self.embed_tokens):
-            w = module.weight.detach().reshape(-1)
+            w = module.weight.detach()
+            if hasattr(w, "full_tensor"):  # a tensor-parallel DTensor: every rank gathers the same whole weight
+                w = w.full_tensor()
+            w = w.reshape(-1)
             sample = w[:: max(1, w.numel() // 65_536)].float().cpu().contiguous()
             h.update(sample.numpy().tobytes())
         return h.hexdigest()[:16]
@@ -349,14 +352,42 @@ def target_config(node: Mapping) -> TargetConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TargetConfig), dict(node)))
 
 
-def load_teacher(target_cfg: TargetConfig, device: str | torch.device = "cpu") -> Teacher:
-    """Build the frozen target named by ``cfg.target``: the embedded toy model or a hub checkpoint."""
+# How one generation job places a target too large for one device (regenerate.shard): none (the whole target on
+# this process's device) | tensor (transformers' tensor parallelism over every rank of the launch, tp_plan "auto")
+# | device_map (one process, its layers spread over every visible GPU by accelerate's device_map="auto").
+PLACEMENTS = ("none", "tensor", "device_map")
+
+
+def placement_kwargs(placement: str) -> dict:
+    """What ``from_pretrained`` receives for ``placement`` (``PLACEMENTS``) besides the name, revision and dtype."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"regenerate.shard={placement!r}; valid: {list(PLACEMENTS)}")
+    if placement == "tensor":
+        from transformers import DistributedConfig
+
+        # The model's own plan (base_model_tp_plan), over WORLD_SIZE ranks of the process group already joined.
+        return {"distributed_config": DistributedConfig(tp_plan="auto")}
+    if placement == "device_map":
+        return {"device_map": "auto"}
+    return {}
+
+
+def load_teacher(target_cfg: TargetConfig, device: str | torch.device = "cpu", placement: str = "none") -> Teacher:
+    """Build the frozen target named by ``cfg.target``: the embedded toy model or a hub checkpoint. ``placement``
+    (``PLACEMENTS``) other than none loads it split by transformers, which then owns where each weight lives:
+    ``device`` is ignored."""
     source = target_cfg.source
     dtype_name = target_cfg.dtype
     if dtype_name not in DTYPES:
         raise ValueError(f"target.dtype={dtype_name!r} is not supported; valid: {sorted(DTYPES)}")
+    split = placement_kwargs(placement)
     if source == "toy":
         model, tokenizer = load_or_build_toy_target(asdict(target_cfg.toy), cache_dir=target_cfg.cache_dir)
+        if split:  # loaded again from its cache dir, a Hugging Face checkpoint, this time split
+            from transformers import AutoModelForCausalLM
+
+            path = toy_cache_path(asdict(target_cfg.toy), target_cfg.cache_dir)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype_name], **split).eval()
     elif source == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -376,9 +407,10 @@ def load_teacher(target_cfg: TargetConfig, device: str | torch.device = "cpu") -
         log.info("loading target %s (revision %s, %s)", name, revision, dtype_name)
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust)
         model = AutoModelForCausalLM.from_pretrained(
-            name, revision=revision, dtype=DTYPES[dtype_name], trust_remote_code=trust
+            name, revision=revision, dtype=DTYPES[dtype_name], trust_remote_code=trust, **split
         )
     else:
         raise ValueError(f"target.source={source!r} is not known; valid: 'toy' (embedded stdlib model) or 'hf' (hub name or local path)")
-    model = model.to(device=device, dtype=DTYPES[dtype_name])
+    if not split:
+        model = model.to(device=device, dtype=DTYPES[dtype_name])
     return Teacher(model, tokenizer, name=target_cfg.name, revision=target_cfg.revision)

@@ -159,9 +159,11 @@ class TrainingHooks:
         """Called by the training loop before optimizer step ``step`` (0-based; also after a resume): drafters with a
         schedule (Medusa-2: heads first, then joint) switch on it."""
 
-    def after_training(self, teacher) -> dict:
+    def after_training(self, teacher, weights: Mapping[str, Tensor] | None = None) -> dict:
         """Called once training ends, before saving: extra figures for the training summary (Medusa-2: the adapted
-        target's held-out loss beside the original's). Most drafters: none."""
+        target's held-out loss beside the original's). Most drafters: none. ``weights``: the state dict ``drafter/``
+        gets when it is not the drafter's current one (``trainer.select=best_tau`` chose an earlier step): figures
+        about the drafter must be measured on these."""
         return {}
 
     # on-policy data (distill.onpolicy) -------------------------------------------------------------------

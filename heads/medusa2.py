@@ -208,9 +208,12 @@ class Medusa2(MedusaHeads):
         return draft
 
     @torch.no_grad()
-    def after_training(self, teacher) -> dict:
+    def after_training(self, teacher, weights: Mapping[str, Tensor] | None = None) -> dict:
         """Mean next-token loss of the original and the adapted target on held-out stdlib excerpts: the adapted one
-        is what gets served, so it should not be worse. {} without a tokenizer or attached LoRA."""
+        is what gets served, so it should not be worse. {} without a tokenizer or attached LoRA. ``weights`` (the
+        selected step's, which ``drafter/`` gets) are loaded first: the LoRA measured is the one written."""
+        if weights is not None:
+            self.load_state_dict(weights, strict=True)
         if teacher.tokenizer is None or not self._wrappers or self._frozen.get("model") is not teacher.model:
             return {}
 

@@ -121,6 +121,16 @@ def render_regenerate(d: dict) -> str:
             f"{s['prompt_tokens']}-token prompts, up to {s['max_new_tokens']} new tokens, {s['batches']} timed batches.")
 
 
+def render_cache_dtype(d: dict) -> str:
+    seeds = d["settings"]["seeds"]
+    header = ["cache.dtype", "bytes/token", "cache MiB", *(f"τ seed {s}" for s in seeds), "mean τ",
+              "final train loss (seed 0)"]
+    rows = [[f"`{name}`", _f(r["bytes_per_token"]), _f(r["cache_bytes"] / 2**20, 1),
+             *(_f(run["tau"], 3) for run in r["runs"]), _f(r["mean_tau"], 3), _f(r["runs"][0]["train_loss"], 4)]
+            for name, r in d["results"].items()]
+    return _table(header, rows) + f"\n\nEvery run: `{' '.join(d['settings']['common'])}`."
+
+
 def render_recipe(d: dict) -> str:
     header = ["row", "seed", "steps", "CPU s", "τ chain", "τ 16-node", "τ 59-node", "identical"]
     rows = []
@@ -291,6 +301,16 @@ SOURCES: dict[str, Source] = {
         "python scripts/bench_regenerate.py --threads 2 --batch-sizes 8 32 --batches 3", render_regenerate,
         "The same prompts and batch for both engines, run alone on a shared 2-core machine. On a CPU neither uses a "
         "static cache or compilation; the GPU comparison (HF with a static cache, compiled) is still to be measured."),
+    "bench_cache_dtype_tiny_cpu.json": Source(
+        "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, tiny toy target)",
+        "python scripts/bench_cache_dtype.py", render_cache_dtype,
+        "The same EAGLE-3 drafter trained offline from each cache, per seed with the same data order and steps, then "
+        "decoded greedy on held-out prompts; fp8 is e4m3 with a float32 scale per token and layer. The spread "
+        "between seeds is the noise a difference between the dtypes must beat."),
+    "bench_cache_dtype_toy_cpu.json": Source(
+        "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, 4M toy target)",
+        "python scripts/bench_cache_dtype.py --preset toy", render_cache_dtype,
+        "As above, on the default toy target (D = 256, EAGLE-3's three layers); a short budget of 100 steps."),
     "bench_step_cpu.json": Source(
         "Training step time across versions", "", None, "A comparison of versions of the code; not rendered."),
 }

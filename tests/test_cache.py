@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from distill.cache import (
     MANIFEST,
     CachedDataset,
+    STORE_DTYPES,
     OfflineTeacher,
     bytes_per_token,
     open_teacher_cache,
@@ -59,7 +60,7 @@ def write(teacher, path, rows=None, **kwargs):
     return write_cache(path, teacher, rows or make_rows(), DATA_CFG, kwargs.pop("layers", (-1,)), **kwargs)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
 def test_round_trip_matches_the_online_teacher(tiny_teacher, tmp_path, dtype):
     rows = make_rows()
     manifest = write(tiny_teacher, tmp_path, rows, dtype=dtype, layers=(-1, 1))
@@ -77,6 +78,10 @@ def test_round_trip_matches_the_online_teacher(tiny_teacher, tmp_path, dtype):
         for i in (-1, 1):
             if dtype == "float32":
                 assert torch.equal(cached.hidden[i], online.hidden[i])
+            elif dtype == "fp8":  # e4m3: 3 mantissa bits, each token scaled to its own largest magnitude
+                want = online.hidden[i]
+                bound = want.abs() * 2**-4 + want.abs().amax(-1, keepdim=True) * 2**-12
+                assert ((cached.hidden[i] - want).abs() <= bound).all() and not torch.equal(cached.hidden[i], want)
             else:
                 torch.testing.assert_close(cached.hidden[i], online.hidden[i], rtol=1e-2, atol=1e-2)
         assert torch.equal(cached.hidden[2], cached.hidden[-1]) and cached.hidden[-1].dtype == torch.float32
@@ -107,6 +112,12 @@ def run_training(teacher, dataset, run_dir, steps=10, drafter_cfg=MEDUSA):
     finally:
         logger.close()
     return [json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fp8_costs_half_the_hidden_state_bytes_of_bfloat16_plus_a_scale_per_token():
+    D, layers = 4096, 3
+    hidden = {dtype: bytes_per_token(layers, D, K, dtype) - bytes_per_token(0, D, K, dtype) for dtype in STORE_DTYPES}
+    assert hidden == {"float32": layers * D * 4, "bfloat16": layers * D * 2, "fp8": layers * (D + 4)}
 
 
 @pytest.mark.parametrize("drafter_cfg,layers", [(MEDUSA, (-1,)), (EAGLE3, (0, 1, 2)), (DFLASH, (1,))],

@@ -4,81 +4,49 @@ rank killed with SIGKILL mid-run is resumed by a rerun to the same files, and a 
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from distill.cache import MANIFEST, write_cache
+from tests import torchrun
 from tests.test_cache import DATA_CFG, make_rows
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def command(cache_dir: Path, ranks: int, rows_bytes: int = 30000) -> list[str]:
-    args = ["-m", "distill.cache", "target=tiny", "data.max_length=64", f"data.corpus_max_bytes={rows_bytes}",
-            "cache.shard_rows=4", "cache.topk=8", "cache.batch_size=2", "trainer.device=cpu", f"cache.dir={cache_dir}",
-            f"hydra.run.dir={cache_dir.parent / 'hydra'}"]
-    if ranks == 1:
-        return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
-
-
-def env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-
-
-def run(cmd):
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    return torchrun.command("distill.cache", [
+        "target=tiny", "data.max_length=64", f"data.corpus_max_bytes={rows_bytes}", "cache.shard_rows=4",
+        "cache.topk=8", "cache.batch_size=2", "trainer.device=cpu", f"cache.dir={cache_dir}",
+        f"hydra.run.dir={cache_dir.parent / 'hydra'}"], ranks)
 
 
 def files(cache_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(cache_dir.iterdir()) if not p.name.startswith(".")}
 
 
-def rank_pid(launcher_pid: int, rank: int) -> int | None:
-    """The pid of torchrun's worker with RANK=rank (a child of the launcher)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher_pid and f"RANK={rank}".encode() in environ:
-            return int(proc.name)
-    return None
-
-
 def test_two_ranks_write_the_files_one_process_writes_and_survive_a_kill(tmp_path, tiny_toy_target):
     one, two = tmp_path / "one" / "cache", tmp_path / "two" / "cache"
-    stdout = run(command(one, 1))
-    assert "bytes/token" in stdout
+    assert "bytes/token" in torchrun.run(command(one, 1)).stdout
     reference = files(one)
     assert len([n for n in reference if n.startswith("shard-")]) >= 4
-    run(command(two, 2))
+    torchrun.run(command(two, 2))
     assert files(two) == reference
 
     # Killed part way: rank 1 gets SIGKILL once a shard is on disk; a rerun finishes to the same files.
     shutil.rmtree(two)
-    launcher = subprocess.Popen(command(two, 2), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = torchrun.start(command(two, 2))
     deadline, killed = time.monotonic() + 240, False
     while time.monotonic() < deadline and launcher.poll() is None and not killed:
         if two.is_dir() and any(two.glob("shard-*.safetensors")):
-            pid = rank_pid(launcher.pid, 1)
+            pid = torchrun.rank_pid(launcher.pid, 1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
         time.sleep(0.02)
     launcher.communicate(timeout=300)
     assert killed and launcher.returncode != 0 and not (two / MANIFEST).exists()
-    run(command(two, 2))
+    torchrun.run(command(two, 2))
     assert files(two) == reference
 
 

@@ -312,3 +312,43 @@ def test_sglang_export_is_refused(tiny_teacher, tmp_path):
     path = save_drafter(drafter, tmp_path / "d", CFG, TARGET_CFG, tiny_teacher.identity(), {"training": {"steps": 1}})
     with pytest.raises(ValueError, match="SGLang has no Medusa.*format=vllm"):
         export_drafter(path, "sglang", tmp_path / "out")
+
+
+def test_after_training_measures_the_selected_weights_that_drafter_gets(tmp_path, monkeypatch, tiny_toy_target):
+    """trainer.select=best_tau writes an earlier step's weights to drafter/: the adapted target's held-out loss in
+    the training summary is the one of the LoRA written there, not of the last step's."""
+    import os
+
+    import train.run
+    from distill.teacher import load_teacher
+    from heads.saved import WEIGHTS
+    from tests.test_reliability_run import compose_cfg
+
+    taus = {1: 1.0, 2: 2.0, 3: 1.5, 4: 1.2}  # the best after step 2 of 4
+
+    class ScriptedTau:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, step, *args):
+            return taus[step]
+
+    monkeypatch.setattr(train.run, "HeldoutTau", ScriptedTau)
+    cfg = compose_cfg(os.environ["SPECDRAFT_CACHE"], "trainer.eval_every=1", "trainer.eval_rows=2", "trainer.lr=0.05",
+                      drafter=("drafter=medusa2", "drafter.num_heads=2", "drafter.heads_only_steps=0",
+                               "drafter.lora_lr_scale=1.0"))
+    run_dir = tmp_path / "run"
+    train.run.run_training(cfg, run_dir)
+    final = json.loads((run_dir / "drafter" / "config.json").read_text())["training"]["final"]
+    assert final["selected_step"] == 2
+
+    def adapted_loss(weights_file):
+        teacher = load_teacher(cfg.target)
+        drafter = build_drafter(cfg.drafter, teacher)
+        drafter.bind_target(teacher, initialize=True)
+        return drafter.after_training(teacher, weights=load_file(str(weights_file)))["heldout/adapted_loss"]
+
+    written = adapted_loss(run_dir / "drafter" / WEIGHTS)
+    last = adapted_loss(run_dir / "checkpoints" / "step_0000004" / "drafter" / WEIGHTS)
+    assert final["heldout/adapted_loss"] == pytest.approx(written, rel=1e-6)
+    assert last != pytest.approx(written, rel=1e-4)  # the LoRA moved after step 2: the two figures differ

@@ -89,7 +89,8 @@ def compose(data: list[str], out: Path | None, **settings):
 def teacher(monkeypatch) -> Teacher:
     """The target every ``regenerate(cfg)`` of the test loads."""
     teacher = make_teacher(make_tokenizer())
-    monkeypatch.setattr("distill.regenerate.__main__.load_teacher", lambda target_cfg, device="cpu": teacher)
+    monkeypatch.setattr("distill.regenerate.__main__.load_teacher",
+                        lambda target_cfg, device="cpu", placement="none": teacher)
     return teacher
 
 
@@ -222,7 +223,8 @@ def test_another_config_is_refused_naming_what_differs(text_file, teacher, tmp_p
     with pytest.raises(ValueError, match=r"differs: data.max_length \(file 24, now 20\)"):
         regenerate(compose([*text_data(text_file), "data.max_length=20"], out, num_prompts=3))
     other = make_teacher(teacher.tokenizer, seed=1)
-    monkeypatch.setattr("distill.regenerate.__main__.load_teacher", lambda target_cfg, device="cpu": other)
+    monkeypatch.setattr("distill.regenerate.__main__.load_teacher",
+                        lambda target_cfg, device="cpu", placement="none": other)
     with pytest.raises(ValueError, match=r"differs: target_weights \(file '[0-9a-f]+', now '[0-9a-f]+'\)"):
         regenerate(compose(text_data(text_file), out, num_prompts=3))
     meta_path(out).unlink()

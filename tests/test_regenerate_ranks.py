@@ -5,18 +5,17 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from distill.lock import lock_file_for
 from distill.regenerate import batch_plan, meta_path
 from distill.regenerate.ranks import shard_dir, shard_path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests import torchrun
+from tests.torchrun import ROOT
 
 
 def test_batches_go_round_robin_and_keep_their_prompts():
@@ -28,51 +27,39 @@ def test_batches_go_round_robin_and_keep_their_prompts():
 
 
 def command(out: Path, tmp: Path, ranks: int, num_prompts: int, max_new: int) -> list[str]:
-    args = ["-m", "distill.regenerate", "target=tiny", "trainer.device=cpu", "data.max_length=64",
-            "data.corpus_max_bytes=20000", "regenerate.prompt_tokens=12", f"regenerate.num_prompts={num_prompts}",
-            "regenerate.batch_size=2", "regenerate.temperature=1.0", f"regenerate.max_new_tokens={max_new}",
-            f"regenerate.out={out}", f"hydra.run.dir={tmp / 'hydra'}"]
-    if ranks == 1:
-        return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
-
-
-def env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-
-
-def run(cmd):
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torchrun.command("distill.regenerate", [
+        "target=tiny", "trainer.device=cpu", "data.max_length=64", "data.corpus_max_bytes=20000",
+        "regenerate.prompt_tokens=12", f"regenerate.num_prompts={num_prompts}", "regenerate.batch_size=2",
+        "regenerate.temperature=1.0", f"regenerate.max_new_tokens={max_new}", f"regenerate.out={out}",
+        f"hydra.run.dir={tmp / 'hydra'}"], ranks)
 
 
 @pytest.fixture
 def reference(tmp_path, tiny_toy_target):
     """One process's file: 7 prompts in batches of 2 (the last one short), sampled, so every batch's seed matters."""
     out = tmp_path / "one" / "regen.jsonl"
-    run(command(out, tmp_path / "one", 1, 7, 8))
+    torchrun.run(command(out, tmp_path / "one", 1, 7, 8))
     return out
 
 
 def test_two_ranks_write_the_bytes_one_process_writes(tmp_path, reference):
     out = tmp_path / "two" / "regen.jsonl"
-    run(command(out, tmp_path / "two", 2, 7, 8))
+    torchrun.run(command(out, tmp_path / "two", 2, 7, 8))
     assert out.read_bytes() == reference.read_bytes()
     assert meta_path(out).read_bytes() == meta_path(reference).read_bytes()
     assert not shard_dir(out).exists()
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == list(range(7))
-    run(command(out, tmp_path / "two", 2, 7, 8))  # a rerun of a finished file changes nothing
+    torchrun.run(command(out, tmp_path / "two", 2, 7, 8))  # a rerun of a finished file changes nothing
     assert out.read_bytes() == reference.read_bytes()
 
 
 def test_a_rank_killed_mid_run_resumes_to_the_same_bytes(tmp_path, tiny_toy_target):
     num_prompts, max_new = 40, 48
     reference = tmp_path / "one" / "regen.jsonl"
-    run(command(reference, tmp_path / "one", 1, num_prompts, max_new))
+    torchrun.run(command(reference, tmp_path / "one", 1, num_prompts, max_new))
 
     out = tmp_path / "two" / "regen.jsonl"
-    launcher = subprocess.Popen(command(out, tmp_path / "two", 2, num_prompts, max_new), cwd=ROOT, env=env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = torchrun.start(command(out, tmp_path / "two", 2, num_prompts, max_new))
     shard, lock = shard_path(out, 1, 2), lock_file_for(shard_path(out, 1, 2))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and launcher.poll() is None:  # rank 1 has written a batch or more
@@ -86,7 +73,7 @@ def test_a_rank_killed_mid_run_resumes_to_the_same_bytes(tmp_path, tiny_toy_targ
     written = shard.read_bytes().count(b"\n")
     assert 2 <= written < num_prompts // 2  # killed part way through its share
 
-    run(command(out, tmp_path / "two", 2, num_prompts, max_new))
+    torchrun.run(command(out, tmp_path / "two", 2, num_prompts, max_new))
     assert out.read_bytes() == reference.read_bytes()
 
 
@@ -115,6 +102,40 @@ def test_train_regenerates_first_then_reuses_the_answers(tmp_path, tiny_toy_targ
     assert files[0].stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
+def test_two_rank_training_regenerates_one_process_bytes_then_trains_on_them(tmp_path, tiny_toy_target):
+    """``data.mode=regenerate`` in a 2-rank ``python -m train``: the run's own ranks share the prompts, the file is
+    the one ``python -m distill.regenerate`` writes in one process, and the training rows are that file's."""
+    from hydra import compose, initialize_config_dir
+
+    from distill.data import rows_fingerprint
+    from distill.regenerate import load_regenerated
+    from train.checkpoint import STATE
+    from train.config import load_config, register_configs
+
+    settings = ["target=tiny", "trainer.device=cpu", "data.max_length=64", "data.corpus_max_bytes=20000",
+                "regenerate.prompt_tokens=12", "regenerate.num_prompts=7", "regenerate.batch_size=2",
+                "regenerate.temperature=1.0", "regenerate.max_new_tokens=16"]
+    one, two, run_dir = tmp_path / "one" / "regen.jsonl", tmp_path / "two" / "regen.jsonl", tmp_path / "run"
+    torchrun.run(torchrun.command("distill.regenerate", [*settings, f"regenerate.out={one}",
+                                                         f"hydra.run.dir={tmp_path / 'one' / 'hydra'}"], 1))
+    training = [*settings, "experiment=eagle1_regen_top1", "trainer=ddp", f"data.regenerated={two}",
+                "trainer.steps=2", "trainer.micro_batch_size=2", "trainer.select=last", "trainer.eval_every=0",
+                "eval.enabled=false"]
+    torchrun.run(torchrun.command("train", [*training, f"hydra.run.dir={run_dir}"], 2))
+    assert two.read_bytes() == one.read_bytes() and len(one.read_text().splitlines()) == 7
+    assert meta_path(two).read_bytes() == meta_path(one).read_bytes()
+    assert not shard_dir(two).exists()
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = load_config(compose(config_name="config", overrides=training))
+    rows = load_regenerated(one, tiny_toy_target[1], cfg.data)
+    state = torch.load(run_dir / "checkpoints" / "step_0000002" / STATE, weights_only=True)
+    assert state["world_size"] == 2
+    assert (state["data"]["num_examples"], state["data"]["rows_digest"]) == (len(rows), rows_fingerprint(rows))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_hf_generate_engine_answers_like_the_batched_decoder_at_t0_and_by_seed(tmp_path, monkeypatch, temperature):
     """``regenerate.engine=hf``: greedy answers equal the batched decoder's on the tiny target (no near-ties there);
@@ -125,7 +146,8 @@ def test_hf_generate_engine_answers_like_the_batched_decoder_at_t0_and_by_seed(t
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(_words(random.Random(0), 300))
     teacher = make_teacher(make_tokenizer())
-    monkeypatch.setattr("distill.regenerate.__main__.load_teacher", lambda target_cfg, device="cpu": teacher)
+    monkeypatch.setattr("distill.regenerate.__main__.load_teacher",
+                        lambda target_cfg, device="cpu", placement="none": teacher)
 
     def answers(name, engine, seed=0):
         out = tmp_path / f"{name}.jsonl"

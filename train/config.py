@@ -162,6 +162,12 @@ def validate(cfg: Config) -> None:
     if cfg.loss:
         _check_keys(cfg.loss, "loss")
     _check_data_mode(cfg.data, cfg.trainer)
+    if cfg.data.mode == "regenerate" and cfg.regenerate.shard != "none":
+        raise ValueError(f"data.mode=regenerate decodes on the training job's ranks with the target as training loads "
+                         f"it; regenerate.shard={cfg.regenerate.shard} is for a separate regeneration job: run "
+                         f"`torchrun -m distill.regenerate regenerate.shard={cfg.regenerate.shard} "
+                         f"regenerate.out=<file.jsonl>` first, then train with data.mode=regenerated "
+                         f"data.regenerated=<file.jsonl>")
     if cfg.data.mode == "regenerate" and cfg.target.shard != "replicate":
         raise ValueError(f"data.mode=regenerate decodes a different share of the prompts on each rank, which a target "
                          f"split over the ranks (target.shard={cfg.target.shard}) cannot do; regenerate first with "

@@ -135,9 +135,9 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
             except Preempted:  # checkpointed on every rank: leave the process group together, then exit
                 engine.close()
                 raise
-            summary.update(drafter.after_training(teacher))
             weights = engine.model_state_dict()  # collective: the full weights, gathered on the main rank
             best = selection.final_weights() if selection is not None and engine.is_main else None
+            summary.update(drafter.after_training(teacher, weights=best))  # measured on what drafter/ gets
             if best is not None:
                 log.info("drafter/ takes the weights of step %d (held-out simulated tau %.3f; trainer.select=%s)",
                          selection.best_step, selection.best_tau, trainer.select)

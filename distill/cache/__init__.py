@@ -12,12 +12,15 @@ Shape legend: N rows, T = data.max_length, D target hidden size, V vocabulary, K
     input_ids       [n, T]     int32    (read back as int64)
     attention_mask  [n, T]     bool     (read back as int64)
     loss_mask       [n, T]     bool
-    hidden.<i>      [n, T, D]  cache.dtype (bfloat16 | float32); i = the configured hidden-state index, e.g. -1
+    hidden.<i>      [n, T, D]  cache.dtype (bfloat16 | float32 | fp8); i = the configured hidden-state index, e.g. -1
+    hidden_scale.<i> [n, T]    float32  fp8 only: each token's scale, hidden ~= float(hidden.<i>) * scale
     topk_ids        [n, T, K]  int32    the teacher's K most likely next tokens, best first
     topk_logprobs   [n, T, K]  float32  their log-probabilities under the full-vocabulary softmax; float32 whatever
                                         cache.dtype: they are small next to the hidden states
 ``manifest.json`` is written last, atomically: a cache without one is unfinished (rerun to resume). The target runs
 in its own dtype (no autocast); ``OfflineTeacher`` hands hidden states back in that dtype, as the online teacher does.
+``cache.dtype=fp8`` stores each token's hidden state as float8 e4m3 scaled by its own absolute maximum (one float32
+per token and layer), about half the bytes of bfloat16 for 3 mantissa bits instead of 7.
 
 Offline teacher logits ``[B, T, V]`` are the top-K log-probs scattered into a tensor filled with a finite floor (per
 position: the smallest top-K log-prob - 1e4), so softmax(logits) is the teacher renormalised on its top K: what
@@ -71,13 +74,15 @@ class CacheConfig:
     dir: Optional[str] = None  # required: where shards + manifest.json go
     layers: Optional[List[int]] = None  # hidden-state indices; null: the configured drafter's teacher_layers
     topk: int = 64  # teacher top-k kept per position (1..V)
-    dtype: str = "bfloat16"  # hidden states on disk: bfloat16 | float32
+    dtype: str = "bfloat16"  # hidden states on disk: bfloat16 | float32 | fp8 (e4m3 with a float32 scale per token)
     shard_rows: int = 256  # rows per shard file
     batch_size: int = 8  # rows per target forward while writing
 
 
 MANIFEST = "manifest.json"
-STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
+SCALED_DTYPES = ("fp8",)  # stored with a float32 scale per token and layer
+SCALE_BYTES = 4
 COLUMN_BYTES = 4 + 1 + 1  # input_ids int32, attention_mask bool, loss_mask bool
 TOPK_BYTES = 4 + 4  # topk_ids int32, topk_logprobs float32
 OPEN_SHARDS = 2  # shard handles kept open by a CachedDataset
@@ -90,7 +95,20 @@ def shard_name(index: int) -> str:
 
 def bytes_per_token(num_layers: int, hidden_size: int, topk: int, dtype: str) -> int:
     """Payload bytes one token costs on disk (safetensors headers and the manifest add a few KB in all)."""
-    return num_layers * hidden_size * STORE_DTYPES[dtype].itemsize + topk * TOPK_BYTES + COLUMN_BYTES
+    per_layer = hidden_size * STORE_DTYPES[dtype].itemsize + (SCALE_BYTES if dtype in SCALED_DTYPES else 0)
+    return num_layers * per_layer + topk * TOPK_BYTES + COLUMN_BYTES
+
+
+def quantize_fp8(hidden_BTD: Tensor) -> tuple[Tensor, Tensor]:
+    """(float8 e4m3 values, float32 scale per token): each token's largest magnitude maps to e4m3's largest finite
+    value, so nothing saturates and small tokens keep their relative precision."""
+    h = hidden_BTD.float()
+    scale_BT = h.abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return (h / scale_BT[..., None]).to(torch.float8_e4m3fn), scale_BT
+
+
+def dequantize_fp8(values_BTD: Tensor, scale_BT: Tensor, dtype: torch.dtype) -> Tensor:
+    return (values_BTD.float() * scale_BT.float()[..., None]).to(dtype)
 
 
 def _normalise(value: Any) -> Any:
@@ -168,7 +186,11 @@ def _teacher_rows(teacher, dataset, rows: range, layers, topk: int, dtype: str, 
         logprobs, ids = _topk_logprobs(out.logits_BTV, topk)
         part = {"input_ids": batch["input_ids"].to(torch.int32), "attention_mask": batch["attention_mask"].bool(),
                 "loss_mask": batch["loss_mask"].bool()}
-        part.update({f"hidden.{i}": out.hidden[i].to(STORE_DTYPES[dtype]).cpu() for i in layers})
+        for i in layers:
+            if dtype in SCALED_DTYPES:
+                part[f"hidden.{i}"], part[f"hidden_scale.{i}"] = (t.cpu() for t in quantize_fp8(out.hidden[i]))
+            else:
+                part[f"hidden.{i}"] = out.hidden[i].to(STORE_DTYPES[dtype]).cpu()
         part.update(topk_ids=ids.to(torch.int32).cpu(), topk_logprobs=logprobs.cpu())
         parts.append(part)
     return {key: torch.cat([p[key] for p in parts]).contiguous() for key in parts[0]}
@@ -466,7 +488,12 @@ class OfflineTeacher:
             raise KeyError("OfflineTeacher.signals needs a batch of CachedDataset rows (no 'topk_ids' in it); "
                            "train on CachedDataset(data.teacher_cache)")
         device = batch["input_ids"].device
-        hidden = {i: batch[self._key(i)].to(device=device, dtype=self.dtype) for i in layers}
+        hidden = {}
+        for i in layers:
+            key = self._key(i)
+            scale = batch.get(key.replace("hidden.", "hidden_scale.", 1))
+            stored = batch[key].to(device)
+            hidden[i] = stored.to(self.dtype) if scale is None else dequantize_fp8(stored, scale.to(device), self.dtype)
         return sparse_signals(batch, hidden, self._teacher.vocab_size, self.dtype)
 
 

@@ -32,6 +32,7 @@ the same bytes as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ from distill.fingerprint import differences, json_digest, vocab_digest
 from distill.lock import writer_lock
 from distill.progress import Progress
 from distill.ranks import Ranks
+from distill.teacher import PLACEMENTS
 from distill.regenerate.engines import build_engine, check_engine
 from inference.sampling import SamplingConfig
 
@@ -81,11 +83,19 @@ class RegenerateConfig:
     # How each rank generates (distill.regenerate.engines): batched (this project's batched decoder) | hf
     # (transformers' generate(), static cache + compile on CUDA) | vllm (vllm.LLM.generate; untested here)
     engine: str = "batched"
+    # Where the target lives when it does not fit one device (distill.teacher.PLACEMENTS): none (a whole copy per
+    # rank; the ranks share the prompts) | tensor (split over all the torchrun ranks by transformers' tensor
+    # parallelism: one generation group that decodes every prompt) | device_map (one process, its layers spread over
+    # every visible GPU)
+    shard: str = "none"
 
 
 WRITE_CMD = "python -m distill.regenerate"
 FINISH_REASONS = ("eos", "length")
 RECORD_KEYS = ("id", "prompt_ids", "prompt_loss_mask", "completion_ids", "finish")
+# Settings that say where the answers are written and where the target lives, not what the answers are: a file
+# started with the target split over ranks is finished by one process and the other way round.
+PLACEMENT_KEYS = ("out", "shard")
 # Data settings that choose the training mode or where outputs live, not which prompts the rows give.
 NON_PROMPT_DATA_KEYS = ("teacher_cache", "mode", "regenerated", "on_policy_fraction", "on_policy_prompt_tokens",
                         "on_policy_temperature")
@@ -156,7 +166,7 @@ def build_meta(teacher, data_cfg: DataConfig, settings: Mapping) -> dict:
     data = _plain(asdict(data_cfg))
     for key in NON_PROMPT_DATA_KEYS:
         data.pop(key, None)
-    regenerate = {k: v for k, v in _plain(settings).items() if k != "out"}
+    regenerate = {k: v for k, v in _plain(settings).items() if k not in PLACEMENT_KEYS}
     return _plain({"format": FORMAT, "format_version": FORMAT_VERSION, "target": teacher.identity(),
                    "target_weights": teacher.weights_digest(), **_tokenizer_fields(teacher.tokenizer),
                    "data": data, "regenerate": regenerate})
@@ -200,6 +210,25 @@ def check_settings(settings: Mapping) -> None:
     if not 0 < float(settings["top_p"]) <= 1:
         raise ValueError(f"regenerate.top_p must lie in (0, 1], got {settings['top_p']}; 1.0 disables it")
     check_engine(settings.get("engine", "batched"))
+    if settings.get("shard", "none") not in PLACEMENTS:
+        raise ValueError(f"regenerate.shard={settings['shard']!r}; valid: {list(PLACEMENTS)}")
+
+
+def check_placement(settings: Mapping, world: int) -> None:
+    """``regenerate.shard`` against the launch (``world`` ranks) and the engine, refused before the target loads."""
+    shard, engine = settings.get("shard", "none"), settings.get("engine", "batched")
+    if shard != "none" and engine == "vllm":
+        raise ValueError(f"regenerate.shard={shard} splits the target with transformers, but regenerate.engine=vllm "
+                         f"loads it in vLLM, which places it itself; use regenerate.shard=none with vllm, or "
+                         f"regenerate.engine=batched|hf to split it")
+    if shard == "device_map" and world > 1:
+        raise ValueError(f"regenerate.shard=device_map spreads one process's target over every visible GPU, but this "
+                         f"launch has {world} ranks; run it as one process (python -m distill.regenerate ...), or "
+                         f"use regenerate.shard=tensor under torchrun")
+    if shard == "tensor" and world < 2:
+        raise ValueError("regenerate.shard=tensor splits the target over the ranks of a torchrun launch, but this is "
+                         "one process; launch it with `torchrun --nproc-per-node N -m distill.regenerate ...`, or use "
+                         "regenerate.shard=none (or device_map for one process over several GPUs)")
 
 
 def batch_plan(total: int, batch_size: int, rank: int = 0, world: int = 1) -> list[range]:
@@ -299,9 +328,12 @@ def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt]
     ``ranks``: this process's place among several (``distill.regenerate.ranks``); each decodes its share into a
     shard file and the main rank merges them into ``out``."""
     check_settings(settings)
+    check_placement(settings, ranks.world if ranks is not None else 1)
     if ranks is not None and ranks.world > 1:
-        from distill.regenerate.ranks import write_sharded
+        from distill.regenerate.ranks import write_one_group, write_sharded
 
+        if settings.get("shard", "none") == "tensor":
+            return write_one_group(Path(out), teacher, prompts, data_cfg, settings, ranks)
         return write_sharded(Path(out), teacher, prompts, data_cfg, settings, ranks)
     with writer_lock(out, "regenerate.out"):  # one writer: two jobs appending to one file would write rows twice
         out = Path(out)
@@ -312,9 +344,10 @@ def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt]
 
 
 def decode_batches(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping,
-                   plan: Sequence[range], done: int) -> None:
+                   plan: Sequence[range], done: int, write: bool = True) -> None:
     """Append the records of ``plan``'s batches after the first ``done`` to ``out``, one fsynced batch at a time;
-    batch k (of the single-process order) is decoded with the seed ``regenerate.seed + k``."""
+    batch k (of the single-process order) is decoded with the seed ``regenerate.seed + k``. ``write=False``: decode
+    the same batches and write nothing (a rank of a tensor-parallel group other than the writer)."""
     todo = plan[done:]
     if not todo:
         log.info("regenerate: %s already holds all its %d prompts", out, sum(len(b) for b in plan))
@@ -327,15 +360,17 @@ def decode_batches(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: Data
     progress = Progress("regenerate", sum(len(b) for b in todo), "prompts")
     log.info("regenerate: %d prompts (%s, regenerate.engine=%s) into %s, starting at prompt %d",
              progress.total, sampling.describe(), settings.get("engine", "batched"), out, todo[0][0])
-    with out.open("ab") as f:
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(out.open("ab")) if write else None
         for ids in todo:
             batch = [prompts[i] for i in ids]
             max_new = _max_new_tokens(settings, data_cfg, teacher.max_positions, max(len(p.ids) for p in batch))
             answers = engine.generate([p.ids for p in batch], max_new, int(settings["seed"]) + ids[0] // batch_size)
-            lines = [_record(i, p, a, eos, tokenizer) for i, p, a in zip(ids, batch, answers)]
-            f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in lines))
-            f.flush()
-            os.fsync(f.fileno())
+            if f is not None:
+                lines = [_record(i, p, a, eos, tokenizer) for i, p, a in zip(ids, batch, answers)]
+                f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in lines))
+                f.flush()
+                os.fsync(f.fileno())
             progress.update(len(batch), sum(len(a) for a in answers))
     log.info("regenerate: wrote %s", out)
 

@@ -10,10 +10,14 @@ batches and decodes the rest. Once every rank is done, the main rank checks ever
 in batch order into ``<out>`` (its sidecar first, then the jsonl renamed into place: ``<out>`` exists only complete)
 and removes ``<out>.shards/``. Same bytes as one process as long as each batch decodes to the same tokens: the same
 engine, dtype and kernels (on a CPU, the same thread count).
+
+A target too large for one device (``regenerate.shard=tensor``) is split over all the ranks instead: they form one
+generation group that takes every batch, and the main rank writes ``<out>`` directly (``write_one_group``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -72,6 +76,32 @@ def write_sharded(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataC
     if ranks.is_main:
         with writer_lock(out, "regenerate.out"):
             merge_shards(out, meta, total, batch_size, ranks.world)
+    ranks.barrier()
+    return out
+
+
+def write_one_group(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping,
+                    ranks: Ranks) -> Path:
+    """``regenerate.shard=tensor``: the target is split over every rank, so the ranks form one generation group
+    that decodes every batch together (each forward is collective), and only the main rank writes ``out``, resuming
+    it as one process does. The other ranks learn from it how many batches are already there."""
+    meta = build_meta(teacher, data_cfg, settings)  # every rank: the weights digest gathers the split embeddings
+    plan = batch_plan(len(prompts), int(settings["batch_size"]))
+    with contextlib.ExitStack() as stack:
+        done, problem = 0, None
+        if ranks.is_main:
+            try:
+                stack.enter_context(writer_lock(out, "regenerate.out"))
+                done = _prepare_out(out, meta, plan)
+            except (OSError, ValueError, RuntimeError) as e:  # a held lock, a file of another config
+                problem = e
+        # Every rank learns whether the writer could start: a lone rank would wait in the first forward forever.
+        done, failed = ranks.broadcast((done, None if problem is None else f"{type(problem).__name__}: {problem}"))
+        if problem is not None:
+            raise problem
+        if failed:
+            raise RuntimeError(f"regenerate: the main rank could not start {out}: {failed}")
+        decode_batches(out, teacher, prompts, data_cfg, settings, plan, done, write=ranks.is_main)
     ranks.barrier()
     return out
 
