@@ -1,0 +1,229 @@
+"""P-EAGLE: the training chains equal the decoding chain, the parallel mask, nested depth sampling, training reduces
+the loss, greedy identity (batch 1 and B), the sampled output distribution, save/load and config errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from distill.losses import forward_kl
+from distill.teacher import Teacher
+from heads.base import build_drafter
+from heads.peagle import PEagleDrafter, parallel_mask
+from heads.saved import load_drafter
+from inference.batched import BatchedDecoder
+from inference.decoder import Decoder, DecoderConfig
+from inference.sampling import SamplingConfig
+from heads.eagle import vocab_maps
+from tests.drafters import DIMS, PEAGLE_NODE, perturbed, save, tiny_llama, varied_teacher
+
+NODE = {**PEAGLE_NODE, "layers": [0, 1, 2]}  # the 2-layer tiny target's
+
+
+def batch_of(ids):
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return varied_teacher()
+
+
+@pytest.mark.parametrize("vocab", [None, 96])
+def test_training_chains_equal_the_decoding_chain(teacher, vocab):
+    """With every anchor sampled at every depth, depth d of the chain anchored at a in training computes exactly
+    the logits ``propose`` computes for draft d + 1 after a + 2 tokens: pins the parallel mask, the placeholders and
+    the positions (a reduced draft vocabulary included)."""
+    torch.manual_seed(0)
+    drafter = build_drafter({**NODE, "down_sample_ratio": 1.0, "down_sample_ratio_min": 1.0,
+                             "draft_vocab_size": vocab}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    drafter.eval()
+    T = 20
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = drafter(batch_of(ids), teacher.signals(batch_of(ids), drafter.teacher_layers))
+    assert len(out.terms) == drafter.num_depths
+    for a in (0, 5, 12):
+        drafter.reset()
+        drafter.observe(teacher(ids[:, : a + 1], None, drafter.teacher_layers).hidden)
+        with torch.no_grad():
+            logits = drafter.chain_logits(ids[0, : a + 2], drafter.num_depths)[:, drafter.d2t]
+        for d in range(drafter.num_depths):
+            if a + 2 + d < T:  # term d's rows are the anchors 0, 1, ... in order
+                torch.testing.assert_close(logits[d], out.terms[d].student_NV[a], atol=1e-5, rtol=1e-5)
+        tree = drafter.propose(ids[:, : a + 2], 3)
+        assert tree.tokens.tolist() == drafter.d2t[logits[:3].argmax(-1)].tolist()
+
+
+def test_parallel_mask_sees_the_context_up_to_the_anchor_and_its_own_chain():
+    attn = torch.tensor([[1, 1, 1, 1, 0]]).bool()
+    anchors = torch.tensor([[2, 0]])
+    m = parallel_mask(attn, anchors, [2, 1])[0, 0]  # queries: 5 depth-0, chains (2, 0) at depth 1, chain 2 at depth 2
+    assert m.shape == (8, 8)
+    assert m[4, :5].tolist() == [True, True, True, True, True]  # a padded query still sees itself
+    assert not m[:5, 5:].any()  # depth 0 never sees a slot
+    assert m[5].tolist() == [True, True, True, False, False, True, False, False]  # chain at 2, depth 1
+    assert m[6].tolist() == [True, False, False, False, False, False, True, False]  # chain at 0, depth 1
+    assert m[7].tolist() == [True, True, True, False, False, True, False, True]  # chain at 2, depth 2
+
+
+def test_depths_sample_nested_shrinking_shares(teacher):
+    drafter = PEagleDrafter(DIMS, layers=[1, 1, 2], num_depths=8)
+    assert drafter.depth_counts(10) == [7, 5, 4, 3, 2, 2, 2]  # max(0.7^d, 0.2) of the anchors, rounded up
+    drafter.bind_target(teacher, initialize=True)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    batch = batch_of(ids)
+    batch["attention_mask"][1, 10:] = 0  # a padded row
+    batch["loss_mask"][1, 10:] = 0
+    torch.manual_seed(0)
+    anchors, drawn, counts = drafter._rank_anchors(batch)
+    assert counts == drafter.depth_counts(13)  # row 0: anchors 0 .. 12 (depth 1 predicts a + 3 < 16)
+    assert drawn[1].sum() == 7 and bool((anchors[1][drawn[1]] < 7).all())
+    out = drafter(batch, teacher.signals(batch, drafter.teacher_layers))
+    rows = [len(t.student_ND) for t in out.terms]
+    assert rows[0] == int(out.num_valid) == 14 + 8 and rows == sorted(rows, reverse=True)
+
+
+def _greedy_batch(teacher, n=4, new=24):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (m,), generator=g) for m in (5, 9, 12, 16)][:n]
+    refs = [Decoder(teacher).plain(p[None], new).new_tokens for p in prompts]
+    rows = [torch.cat([p, torch.tensor(r)]) for p, r in zip(prompts, refs)]
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    return prompts, refs, {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.clone()}
+
+
+@pytest.fixture(scope="module")
+def trained(teacher):
+    """A P-EAGLE drafter (full vocabulary) trained on the target's greedy continuations."""
+    prompts, refs, batch = _greedy_batch(teacher)
+    torch.manual_seed(0)
+    drafter = build_drafter({**NODE, "draft_vocab_size": None}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    signals = teacher.signals(batch, drafter.teacher_layers)
+    drafter.train()
+    losses = []
+    for _ in range(40):
+        out = drafter(batch, signals)
+        assert drafter.count_valid(batch) == out.num_valid
+        total, n = out.loss(forward_kl)
+        loss = total / n
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert drafter.mask_hidden.grad is not None  # the placeholder trains
+    assert all(p.grad is None for p in teacher.model.parameters())  # the frozen target never trains
+    return drafter.eval(), losses, prompts, refs
+
+
+def test_training_reduces_the_loss(trained):
+    _, losses, _, _ = trained
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0], f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
+    drafter, _, prompts, refs = trained
+    decoder = Decoder(teacher)
+    gens = [decoder.speculative(drafter, p[None], 24, 4) for p in prompts]
+    assert [g.new_tokens for g in gens] == refs
+    deep = sum(c for g in gens for row in g.stats.counts.values() for a, c in row.items() if a >= 2)
+    assert deep > 0  # parallel slots' drafts are accepted too, not only depth 0's
+    result = BatchedDecoder(teacher).speculative(drafter, prompts, 24, 4)
+    assert [g.new_tokens for g in result.generations] == refs
+    assert result.stats.forwards < len(prompts) * 24
+
+
+def test_reduced_vocabulary_decodes_identically(teacher):
+    torch.manual_seed(0)
+    drafter = build_drafter(NODE, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    g = torch.Generator().manual_seed(1)
+    d2t, t2d = vocab_maps(torch.randint(0, 100, (128,), generator=g), drafter.draft_vocab_size)
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    drafter = perturbed(drafter, 2, 0.3)
+    prompt = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = Decoder(teacher).plain(prompt, 16).new_tokens
+    assert Decoder(teacher).speculative(drafter, prompt, 16, 4).new_tokens == want
+
+
+def test_save_load_round_trip(teacher, trained, tmp_path):
+    drafter = trained[0]
+    path = save(drafter, tmp_path, "peagle", teacher)
+    loaded = load_drafter(path, teacher)
+    assert isinstance(loaded, PEagleDrafter)
+    assert loaded.teacher_layers == drafter.teacher_layers and loaded.mask_token_id == drafter.mask_token_id
+    for name, p in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], p, atol=0, rtol=0)
+    p = trained[2][1]
+    assert Decoder(teacher).speculative(loaded, p[None], 16, 4).new_tokens == trained[3][1][:16]
+
+
+# --- the sampled output distribution through the real decode loop ------------------------------------------------
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_sampled_output_distribution_is_the_targets(batch):
+    """Temperature-1 sampling through the decode loop (batch 1 and the batched loop, one prompt per row) draws each
+    3-token continuation with the target's own probability."""
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0, vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_key_value_heads=1, initializer_range=0.5)
+    teacher = Teacher(model, tokenizer=None, name="tiny-v4")
+    torch.manual_seed(5)
+    drafter = build_drafter({**NODE, "num_depths": 3, "draft_vocab_size": None, "layers": [1, 1, 2]}, teacher)
+    drafter.bind_target(teacher, initialize=False)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.5)
+    drafter.eval()
+    prompt, length, samples = torch.tensor([[1, 2, 3]]), 3, 3000
+    seqs = torch.tensor(list(itertools.product(range(4), repeat=length)))
+    with torch.no_grad():
+        logp = model(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.log_softmax(-1)
+    exact = logp[:, 2: 2 + length].gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp().view((4,) * length)
+    counts, accepted = torch.zeros_like(exact), 0
+    if batch == 1:
+        decoder = Decoder(teacher, DecoderConfig(temperature=1.0, seed=0))
+        for _ in range(samples):
+            gen = decoder.speculative(drafter, prompt, length, num_draft=2)
+            counts[tuple(gen.new_tokens)] += 1
+            accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    else:
+        decoder = BatchedDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
+        for _ in range(samples // batch):
+            result = decoder.speculative(drafter, [prompt[0]] * batch, length, 2)
+            for gen in result.generations:
+                counts[tuple(gen.new_tokens)] += 1
+            accepted += sum(a * c for row in result.stats.counts.values() for a, c in row.items())
+    assert accepted > samples // 10
+    tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
+    distance = 0.5 * float((counts / samples - exact).abs().sum())
+    assert distance < tol, f"TV {distance:.4f} exceeds {tol:.4f}"
+
+
+# --- configuration ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value,match", [
+    ("num_depths", 0, "drafter.num_depths=0"), ("layers", [1, 5, 2], "drafter.layers contains 5"),
+    ("mask_token_id", 128, "drafter.mask_token_id=128"), ("depth", 9, "drafter.depth=9"),
+    ("down_sample_ratio", 0.0, "drafter.down_sample_ratio=0.0")])
+def test_bad_config_names_the_key(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        PEagleDrafter(DIMS, **{"layers": [1, 1, 2], key: value})
+
+
+def test_trees_are_refused_with_the_fix():
+    drafter = PEagleDrafter(DIMS, layers=[1, 1, 2])
+    assert not drafter.dynamic_tree
+    with pytest.raises(ValueError, match="decoder.tree='dynamic'.*set decoder.tree=null"):
+        drafter.set_tree("dynamic")
