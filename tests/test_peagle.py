@@ -17,7 +17,8 @@ from inference.batched import BatchedDecoder
 from inference.decoder import Decoder, DecoderConfig
 from inference.sampling import SamplingConfig
 from heads.eagle import vocab_maps
-from tests.drafters import DIMS, PEAGLE_NODE, perturbed, save, tiny_llama, varied_teacher
+from serve.export import check_export, export_drafter, load_export
+from tests.drafters import DIMS, PEAGLE_NODE, deep_teacher, eagle, perturbed, save, tiny_llama, varied_teacher
 
 NODE = {**PEAGLE_NODE, "layers": [0, 1, 2]}  # the 2-layer tiny target's
 
@@ -167,6 +168,67 @@ def test_save_load_round_trip(teacher, trained, tmp_path):
         torch.testing.assert_close(loaded.state_dict()[name], p, atol=0, rtol=0)
     p = trained[2][1]
     assert Decoder(teacher).speculative(loaded, p[None], 16, 4).new_tokens == trained[3][1][:16]
+
+
+# --- export ------------------------------------------------------------------------------------------------------
+
+def test_vllm_export_round_trip(tmp_path):
+    """Export in vLLM's layout (EAGLE-3's plus mask_hidden and pard_token), check it against the loader's
+    transcription, rebuild the drafter from the engine's files only: the same weights and the same greedy decoding."""
+    import json
+
+    from safetensors.torch import load_file
+
+    teacher = deep_teacher(tmp_path / "target")
+    drafter = eagle(teacher, "peagle")
+    path = save(drafter, tmp_path / "run", "peagle", teacher, target_name=str(tmp_path / "target"))
+    out = export_drafter(path, "vllm", tmp_path / "vllm")
+    assert check_export(out, "vllm", "peagle", teacher.identity()) == []
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["PeagleLlamaForCausalLM"] and config["pard_token"] == drafter.mask_token_id
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["draft_vocab_size"] == 96
+    assert load_file(str(out / "model.safetensors"))["mask_hidden"].shape == (1, 3 * 32)
+    assert '"parallel_drafting": true' in (out / "README.md").read_text()
+    reloaded = load_export(out, teacher)
+    assert isinstance(reloaded, PEagleDrafter) and reloaded.num_depths == drafter.num_depths
+    for name, p in drafter.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    decoder = Decoder(teacher)
+    want = decoder.speculative(drafter, prompt, 12, 4).new_tokens
+    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == want
+
+
+def test_vllm_check_catches_a_departure(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    teacher = deep_teacher(tmp_path / "target")
+    path = save(eagle(teacher, "peagle"), tmp_path / "run", "peagle", teacher)
+    out = export_drafter(path, "vllm", tmp_path / "vllm")
+    state = load_file(str(out / "model.safetensors"))
+    del state["mask_hidden"]
+    save_file(state, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["pard_token"] = 10_000
+    (out / "config.json").write_text(json.dumps(config))
+    problems = check_export(out, "vllm", "peagle", teacher.identity())
+    assert "pard_token=10000 is not a token id of the vocabulary" in problems
+    assert any("'mask_hidden' is missing" in p for p in problems)
+
+
+def test_export_refuses_unsupported_engines_and_uncaptured_layers(tmp_path):
+    teacher = deep_teacher(tmp_path / "target")
+    path = save(eagle(teacher, "peagle"), tmp_path / "run", "peagle", teacher)
+    with pytest.raises(ValueError, match="SGLang's P-EAGLE .* loader is not transcribed"):
+        export_drafter(path, "sglang", tmp_path / "sglang")
+    torch.manual_seed(0)
+    top = build_drafter({**PEAGLE_NODE, "layers": [1, 2, 4]}, teacher)
+    top.bind_target(teacher, initialize=True)
+    path = save(top, tmp_path / "run4", "peagle", teacher)
+    with pytest.raises(ValueError, match=r"drafter.layers=\[1, 2, 4\].*final normed output"):
+        export_drafter(path, "vllm", tmp_path / "vllm4")
 
 
 # --- the sampled output distribution through the real decode loop ------------------------------------------------
