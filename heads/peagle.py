@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, ForkedRows, TargetDims
 from heads.eagle import EagleDrafter
+from heads.peagle_static import PEagleStaticDraft
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
 
@@ -166,7 +167,15 @@ class PEagleDrafter(EagleDrafter):
         return ForkedRows(self, seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
-        return None  # the eager path only, for now
+        """The catch-up and the whole chain as one capture-safe step (``heads.peagle_static``), drafting ``depth``
+        tokens, at most as many as the committed buffers allow (their rows - 1) and ``num_depths``, as ``propose``
+        clips to its ``max_depth``."""
+        rows = committed.ids_M.shape[0]
+        depth = min(self.depth or self.num_depths, rows - 1, self.num_depths)
+        # keyed by the weights' dtype too: its buffers are allocated in it (eval times each candidate dtype)
+        return self.reuse_static_draft((depth, self.fc.weight.dtype), committed, capacity, sampling, generator,
+                                       lambda: PEagleStaticDraft(self, committed, capacity, depth, sampling,
+                                                                 generator))
 
     def _sampler(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

@@ -289,3 +289,89 @@ def test_trees_are_refused_with_the_fix():
     assert not drafter.dynamic_tree
     with pytest.raises(ValueError, match="decoder.tree='dynamic'.*set decoder.tree=null"):
         drafter.set_tree("dynamic")
+
+
+# --- the static (capture-safe) draft step ---------------------------------------------------------------------
+
+def _static_drafter(teacher, vocab=96):
+    torch.manual_seed(0)
+    drafter = perturbed(build_drafter({**NODE, "draft_vocab_size": vocab}, teacher), 3, 0.2)
+    drafter.bind_target(teacher, initialize=False)
+    return drafter
+
+
+def _play(drafter, static, committed, teacher, prompt_len, steps, step_fn, check):
+    """Prefill, then ``steps`` draft steps after varying accepted lengths, each followed by ``check(step, context)``
+    on the eager drafter fed the same hidden states."""
+    from tests.static_harness import Replay, counts
+
+    M = committed.ids_M.shape[0]
+    replay = Replay(teacher, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
+    replay.prefill(static)
+    drafter.reset()
+    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
+    for step, count in enumerate(counts(steps, M, seed=prompt_len)):
+        if step:
+            start = replay.position
+            replay.commit(committed, count)
+            drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
+        step_fn()
+        check(step, replay.context())
+
+
+@pytest.mark.parametrize("prompt_len,vocab", [(5, None), (11, 96)])
+def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, vocab):
+    """Played through the step decoder's stand-in with a varying accepted length per step: every static draft
+    equals the eager ``propose`` on the same context (greedy), and the sampled step's distributions are the eager
+    logits' (its draws lie in their support); a reduced draft vocabulary included."""
+    from inference.sampling import GREEDY, warp
+    from tests.static_harness import committed_for
+
+    drafter = _static_drafter(teacher, vocab)
+    M = 4
+    for sampling in (GREEDY, SamplingConfig(temperature=0.8, top_k=20)):
+        committed = committed_for(drafter, M)
+        static = drafter.static_draft(committed, 64, sampling, torch.Generator().manual_seed(0))
+        assert static is drafter.static_draft(committed, 64, sampling, static.generator)  # reused, not rebuilt
+
+        def check(step, context):
+            if sampling.greedy:
+                eager = drafter.propose(context, M - 1, GREEDY)
+                assert static.buffers.tokens_T.tolist() == eager.tokens.tolist(), step
+                return
+            with torch.no_grad():
+                want = warp(drafter.chain_logits(context[0], M - 1), sampling)
+            torch.testing.assert_close(static.buffers.probs_TV, want, atol=1e-5, rtol=1e-5)
+            assert bool((want.gather(1, static.buffers.tokens_T[:, None]) > 0).all())
+
+        _play(drafter, static, committed, teacher, prompt_len, 8, static.draft, check)
+
+
+def test_compiled_static_draft_is_one_graph_in_place(teacher):
+    """The step compiles to one graph (fullgraph, no recompile over two prompts and varying accepted lengths),
+    keeps its tensors at one address, shape and stride, and drafts what ``propose`` drafts."""
+    from torch._dynamo.utils import counters
+
+    from inference.sampling import GREEDY
+    from tests.static_harness import committed_for, layout, tensors_of
+
+    drafter = _static_drafter(teacher)
+    committed = committed_for(drafter, 5)
+    static = drafter.static_draft(committed, 128, GREEDY, None)
+    before = layout(tensors_of(static))
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
+
+    def check(i, context):
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        assert static.buffers.tokens_T.tolist() == drafter.propose(context, 4, GREEDY).tokens.tolist(), i
+
+    try:
+        for prompt_len in (7, 12):
+            _play(drafter, static, committed, teacher, prompt_len, 12, step, check)
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert layout(tensors_of(static)) == before
