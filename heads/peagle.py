@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, ForkedRows, TargetDims
-from heads.eagle import EagleDrafter
+from heads.eagle import DraftLayer, EagleDrafter, RMSNorm
 from heads.peagle_static import PEagleStaticDraft
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
@@ -55,7 +55,7 @@ class PEagleDrafter(EagleDrafter):
                  num_heads: int | None = None, intermediate_size: int | None = None, rope_theta: float = 10000.0,
                  num_depths: int = 8, down_sample_ratio: float = 0.7, down_sample_ratio_min: float = 0.2,
                  loss_decay: float = 1.0, kl_weight: float = 1.0, draft_vocab_size: int | None = None,
-                 mask_token_id: int | None = None, depth: int | None = None):
+                 mask_token_id: int | None = None, depth: int | None = None, num_layers: int = 1):
         super().__init__(dims, variant="eagle3", layers=layers, num_heads=num_heads,
                          intermediate_size=intermediate_size, rope_theta=rope_theta, ttt_steps=1,
                          loss_decay=loss_decay, kl_weight=kl_weight, draft_vocab_size=draft_vocab_size, tree="chain")
@@ -75,6 +75,12 @@ class PEagleDrafter(EagleDrafter):
         self.num_depths, self.mask_token_id = num_depths, mask_token_id
         self.down_sample_ratio, self.down_sample_ratio_min = down_sample_ratio, down_sample_ratio_min
         self.depth = depth
+        if num_layers < 1:
+            raise ValueError(f"drafter.num_layers={num_layers} must be >= 1 (EAGLE-3's layer, then plain ones)")
+        layer = self.layer
+        # Layers after EAGLE-3's (SpecForge's P-EAGLE stacks plain Llama layers on it), built separately.
+        self.upper = nn.ModuleList([UpperLayer(self.dims.hidden_size, layer.num_heads, layer.gate_proj.out_features,
+                                               layer.theta) for _ in range(num_layers - 1)])
         # The placeholder for the target features at depths >= 1, in fc's input space ([F*D], as the engines load it).
         self.mask_hidden = nn.Parameter(torch.randn(self.fc.in_features))
 
@@ -82,6 +88,7 @@ class PEagleDrafter(EagleDrafter):
         node = super().saved_config(drafter_cfg)
         node["mask_token_id"] = self.mask_token_id  # resolved, so a load never re-derives them
         node["draft_vocab_size"] = self.draft_vocab_size
+        node["num_layers"] = 1 + len(self.upper)
         return node
 
     def set_tree(self, spec) -> None:
@@ -139,6 +146,9 @@ class PEagleDrafter(EagleDrafter):
         q, k, v = self.layer.qkv(x, pos)
         mask = parallel_mask(attn, anchors, counts)
         out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
+        for upper in self.upper:
+            q, k, v = upper.qkv(out, pos)
+            out = upper.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), out)
         terms = [self._step_loss(out[:, :T], teacher_out, feats, self.train_mask(batch, 0), 0)[0]]
         start = T
         for d, n in enumerate(counts, start=1):
@@ -159,6 +169,7 @@ class PEagleDrafter(EagleDrafter):
     # --- decoding ------------------------------------------------------------------------------------------
     def reset(self, seed: int = 0) -> None:
         super().reset(seed)
+        self._upper_kv: list[tuple[Tensor, Tensor]] = []  # per upper layer: the context pairs' keys / values
         self._seed = seed
         self._generator: torch.Generator | None = None
 
@@ -231,13 +242,48 @@ class PEagleDrafter(EagleDrafter):
         cols = torch.arange(need + S, device=dev)[None, :]
         # a pair sees the pairs <= itself; a slot every pair and the slots <= itself (the same causal rule)
         mask = (cols <= rows)[None, None]
-        out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)[0]
+        out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
+        upper_kv = []
+        pos = torch.arange(keep, need + S, device=dev)
+        for i, upper in enumerate(self.upper):
+            uq, uk, uv = upper.qkv(out, pos)
+            if keep:
+                uk = torch.cat([self._upper_kv[i][0][:, :, :keep], uk], 2)
+                uv = torch.cat([self._upper_kv[i][1][:, :, :keep], uv], 2)
+            upper_kv.append((uk[:, :, :need], uv[:, :, :need]))
+            out = upper.finish(F.scaled_dot_product_attention(uq, uk, uv, attn_mask=mask), out)
+        out = out[0]
         if new:
             self._ctx_kv = (k[:, :, :need], v[:, :, :need])
+            self._upper_kv = upper_kv
             self._ctx_ids = seq[1: need + 1].clone()
             prev = self._ctx_out[:keep] if self._ctx_out is not None else out[:0]
-            self._ctx_out = torch.cat([prev, out[:new]])
+            self._ctx_out = torch.cat([prev, out[:new]])  # the last layer's outputs (the root's is drafted from)
         return torch.cat([self._ctx_out[need - 1][None], out[new:]])
+
+    def _common_prefix(self, ids: Tensor) -> int:
+        keep = super()._common_prefix(ids)
+        self._upper_kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._upper_kv]
+        return keep
+
+
+class UpperLayer(nn.Module):
+    """A plain Llama decoder layer stacked on EAGLE-3's: input norm, then ``heads.eagle.DraftLayer``'s attention
+    (the caller's mask) and MLP, residual around both."""
+
+    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, theta: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps=1e-6)
+        self.layer = DraftLayer(hidden_size, hidden_size, num_heads, intermediate_size, theta)
+
+    def qkv(self, h_BTD: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.layer.qkv(self.input_layernorm(h_BTD), positions)
+
+    def qkv_rotated(self, h_BTD: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.layer.qkv_rotated(self.input_layernorm(h_BTD), cos, sin)
+
+    def finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
+        return self.layer.finish(attn_BhTd, residual_BTD)
 
 
 def parallel_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: list[int]) -> Tensor:

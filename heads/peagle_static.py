@@ -46,12 +46,31 @@ class PEagleStaticDraft(EagleStaticDraft):
         probs = None if sampling.greedy else torch.zeros(depth, drafter.dims.vocab_size, device=dev)
         self.buffers = DraftBuffers(tokens_T=self.buffers.tokens_T, parents_T=self.buffers.parents_T, probs_TV=probs,
                                     chain=True)
-        mark_static(self.slot_ids, self.steps_S, self.own_SS, self.no_slots_MS, self.seed, self.counter, self.draws_T,
+        self.upper_kv = [(torch.zeros_like(self.k), torch.zeros_like(self.v)) for _ in drafter.upper]  # stacked layers'
+        mark_static(*(t for kv in self.upper_kv for t in kv), self.slot_ids, self.steps_S, self.own_SS, self.no_slots_MS, self.seed, self.counter, self.draws_T,
                     *([probs] if probs is not None else []))
 
     @torch.no_grad()
     def prefill(self, prompt_ids_P, hidden_P, pending) -> None:
-        super().prefill(prompt_ids_P, hidden_P, pending)
+        super().prefill(prompt_ids_P, hidden_P, pending)  # EAGLE's layer over the prompt's pairs: its keys, its root
+        if len(self.upper_kv):  # the stacked layers over the same pairs, from EAGLE's layer's outputs again
+            d = self.drafter
+            P = prompt_ids_P.shape[0]
+            dev, dtype = self.k.device, self.k.dtype
+            feats = torch.cat([hidden_P[i].reshape(P, -1) for i in d.teacher_layers], -1).to(dev, dtype)
+            nxt = torch.cat([prompt_ids_P[1:].to(dev), pending.reshape(1).to(dev)])
+            hid = d._first_hidden(feats[None])
+            x, residual = d._layer_input(d._embed(nxt[None], hid), hid)
+            cos, sin = self.cos[:P], self.sin[:P]
+            mask = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+            q, k, v = d.layer.qkv_rotated(x, cos, sin)
+            out = d.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
+            for upper, (kbuf, vbuf) in zip(d.upper, self.upper_kv):
+                q, k, v = upper.qkv_rotated(out, cos, sin)
+                kbuf[:, :, :P] = k
+                vbuf[:, :, :P] = v
+                out = upper.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), out)
+            self.node_out[0] = out[0, P - 1]
         if not self.sampling.greedy:
             reseed_draws(self.seed, self.counter, self.generator)
 
@@ -70,16 +89,15 @@ class PEagleStaticDraft(EagleStaticDraft):
         emb = d._embed(torch.cat([nxt, self.slot_ids])[None], hid)
         x, residual = d._layer_input(emb, torch.cat([hid, hid_m], 1))
         all_pos = torch.cat([pos, slot_pos])
-        q, k, v = d.layer.qkv_rotated(x, self.cos[all_pos], self.sin[all_pos])
-        self.k.index_copy_(2, pos, k[:, :, :M])
-        self.v.index_copy_(2, pos, v[:, :, :M])
-        self.k[:, :, self.ctx_cols:].copy_(k[:, :, M:])
-        self.v[:, :, self.ctx_cols:].copy_(v[:, :, M:])
+        cos, sin = self.cos[all_pos], self.sin[all_pos]
         ctx = self.cols_C[: self.ctx_cols]
         pairs = torch.cat([ctx[None, :] <= pos[:, None], self.no_slots_MS], 1)  # [M, C]: pairs up to itself
         slots = torch.cat([(ctx < length)[None].expand(S, -1), self.own_SS], 1)  # [S, C]: context, slots <= itself
         mask = torch.cat([pairs, slots])[None, None]
-        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask), residual)[0]
+        out = self._attend(d.layer, x, residual, cos, sin, pos, self.k, self.v, mask)
+        for upper, (kbuf, vbuf) in zip(d.upper, self.upper_kv):
+            out = self._attend(upper, out, out, cos, sin, pos, kbuf, vbuf, mask)
+        out = out[0]
         root = torch.where(self.fresh, self.node_out[0], out.index_select(0, (c.count - 1).reshape(1))[0])
         self.node_out[0].copy_(root)
         self.length.copy_(length)
@@ -95,3 +113,14 @@ class PEagleStaticDraft(EagleStaticDraft):
         self.buffers.probs_TV.copy_(probs)
         self.buffers.tokens_T.copy_(torch.cat([sample_uniform(probs[k], uniforms[k: k + 1])
                                                for k in range(self.depth)]))
+
+    def _attend(self, layer, x, residual, cos, sin, pos, kbuf, vbuf, mask):
+        """One layer over the M committed rows and the S slots: their keys written into ``kbuf`` / ``vbuf`` (rows
+        at their positions, slots in the slot columns), attention over the whole buffer under ``mask``."""
+        M = pos.shape[0]
+        q, k, v = layer.qkv_rotated(x, cos, sin)
+        kbuf.index_copy_(2, pos, k[:, :, :M])
+        vbuf.index_copy_(2, pos, v[:, :, :M])
+        kbuf[:, :, self.ctx_cols:].copy_(k[:, :, M:])
+        vbuf[:, :, self.ctx_cols:].copy_(v[:, :, M:])
+        return layer.finish(F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=mask), residual)

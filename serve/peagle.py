@@ -7,6 +7,9 @@
                                                               a top-level ``mask_token_id``, written with the same id)
     weights      mask_hidden [1, F*D]                         the placeholder for the target features of the parallel
                                                               slots (pre-fc), loaded beside the EAGLE-3 parameters
+                 layers.i.* (i >= 1), num_hidden_layers       stacked plain Llama layers (``drafter.num_layers`` > 1)
+                                                              after EAGLE-3's ``midlayer.``, as P-EAGLE checkpoints
+                                                              stack them
 
 Read from vLLM's ``vllm/model_executor/models/registry.py`` (the Peagle* aliases),
 ``vllm/transformers_utils/configs/speculators/algos.py`` (``update_peagle``: the config keys it sets, ``pard_token``
@@ -19,6 +22,7 @@ SGLang, the speculators format and Hugging Face are refused: their P-EAGLE loade
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,72 @@ from serve.model_card import model_card
 
 ARCHITECTURE = "PeagleLlamaForCausalLM"
 MASK_HIDDEN = "mask_hidden"
+
+
+UPPER = re.compile(r"^layers\.([1-9][0-9]*)\.")  # exported layers after EAGLE-3's (which is ``midlayer.``)
+UPPER_PARAM = re.compile(r"^model\.layers\.([1-9][0-9]*)\.")
+# our UpperLayer's tensors -> the names of a Llama decoder layer (vLLM packs q,k,v and gate,up on load)
+_UPPER = {"input_layernorm": "input_layernorm", "layer.q_proj": "self_attn.q_proj", "layer.k_proj": "self_attn.k_proj",
+          "layer.v_proj": "self_attn.v_proj", "layer.o_proj": "self_attn.o_proj", "layer.gate_proj": "mlp.gate_proj",
+          "layer.up_proj": "mlp.up_proj", "layer.down_proj": "mlp.down_proj",
+          "layer.post_attention_layernorm": "post_attention_layernorm"}
+
+
+def upper_state(upper) -> dict[str, torch.Tensor]:
+    """A stacked layer's tensors under the Llama decoder layer's names (``layers.i.`` prefix added by the caller)."""
+    ours = upper.state_dict()
+    return {f"{theirs}.weight": ours[f"{mine}.weight"] for mine, theirs in _UPPER.items()}
+
+
+def load_upper_layers(state: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """vLLM's loading of the plain layers 1 .. n - 1 of its EAGLE-3 Llama (``model.layers.i.``, q/k/v and gate/up
+    packed): (parameters, problems), every exported tensor landing on a parameter of the right shape and every
+    parameter set."""
+    D, h, I = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
+    kv, hd = config.get("num_key_value_heads") or h, config.get("head_dim") or D // h
+    problems, params = [], {}
+    for i in range(1, config.get("num_hidden_layers", 1)):
+        p = f"layers.{i}."
+        want = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+                "self_attn.o_proj.weight": (D, h * hd), "mlp.down_proj.weight": (D, I)}
+        for name, shape in want.items():
+            t = state.pop(p + name, None)
+            if t is None:
+                problems.append(f"tensor {p + name!r} is missing (layer {i} of num_hidden_layers)")
+            elif tuple(t.shape) != shape:
+                problems.append(f"{p + name} has shape {tuple(t.shape)}, vLLM builds {shape}")
+            else:
+                params["model." + p + name] = t
+        for packed, parts in (("self_attn.qkv_proj", (("q_proj", h), ("k_proj", kv), ("v_proj", kv))),
+                              ("mlp.gate_up_proj", (("gate_proj", I), ("up_proj", I)))):
+            group = packed.split(".")[0]
+            tensors = [state.pop(f"{p}{group}.{part}.weight", None) for part, _ in parts]
+            rows = [n * hd if group == "self_attn" else n for _, n in parts]
+            if any(t is None for t in tensors):
+                problems.append(f"{p}{packed}: shards {[part for (part, _), t in zip(parts, tensors) if t is None]} "
+                                f"are missing, the packed parameter would be partly unset")
+            elif any(tuple(t.shape) != (r, D) for t, r in zip(tensors, rows)):
+                problems.append(f"{p}{packed}: shard shapes {[tuple(t.shape) for t in tensors]}, vLLM packs "
+                                f"{[(r, D) for r in rows]}")
+            else:
+                params[f"model.{p}{packed}.weight"] = torch.cat(tensors, 0)
+    problems += [f"tensor {k!r} matches no parameter of the vLLM model (num_hidden_layers="
+                 f"{config.get('num_hidden_layers', 1)}): its loader would skip it silently" for k in sorted(state)]
+    return params, problems
+
+
+def unpack_upper(params: dict[str, torch.Tensor], i: int, config: dict) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s engine parameters back as our UpperLayer's tensors (packed ones split)."""
+    D, h, I = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
+    kv, hd = config.get("num_key_value_heads") or h, config.get("head_dim") or D // h
+    p = f"model.layers.{i}."
+    q, k, v = params[p + "self_attn.qkv_proj.weight"].split([h * hd, kv * hd, kv * hd], 0)
+    gate, up = params[p + "mlp.gate_up_proj.weight"].split([I, I], 0)
+    theirs = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v, "mlp.gate_proj": gate,
+              "mlp.up_proj": up, **{name: params[p + name + ".weight"] for name in
+                                    ("input_layernorm", "post_attention_layernorm", "self_attn.o_proj",
+                                     "mlp.down_proj")}}
+    return {f"{mine}.weight": theirs[name] for mine, name in _UPPER.items()}
 
 
 def _vllm_serve(target: str, export_dir: str, num_tokens: int) -> str:
@@ -61,8 +131,12 @@ class PEagleAdapter:
         cfg = engine_config(drafter, engine, target, str(dtype).removeprefix("torch."), drafter.num_depths)
         cfg.update(architectures=[ARCHITECTURE], pard_token=drafter.mask_token_id,
                    mask_token_id=drafter.mask_token_id)
+        cfg["num_hidden_layers"] = 1 + len(drafter.upper)
         state = engine_state(drafter, engine, dtype)
         state[MASK_HIDDEN] = drafter.mask_hidden.detach().to(dtype)[None].contiguous()
+        for i, upper in enumerate(drafter.upper, start=1):
+            state.update({f"layers.{i}.{name}": t.detach().to(dtype).contiguous()
+                          for name, t in upper_state(upper).items()})
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
@@ -74,7 +148,11 @@ class PEagleAdapter:
         """(EAGLE-3 parameters as vLLM loads them, d2t's target ids, mask_hidden, problems)."""
         state = load_file(str(path / "model.safetensors"))
         mask_hidden = state.pop(MASK_HIDDEN, None)
+        upper = {k: state.pop(k) for k in list(state) if UPPER.match(k)}
         params, vocab, problems = load_like_engine("vllm", "eagle3", state, config)
+        upper_params, upper_problems = load_upper_layers(upper, config)
+        params.update(upper_params)
+        problems += upper_problems
         width = config["hidden_size"] * 3
         if mask_hidden is None:
             problems.append(f"tensor {MASK_HIDDEN!r} is missing: vLLM's parallel drafting requires it")
@@ -117,13 +195,18 @@ class PEagleAdapter:
         if problems:
             raise ValueError(f"{path} does not load into vLLM's P-EAGLE: " + "; ".join(problems))
         layers = our_layers(engine, "eagle3", config)
-        eagle3 = drafter_from_engine(engine, "eagle3", params, vocab, config, dims, layers, {})
+        first = {k: v for k, v in params.items() if not UPPER_PARAM.match(k)}
+        eagle3 = drafter_from_engine(engine, "eagle3", first, vocab, config, dims, layers, {})
         saved = sidecar["drafter"]
         drafter = PEagleDrafter(dims, layers=layers, num_heads=config["num_attention_heads"],
                                 intermediate_size=config["intermediate_size"], rope_theta=config["rope_theta"],
                                 draft_vocab_size=config["draft_vocab_size"], mask_token_id=config["pard_token"],
-                                num_depths=saved.get("num_depths", 8), depth=saved.get("depth"))
+                                num_depths=saved.get("num_depths", 8), depth=saved.get("depth"),
+                                num_layers=config["num_hidden_layers"])
         state = {**eagle3.state_dict(), MASK_HIDDEN: mask_hidden.reshape(-1).to(torch.float32)}
+        for i in range(1, config["num_hidden_layers"]):
+            state.update({f"upper.{i - 1}.{name}": t.to(torch.float32)
+                          for name, t in unpack_upper(params, i, config).items()})
         drafter.load_state_dict(state, strict=True)
         return drafter
 

@@ -32,14 +32,14 @@ def teacher():
     return varied_teacher()
 
 
-@pytest.mark.parametrize("vocab", [None, 96])
-def test_training_chains_equal_the_decoding_chain(teacher, vocab):
+@pytest.mark.parametrize("vocab,num_layers", [(None, 1), (96, 1), (None, 3)])
+def test_training_chains_equal_the_decoding_chain(teacher, vocab, num_layers):
     """With every anchor sampled at every depth, depth d of the chain anchored at a in training computes exactly
     the logits ``propose`` computes for draft d + 1 after a + 2 tokens: pins the parallel mask, the placeholders and
-    the positions (a reduced draft vocabulary included)."""
+    the positions (a reduced draft vocabulary and stacked layers included)."""
     torch.manual_seed(0)
     drafter = build_drafter({**NODE, "down_sample_ratio": 1.0, "down_sample_ratio_min": 1.0,
-                             "draft_vocab_size": vocab}, teacher)
+                             "draft_vocab_size": vocab, "num_layers": num_layers}, teacher)
     drafter.bind_target(teacher, initialize=True)
     drafter.eval()
     T = 20
@@ -57,6 +57,14 @@ def test_training_chains_equal_the_decoding_chain(teacher, vocab):
                 torch.testing.assert_close(logits[d], out.terms[d].student_NV[a], atol=1e-5, rtol=1e-5)
         tree = drafter.propose(ids[:, : a + 2], 3)
         assert tree.tokens.tolist() == drafter.d2t[logits[:3].argmax(-1)].tolist()
+    # the cached context cropped back to a shorter one (another continuation) drafts as if built afresh
+    drafter.reset()
+    drafter.observe(teacher(ids[:, :16], None, drafter.teacher_layers).hidden)
+    with torch.no_grad():
+        drafter.chain_logits(ids[0, :17], 2)
+        cropped = drafter.chain_logits(ids[0, :9], drafter.num_depths)[:, drafter.d2t]
+    for d in range(drafter.num_depths):
+        torch.testing.assert_close(cropped[d], out.terms[d].student_NV[7], atol=1e-5, rtol=1e-5)
 
 
 def test_parallel_mask_sees_the_context_up_to_the_anchor_and_its_own_chain():
@@ -172,22 +180,32 @@ def test_save_load_round_trip(teacher, trained, tmp_path):
 
 # --- export ------------------------------------------------------------------------------------------------------
 
-def test_vllm_export_round_trip(tmp_path):
-    """Export in vLLM's layout (EAGLE-3's plus mask_hidden and pard_token), check it against the loader's
-    transcription, rebuild the drafter from the engine's files only: the same weights and the same greedy decoding."""
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_vllm_export_round_trip(tmp_path, num_layers):
+    """Export in vLLM's layout (EAGLE-3's plus mask_hidden and pard_token; stacked layers as layers.1...), check it
+    against the loader's transcription, rebuild the drafter from the engine's files only: the same weights and the
+    same greedy decoding."""
     import json
 
     from safetensors.torch import load_file
 
     teacher = deep_teacher(tmp_path / "target")
     drafter = eagle(teacher, "peagle")
+    if num_layers > 1:  # the same drafter with a stacked layer off its init
+        torch.manual_seed(1)
+        stacked = build_drafter({**PEAGLE_NODE, "num_layers": num_layers}, teacher)
+        stacked.bind_target(teacher, initialize=True)
+        stacked.load_state_dict({**stacked.state_dict(), **drafter.state_dict()})
+        drafter = perturbed(stacked, 5, 0.2)
     path = save(drafter, tmp_path / "run", "peagle", teacher, target_name=str(tmp_path / "target"))
     out = export_drafter(path, "vllm", tmp_path / "vllm")
     assert check_export(out, "vllm", "peagle", teacher.identity()) == []
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["PeagleLlamaForCausalLM"] and config["pard_token"] == drafter.mask_token_id
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["draft_vocab_size"] == 96
-    assert load_file(str(out / "model.safetensors"))["mask_hidden"].shape == (1, 3 * 32)
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (1, 3 * 32) and config["num_hidden_layers"] == num_layers
+    assert ("layers.1.self_attn.q_proj.weight" in weights) == (num_layers > 1)
     assert '"parallel_drafting": true' in (out / "README.md").read_text()
     reloaded = load_export(out, teacher)
     assert isinstance(reloaded, PEagleDrafter) and reloaded.num_depths == drafter.num_depths
@@ -197,6 +215,14 @@ def test_vllm_export_round_trip(tmp_path):
     decoder = Decoder(teacher)
     want = decoder.speculative(drafter, prompt, 12, 4).new_tokens
     assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == want
+    if num_layers > 1:  # a stacked layer's shard gone: the check names it
+        from safetensors.torch import save_file
+
+        del weights["layers.1.mlp.up_proj.weight"]
+        save_file(weights, str(out / "model.safetensors"))
+        problems = check_export(out, "vllm", "peagle", teacher.identity())
+        assert "layers.1.mlp.gate_up_proj: shards ['up_proj'] are missing, the packed parameter would be partly " \
+               "unset" in problems
 
 
 def test_vllm_check_catches_a_departure(tmp_path):
@@ -278,7 +304,7 @@ def test_sampled_output_distribution_is_the_targets(batch):
 @pytest.mark.parametrize("key,value,match", [
     ("num_depths", 0, "drafter.num_depths=0"), ("layers", [1, 5, 2], "drafter.layers contains 5"),
     ("mask_token_id", 128, "drafter.mask_token_id=128"), ("depth", 9, "drafter.depth=9"),
-    ("down_sample_ratio", 0.0, "drafter.down_sample_ratio=0.0")])
+    ("down_sample_ratio", 0.0, "drafter.down_sample_ratio=0.0"), ("num_layers", 0, "drafter.num_layers=0")])
 def test_bad_config_names_the_key(key, value, match):
     with pytest.raises(ValueError, match=match):
         PEagleDrafter(DIMS, **{"layers": [1, 1, 2], key: value})
@@ -293,9 +319,9 @@ def test_trees_are_refused_with_the_fix():
 
 # --- the static (capture-safe) draft step ---------------------------------------------------------------------
 
-def _static_drafter(teacher, vocab=96):
+def _static_drafter(teacher, vocab=96, num_layers=1):
     torch.manual_seed(0)
-    drafter = perturbed(build_drafter({**NODE, "draft_vocab_size": vocab}, teacher), 3, 0.2)
+    drafter = perturbed(build_drafter({**NODE, "draft_vocab_size": vocab, "num_layers": num_layers}, teacher), 3, 0.2)
     drafter.bind_target(teacher, initialize=False)
     return drafter
 
@@ -319,15 +345,15 @@ def _play(drafter, static, committed, teacher, prompt_len, steps, step_fn, check
         check(step, replay.context())
 
 
-@pytest.mark.parametrize("prompt_len,vocab", [(5, None), (11, 96)])
-def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, vocab):
+@pytest.mark.parametrize("prompt_len,vocab,num_layers", [(5, None, 1), (11, 96, 1), (11, 96, 2)])
+def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, vocab, num_layers):
     """Played through the step decoder's stand-in with a varying accepted length per step: every static draft
     equals the eager ``propose`` on the same context (greedy), and the sampled step's distributions are the eager
     logits' (its draws lie in their support); a reduced draft vocabulary included."""
     from inference.sampling import GREEDY, warp
     from tests.static_harness import committed_for
 
-    drafter = _static_drafter(teacher, vocab)
+    drafter = _static_drafter(teacher, vocab, num_layers)
     M = 4
     for sampling in (GREEDY, SamplingConfig(temperature=0.8, top_k=20)):
         committed = committed_for(drafter, M)
@@ -347,7 +373,8 @@ def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, vocab):
         _play(drafter, static, committed, teacher, prompt_len, 8, static.draft, check)
 
 
-def test_compiled_static_draft_is_one_graph_in_place(teacher):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_compiled_static_draft_is_one_graph_in_place(teacher, num_layers):
     """The step compiles to one graph (fullgraph, no recompile over two prompts and varying accepted lengths),
     keeps its tensors at one address, shape and stride, and drafts what ``propose`` drafts."""
     from torch._dynamo.utils import counters
@@ -355,7 +382,7 @@ def test_compiled_static_draft_is_one_graph_in_place(teacher):
     from inference.sampling import GREEDY
     from tests.static_harness import committed_for, layout, tensors_of
 
-    drafter = _static_drafter(teacher)
+    drafter = _static_drafter(teacher, num_layers=num_layers)
     committed = committed_for(drafter, 5)
     static = drafter.static_draft(committed, 128, GREEDY, None)
     before = layout(tensors_of(static))
