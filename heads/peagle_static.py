@@ -47,8 +47,8 @@ class PEagleStaticDraft(EagleStaticDraft):
         self.buffers = DraftBuffers(tokens_T=self.buffers.tokens_T, parents_T=self.buffers.parents_T, probs_TV=probs,
                                     chain=True)
         self.upper_kv = [(torch.zeros_like(self.k), torch.zeros_like(self.v)) for _ in drafter.upper]  # stacked layers'
-        mark_static(*(t for kv in self.upper_kv for t in kv), self.slot_ids, self.steps_S, self.own_SS, self.no_slots_MS, self.seed, self.counter, self.draws_T,
-                    *([probs] if probs is not None else []))
+        mark_static(*(t for kv in self.upper_kv for t in kv), self.slot_ids, self.steps_S, self.own_SS,
+                    self.no_slots_MS, self.seed, self.counter, self.draws_T, *([probs] if probs is not None else []))
 
     @torch.no_grad()
     def prefill(self, prompt_ids_P, hidden_P, pending) -> None:
