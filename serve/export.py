@@ -13,6 +13,7 @@ Kinds and engines (the adapters' own tables hold the details and the reasons for
     medusa       vllm (MedusaModel), hf (FasterDecoding/Medusa); SGLang has no Medusa: ``serve/medusa.py``
     medusa2      the heads exactly as medusa + ``merged_target/`` (serve THIS, not the original) + ``adapter/``
     draft_model  a plain Hugging Face model directory for every engine: ``serve/draft_model.py``
+    peagle       vllm (EAGLE-3's layout + mask_hidden, ``PeagleLlamaForCausalLM``): ``serve/peagle.py``
     lookup       nothing to export (the engines have n-gram drafting built in): refused (``serve/lookup.py``)
     dflash       vllm (``method: dflash``), sglang (``DFLASH``), speculators (``DFlashSpeculator``); hf refused:
                  ``serve/dflash.py``
@@ -34,13 +35,14 @@ from serve.draft_model import DraftModelAdapter
 from serve.eagle import EagleAdapter
 from serve.lookup import LookupAdapter
 from serve.medusa import ADAPTER_DIR, MERGED, MedusaAdapter
+from serve.peagle import PEagleAdapter
 
 log = logging.getLogger(__name__)
 
 # One adapter per drafter family; a new kind adds its adapter here.
 ADAPTERS: dict[str, ExportAdapter] = {kind: adapter for adapter in
                                       (MedusaAdapter(), EagleAdapter(), DraftModelAdapter(), LookupAdapter(),
-                                       DFlashAdapter())
+                                       DFlashAdapter(), PEagleAdapter())
                                       for kind in adapter.kinds}
 __all__ = ["ADAPTER_DIR", "ADAPTERS", "ENGINES", "MERGED", "SIDECAR", "adapter_for", "check_export",
            "export_drafter", "load_export", "serve_command"]

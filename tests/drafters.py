@@ -25,12 +25,14 @@ EAGLE3_NODE = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "num
                "top_k": 3, "total_tokens": 10, "layers": [1, 2, 3], "draft_vocab_size": 96}
 DRAFT_MODEL_NODE = {"_target_": "heads.draft_model.DraftModel", "source": "hf", "name": "tiny-draft"}
 DFLASH_NODE = {"_target_": "heads.dflash.DFlashDrafter", "block_size": 6, "num_layers": 2}
+PEAGLE_NODE = {"_target_": "heads.peagle.PEagleDrafter", "num_heads": 2, "layers": [1, 2, 3], "num_depths": 4,
+               "draft_vocab_size": 96}
 NODES = {"medusa": MEDUSA_NODE, "eagle1": EAGLE1_NODE, "eagle3": EAGLE3_NODE, "draft_model": DRAFT_MODEL_NODE,
-         "dflash": DFLASH_NODE}
+         "dflash": DFLASH_NODE, "peagle": PEAGLE_NODE}
 
 # Every engine each kind exports to (the refused pairs are tested in test_export*.py).
 EXPORTS = {"medusa": ("vllm", "hf"), "eagle1": ("vllm", "sglang", "hf"), "eagle3": ("vllm", "sglang", "speculators"),
-           "draft_model": ("vllm", "sglang", "hf"), "dflash": ("vllm", "sglang", "speculators")}
+           "draft_model": ("vllm", "sglang", "hf"), "dflash": ("vllm", "sglang", "speculators"), "peagle": ("vllm",)}
 TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
 
@@ -87,12 +89,15 @@ def medusa(teacher: Teacher, seed: int = 0, **node):
 
 
 def eagle(teacher: Teacher, variant: str, seed: int = 1):
+    """EAGLE-1, EAGLE-3 or P-EAGLE (``variant``: the kind) off its init; a random draft vocabulary for the last two."""
     from heads.eagle import vocab_maps
 
     node = NODES[variant]
+    if variant == "peagle":  # its mask_hidden starts random
+        torch.manual_seed(seed)
     drafter = build_drafter(node, teacher)
     drafter.bind_target(teacher, initialize=True)
-    if variant == "eagle3":
+    if variant in ("eagle3", "peagle"):
         g = torch.Generator().manual_seed(seed)
         d2t, t2d = vocab_maps(torch.randint(0, 100, (teacher.vocab_size,), generator=g), drafter.draft_vocab_size)
         drafter.d2t.copy_(d2t)

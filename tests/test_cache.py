@@ -46,6 +46,8 @@ EAGLE3 = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "layers":
 # Random anchors (fewer than a row has): the offline run must draw the same ones from the same seed.
 DFLASH = {"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "layers": [1], "num_anchors": 8,
           "objective": "distill"}
+# P-EAGLE: EAGLE-3's features, three parallel depths over randomly sampled chains (the same ones from the same seed).
+PEAGLE = {"_target_": "heads.peagle.PEagleDrafter", "layers": [0, 1, 2], "num_depths": 3, "draft_vocab_size": None}
 
 
 def make_rows(n=N):
@@ -120,8 +122,8 @@ def test_fp8_costs_half_the_hidden_state_bytes_of_bfloat16_plus_a_scale_per_toke
     assert hidden == {"float32": layers * D * 4, "bfloat16": layers * D * 2, "fp8": layers * (D + 4)}
 
 
-@pytest.mark.parametrize("drafter_cfg,layers", [(MEDUSA, (-1,)), (EAGLE3, (0, 1, 2)), (DFLASH, (1,))],
-                         ids=["medusa", "eagle3", "dflash"])
+@pytest.mark.parametrize("drafter_cfg,layers", [(MEDUSA, (-1,)), (EAGLE3, (0, 1, 2)), (DFLASH, (1,)),
+                                                (PEAGLE, (0, 1, 2))], ids=["medusa", "eagle3", "dflash", "peagle"])
 def test_offline_training_follows_the_online_loss_curve(tiny_teacher, tmp_path, drafter_cfg, layers):
     rows = make_rows()
     online = run_training(tiny_teacher, rows, tmp_path / "online", drafter_cfg=drafter_cfg)

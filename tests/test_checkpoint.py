@@ -19,6 +19,7 @@ from train.loop import BatchOrder, train
 MEDUSA = {"_target_": "heads.medusa.MedusaHeads", "num_heads": 2, "num_layers": 1, "loss_decay": 0.8}
 # DFlash draws random anchors (4 of a row's 14): a resume must draw the ones the uninterrupted run draws.
 DFLASH = {"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "num_anchors": 4}
+PEAGLE = {"_target_": "heads.peagle.PEagleDrafter", "layers": [0, 1, 2], "num_depths": 3, "draft_vocab_size": None}
 
 
 def make_cfg(drafter=MEDUSA, **trainer) -> Config:
@@ -67,7 +68,7 @@ def run(teacher, run_dir, cfg, engine=None):
     return drafter
 
 
-@pytest.mark.parametrize("drafter", [MEDUSA, DFLASH], ids=["medusa", "dflash"])
+@pytest.mark.parametrize("drafter", [MEDUSA, DFLASH, PEAGLE], ids=["medusa", "dflash", "peagle"])
 def test_kill_and_resume_matches_uninterrupted(tiny_teacher, tmp_path, drafter):
     cfg = make_cfg(drafter)
     reference = run(tiny_teacher, tmp_path / "a", cfg)

@@ -53,6 +53,8 @@ KINDS = {
     "draft_model": Kind({"_target_": "heads.draft_model.DraftModel"}, {"chain": None}, exported=True),
     "dflash": Kind({"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "objective": "distill"}, {"chain": None},
                    exported=True),
+    "peagle": Kind({"_target_": "heads.peagle.PEagleDrafter", "num_depths": 3, "draft_vocab_size": None},
+                   {"chain": None}),
 }
 DRAFTERS = {kind: row.node for kind, row in KINDS.items()}
 TREES = {kind: row.trees for kind, row in KINDS.items()}

@@ -1,0 +1,310 @@
+"""P-EAGLE (parallel EAGLE): EAGLE-3's drafter with every draft position of a step predicted in one forward.
+
+Which token each output predicts: depth 0 is EAGLE-3's step 0 (at position t the drafter reads the fused target
+features at t and the embedding of token t+1, and predicts token t+2). Depth d >= 1 of the chain anchored at a (the
+last context pair: feature at a, token a+1) sits at position a+d, is fed placeholders instead of a feature and a token
+(the embedding of ``mask_token_id`` and the learned ``mask_hidden`` in place of the concatenated target features),
+and predicts token a+2+d. A decoding step drafts ``depth`` tokens: the new context pairs and the depth-1..K-1 slots go
+through the layer together, once; no drafted token is fed back.
+
+Shape legend:  B batch, T sequence, D target hidden size, V target vocabulary, Vd draft vocabulary, F feature layers
+(3), K draft depths (``num_depths``), n_d chains sampled at depth d, Q = T + sum(n_d) queries, h heads, hd head size.
+    depth 0:   hid = fc([low ; mid ; high]_t),  emb = embed(token t+1),             position t
+    depth d:   hid = fc(mask_hidden),            emb = embed(mask_token_id),         position a+d
+    x = [input_layernorm(emb) ; hidden_norm(hid)] (2D) -> EAGLE-3's decoder layer (residual hid) -> out_D
+    -> norm -> lm_head (D -> Vd) -> logits over the draft vocabulary; ``d2t`` maps them to target ids.
+Every piece except ``mask_hidden`` is EAGLE-3's (``heads.eagle.EagleDrafter``, whose layer, fusion, draft vocabulary,
+target binding and context cache this class reuses), so the export is EAGLE-3's layout plus ``mask_hidden``.
+
+Attention (training, one forward over all Q queries, as SpecForge's P-EAGLE mask): a depth-0 query at t sees the
+depth-0 keys <= t; a depth-d query of the chain anchored at a sees the depth-0 keys <= a and the keys of depths
+1..d of its own chain. That is exactly what the slot sees when decoding (the committed context, then the earlier
+slots of the same step).
+
+Training data per row (SpecForge's "COD" sampling, nested): depth 0 trains every position; depth d trains the chains
+of the first n_d anchors of one random ranking of the row's anchors, n_d = ceil(max(r^d, r_min) x candidates), so a
+chain sampled at depth d is sampled at every depth below it (its earlier slots exist as keys). The deeper depths'
+smaller share of the rows is the position weighting SpecForge and speculators train with; ``loss_decay`` ** d
+multiplies depth d's term on top (1: none). The divergence is the configured ``loss=`` (EAGLE-3's KL-family menu)
+against the target's distribution, through the chunked loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distill.teacher_output import TeacherOutput
+from heads.base import DraftOutput, ForkedRows, TargetDims
+from heads.eagle import DraftLayer, EagleDrafter, RMSNorm
+from heads.peagle_static import PEagleStaticDraft
+from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.tree import DraftTree
+
+
+class PEagleDrafter(EagleDrafter):
+    name = "peagle"
+    decode_keys = ("depth",)
+
+    def __init__(self, dims: TargetDims | Mapping[str, int], layers: Sequence[int] | None = None,
+                 num_heads: int | None = None, intermediate_size: int | None = None, rope_theta: float = 10000.0,
+                 num_depths: int = 8, down_sample_ratio: float = 0.7, down_sample_ratio_min: float = 0.2,
+                 loss_decay: float = 1.0, kl_weight: float = 1.0, draft_vocab_size: int | None = None,
+                 mask_token_id: int | None = None, depth: int | None = None, num_layers: int = 1):
+        super().__init__(dims, variant="eagle3", layers=layers, num_heads=num_heads,
+                         intermediate_size=intermediate_size, rope_theta=rope_theta, ttt_steps=1,
+                         loss_decay=loss_decay, kl_weight=kl_weight, draft_vocab_size=draft_vocab_size, tree="chain")
+        self.name = "peagle"
+        V = self.dims.vocab_size
+        if num_depths < 1:
+            raise ValueError(f"drafter.num_depths={num_depths} must be >= 1 (draft positions predicted per forward)")
+        if not 0 < down_sample_ratio <= 1 or not 0 < down_sample_ratio_min <= 1:
+            raise ValueError(f"drafter.down_sample_ratio={down_sample_ratio} and drafter.down_sample_ratio_min="
+                             f"{down_sample_ratio_min} must be in (0, 1] (depth d trains max(r^d, r_min) of the "
+                             f"anchors)")
+        mask_token_id = V - 1 if mask_token_id is None else mask_token_id
+        if not 0 <= mask_token_id < V:
+            raise ValueError(f"drafter.mask_token_id={mask_token_id} is outside the target's vocabulary 0..{V - 1}")
+        if depth is not None and not 1 <= depth <= num_depths:
+            raise ValueError(f"drafter.depth={depth} must be in 1..num_depths={num_depths} (or null)")
+        self.num_depths, self.mask_token_id = num_depths, mask_token_id
+        self.down_sample_ratio, self.down_sample_ratio_min = down_sample_ratio, down_sample_ratio_min
+        self.depth = depth
+        if num_layers < 1:
+            raise ValueError(f"drafter.num_layers={num_layers} must be >= 1 (EAGLE-3's layer, then plain ones)")
+        layer = self.layer
+        # Layers after EAGLE-3's (SpecForge's P-EAGLE stacks plain Llama layers on it), built separately.
+        self.upper = nn.ModuleList([UpperLayer(self.dims.hidden_size, layer.num_heads, layer.gate_proj.out_features,
+                                               layer.theta) for _ in range(num_layers - 1)])
+        # The placeholder for the target features at depths >= 1, in fc's input space ([F*D], as the engines load it).
+        self.mask_hidden = nn.Parameter(torch.randn(self.fc.in_features))
+
+    def saved_config(self, drafter_cfg: Mapping[str, Any]) -> dict:
+        node = super().saved_config(drafter_cfg)
+        node["mask_token_id"] = self.mask_token_id  # resolved, so a load never re-derives them
+        node["draft_vocab_size"] = self.draft_vocab_size
+        node["num_layers"] = 1 + len(self.upper)
+        return node
+
+    def set_tree(self, spec) -> None:
+        if spec is not None and spec != "chain":
+            raise ValueError(f"decoder.tree={spec!r}: drafter {self.name!r} drafts a chain (all depths in one "
+                             f"forward); set decoder.tree=null")
+        self.tree_mode = "chain"
+
+    @property
+    def dense_teacher_logits(self) -> bool:
+        """Depths > 0 re-read teacher rows that depth 0 reads: keep them dense over a full vocabulary, as EAGLE-3's
+        training-time test does; a reduced vocabulary reads its slice."""
+        return self.draft_vocab_size == self.dims.vocab_size and self.num_depths > 1
+
+    # --- training ------------------------------------------------------------------------------------------
+    def depth_counts(self, candidates: int) -> list[int]:
+        """Chains trained at depths 1..K-1 out of ``candidates`` anchors: non-increasing, so the sets nest."""
+        ratios = [max(self.down_sample_ratio ** d, self.down_sample_ratio_min) for d in range(1, self.num_depths)]
+        return [min(candidates, math.ceil(r * candidates)) for r in ratios]
+
+    def _rank_anchors(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, list[int]]:
+        """(anchors [B, n_1], drawn [B, n_1], [n_1, ..., n_{K-1}]): each row's anchors (positions whose depth-1 slot
+        is trainable) in one random order; depth d trains the first n_d of them."""
+        cand = self.train_mask(batch, 1)
+        C = int(cand.sum(1).max()) if cand.numel() else 0
+        counts = self.depth_counts(C)
+        if not counts or counts[0] == 0:
+            empty = cand.new_zeros((cand.shape[0], 0), dtype=torch.long)
+            return empty, empty.bool(), [0] * len(counts)
+        score = torch.rand(cand.shape, device=cand.device).masked_fill(~cand, -1.0)
+        top, idx = score.topk(counts[0], dim=1)
+        return idx, top >= 0, counts
+
+    def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
+        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+        B, T = ids.shape
+        if T < 3:
+            raise ValueError(f"data.max_length={T} is too short for {self.name}; it needs at least 3 tokens per row")
+        feats = torch.cat([teacher_out.hidden[i] for i in self.teacher_layers], -1)
+        dtype = self.fc.weight.dtype if not torch.is_autocast_enabled(feats.device.type) else feats.dtype
+        feats = feats.to(dtype)
+        anchors, drawn, counts = self._rank_anchors(batch)
+        dev = ids.device
+        # queries: [depth 0 at every position | depth 1 chains | depth 2 chains | ...]
+        hid0 = self._first_hidden(feats)
+        emb0 = self._embed(torch.roll(ids, -1, dims=1), hid0)
+        slots = sum(counts)
+        hid_m = self.fc(self.mask_hidden.to(dtype)).expand(B, slots, -1)
+        emb_m = self._embed(torch.full((B, slots), self.mask_token_id, dtype=torch.long, device=dev), hid0)
+        x, residual = self._layer_input(torch.cat([emb0, emb_m], 1), torch.cat([hid0, hid_m], 1))
+        slot_anchor = torch.cat([anchors[:, :n] for n in counts], 1) if slots else anchors[:, :0]  # [B, slots]
+        slot_depth = torch.cat([torch.full((n,), d + 1, device=dev) for d, n in enumerate(counts)]) if slots \
+            else torch.zeros(0, dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(T, device=dev).expand(B, T), slot_anchor + slot_depth], 1)
+        q, k, v = self.layer.qkv(x, pos)
+        mask = parallel_mask(attn, anchors, counts)
+        out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
+        for upper in self.upper:
+            q, k, v = upper.qkv(out, pos)
+            out = upper.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), out)
+        terms = [self._step_loss(out[:, :T], teacher_out, feats, self.train_mask(batch, 0), 0)[0]]
+        start = T
+        for d, n in enumerate(counts, start=1):
+            rows = drawn[:, :n]
+            b_N, i_N = rows.nonzero(as_tuple=True)
+            a_N = anchors[b_N, i_N]
+            chosen = torch.zeros(B, T, dtype=torch.bool, device=dev)
+            chosen[b_N, a_N] = True
+            mask_BT = chosen & self.train_mask(batch, d)
+            if not mask_BT.any():
+                break
+            # the chains' outputs at their anchors' positions (anchors of a row are distinct): EAGLE-3's step loss
+            out_BTD = out.new_zeros(B, T, out.shape[-1]).index_put((b_N, a_N), out[b_N, start + i_N])
+            terms.append(self._step_loss(out_BTD, teacher_out, feats, mask_BT, d)[0])
+            start += n
+        return DraftOutput(terms=terms, num_valid=self.count_valid(batch)).evaluate(loss_fn)
+
+    # --- decoding ------------------------------------------------------------------------------------------
+    def reset(self, seed: int = 0) -> None:
+        super().reset(seed)
+        self._upper_kv: list[tuple[Tensor, Tensor]] = []  # per upper layer: the context pairs' keys / values
+        self._seed = seed
+        self._generator: torch.Generator | None = None
+
+    def rows(self, seeds: list[int]):
+        """A batch drafts row by row (``heads.base.ForkedRows``), each row's chain in one forward."""
+        return ForkedRows(self, seeds)
+
+    def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
+        """The catch-up and the whole chain as one capture-safe step (``heads.peagle_static``), drafting ``depth``
+        tokens, at most as many as the committed buffers allow (their rows - 1) and ``num_depths``, as ``propose``
+        clips to its ``max_depth``."""
+        rows = committed.ids_M.shape[0]
+        depth = min(self.depth or self.num_depths, rows - 1, self.num_depths)
+        # keyed by the weights' dtype too: its buffers are allocated in it (eval times each candidate dtype)
+        return self.reuse_static_draft((depth, self.fc.weight.dtype), committed, capacity, sampling, generator,
+                                       lambda: PEagleStaticDraft(self, committed, capacity, depth, sampling,
+                                                                 generator))
+
+    def _sampler(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generator
+
+    @torch.no_grad()
+    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
+        depth = min(self.depth or self.num_depths, max_depth, self.num_depths)
+        if depth < 1:
+            return DraftTree.empty(tokens.device)
+        logits = self.chain_logits(tokens[0], depth)  # [depth, V]
+        if sampling.greedy:
+            return DraftTree.chain(logits.argmax(-1).to(tokens.device))
+        probs = warp(logits, sampling)
+        drafts = sample(probs, self._sampler(probs.device))
+        return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
+
+    def chain_logits(self, seq: Tensor, depth: int) -> Tensor:
+        """[depth, V]: the target-vocabulary logits (-inf outside the draft vocabulary) of the ``depth`` tokens after
+        ``seq`` ([n]): the context pairs not processed yet and the depth-1..depth-1 slots in one layer forward."""
+        out = self._draft(seq.to(self.fc.weight.device), depth)
+        draft = self._logits(out)  # [depth, Vd]
+        if self.draft_vocab_size == self.dims.vocab_size:
+            return draft
+        full = draft.new_full((depth, self.dims.vocab_size), float("-inf"))
+        return full.index_copy(1, self.d2t, draft)
+
+    def _draft(self, seq: Tensor, depth: int) -> Tensor:
+        """[depth, D]: the root's output (the last context pair: depth 0) and the ``depth`` - 1 slots' outputs.
+        The context pairs' keys are cached (as EAGLE-3's ``_advance``); the slots' are not (they change per step)."""
+        need = seq.shape[0] - 1
+        if self._num_feats < need:
+            raise RuntimeError(f"{self.name}.propose needs target features for {need} tokens, observed "
+                               f"{self._num_feats}; the decoder must observe() the prefill and every step")
+        processed = 0 if self._ctx_ids is None else self._ctx_ids.shape[0]
+        keep = processed if self._extends and processed <= need else self._common_prefix(seq[1: need + 1])
+        self._extends = False
+        new, S = need - keep, depth - 1
+        if new == 0 and S == 0:
+            return self._ctx_out[need - 1][None]
+        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
+        hid = [self._first_hidden(self._feats[keep:need].to(dev, dtype)[None])] if new else []
+        emb = [self._embed(seq[keep + 1: need + 1][None], hid[0])] if new else []
+        hid.append(self.fc(self.mask_hidden.to(dtype)).expand(1, S, -1))
+        emb.append(self._embed(torch.full((1, S), self.mask_token_id, dtype=torch.long, device=dev), hid[-1]))
+        x, residual = self._layer_input(torch.cat(emb, 1), torch.cat(hid, 1))
+        q, k, v = self.layer.qkv(x, torch.arange(keep, need + S, device=dev))  # slot d sits at position need - 1 + d
+        if self._ctx_kv is not None and keep:
+            k = torch.cat([self._ctx_kv[0][:, :, :keep], k], 2)
+            v = torch.cat([self._ctx_kv[1][:, :, :keep], v], 2)
+        rows = torch.arange(keep, need + S, device=dev)[:, None]
+        cols = torch.arange(need + S, device=dev)[None, :]
+        # a pair sees the pairs <= itself; a slot every pair and the slots <= itself (the same causal rule)
+        mask = (cols <= rows)[None, None]
+        out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
+        upper_kv = []
+        pos = torch.arange(keep, need + S, device=dev)
+        for i, upper in enumerate(self.upper):
+            uq, uk, uv = upper.qkv(out, pos)
+            if keep:
+                uk = torch.cat([self._upper_kv[i][0][:, :, :keep], uk], 2)
+                uv = torch.cat([self._upper_kv[i][1][:, :, :keep], uv], 2)
+            upper_kv.append((uk[:, :, :need], uv[:, :, :need]))
+            out = upper.finish(F.scaled_dot_product_attention(uq, uk, uv, attn_mask=mask), out)
+        out = out[0]
+        if new:
+            self._ctx_kv = (k[:, :, :need], v[:, :, :need])
+            self._upper_kv = upper_kv
+            self._ctx_ids = seq[1: need + 1].clone()
+            prev = self._ctx_out[:keep] if self._ctx_out is not None else out[:0]
+            self._ctx_out = torch.cat([prev, out[:new]])  # the last layer's outputs (the root's is drafted from)
+        return torch.cat([self._ctx_out[need - 1][None], out[new:]])
+
+    def _common_prefix(self, ids: Tensor) -> int:
+        keep = super()._common_prefix(ids)
+        self._upper_kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._upper_kv]
+        return keep
+
+
+class UpperLayer(nn.Module):
+    """A plain Llama decoder layer stacked on EAGLE-3's: input norm, then ``heads.eagle.DraftLayer``'s attention
+    (the caller's mask) and MLP, residual around both."""
+
+    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, theta: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps=1e-6)
+        self.layer = DraftLayer(hidden_size, hidden_size, num_heads, intermediate_size, theta)
+
+    def qkv(self, h_BTD: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.layer.qkv(self.input_layernorm(h_BTD), positions)
+
+    def qkv_rotated(self, h_BTD: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.layer.qkv_rotated(self.input_layernorm(h_BTD), cos, sin)
+
+    def finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
+        return self.layer.finish(attn_BhTd, residual_BTD)
+
+
+def parallel_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: list[int]) -> Tensor:
+    """[B, 1, Q, Q] bool over the queries [depth 0 at 0..T-1 | depth 1's n_1 chains | depth 2's n_2 | ...] (chain i
+    of every depth is anchored at ``anchors_BN[:, i]``): depth 0 is causal over real tokens (a query always sees
+    itself); a depth-d query of chain i sees the depth-0 keys <= its anchor that are real tokens and the depth 1..d
+    keys of chain i."""
+    B, T = attn_BT.shape
+    dev = attn_BT.device
+    slots = sum(counts)
+    Q = T + slots
+    t = torch.arange(T, device=dev)
+    mask = torch.zeros(B, Q, Q, dtype=torch.bool, device=dev)
+    mask[:, :T, :T] = (t[None, :] <= t[:, None])[None] & (attn_BT[:, None, :] | torch.eye(T, dtype=torch.bool,
+                                                                                          device=dev))
+    if not slots:
+        return mask[:, None]
+    chain = torch.cat([torch.arange(n, device=dev) for n in counts])  # [slots]
+    depth = torch.cat([torch.full((n,), d, device=dev) for d, n in enumerate(counts, start=1)])
+    anchor = anchors_BN[:, chain]  # [B, slots]
+    mask[:, T:, :T] = (t[None, None, :] <= anchor[..., None]) & attn_BT[:, None, :]
+    same = (chain[:, None] == chain[None, :]) & (depth[None, :] <= depth[:, None])
+    mask[:, T:, T:] = same[None]
+    return mask[:, None]
