@@ -132,6 +132,31 @@ def test_save_load_round_trip(teacher, trained, tmp_path):
     assert Decoder(teacher).speculative(loaded, p[None], 16, 5).new_tokens == trained[3][1][:16]
 
 
+def test_draft_vocabulary_keeps_frequent_ids_decodes_losslessly_and_round_trips(teacher, trained, tmp_path):
+    """``draft_vocab_size``: ``prepare`` keeps the training data's most frequent ids, decoding drafts only those
+    (greedy output still the target's own), the ids survive save / load, and the vLLM export leaves them out."""
+    import types
+
+    drafter, _, prompts, refs = trained
+    small = build_drafter({**DFLASH_NODE, "draft_vocab_size": 16}, teacher)
+    small.bind_target(teacher, initialize=False)
+    small.load_state_dict({**drafter.state_dict(), "d2t": small.d2t})
+    _, _, batch = _greedy_batch(teacher)
+    small.prepare(types.SimpleNamespace(**batch))
+    counts = torch.bincount(batch["input_ids"][batch["attention_mask"].bool()], minlength=128)
+    assert counts[small.d2t].sum() == counts.sort(descending=True).values[:16].sum()
+    small.eval()
+    gens = [Decoder(teacher).speculative(small, p[None], 24, 5) for p in prompts]
+    assert [g.new_tokens for g in gens] == refs
+    small.reset()
+    small.observe(teacher(prompts[0][None], None, small.teacher_layers).hidden)
+    assert set(small.propose(prompts[0][None], 5).tokens.tolist()) <= set(small.d2t.tolist())
+    loaded = load_drafter(save(small, tmp_path, "dflash", teacher), teacher)
+    assert loaded.draft_vocab_size == 16 and torch.equal(loaded.d2t, small.d2t)
+    with pytest.raises(ValueError, match="drafter.draft_vocab_size=0"):
+        DFlashDrafter(DIMS, block_size=6, draft_vocab_size=0)
+
+
 def test_anchor_draws_are_bounded_and_counted(teacher):
     drafter = dflash(teacher, num_anchors=3, objective="distill")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
@@ -273,15 +298,18 @@ def test_bad_config_names_the_key(key, value, match):
 
 # --- the static (capture-safe) draft step ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompt_len,window", [(5, None), (11, None), (11, 8)])
-def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, window):
+@pytest.mark.parametrize("prompt_len,window,vocab", [(5, None, None), (11, None, None), (11, 8, None),
+                                                      (11, None, 24)])
+def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, window, vocab):
     """Played through the step decoder's stand-in with a varying accepted length per step: every static draft
     equals the eager ``propose`` on the same context (greedy), and the sampled step's distributions are the eager
-    logits' (its draws lie in their support)."""
+    logits' (its draws lie in their support). With a draft vocabulary, both draft only its ids."""
     from inference.sampling import GREEDY, SamplingConfig, warp
     from tests.static_harness import Replay, committed_for, counts
 
-    drafter = dflash(teacher, sliding_window=window)
+    drafter = dflash(teacher, sliding_window=window, draft_vocab_size=vocab)
+    if vocab:
+        drafter.d2t.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(5))[:vocab].sort().values)
     M = 4
     for sampling in (GREEDY, SamplingConfig(temperature=0.8, top_k=20)):
         committed = committed_for(drafter, M)
@@ -298,6 +326,8 @@ def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, window):
                 drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
             static.draft()
             eager = drafter.propose(replay.context(), M - 1, GREEDY)
+            if vocab:
+                assert set(static.buffers.tokens_T.tolist()) <= set(drafter.d2t.tolist())
             if sampling.greedy:
                 assert static.buffers.tokens_T.tolist() == eager.tokens.tolist(), (step, count)
                 continue
