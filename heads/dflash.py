@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from distill.chunked import Frozen, LabelRows, TeacherRows, cross_entropy_sum
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
+from heads.dflash_rows import DFlashRows
 from heads.dflash_static import DFlashStaticDraft
 from heads.eagle import RMSNorm, _rope, _rope_tables, vocab_maps
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
@@ -461,6 +462,10 @@ class DFlashDrafter(Drafter):
         for layer, (ck, cv) in zip(self.layers, keys):
             h = layer(h, pos, ck, cv, mask)
         return self.draft_logits(self.norm(h[0]))
+
+    def rows(self, seeds: list[int]):
+        """A batch of sequences drafted in one forward per step (``heads.dflash_rows``)."""
+        return DFlashRows(self, seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole block as one capture-safe step (``heads.dflash_static``), drafting ``depth``

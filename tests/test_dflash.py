@@ -1,5 +1,6 @@
-"""DFlash: training blocks equal decoding blocks, training reduces the loss, greedy identity (batch 1 and B), the
-sampled output distribution, save/load, anchor draws and config errors."""
+"""DFlash: training blocks equal decoding blocks, training reduces the loss, greedy identity (batch 1 and B), batched
+drafting equal to per-row drafting, the draft vocabulary, the sampled output distribution, save/load, anchor draws and
+config errors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import build_drafter
 from heads.dflash import DFlashDrafter, block_mask, default_feature_layers
+from heads.dflash_rows import DFlashRows
 from heads.saved import load_drafter
 from inference.batched import BatchedDecoder
 from inference.decoder import Decoder, DecoderConfig
@@ -118,6 +120,39 @@ def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
     result = BatchedDecoder(teacher).speculative(drafter, prompts, 24, 5)
     assert [g.new_tokens for g in result.generations] == refs
     assert result.stats.forwards < len(prompts) * 24
+
+
+@pytest.mark.parametrize("window,vocab", [(None, None), (7, 24)])
+def test_batched_rows_draft_what_each_row_drafts_alone(teacher, window, vocab):
+    """``rows``: every row's block in one forward, over ragged contexts and draft depths, proposes exactly what the
+    eager ``propose`` of that row alone does, step after step, rows leaving the batch included."""
+    drafter = dflash(teacher, sliding_window=window, draft_vocab_size=vocab).eval()
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (4, 9, 15, 6)]
+    rows = drafter.rows([0, 1, 2, 3])
+    assert isinstance(rows, DFlashRows)  # not the row-by-row default
+    seen = [0] * len(seqs)
+    for step, grow in enumerate([0, 3, 1, 5]):
+        if step == 2:  # row 1 leaves the batch
+            rows.keep([0, 2, 3])
+            seqs, seen = [seqs[0], seqs[2], seqs[3]], [seen[0], seen[2], seen[3]]
+        seqs = [torch.cat([s, torch.randint(0, 128, (1, grow + b % 2), generator=g)], 1) for b, s in enumerate(seqs)]
+        for b, s in enumerate(seqs):
+            rows.observe(b, _hidden_slice(teacher, drafter, s, seen[b]))
+            seen[b] = s.shape[1] - 1
+        depths = [5, 2, 0, 5][: len(seqs)]
+        trees = rows.propose(seqs, depths, [SamplingConfig()] * len(seqs))
+        for s, tree, depth in zip(seqs, trees, depths):
+            drafter.reset()
+            drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
+            want = drafter.propose(s, depth).tokens.tolist() if depth else []
+            assert tree.tokens.tolist() == want, (step, depth)
+
+
+def _hidden_slice(teacher, drafter, seq, start):
+    """The target's hidden states of ``seq``'s positions ``start`` .. n - 2 (run over the whole prefix)."""
+    full = teacher(seq[:, :-1], None, drafter.teacher_layers).hidden
+    return {i: h[:, start:] for i, h in full.items()}
 
 
 def test_save_load_round_trip(teacher, trained, tmp_path):
