@@ -73,6 +73,18 @@ def default_feature_layers(num_target_layers: int, num_draft_layers: int) -> tup
     return tuple(sorted({int(round(1 + i * (top - 1) / (n - 1))) for i in range(n)}))
 
 
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """The id whose embedding fills the masked slots, as the anchors pick it: the tokenizer's own mask token; else a
+    dedicated id no text produces: the first id past the tokenizer's tokens (where SpecForge adds ``<|MASK|>`` to a
+    tokenizer without a mask token; for Qwen3, 151669, an embedding row the target pads); else, on a vocabulary the
+    tokenizer fills (the toy's), the last id."""
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if isinstance(mask, int) and 0 <= mask < vocab_size:
+        return mask
+    size = len(tokenizer) if tokenizer is not None else vocab_size
+    return size if size < vocab_size else vocab_size - 1
+
+
 def default_loss_gamma(block_size: int) -> float:
     return GAMMA_BY_BLOCK.get(block_size, max(1.0, (block_size - 1) / 2))
 
@@ -208,6 +220,7 @@ class DFlashDrafter(Drafter):
                              f"cross-entropy on the target's tokens; distill: the configured loss=)")
         if num_anchors < 1:
             raise ValueError(f"drafter.num_anchors={num_anchors} must be >= 1 (blocks trained per row)")
+        self._mask_given = mask_token_id is not None  # null: resolved from the target's tokenizer when bound
         mask_token_id = V - 1 if mask_token_id is None else mask_token_id
         if not 0 <= mask_token_id < V:
             raise ValueError(f"drafter.mask_token_id={mask_token_id} is outside the target's vocabulary 0..{V - 1}")
@@ -251,6 +264,8 @@ class DFlashDrafter(Drafter):
     def bind_target(self, teacher, initialize: bool) -> None:
         for i in self.teacher_layers:
             teacher.resolve_layer(i)
+        if not self._mask_given:
+            self.mask_token_id = default_mask_token_id(teacher.tokenizer, self.dims.vocab_size)
         self._frozen = {"embed": teacher.input_embedding, "lm_head": teacher.output_logits}
         if initialize:
             gain = teacher.final_norm_gain  # start the output norm where the target's ends

@@ -5,6 +5,7 @@ config errors."""
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -169,9 +170,7 @@ def test_save_load_round_trip(teacher, trained, tmp_path):
 
 def test_draft_vocabulary_keeps_frequent_ids_decodes_losslessly_and_round_trips(teacher, trained, tmp_path):
     """``draft_vocab_size``: ``prepare`` keeps the training data's most frequent ids, decoding drafts only those
-    (greedy output still the target's own), the ids survive save / load, and the vLLM export leaves them out."""
-    import types
-
+    (greedy output still the target's own), and the ids survive save / load."""
     drafter, _, prompts, refs = trained
     small = build_drafter({**DFLASH_NODE, "draft_vocab_size": 16}, teacher)
     small.bind_target(teacher, initialize=False)
@@ -314,6 +313,32 @@ def test_sampled_output_distribution_is_the_targets(batch):
 
 
 # --- configuration ---------------------------------------------------------------------------------------------
+
+def test_default_mask_token_is_a_dedicated_id():
+    """The anchors' choice: the tokenizer's mask token, else the first id past the tokenizer's own (an embedding row
+    no text produces: Qwen3's 151669), else the last id of a vocabulary the tokenizer fills."""
+    from heads.dflash import default_mask_token_id
+
+    class Tok:
+        def __init__(self, n, mask=None):
+            self.n, self.mask_token_id = n, mask
+
+        def __len__(self):
+            return self.n
+
+    assert default_mask_token_id(Tok(151669), 151936) == 151669
+    assert default_mask_token_id(Tok(100, mask=7), 128) == 7
+    assert default_mask_token_id(Tok(128256), 128256) == 128255
+    assert default_mask_token_id(None, 128) == 127
+    drafter = DFlashDrafter(DIMS, block_size=6)
+    drafter.bind_target(types.SimpleNamespace(tokenizer=Tok(100), resolve_layer=lambda i: i, input_embedding=None,
+                                              output_logits=None, final_norm_gain=None), initialize=False)
+    assert drafter.mask_token_id == 100 and drafter.saved_config({})["mask_token_id"] == 100
+    pinned = DFlashDrafter(DIMS, block_size=6, mask_token_id=5)  # a configured id is kept
+    pinned.bind_target(types.SimpleNamespace(tokenizer=Tok(100), resolve_layer=lambda i: i, input_embedding=None,
+                                             output_logits=None, final_norm_gain=None), initialize=False)
+    assert pinned.mask_token_id == 5
+
 
 def test_default_layers_follow_the_anchors_spread():
     assert default_feature_layers(36, 5) == (2, 10, 18, 26, 34)  # 0-based target_layer_ids 1, 9, 17, 25, 33
