@@ -260,11 +260,13 @@ SOURCES: dict[str, Source] = {
         "thread on a shared machine."),
     "bench_recipe_dflash_toy_cpu.json": Source(
         "DFlash against EAGLE-1 at equal training CPU time (CPU toy)",
-        "python scripts/bench_recipe.py --rows eagle1 dflash_eqcpu --seeds 0 --out "
-        "scripts/results/bench_recipe_dflash_toy_cpu.json", render_recipe,
+        "python scripts/bench_recipe.py --rows eagle1 dflash_eqcpu eagle1_regen0_top1ce_kl1 dflash_regen0_eqcpu "
+        "--seeds 0 --out scripts/results/bench_recipe_dflash_toy_cpu.json", render_recipe,
         "DFlash: `experiment=dflash_toy`'s drafter (blocks of 8, 32 anchors per row) for as many training steps as "
         "fit EAGLE-1's CPU seconds; `chain` drafts 4 tokens (EAGLE's chain budget), `block` the whole block (7). "
-        "`regen0` = trained on the target's greedy answers. CPU s is the training process's, one thread."),
+        "`regen0` = trained on the target's greedy answers (the DFlash recipe's, 1,400 prompts). EAGLE-1's 16-node "
+        "column repeats its chain (a step-decoder cache; docs/dflash.md) and is void. CPU s is the training "
+        "process's, one thread."),
     "bench_recipe_toy_gpu.json": Source(
         "EAGLE-3 recipes, trained and decoded on a GPU (τ only)",
         "python scripts/bench_recipe.py --device cuda --rows ROW --seeds SEED", render_recipe,
