@@ -115,10 +115,11 @@ def build_decoder(teacher, dcfg: DecoderConfig) -> Decoder:
 
 def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence[int]], eval_cfg: EvalConfig,
              decoder_cfg: DecoderConfig | None = None, categories: Sequence[str | None] | None = None,
-             tree_override: Sequence[str] = ()) -> dict:
+             tree_override: Sequence[str] = (), num_draft: Mapping[str, int] | None = None) -> dict:
     """Decode every prompt plainly and with each drafter, back to back; return the report (a JSON-able dict).
 
-    ``tree_override``: names of drafters that take ``decoder.tree`` (the ones under test, not the baselines)."""
+    ``tree_override``: names of drafters that take ``decoder.tree`` (the ones under test, not the baselines);
+    ``num_draft``: a draft length per drafter name instead of ``eval.num_draft`` (a block drafter's whole block)."""
     if not prompts:
         raise ValueError("no evaluation prompts; check eval.prompts / eval.num_prompts")
     dcfg = decoder_cfg or DecoderConfig()
@@ -131,14 +132,18 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
     as_tensor = [torch.tensor([list(p)], dtype=torch.long) for p in prompts]
     policy = eval_cfg.drafter_dtype
     dtype = proposal_dtype(policy, teacher.device)
-    dtypes = {name: _cast(decoder, d, dtype, policy == "auto", as_tensor[0], k) for name, d in drafters.items()}
+    depth = {name: (num_draft or {}).get(name, k) for name in drafters}
+    bad = {name: d for name, d in depth.items() if d < 1}
+    if bad:
+        raise ValueError(f"num_draft must be >= 1 per drafter, got {bad}")
+    dtypes = {name: _cast(decoder, d, dtype, policy == "auto", as_tensor[0], depth[name])
+              for name, d in drafters.items()}
     categories = list(categories) if categories is not None else [None] * len(prompts)
-    depth = {name: k for name in drafters}
     tuning = {}
     if dcfg.auto_tune:
         calibration = as_tensor[: max(1, min(4, len(as_tensor)))]
         for name, drafter in drafters.items():
-            tuning[name] = auto_tune(decoder, drafter, calibration, max_new, k)
+            tuning[name] = auto_tune(decoder, drafter, calibration, max_new, depth[name])
             depth[name] = tuning[name]["chosen"]["num_draft"]
             log.info("auto_tune %s: %s", name, tuning[name]["chosen"])
     hf = _hf_baselines(teacher, drafters, eval_cfg, decoder)

@@ -14,6 +14,8 @@ feature layers, L draft layers, S block size, N anchors per row, h query heads, 
              k  = k_norm(k_proj([c ; x])), v = v_proj([c ; x])      keys: context positions < a, then the block
              h  = h + o_proj(attn(q, k, v));  h = h + mlp(post_attention_layernorm(h))
     out_SD = norm(h) -> the target's frozen lm_head -> logits_SV; slots 1 .. S-1 are the drafts.
+    With ``draft_vocab_size`` = Vd, decoding reads only the lm_head rows of the Vd target ids most frequent in the
+    training data (``d2t`` [Vd]); the other ids get -inf (training is unchanged: the whole vocabulary).
 The context keys of a layer depend on the fused target features alone (never on the layer's input), so decoding
 caches them once per committed position, as the anchors' engines do.
 
@@ -30,6 +32,7 @@ match); ``objective: distill``: the configured divergence (``loss=``) against th
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,10 +45,13 @@ from torch import Tensor, nn
 from distill.chunked import Frozen, LabelRows, TeacherRows, cross_entropy_sum
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
+from heads.dflash_rows import DFlashRows
 from heads.dflash_static import DFlashStaticDraft
-from heads.eagle import RMSNorm, _rope, _rope_tables
+from heads.eagle import RMSNorm, _rope, _rope_tables, vocab_maps
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 OBJECTIVES = ("ce", "distill")
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # the anchors' loss decay per block size
@@ -65,6 +71,18 @@ def default_feature_layers(num_target_layers: int, num_draft_layers: int) -> tup
     if n == 1:
         return (max(1, top // 2 + top % 2),)
     return tuple(sorted({int(round(1 + i * (top - 1) / (n - 1))) for i in range(n)}))
+
+
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """The id whose embedding fills the masked slots, as the anchors pick it: the tokenizer's own mask token; else a
+    dedicated id no text produces: the first id past the tokenizer's tokens (where SpecForge adds ``<|MASK|>`` to a
+    tokenizer without a mask token; for Qwen3, 151669, an embedding row the target pads); else, on a vocabulary the
+    tokenizer fills (the toy's), the last id."""
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if isinstance(mask, int) and 0 <= mask < vocab_size:
+        return mask
+    size = len(tokenizer) if tokenizer is not None else vocab_size
+    return size if size < vocab_size else vocab_size - 1
 
 
 def default_loss_gamma(block_size: int) -> float:
@@ -87,25 +105,43 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def keys(self, x_BND: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """(k, v) [B, g, N, hd] of ``x`` at positions ``pos`` ([N] or [B, N]), rotated."""
+    def keys(self, x_BND: Tensor, pos: Tensor, tables: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """(k, v) [B, g, N, hd] of ``x`` at positions ``pos`` ([N] or [B, N]), rotated (``tables``: the rotary
+        tables of ``pos`` when the caller has them already)."""
         B, N, _ = x_BND.shape
         k = self.k_norm(self.k_proj(x_BND).view(B, N, self.g, self.hd)).transpose(1, 2)
         v = self.v_proj(x_BND).view(B, N, self.g, self.hd).transpose(1, 2)
-        cos, sin = _rope_tables(pos, self.hd, self.theta, k.dtype, k.device)
+        cos, sin = tables or _rope_tables(pos, self.hd, self.theta, k.dtype, k.device)
         return _rope(k, cos, sin), v
 
-    def forward(self, x_BSD: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
+    def _queries(self, x_BSD: Tensor, pos: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         B, S, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(B, S, self.h, self.hd)).transpose(1, 2)
-        cos, sin = _rope_tables(pos, self.hd, self.theta, q.dtype, q.device)
-        q = _rope(q, cos, sin)
-        k, v = self.keys(x_BSD, pos)
-        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
+        tables = _rope_tables(pos, self.hd, self.theta, q.dtype, q.device)  # shared by the block's keys
+        return _rope(q, *tables), tables
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        B, _, S, _ = q.shape
         if self.g != self.h:
             k, v = k.repeat_interleave(self.h // self.g, 1), v.repeat_interleave(self.h // self.g, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+    def forward(self, x_BSD: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
+        q, tables = self._queries(x_BSD, pos)
+        k, v = self.keys(x_BSD, pos, tables)
+        return self._attend(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), mask)
+
+    def forward_in_place(self, x_BSD: Tensor, pos: Tensor, k_buf: Tensor, v_buf: Tensor, cols: Tensor,
+                         mask: Tensor) -> Tensor:
+        """``forward`` for a decoder's key / value buffers [B, g, C, hd]: the block's keys are written into them at
+        columns ``cols`` [S] (beside the cached context) and attention runs over the whole buffers under ``mask``,
+        instead of concatenating a copy of the context with the block every call."""
+        q, tables = self._queries(x_BSD, pos)
+        k, v = self.keys(x_BSD, pos, tables)
+        k_buf.index_copy_(2, cols, k.to(k_buf.dtype))
+        v_buf.index_copy_(2, cols, v.to(v_buf.dtype))
+        return self._attend(q, k_buf.to(q.dtype), v_buf.to(q.dtype), mask)
 
 
 class DFlashMLP(nn.Module):
@@ -135,6 +171,12 @@ class DFlashLayer(nn.Module):
         h = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos, ctx_k, ctx_v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_in_place(self, h_BSD: Tensor, pos: Tensor, k_buf: Tensor, v_buf: Tensor, cols: Tensor,
+                         mask: Tensor) -> Tensor:
+        """``forward`` over a decoder's key / value buffers (``DFlashAttention.forward_in_place``)."""
+        h = h_BSD + self.self_attn.forward_in_place(self.input_layernorm(h_BSD), pos, k_buf, v_buf, cols, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 @dataclass
 class TargetTokens(LabelRows):
@@ -161,7 +203,8 @@ class DFlashDrafter(Drafter):
                  layers: Sequence[int] | None = None, num_heads: int | None = None, num_kv_heads: int | None = None,
                  intermediate_size: int | None = None, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
                  mask_token_id: int | None = None, num_anchors: int = 512, loss_gamma: float | None = None,
-                 objective: str = "ce", depth: int | None = None, sliding_window: int | None = None):
+                 objective: str = "ce", depth: int | None = None, sliding_window: int | None = None,
+                 draft_vocab_size: int | None = None):
         super().__init__(dims)
         D, V, L = self.dims.hidden_size, self.dims.vocab_size, self.dims.num_layers
         if block_size < 2:
@@ -180,6 +223,7 @@ class DFlashDrafter(Drafter):
                              f"cross-entropy on the target's tokens; distill: the configured loss=)")
         if num_anchors < 1:
             raise ValueError(f"drafter.num_anchors={num_anchors} must be >= 1 (blocks trained per row)")
+        self._mask_given = mask_token_id is not None  # null: resolved from the target's tokenizer when bound
         mask_token_id = V - 1 if mask_token_id is None else mask_token_id
         if not 0 <= mask_token_id < V:
             raise ValueError(f"drafter.mask_token_id={mask_token_id} is outside the target's vocabulary 0..{V - 1}")
@@ -205,6 +249,17 @@ class DFlashDrafter(Drafter):
         self.layers = nn.ModuleList([DFlashLayer(D, heads, kv, D // heads, inter, rms_norm_eps, rope_theta)
                                      for _ in range(num_layers)])  # built separately: no shared weights
         self.norm = RMSNorm(D, rms_norm_eps)
+        if draft_vocab_size is not None and draft_vocab_size < 1:
+            raise ValueError(f"drafter.draft_vocab_size={draft_vocab_size} must be >= 1 or null (draft over every id)")
+        if draft_vocab_size is not None and draft_vocab_size >= V:
+            if draft_vocab_size > V:
+                log.warning("drafter.draft_vocab_size=%d exceeds the target's vocab_size %d: drafting over the full "
+                            "vocabulary", draft_vocab_size, V)
+            draft_vocab_size = None
+        self.draft_vocab_size = draft_vocab_size
+        if draft_vocab_size is not None:  # the drafted ids (``prepare``: the most frequent in the training data)
+            self.register_buffer("d2t", torch.arange(draft_vocab_size), persistent=True)
+        self._head_rows: tuple | None = None  # (key, the lm_head rows of d2t): built once per head / d2t
         self._frozen: dict[str, nn.Module] = {}  # the target's embedding / lm_head: used, never owned or saved
         self.reset()
 
@@ -212,6 +267,8 @@ class DFlashDrafter(Drafter):
     def bind_target(self, teacher, initialize: bool) -> None:
         for i in self.teacher_layers:
             teacher.resolve_layer(i)
+        if not self._mask_given:
+            self.mask_token_id = default_mask_token_id(teacher.tokenizer, self.dims.vocab_size)
         self._frozen = {"embed": teacher.input_embedding, "lm_head": teacher.output_logits}
         if initialize:
             gain = teacher.final_norm_gain  # start the output norm where the target's ends
@@ -224,6 +281,7 @@ class DFlashDrafter(Drafter):
         node["layers"] = list(self.teacher_layers)  # resolved defaults, so a load never re-derives them
         node["mask_token_id"] = self.mask_token_id
         node["sliding_window"] = self.sliding_window  # the attention it was trained with
+        node["draft_vocab_size"] = self.draft_vocab_size
         return node
 
     def _embed(self, ids: Tensor, like: Tensor) -> Tensor:
@@ -238,6 +296,39 @@ class DFlashDrafter(Drafter):
     def _logits(self, out_ND: Tensor) -> Tensor:
         head = self._frozen["lm_head"]
         return head(out_ND.to(head.weight.dtype)).to(out_ND.dtype)
+
+    def prepare(self, dataset) -> None:
+        """With ``draft_vocab_size``: keep the most frequent tokens of the training data as the drafted ids."""
+        if self.draft_vocab_size is None:
+            return
+        ids, mask = dataset.input_ids, dataset.loss_mask.bool() & dataset.attention_mask.bool()
+        counts = torch.bincount(ids[mask].reshape(-1), minlength=self.dims.vocab_size)[: self.dims.vocab_size]
+        d2t, _ = vocab_maps(counts, self.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        covered = counts[d2t].sum().item() / max(1, counts.sum().item())
+        log.info("dflash draft vocabulary: %d of %d ids, covering %.1f%% of the training tokens",
+                 self.draft_vocab_size, self.dims.vocab_size, 100 * covered)
+
+    def head_rows(self) -> Tensor | None:
+        """The lm_head rows of the drafted ids [Vd, D] (None: every id), cut once per head weight and ``d2t``."""
+        if self.draft_vocab_size is None:
+            return None
+        w = self._frozen["lm_head"].weight
+        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), self.d2t._version)
+        if self._head_rows is None or self._head_rows[0] != key:
+            with torch.no_grad():
+                self._head_rows = (key, w.detach().index_select(0, self.d2t.to(w.device)))
+        return self._head_rows[1]
+
+    def draft_logits(self, out_ND: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Decoding's logits [N, V] of the drafted slots: the whole lm_head, or with ``draft_vocab_size`` only its
+        ``rows`` (``head_rows()``) and -inf for every other id."""
+        if self.draft_vocab_size is None:
+            return self._logits(out_ND)
+        rows = self.head_rows() if rows is None else rows
+        sub = F.linear(out_ND.to(rows.dtype), rows).to(out_ND.dtype)  # [N, Vd]
+        full = sub.new_full((sub.shape[0], self.dims.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.d2t.to(sub.device), sub)
 
     # --- training ------------------------------------------------------------------------------------------
     def _candidates(self, batch: Mapping[str, Tensor]) -> Tensor:
@@ -387,7 +478,11 @@ class DFlashDrafter(Drafter):
             mask = torch.cat([sees, torch.ones(S, S, dtype=torch.bool, device=dev)], 1)[None, None]
         for layer, (ck, cv) in zip(self.layers, keys):
             h = layer(h, pos, ck, cv, mask)
-        return self._logits(self.norm(h[0]))
+        return self.draft_logits(self.norm(h[0]))
+
+    def rows(self, seeds: list[int]):
+        """A batch of sequences drafted in one forward per step (``heads.dflash_rows``)."""
+        return DFlashRows(self, seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole block as one capture-safe step (``heads.dflash_static``), drafting ``depth``

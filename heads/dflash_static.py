@@ -5,11 +5,12 @@ over buffers allocated once.
 Which token each output predicts: as in ``heads.dflash`` (block slot k >= 1 at position a + k predicts token a + k;
 the anchor a is the pending token, the first one the target has not fed yet).
 
-Per draft layer one key / value buffer of Ccap = capacity + M context columns (column = position; ``length``, a device
+Per draft layer one key / value buffer of Ccap = capacity + max(M, S) columns (column = position; ``length``, a device
 scalar, of them valid: a catch-up writes all M committed rows at length + i, the rows past the committed count land
-beyond the new length, where they are masked and later overwritten). The block's S keys are made in the step and
-attended beside the valid context, non-causally. Nothing is read back, nothing the host keeps is allocated, and no
-Python value changes between calls.
+beyond the new length, where they are masked and later overwritten). The block's S keys are written into the same
+buffers at columns length .. length + S - 1 (the next catch-up overwrites them) and the block attends to every
+column below length + S under one mask: no copy of the context per call. Nothing is read back, nothing the host keeps
+is allocated, and no Python value changes between calls.
 
 Shapes: M committed rows, S block size, T = depth drafts, Ccap context columns, g key/value heads, hd head size.
 """
@@ -45,8 +46,8 @@ class DFlashStaticDraft:
         self.drafter, self.committed, self.capacity, self.depth = drafter, committed, capacity, depth
         self.sampling, self.generator = sampling, generator
         dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-        self.ctx_cols = capacity + M
         S = drafter.block_size
+        self.ctx_cols = capacity + max(M, S)
         self.keys = [(torch.zeros(1, layer.self_attn.g, self.ctx_cols, layer.self_attn.hd, device=dev, dtype=dtype),
                       torch.zeros(1, layer.self_attn.g, self.ctx_cols, layer.self_attn.hd, device=dev, dtype=dtype))
                      for layer in drafter.layers]
@@ -57,7 +58,7 @@ class DFlashStaticDraft:
         self.rows_M = torch.arange(M, device=dev)
         self.slots_S = torch.arange(S, device=dev)
         self.block_ids = torch.full((S,), drafter.mask_token_id, dtype=torch.long, device=dev)
-        self.own_block = torch.ones(S, S, dtype=torch.bool, device=dev)
+        self.head_rows = drafter.head_rows()  # with a draft vocabulary: its lm_head rows, cut once here
         self.seed = torch.zeros((), dtype=torch.long, device=dev)
         self.counter = torch.zeros((), dtype=torch.long, device=dev)
         self.draws_T = torch.arange(depth, device=dev)
@@ -65,8 +66,9 @@ class DFlashStaticDraft:
         self.buffers = DraftBuffers(tokens_T=torch.zeros(depth, dtype=torch.long, device=dev),
                                     parents_T=torch.arange(-1, depth - 1, device=dev), probs_TV=probs, chain=True)
         mark_static(*(t for kv in self.keys for t in kv), self.length, self.fresh, self.anchor, self.cols_C,
-                    self.rows_M, self.slots_S, self.block_ids, self.own_block, self.seed, self.counter, self.draws_T,
-                    self.buffers.tokens_T, self.buffers.parents_T, *([probs] if probs is not None else []))
+                    self.rows_M, self.slots_S, self.block_ids, self.seed, self.counter, self.draws_T,
+                    self.buffers.tokens_T, self.buffers.parents_T, *([probs] if probs is not None else []),
+                    *([self.head_rows] if self.head_rows is not None else []))
 
     def _write_context(self, feats_ND: Tensor, pos_N: Tensor) -> None:
         d = self.drafter
@@ -102,15 +104,19 @@ class DFlashStaticDraft:
         anchor = torch.where(self.fresh, self.anchor, c.pending)
         self.fresh.fill_(False)
         ids = torch.where(self.slots_S == 0, anchor, self.block_ids)
-        block_pos = self.length + self.slots_S
-        ctx_ok = (self.cols_C < self.length)[None].expand(self.slots_S.shape[0], -1)
-        if d.sliding_window is not None:  # each slot sees the context within the window of its own position
-            ctx_ok = ctx_ok & ((block_pos[:, None] - self.cols_C[None, :]) < d.sliding_window)
-        mask = torch.cat([ctx_ok, self.own_block], 1)[None, None]  # [1, 1, S, Ccap + S]
+        block_pos = self.length + self.slots_S  # = the block's columns (length <= capacity: in range)
+        cols = block_pos.clamp(max=self.ctx_cols - 1)
+        # every slot sees the valid context and the whole block (columns length .. length + S - 1): non-causal
+        visible = self.cols_C < self.length + self.slots_S.shape[0]  # [Ccap]
+        if d.sliding_window is None:
+            mask = visible[None, None, None]  # [1, 1, 1, Ccap]: the same row for every slot
+        else:  # each slot sees the context within the window of its own position, and its block
+            near = (block_pos[:, None] - self.cols_C[None, :]) < d.sliding_window
+            mask = (visible & ((self.cols_C >= self.length) | near))[None, None]  # [1, 1, S, Ccap]
         h = d._embed(ids[None], d.fc.weight)
         for layer, (kbuf, vbuf) in zip(d.layers, self.keys):
-            h = layer(h, block_pos, kbuf.to(h.dtype), vbuf.to(h.dtype), mask)
-        logits = d._logits(d.norm(h[0, 1: self.depth + 1]))  # [T, V]
+            h = layer.forward_in_place(h, block_pos, kbuf, vbuf, cols, mask)
+        logits = d.draft_logits(d.norm(h[0, 1: self.depth + 1]), self.head_rows)  # [T, V]
         if self.sampling.greedy:
             self.buffers.tokens_T.copy_(logits.argmax(-1))
             return

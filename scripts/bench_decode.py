@@ -4,14 +4,17 @@
     python scripts/bench_decode.py --preset gpu --compile   # GPU: a 1.14B Llama-shaped target, built (~5 min on an H100) first
     python scripts/bench_decode.py --preset tiny        # seconds: checks the script end to end (numbers meaningless)
     python scripts/bench_decode.py --methods eagle1,eagle3 --eagle1-dir RUN --eagle3-dir RUN   # EAGLE rows only
+    python scripts/bench_decode.py --methods lookup,eagle1,dflash --eagle1-dir RUN --dflash-dir RUN
 
 What it does, all in one process so every ratio is measured side by side:
 1. builds (or loads from cache) the target and a small draft LM pretrained on this interpreter's stdlib source,
 2. trains Medusa heads briefly on the frozen target (``--medusa-steps``), and EAGLE-1 / EAGLE-3 drafters with
-   ``python -m train``'s defaults for the preset (EAGLE-1: the README demo's drafter, 600 steps), or reuses the
-   drafters in ``--medusa-dir`` / ``--eagle1-dir`` / ``--eagle3-dir`` (run dirs of ``python -m train``),
+   ``python -m train``'s defaults for the preset (EAGLE-1: the README demo's drafter, 600 steps), DFlash with its toy
+   recipe (``experiment=dflash_toy``), or reuses the drafters in ``--medusa-dir`` / ``--eagle1-dir`` /
+   ``--eagle3-dir`` / ``--dflash-dir`` (run dirs of ``python -m train``),
 3. evaluates, on held-out stdlib prompts, the selected ``--methods`` (default all: Medusa as a top-1 chain and with
-   a static tree, the draft model (chain), prompt lookup, EAGLE-1 and EAGLE-3 with their dynamic trees) next to
+   a static tree, the draft model (chain), prompt lookup, EAGLE-1 and EAGLE-3 with their dynamic trees, DFlash
+   drafting its whole block: ``drafter.depth``, else ``block_size - 1`` tokens) next to
    plain decoding, HF ``generate()`` and HF assisted generation with the same draft model and γ; then the draft
    model and the Medusa tree again with ``decoder.auto_tune`` (predicted vs measured speedup),
 4. optionally repeats at temperature 1 (``--sample``) and with ``decoder.compile`` (``--compile``: the target's
@@ -53,6 +56,8 @@ PRESETS = {
                       "data.corpus_max_bytes=400000", "trainer.micro_batch_size=4"],
         "medusa_steps": 20,
         "eagle_steps": 20,
+        # the toy recipe's feature layers do not exist on the 2-layer tiny target: its default spread instead
+        "dflash": {"overrides": ["drafter.layers=null", "regenerate.num_prompts=32"], "steps": 20},
     },
     "toy": {
         "target": "toy",
@@ -77,7 +82,8 @@ PRESETS = {
         "eagle_steps": 400,
     },
 }
-METHODS = ("medusa-chain", "medusa-tree", "draft_model", "lookup", "eagle1", "eagle3")
+METHODS = ("medusa-chain", "medusa-tree", "draft_model", "lookup", "eagle1", "eagle3", "dflash")
+DFLASH_RECIPE = "dflash_toy"  # conf/experiment/: the recipe the dflash method trains with (its steps included)
 
 
 def compose_cfg(preset: dict, extra: list[str], drafter: str, steps: int | None):
@@ -165,6 +171,9 @@ def main(argv=None) -> None:
     ap.add_argument("--eagle1-dir", default=None, help="train EAGLE-1 into this run dir, or reuse the drafter there")
     ap.add_argument("--eagle3-dir", default=None, help="train EAGLE-3 into this run dir, or reuse the drafter there")
     ap.add_argument("--eagle-steps", type=int, default=None, help="EAGLE training steps (default: the preset's)")
+    ap.add_argument("--dflash-dir", default=None, help="train DFlash into this run dir, or reuse the drafter there")
+    ap.add_argument("--dflash-steps", type=int, default=None, help=f"DFlash training steps (default: "
+                    f"experiment={DFLASH_RECIPE}'s)")
     ap.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} (default: all; "
                     "the gpu preset's: lookup,eagle1,eagle3)")
     ap.add_argument("--prepare", action="store_true", help="build the target and train the drafters (into the "
@@ -214,6 +223,15 @@ def main(argv=None) -> None:
         if kind in methods:
             kind_cfg = compose_cfg(preset, args.overrides, kind, steps)
             drafters[kind], setup[f"{kind}_training"] = trained(kind_cfg, run_dir, teacher, kind)
+    if "dflash" in methods:
+        own = preset.get("dflash", {})
+        kind_cfg = compose_cfg(preset, [f"experiment={DFLASH_RECIPE}", *own.get("overrides", []), *args.overrides],
+                               "dflash", args.dflash_steps or own.get("steps"))
+        drafters["dflash"], setup["dflash_training"] = trained(kind_cfg, args.dflash_dir, teacher, "dflash")
+    # a block drafter drafts its whole block (or its configured depth); the others eval.num_draft
+    num_draft = {}
+    if "dflash" in drafters:
+        num_draft["dflash"] = drafters["dflash"].depth or drafters["dflash"].block_size - 1
 
     if args.prepare:
         log.info("prepared: target %s, drafters %s; setup seconds %s", teacher.identity(), sorted(drafters), setup)
@@ -240,7 +258,7 @@ def main(argv=None) -> None:
         tmp.write_text(json.dumps(out, indent=2, default=str))
         os.replace(tmp, path)
 
-    report = evaluate(teacher, drafters, prompts, cfg.eval, dcfg, categories)
+    report = evaluate(teacher, drafters, prompts, cfg.eval, dcfg, categories, num_draft=num_draft)
     out["runs"]["greedy"] = {"summary": summarize(report), "report": report}
     out["machine"] = report["machine"]
     save()
@@ -251,12 +269,13 @@ def main(argv=None) -> None:
                          dcfg.__class__(**{**vars(dcfg), "auto_tune": True}))
         out["runs"]["greedy_auto_tune"] = {"summary": summarize(tuned), "report": tuned}
         save()
-    out["transfers_per_step"] = transfers_per_step(teacher, drafters, prompts[0], cfg.eval, dcfg)
+    out["transfers_per_step"] = transfers_per_step(teacher, drafters, prompts[0], cfg.eval, dcfg, num_draft)
     save()
     if device.type == "cuda" and dcfg.cuda_graphs != "off":  # graphs vs eager steps, in the same run
         try:
             eager = evaluate(teacher, drafters, prompts, dataclasses.replace(cfg.eval, hf_baselines=False),
-                             dcfg.__class__(**{**vars(dcfg), "cuda_graphs": "off"}), categories)
+                             dcfg.__class__(**{**vars(dcfg), "cuda_graphs": "off"}), categories,
+                             num_draft=num_draft)
             out["runs"]["greedy_no_cuda_graphs"] = {"summary": summarize(eager), "report": eager}
         except Exception as exc:  # keep the graphed figures; the failure is part of the result
             log.exception("evaluation without CUDA graphs failed")
@@ -265,14 +284,15 @@ def main(argv=None) -> None:
     if args.compile:
         try:
             compiled = evaluate(teacher, drafters, prompts, cfg.eval,
-                                dcfg.__class__(**{**vars(dcfg), "compile": True}), categories)
+                                dcfg.__class__(**{**vars(dcfg), "compile": True}), categories, num_draft=num_draft)
             out["runs"]["greedy_compiled"] = {"summary": summarize(compiled), "report": compiled}
         except Exception as exc:  # keep the eager figures; the failure is part of the result
             log.exception("compiled evaluation failed")
             out["runs"]["greedy_compiled"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         save()
     if args.sample:
-        sampled = evaluate(teacher, drafters, prompts, cfg.eval, dcfg.__class__(**{**vars(dcfg), "temperature": 1.0}), categories)
+        sampled = evaluate(teacher, drafters, prompts, cfg.eval, dcfg.__class__(**{**vars(dcfg), "temperature": 1.0}),
+                           categories, num_draft=num_draft)
         out["runs"]["temperature_1"] = {"summary": summarize(sampled), "report": sampled}
     save()
     for run, body in out["runs"].items():
@@ -283,7 +303,7 @@ def main(argv=None) -> None:
     print(f"wrote {path}")
 
 
-def transfers_per_step(teacher, drafters: dict, prompt, eval_cfg, dcfg) -> dict:
+def transfers_per_step(teacher, drafters: dict, prompt, eval_cfg, dcfg, num_draft: dict | None = None) -> dict:
     """Host<->device transfers and syncs per verification forward (``inference.transfers``), prefill included, on
     one prompt: the budget the decode loop keeps (<= 4), which on a GPU is the pipeline stalls per step."""
     from eval.run import build_decoder
@@ -294,7 +314,8 @@ def transfers_per_step(teacher, drafters: dict, prompt, eval_cfg, dcfg) -> dict:
     out = {}
     for name, drafter in drafters.items():
         with TransferCounter() as counter:
-            gen = decoder.speculative(drafter, ids, eval_cfg.max_new_tokens, eval_cfg.num_draft)
+            gen = decoder.speculative(drafter, ids, eval_cfg.max_new_tokens,
+                                      (num_draft or {}).get(name, eval_cfg.num_draft))
         out[name] = counter.total / max(1, sum(gen.nodes_per_forward.values()))
     return out
 

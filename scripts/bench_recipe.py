@@ -1,16 +1,19 @@
-"""Recipe benchmark: τ of EAGLE drafters trained with one recipe change each, at equal steps or equal CPU time.
+"""Recipe benchmark: τ of drafters trained with one recipe change each, at equal steps or equal CPU time (EAGLE, and
+DFlash against EAGLE-1).
 
     python scripts/bench_recipe.py                                   # every row below, seeds 0 and 1
     python scripts/bench_recipe.py --rows eagle1 eagle1_ttt2 --seeds 0
     python scripts/bench_recipe.py --table                           # print the recipe table from the JSON
     python scripts/bench_recipe.py --preset tiny --out /tmp/r.json   # seconds: checks the script end to end
+    python scripts/bench_recipe.py --rows eagle1 dflash_eqcpu --seeds 0 --out scripts/results/bench_recipe_dflash_toy_cpu.json
 
 Every row is ``python -m train`` (same windows: ``trainer.steps`` x 8 rows x 256 tokens from the stdlib data; only
 the row's overrides and ``seed=`` differ) in a subprocess, one after another, with ``OMP_NUM_THREADS=1`` so the
 CPU seconds it reports are one core's. Then this process reloads the saved drafter (``heads.saved.load_drafter``) and
 decodes the same held-out prompts (``eval.eval_prompts``: 20 stdlib excerpts, 128 prompt tokens, 96 new tokens,
 greedy) with the project's decoder under each tree budget (TREES), every output checked token-identical to plain
-greedy decoding. Proposals run in float32 (``eval.drafter_dtype=auto`` would pick the faster of fp32/bf16 per
+greedy decoding (a drafter without trees, DFlash, decodes its chain at the EAGLE chain's depth and at its whole
+block: ``chain`` and ``block``). Proposals run in float32 (``eval.drafter_dtype=auto`` would pick the faster of fp32/bf16 per
 run, which changes τ slightly between runs).
 
 Budgets: ``cpu_s`` is the training subprocess's user+sys CPU time (startup, target load and data included: what a
@@ -36,6 +39,10 @@ from train.checkpoint import fresh_scratch_run
 ROOT = Path(__file__).resolve().parents[1]
 
 E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
+# DFlash as experiment=dflash_toy builds it (its data aside: each row says which): 1 draft layer on layers 1-3, blocks
+# of 8, 32 anchors per row (~0.5 CPU s per step of 8 x 256 tokens on the toy, as EAGLE-1's)
+DF = ["drafter=dflash", "drafter.block_size=8", "drafter.num_layers=1", "drafter.layers=[1,2,3]",
+      "drafter.num_anchors=32", "drafter.draft_vocab_size=1024"]
 # Regenerated data for the "_regen" rows: `python -m distill.regenerate regenerate.out=<this> regenerate.temperature=0
 # regenerate.num_prompts=1400` (the toy target's greedy answers to the first 64 tokens of 1,400 training rows).
 REGEN_T0 = os.environ.get("SPECDRAFT_REGEN_T0", "runs/regen_t0.jsonl")
@@ -122,6 +129,10 @@ ROWS = {
     "eagle3_ttt2_regen0_top1ce_kl1_lr5e-3_10cpumin": ([*E3, "drafter.ttt_steps=2", *R1, "trainer.lr=5e-3"], 600),
     "eagle3_ttt2_vocab1024_10cpumin": ([*E3, "drafter.ttt_steps=2", "drafter.draft_vocab_size=1024"], 600),
     "eagle3_ttt2_vocabfull_10cpumin": ([*E3, "drafter.ttt_steps=2", "drafter.draft_vocab_size=null"], 600),
+    # DFlash at EAGLE-1's CPU budget: against "eagle1" (same fixed data) and "eagle1_regen0_top1ce_kl1" (the same
+    # regenerated answers; DFlash's own loss is already cross-entropy on the target's tokens)
+    "dflash_eqcpu": (DF, 350),
+    "dflash_regen0_eqcpu": ([*DF, "data.mode=regenerated", f"data.regenerated={REGEN_T0}"], 350),
 }
 # Tree budgets: (tree mode, top_k, total_tokens, depth). depth is also γ, the decoder's bound on proposal depth.
 TREES = {
@@ -155,14 +166,24 @@ def train_row(overrides: list[str], run_dir: Path, log_path: Path, device: str =
     return {"wall_s": wall, "cpu_s": cpu, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
 
 
+def budgets(drafter) -> dict:
+    """The tree budgets a drafter is decoded under: TREES for a drafter with EAGLE's dynamic tree, else its chain at
+    the EAGLE chain's depth and at its whole block (DFlash)."""
+    if hasattr(drafter, "top_k"):
+        return TREES
+    return {"chain": TREES["chain"], "block": ("chain", 1, drafter.block_size - 1, drafter.block_size - 1)}
+
+
 def decode_trees(decoder, drafter, prompts, refs, max_new: int) -> dict:
-    """τ, α per position, draft time and identity to greedy for each tree budget in TREES."""
+    """τ, α per position, draft time and identity to greedy for each tree budget (``budgets``)."""
     from inference.stats import AcceptStats
 
     out = {}
-    for name, (mode, top_k, total, depth) in TREES.items():
+    for name, (mode, top_k, total, depth) in budgets(drafter).items():
         drafter.set_tree(mode)
-        drafter.top_k, drafter.total_tokens, drafter.depth = top_k, total, depth
+        if hasattr(drafter, "top_k"):
+            drafter.top_k, drafter.total_tokens = top_k, total
+        drafter.depth = depth
         stats, identical, seconds, draft_s, tokens = AcceptStats(), 0, 0.0, 0.0, 0
         for prompt, ref in zip(prompts, refs):
             gen = decoder.speculative(drafter, prompt, max_new, depth)
@@ -178,22 +199,26 @@ def decode_trees(decoder, drafter, prompts, refs, max_new: int) -> dict:
 def table(results: dict) -> str:
     """Markdown: one line per row and seed, then the mean over seeds of each row."""
     rows, n = results["rows"], results["settings"]["eval"]["num_prompts"]
-    head = ("| row | seed | steps | CPU s | wall s (load) | τ chain | τ 16-node | τ 59-node | train top-1, step 0 | "
-            "identical |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| row | seed | steps | CPU s | wall s (load) | τ chain | τ 16-node | τ 59-node | τ block | train top-1, "
+            "step 0 | identical |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    tau = lambda trees, name: f"{trees[name]['tau']:.2f}" if name in trees else "-"
     lines, by_row = [head], {}
     for key, r in rows.items():
         by_row.setdefault(r["row"], []).append(r)
         t = r["trees"]
         same = sum(x["identical_prompts"] for x in t.values())
         lines.append(f"| {r['row']} | {r['seed']} | {r['steps']} | {r['cpu_s']:.0f} | {r['wall_s']:.0f} "
-                     f"({r['loadavg_before'][0]:.1f}) | {t['chain']['tau']:.2f} | {t['tree16']['tau']:.2f} | "
-                     f"{t['tree59']['tau']:.2f} | {r['final'].get('train/acc_head1', 0):.3f} | "
+                     f"({r['loadavg_before'][0]:.1f}) | {tau(t, 'chain')} | {tau(t, 'tree16')} | "
+                     f"{tau(t, 'tree59')} | {tau(t, 'block')} | {r['final'].get('train/acc_head1', 0):.3f} | "
                      f"{same}/{n * len(t)} |")
-    lines += ["", "| row (mean over seeds) | seeds | steps | CPU s | τ chain | τ 16-node | τ 59-node |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| row (mean over seeds) | seeds | steps | CPU s | τ chain | τ 16-node | τ 59-node | τ block |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, rs in by_row.items():
-        m = lambda tree: mean(r["trees"][tree]["tau"] for r in rs)
+        m = lambda tree: (f"{mean(r['trees'][tree]['tau'] for r in rs):.2f}" if all(tree in r["trees"] for r in rs)
+                          else "-")
         lines.append(f"| {name} | {','.join(str(r['seed']) for r in rs)} | {rs[0]['steps']} | "
-                     f"{mean(r['cpu_s'] for r in rs):.0f} | {m('chain'):.2f} | {m('tree16'):.2f} | {m('tree59'):.2f} |")
+                     f"{mean(r['cpu_s'] for r in rs):.0f} | {m('chain')} | {m('tree16')} | {m('tree59')} | "
+                     f"{m('block')} |")
     return "\n".join(lines)
 
 

@@ -132,15 +132,18 @@ def render_cache_dtype(d: dict) -> str:
 
 
 def render_recipe(d: dict) -> str:
-    header = ["row", "seed", "steps", "CPU s", "τ chain", "τ 16-node", "τ 59-node", "identical"]
+    budgets = ["chain", "tree16", "tree59"]
+    if any("block" in r["trees"] for r in d["rows"].values()):  # a block drafter's whole block (DFlash)
+        budgets.append("block")
+    names = {"chain": "τ chain", "tree16": "τ 16-node", "tree59": "τ 59-node", "block": "τ block"}
+    header = ["row", "seed", "steps", "CPU s", *(names[b] for b in budgets), "identical"]
     rows = []
     for r in d["rows"].values():
         trees = r["trees"]
         same = sum(t.get("identical_prompts", 0) for t in trees.values())
         total = sum(d["settings"]["eval"]["num_prompts"] for _ in trees)
         rows.append([f"`{r['row']}`", str(r["seed"]), _f(r["steps"]), _f(r.get("cpu_s"), 0),
-                     _f(trees["chain"]["tau"]), _f(trees["tree16"]["tau"]), _f(trees["tree59"]["tau"]),
-                     f"{same}/{total}"])
+                     *(_f(trees[b]["tau"]) if b in trees else "–" for b in budgets), f"{same}/{total}"])
     return _table(header, rows)
 
 
@@ -243,6 +246,11 @@ SOURCES: dict[str, Source] = {
         "Decoding on the CPU toy target: EAGLE-1 and EAGLE-3, one thread, loaded machine",
         f"{DECODE} --threads 1 --methods eagle1,eagle3 --eagle1-dir RUN1 --eagle3-dir RUN3 --compile", render_decode,
         "Absolute rates are inflated by the load; compare within a run."),
+    "bench_decode_dflash_toy_cpu.json": Source(
+        "Decoding on the CPU toy target: DFlash against plain decoding, lookup and EAGLE-1",
+        f"{DECODE} --threads 2 --methods lookup,eagle1,dflash --eagle1-dir RUN1 --dflash-dir RUN2", render_decode,
+        "DFlash: `experiment=dflash_toy` (docs/dflash.md), drafting its whole block (7 tokens); EAGLE-1: the "
+        "16-node dynamic tree, γ = 4. One process, run alone, 20 held-out prompts, 96 new tokens, greedy."),
     "bench_decode_draft_lookup_toy_cpu.json": Source(
         "Decoding on the CPU toy target: draft model and lookup",
         f"{DECODE} --threads 2 --methods draft_model,lookup", render_decode),
@@ -260,6 +268,15 @@ SOURCES: dict[str, Source] = {
         "Row names: `regen0` = trained on the target's greedy answers, `top1ce` = `loss=topk_fkl loss.k=1`, "
         "`kl1` = `drafter.kl_weight=1.0`, `tttN` = `drafter.ttt_steps=N`. CPU s is the training process's, at one "
         "thread on a shared machine."),
+    "bench_recipe_dflash_toy_cpu.json": Source(
+        "DFlash against EAGLE-1 at equal training CPU time (CPU toy)",
+        "python scripts/bench_recipe.py --rows eagle1 dflash_eqcpu eagle1_regen0_top1ce_kl1 dflash_regen0_eqcpu "
+        "--seeds 0 --out scripts/results/bench_recipe_dflash_toy_cpu.json", render_recipe,
+        "DFlash: `experiment=dflash_toy`'s drafter (blocks of 8, 32 anchors per row) for as many training steps as "
+        "fit EAGLE-1's CPU seconds; `chain` drafts 4 tokens (EAGLE's chain budget), `block` the whole block (7). "
+        "`regen0` = trained on the target's greedy answers (the DFlash recipe's, 1,400 prompts). EAGLE-1's 16-node "
+        "column repeats its chain (a step-decoder cache; docs/dflash.md) and is void. CPU s is the training "
+        "process's, one thread."),
     "bench_recipe_toy_gpu.json": Source(
         "EAGLE-3 recipes, trained and decoded on a GPU (τ only)",
         "python scripts/bench_recipe.py --device cuda --rows ROW --seeds SEED", render_recipe,

@@ -310,7 +310,8 @@ class DFlashAdapter:
                              f"on the logits, while a {model_type!r} target's forward scales its embeddings by "
                              f"sqrt(hidden_size): the drafter was trained on the target's own read-outs, so the engine "
                              f"would feed it other inputs. Evaluate it with `python -m eval` instead")
-        state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
+        # d2t (drafter.draft_vocab_size) only narrows specdraft's own decoding; the engine drafts over every id
+        state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items() if k != "d2t"}
         save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
         name = str(dtype).removeprefix("torch.")
         if engine == "speculators":

@@ -1,5 +1,5 @@
-"""scripts/bench_decode.py end to end on the tiny preset (builds a tiny target + draft LM, trains Medusa, EAGLE-1 and
-EAGLE-3 20 steps each)."""
+"""scripts/bench_decode.py end to end on the tiny preset (builds a tiny target + draft LM, trains Medusa, EAGLE-1,
+EAGLE-3 and DFlash 20 steps each)."""
 
 import importlib.util
 import json
@@ -20,7 +20,7 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     bench.main(["--preset", "tiny", "--out", str(out), "eval.num_prompts=2"])
     data = json.loads(out.read_text())
     summary = data["runs"]["greedy"]["summary"]
-    methods = ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "eagle1", "eagle3")
+    methods = ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "eagle1", "eagle3", "dflash")
     assert {*methods, "hf_generate", "hf_assisted[draft_model]", "plain"} <= set(summary)
     best = max(summary["plain"]["tokens_per_s"], summary["hf_generate"]["tokens_per_s"])
     for name in methods:
@@ -31,6 +31,7 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     assert "greedy_auto_tune" in data["runs"]
     assert set(data["transfers_per_step"]) == set(methods)
     assert all(0 < n <= 4 for n in data["transfers_per_step"].values()), data["transfers_per_step"]
+    assert summary["dflash"]["num_draft"] == 7  # the recipe's whole block (8 - 1), not eval.num_draft
 
 
 def test_bench_decode_refuses_unknown_methods(capsys):

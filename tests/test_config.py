@@ -32,6 +32,7 @@ HUB_DIMS = {  # config.json of each hub target the experiments name
     "Qwen/Qwen3-30B-A3B": TargetDims(hidden_size=2048, vocab_size=151936, num_layers=48),
     "allenai/OLMo-2-1124-7B-Instruct": TargetDims(hidden_size=4096, vocab_size=100352, num_layers=32),
     "EleutherAI/pythia-1.4b": TargetDims(hidden_size=2048, vocab_size=50304, num_layers=24),
+    "specdraft/toy-stdlib": TargetDims(hidden_size=256, vocab_size=4096, num_layers=4),  # conf/target/toy.yaml
 }
 
 

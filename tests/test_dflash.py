@@ -1,9 +1,11 @@
-"""DFlash: training blocks equal decoding blocks, training reduces the loss, greedy identity (batch 1 and B), the
-sampled output distribution, save/load, anchor draws and config errors."""
+"""DFlash: training blocks equal decoding blocks, training reduces the loss, greedy identity (batch 1 and B), batched
+drafting equal to per-row drafting, the draft vocabulary, the sampled output distribution, save/load, anchor draws and
+config errors."""
 
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import build_drafter
 from heads.dflash import DFlashDrafter, block_mask, default_feature_layers
+from heads.dflash_rows import DFlashRows
 from heads.saved import load_drafter
 from inference.batched import BatchedDecoder
 from inference.decoder import Decoder, DecoderConfig
@@ -120,6 +123,39 @@ def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
     assert result.stats.forwards < len(prompts) * 24
 
 
+@pytest.mark.parametrize("window,vocab", [(None, None), (7, 24)])
+def test_batched_rows_draft_what_each_row_drafts_alone(teacher, window, vocab):
+    """``rows``: every row's block in one forward, over ragged contexts and draft depths, proposes exactly what the
+    eager ``propose`` of that row alone does, step after step, rows leaving the batch included."""
+    drafter = dflash(teacher, sliding_window=window, draft_vocab_size=vocab).eval()
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (4, 9, 15, 6)]
+    rows = drafter.rows([0, 1, 2, 3])
+    assert isinstance(rows, DFlashRows)  # not the row-by-row default
+    seen = [0] * len(seqs)
+    for step, grow in enumerate([0, 3, 1, 5]):
+        if step == 2:  # row 1 leaves the batch
+            rows.keep([0, 2, 3])
+            seqs, seen = [seqs[0], seqs[2], seqs[3]], [seen[0], seen[2], seen[3]]
+        seqs = [torch.cat([s, torch.randint(0, 128, (1, grow + b % 2), generator=g)], 1) for b, s in enumerate(seqs)]
+        for b, s in enumerate(seqs):
+            rows.observe(b, _hidden_slice(teacher, drafter, s, seen[b]))
+            seen[b] = s.shape[1] - 1
+        depths = [5, 2, 0, 5][: len(seqs)]
+        trees = rows.propose(seqs, depths, [SamplingConfig()] * len(seqs))
+        for s, tree, depth in zip(seqs, trees, depths):
+            drafter.reset()
+            drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
+            want = drafter.propose(s, depth).tokens.tolist() if depth else []
+            assert tree.tokens.tolist() == want, (step, depth)
+
+
+def _hidden_slice(teacher, drafter, seq, start):
+    """The target's hidden states of ``seq``'s positions ``start`` .. n - 2 (run over the whole prefix)."""
+    full = teacher(seq[:, :-1], None, drafter.teacher_layers).hidden
+    return {i: h[:, start:] for i, h in full.items()}
+
+
 def test_save_load_round_trip(teacher, trained, tmp_path):
     drafter = trained[0]
     path = save(drafter, tmp_path, "dflash", teacher)
@@ -130,6 +166,29 @@ def test_save_load_round_trip(teacher, trained, tmp_path):
         torch.testing.assert_close(loaded.state_dict()[name], p, atol=0, rtol=0)
     p = trained[2][1]
     assert Decoder(teacher).speculative(loaded, p[None], 16, 5).new_tokens == trained[3][1][:16]
+
+
+def test_draft_vocabulary_keeps_frequent_ids_decodes_losslessly_and_round_trips(teacher, trained, tmp_path):
+    """``draft_vocab_size``: ``prepare`` keeps the training data's most frequent ids, decoding drafts only those
+    (greedy output still the target's own), and the ids survive save / load."""
+    drafter, _, prompts, refs = trained
+    small = build_drafter({**DFLASH_NODE, "draft_vocab_size": 16}, teacher)
+    small.bind_target(teacher, initialize=False)
+    small.load_state_dict({**drafter.state_dict(), "d2t": small.d2t})
+    _, _, batch = _greedy_batch(teacher)
+    small.prepare(types.SimpleNamespace(**batch))
+    counts = torch.bincount(batch["input_ids"][batch["attention_mask"].bool()], minlength=128)
+    assert counts[small.d2t].sum() == counts.sort(descending=True).values[:16].sum()
+    small.eval()
+    gens = [Decoder(teacher).speculative(small, p[None], 24, 5) for p in prompts]
+    assert [g.new_tokens for g in gens] == refs
+    small.reset()
+    small.observe(teacher(prompts[0][None], None, small.teacher_layers).hidden)
+    assert set(small.propose(prompts[0][None], 5).tokens.tolist()) <= set(small.d2t.tolist())
+    loaded = load_drafter(save(small, tmp_path, "dflash", teacher), teacher)
+    assert loaded.draft_vocab_size == 16 and torch.equal(loaded.d2t, small.d2t)
+    with pytest.raises(ValueError, match="drafter.draft_vocab_size=0"):
+        DFlashDrafter(DIMS, block_size=6, draft_vocab_size=0)
 
 
 def test_anchor_draws_are_bounded_and_counted(teacher):
@@ -255,6 +314,32 @@ def test_sampled_output_distribution_is_the_targets(batch):
 
 # --- configuration ---------------------------------------------------------------------------------------------
 
+def test_default_mask_token_is_a_dedicated_id():
+    """The anchors' choice: the tokenizer's mask token, else the first id past the tokenizer's own (an embedding row
+    no text produces: Qwen3's 151669), else the last id of a vocabulary the tokenizer fills."""
+    from heads.dflash import default_mask_token_id
+
+    class Tok:
+        def __init__(self, n, mask=None):
+            self.n, self.mask_token_id = n, mask
+
+        def __len__(self):
+            return self.n
+
+    assert default_mask_token_id(Tok(151669), 151936) == 151669
+    assert default_mask_token_id(Tok(100, mask=7), 128) == 7
+    assert default_mask_token_id(Tok(128256), 128256) == 128255
+    assert default_mask_token_id(None, 128) == 127
+    drafter = DFlashDrafter(DIMS, block_size=6)
+    drafter.bind_target(types.SimpleNamespace(tokenizer=Tok(100), resolve_layer=lambda i: i, input_embedding=None,
+                                              output_logits=None, final_norm_gain=None), initialize=False)
+    assert drafter.mask_token_id == 100 and drafter.saved_config({})["mask_token_id"] == 100
+    pinned = DFlashDrafter(DIMS, block_size=6, mask_token_id=5)  # a configured id is kept
+    pinned.bind_target(types.SimpleNamespace(tokenizer=Tok(100), resolve_layer=lambda i: i, input_embedding=None,
+                                             output_logits=None, final_norm_gain=None), initialize=False)
+    assert pinned.mask_token_id == 5
+
+
 def test_default_layers_follow_the_anchors_spread():
     assert default_feature_layers(36, 5) == (2, 10, 18, 26, 34)  # 0-based target_layer_ids 1, 9, 17, 25, 33
     assert default_feature_layers(32, 1) == (17,)
@@ -273,15 +358,18 @@ def test_bad_config_names_the_key(key, value, match):
 
 # --- the static (capture-safe) draft step ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompt_len,window", [(5, None), (11, None), (11, 8)])
-def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, window):
+@pytest.mark.parametrize("prompt_len,window,vocab", [(5, None, None), (11, None, None), (11, 8, None),
+                                                      (11, None, 24)])
+def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, window, vocab):
     """Played through the step decoder's stand-in with a varying accepted length per step: every static draft
     equals the eager ``propose`` on the same context (greedy), and the sampled step's distributions are the eager
-    logits' (its draws lie in their support)."""
+    logits' (its draws lie in their support). With a draft vocabulary, both draft only its ids."""
     from inference.sampling import GREEDY, SamplingConfig, warp
     from tests.static_harness import Replay, committed_for, counts
 
-    drafter = dflash(teacher, sliding_window=window)
+    drafter = dflash(teacher, sliding_window=window, draft_vocab_size=vocab)
+    if vocab:
+        drafter.d2t.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(5))[:vocab].sort().values)
     M = 4
     for sampling in (GREEDY, SamplingConfig(temperature=0.8, top_k=20)):
         committed = committed_for(drafter, M)
@@ -298,6 +386,8 @@ def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, window):
                 drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
             static.draft()
             eager = drafter.propose(replay.context(), M - 1, GREEDY)
+            if vocab:
+                assert set(static.buffers.tokens_T.tolist()) <= set(drafter.d2t.tolist())
             if sampling.greedy:
                 assert static.buffers.tokens_T.tolist() == eager.tokens.tolist(), (step, count)
                 continue
