@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 CUDA_GRAPHS = ("auto", "on", "off")
 MAX_NODES = 64  # the widest draft the fixed buffers hold (a larger tree is refused with the fix)
+STATIC_KEPT = 16  # static drafts (and the steps recorded for them) a decoder keeps, oldest dropped first
 
 
 class NeedsEagerLoop(Exception):
@@ -156,15 +157,20 @@ class StepDecoder:
             yield
 
     def _static_draft(self, drafter: Proposer, steps: Steps, sampling: SamplingConfig):
-        """The drafter's static step for these buffers (built once and kept: its buffers are what recorded steps
-        read), or None."""
+        """The drafter's static step for these buffers, or None. Asked of the drafter at every sequence: the drafter
+        keeps one per buffers and decode settings (``Drafter.reuse_static_draft``), so the same settings get the same
+        object (and the step recorded for it) while a new tree budget, depth or cast gets a new one. The decoder keeps
+        what it was handed so the steps recorded for it are dropped with the buffers they write (``state``)."""
         if not hasattr(drafter, "static_draft"):
             return None
-        key = (id(drafter), id(steps), sampling, weights_signature(drafter))  # a cast drafter: a new static draft
+        static = drafter.static_draft(steps.committed, steps.cache.capacity, sampling, self.generator)
+        key = (id(drafter), id(steps), sampling, weights_signature(drafter), id(static))
         if key not in self._static:
-            self._static[key] = (drafter, drafter.static_draft(steps.committed, steps.cache.capacity, sampling,
-                                                               self.generator))
-        return self._static[key][1]
+            if len(self._static) >= STATIC_KEPT:  # the oldest goes, with the steps recorded for it
+                old = self._static.pop(next(iter(self._static)))
+                self._fns.pop(("draft", id(old[1])), None)
+            self._static[key] = (drafter, static)
+        return static
 
     def _first(self, logits_V: Tensor, sampling: SamplingConfig) -> Tensor:
         if sampling.greedy:

@@ -287,3 +287,20 @@ def test_a_cast_drafter_gets_a_new_static_draft_and_still_decodes_losslessly(tar
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         drafter.to(dtype)
         assert dec.speculative(drafter, prompt, 24, rows - 1).new_tokens == plain
+
+
+def test_a_new_tree_budget_between_decodes_drafts_the_new_tree(target):
+    """The decoder asks the drafter for its static draft at every sequence: a tree budget changed between decodes on
+    one decoder (as the recipe benchmark decodes a chain, then trees) drafts the new tree, not the first one's."""
+    drafter, rows = eagle(target, "eagle1", "dynamic")
+    used = []
+    build = drafter.static_draft
+    drafter.static_draft = lambda *args, **kwargs: used.append(build(*args, **kwargs)) or used[-1]
+    dec = Decoder(target)
+    prompt = torch.randint(0, 128, (1, PROMPTS[0]), generator=torch.Generator().manual_seed(7))
+    plain = dec.plain(prompt, 24).new_tokens
+    assert dec.speculative(drafter, prompt, 24, rows - 1).new_tokens == plain
+    assert dec.speculative(drafter, prompt, 24, rows - 1).new_tokens == plain
+    drafter.set_tree("chain")
+    assert dec.speculative(drafter, prompt, 24, rows - 1).new_tokens == plain
+    assert not used[0].chain and used[1] is used[0] and used[-1].chain

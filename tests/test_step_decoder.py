@@ -92,6 +92,14 @@ class TableDrafter:
 
     # the static step
     def static_draft(self, committed, capacity, sampling, generator):
+        """One per buffers, as a drafter's ``reuse_static_draft`` keeps them (the decoder asks at every sequence)."""
+        made = self.__dict__.setdefault("_made", {})
+        key = (id(committed), capacity, sampling)
+        if key not in made:
+            made[key] = self._static_draft(committed)
+        return made[key]
+
+    def _static_draft(self, committed):
         drafter = self
 
         class Static:
