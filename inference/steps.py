@@ -202,7 +202,8 @@ class Steps:
         P = prompt_P.shape[0]
         cache = self.cache
         cache.reset()
-        cache.use_bucket(P)
+        cache.use_bucket(P)  # checks the prompt fits
+        cache.bucket = P  # eager: attention over the prompt's own columns, not a whole bucket
         cache.place(P)
         kw = {self._cache_kw: cache}
         if self._cache_position:
