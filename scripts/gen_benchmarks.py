@@ -309,8 +309,8 @@ SOURCES: dict[str, Source] = {
         "`scripts/bench_decode.py --preset toy --prepare` with short runs (Medusa 250 steps, EAGLE-1 300, EAGLE-3 "
         "150; `data.max_length=128 trainer.micro_batch_size=4`), the same 20 held-out prompts × 96 new tokens, "
         "greedy, γ = 4; each method timed in one checkout, then the other, alone on the machine. The per-round "
-        "ratios' spread is the run's noise: plain vs plain 0.95–1.05, one checkout's own rate up to ±19% between "
-        "rounds. Lookup is slower in every round; the draft model and EAGLE-3 medians are, within wide spreads."),
+        "ratios' spread is the run's noise: plain vs plain 0.83–1.18, one checkout's own rate up to ±12% between "
+        "rounds. The draft model is slower in every round."),
     "bench_decode_steps_tiny_cpu_before.json": Source(
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
     "bench_regenerate_toy_cpu.json": Source(
