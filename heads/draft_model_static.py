@@ -105,10 +105,14 @@ class DraftModelStaticDraft:
         check_prompt_fits("draft model", P, self.capacity)
         dev = self.length.device
         ids = prompt_ids_P.to(dev)
-        if P > 1:  # eager: a shape per prompt length is fine here
+        if P > 1:  # eager: a shape per prompt length is fine here, and attention over the prompt's columns only
             pos = torch.arange(P - 1, device=dev)
             self.cache.place(P - 1, start=pos[0])
-            self._forward(ids[None, : P - 1], pos)
+            self.cache.bucket = P - 1
+            try:
+                self._forward(ids[None, : P - 1], pos)
+            finally:
+                self.cache.bucket = self.columns
         self.prefill_ids_R.zero_()
         self.prefill_ids_R[0] = ids[P - 1]
         self.prefill_ids_R[1] = pending.to(dev)
@@ -150,7 +154,7 @@ class DraftModelStaticDraft:
 
     def _forward(self, ids_1n: Tensor, pos_n: Tensor, keep: Tensor | None = None) -> Tensor:
         """Logits [n or len(keep), V] of the rows fed at positions ``pos_n`` (each sees the columns up to its own)."""
-        allowed = self.cols_C[None, :] <= pos_n[:, None]
+        allowed = self.cols_C[None, : self.cache.bucket] <= pos_n[:, None]
         mask = torch.zeros(allowed.shape, dtype=self.mask_dtype, device=allowed.device)
         mask = mask.masked_fill(~allowed, self.neg)[None, None]
         kw = {}

@@ -254,6 +254,8 @@ class StepDecoder:
         N = (num_draft if n else 0) if chain else tree_nodes(n)  # an empty chain: a one-token verify
         if max(n, N) > steps.max_nodes:
             raise NeedsEagerLoop(f"a proposal of {n} nodes is wider than the step decoder's {steps.max_nodes}")
+        if not chain and n and _deepest(tree) > steps.max_depth:  # the step's geometry reaches no deeper
+            raise NeedsEagerLoop(f"a tree deeper than the step decoder's {steps.max_depth} levels")
         d = steps.own_draft
         if n:
             d.tokens_T[:n].copy_(tree.tokens)
@@ -331,6 +333,8 @@ class Session:
             if b.chain and depth < T:  # no deeper than ``depth``, as an eager proposal
                 b.tokens_T[depth:].fill_(-1)  # never accepted; the next draft rewrites them
                 size = depth
+            elif not b.chain and depth < self.num_draft:  # near the end: a tree no deeper than the tokens left
+                clip_tree(b, depth)
             self._next = (dec._bucket(steps, T, b.chain), size, b.chain, self.static_parents, None)
             return
         tree = self.drafter.propose(self.seq[:, : self.m], depth, self.sampling)
@@ -373,6 +377,22 @@ class Session:
             self.drafter.accepted(path, committed)
         self.new.extend(committed)
         return path, committed
+
+
+def _deepest(tree: DraftTree) -> int:
+    """A bound on the tree's depth: the drafter's own (no read-back), else measured on the host."""
+    return tree.depth_bound if tree.depth_bound is not None else tree.depth
+
+
+def clip_tree(buffers, depth: int) -> None:
+    """Nodes of a static draft's tree deeper than ``depth`` (a root child has depth 1) get token -1, which is never
+    accepted: the step's bucket stays, the accepted path stays within the tokens a decode still needs. On the
+    device, ``depth - 1`` gathers; the next draft rewrites every node."""
+    parents = buffers.parents_T
+    up = parents.clone()  # each node's ancestor 1, then 2, ... levels up (-1 once past a root child)
+    for _ in range(depth - 1):
+        up = torch.where(up >= 0, parents[up.clamp(min=0)], up)
+    buffers.tokens_T.masked_fill_(up >= 0, -1)  # still below a node after ``depth`` levels: deeper than ``depth``
 
 
 class _Recorded:

@@ -77,6 +77,8 @@ class Steps:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_nodes = max(max_nodes, 0)
+        # The deepest draft a step verifies (M - 1): a tree's geometry takes this many rounds, not one per node.
+        self.max_depth = max(rows - 1, 1)
         widths = sorted({1, *range(2, self.max_nodes + 2)})
         self.cache = StaticKV(shapes or kv_shapes(model), capacity, self.device, widths=tuple(widths))
         self._cache_kw = cache_kwarg(model)
@@ -139,8 +141,8 @@ class Steps:
             depth_N = self.chain_parents[:N] + 2
             ancestors_NN = torch.ones(N, N, dtype=torch.bool, device=self.device).tril()
         else:
-            depth_N, ancestors_NN = tree_geometry(parents, N)
-        tree = DraftTree(tokens, parents, probs, chain_hint=bucket.chain, depth_bound=N)
+            depth_N, ancestors_NN = tree_geometry(parents, min(N, self.max_depth))
+        tree = DraftTree(tokens, parents, probs, chain_hint=bucket.chain, depth_bound=min(N, self.max_depth))
         # The shape facts the rules read, set on the instance (``DraftTree`` caches them behind a lock that a
         # traced step must not take).
         tree.is_chain = bucket.chain
@@ -200,7 +202,8 @@ class Steps:
         P = prompt_P.shape[0]
         cache = self.cache
         cache.reset()
-        cache.use_bucket(P)
+        cache.use_bucket(P)  # checks the prompt fits
+        cache.bucket = P  # eager: attention over the prompt's own columns, not a whole bucket
         cache.place(P)
         kw = {self._cache_kw: cache}
         if self._cache_position:

@@ -141,7 +141,8 @@ def decode(dec, kind, drafter, prompt, n):
     return dec.plain(prompt, n) if kind == "plain" else dec.speculative(drafter, prompt, n, num_draft=GAMMA)
 
 
-# Drafters whose static step drafts a tree: it keeps its full depth to the end of a decode (a chain is clipped).
+# Drafters whose static step drafts a tree: near the end of a decode it is clipped in place (nodes deeper than the
+# tokens left never accepted, its bucket unchanged), where the eager loop proposes a smaller tree.
 STATIC_TREES = ("table", "medusa_tree", "eagle1_dynamic", "eagle3_dynamic")
 
 
@@ -241,7 +242,7 @@ def test_greedy_step_path_is_token_identical(tiny_teacher, kind):
         out = decoder.speculative(drafter, prompt, 30, num_draft=GAMMA)
         eager = decoder.speculative_eager(drafter, prompt, 30, num_draft=GAMMA)
         assert out.new_tokens == eager.new_tokens == ref
-        if kind not in STATIC_TREES:  # a static tree drafts its whole width to the end (the eager one is clipped)
+        if kind not in STATIC_TREES:  # a static tree keeps its width to the end (the eager one shrinks)
             assert out.stats.counts == eager.stats.counts
             assert dict(out.nodes_per_forward) == dict(eager.nodes_per_forward)
 
@@ -465,3 +466,53 @@ def test_a_longer_decode_moves_to_a_larger_cache_and_its_buckets():
     (large,) = dec.steps._states.values()
     assert large is not small and large.cache.capacity == 512 and buckets == {256, 512}
     assert all(k[0] == id(large) for k in dec.steps._fns)
+
+
+class TreeTableDrafter(TableDrafter):
+    """``TableDrafter`` (never spoiled: its chain is always accepted) with a static step that drafts a tree: the
+    chain, and beside each chain node a sibling the target never predicts."""
+
+    def __init__(self, teacher, gamma: int = GAMMA):
+        super().__init__(teacher, gamma, spoil=False)
+
+    def static_draft(self, committed, capacity, sampling, generator):
+        drafter, g = self, self.gamma
+        chain_parents = torch.arange(-1, g - 1)
+
+        class Static:
+            buffers = DraftBuffers(tokens_T=torch.zeros(2 * g, dtype=torch.long),
+                                   parents_T=torch.cat([chain_parents, chain_parents]), chain=False)
+
+            def prefill(self, prompt_ids_P, hidden_P, pending):
+                ...
+
+            def draft(self):
+                chain = drafter.table.index_select(0, committed.pending.view(1))[0]
+                self.buffers.tokens_T.copy_(torch.cat([chain, (chain + 1) % drafter.dims.vocab_size]))
+
+        return Static()
+
+
+def test_clip_tree_drops_exactly_the_nodes_deeper_than_asked():
+    from inference.step_decoder import clip_tree
+
+    parents = torch.tensor([-1, -1, 0, 2, 1, -1])  # depths 1, 1, 2, 3, 2, and a padding node
+    for depth, kept in ((1, [10, 11, -1, -1, -1, -1]), (2, [10, 11, 12, -1, 14, -1]), (3, [10, 11, 12, 13, 14, -1])):
+        buffers = DraftBuffers(tokens_T=torch.tensor([10, 11, 12, 13, 14, -1]), parents_T=parents.clone())
+        clip_tree(buffers, depth)
+        assert buffers.tokens_T.tolist() == kept, depth
+        assert buffers.parents_T.tolist() == parents.tolist()
+
+
+@pytest.mark.parametrize("max_new", [7, 8, 9, 10])
+def test_a_static_tree_accepts_no_more_than_the_tokens_left(tiny_teacher, max_new):
+    """A tree whose chain is always accepted, at every remainder of max_new over the step's γ + 1 tokens: the last
+    step accepts no deeper than the tokens still needed, and the output is exactly max_new tokens, as plain's."""
+    dec = Decoder(tiny_teacher)
+    drafter = TreeTableDrafter(tiny_teacher)
+    prompt = prompts()[0]
+    gen = dec.speculative(drafter, prompt, max_new, num_draft=GAMMA)
+    assert gen.new_tokens == dec.plain(prompt, max_new).new_tokens and len(gen.new_tokens) == max_new
+    committed = sum((a + 1) * c for row in gen.stats.counts.values() for a, c in row.items())
+    assert committed <= max_new, dict(gen.stats.counts)  # + the prefill's token: at most one past max_new
+    assert set(gen.nodes_per_forward) == {2 * GAMMA}  # clipped in place: the tree's one bucket throughout
