@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default="runs/bench_recipe", help="run dirs and training logs")
     parser.add_argument("--out", default=None, help="JSON path (default scripts/results/bench_recipe_<preset>_cpu.json)")
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    parser.add_argument("--redecode", action="store_true", help="decode the --rows already in --out again from their "
+                        "run dirs under --work (after a decoder fix), keeping their training figures")
     parser.add_argument("--device", default="cpu", help="train and decode here (cuda: τ only; its CPU s are not "
                         "the CPU budget, which comes from CPU runs of the same rows)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every row, e.g. trainer.lr=1e-3")
@@ -276,10 +278,19 @@ def main(argv: list[str] | None = None) -> None:
         steps = max(2, round(steps * preset["steps_scale"]))
         for seed in args.seeds:
             key = f"{name}/s{seed}"
+            run_dir = work / key.replace("/", "_")
+            if key in results["rows"] and args.redecode:
+                if refs is None:
+                    refs = [decoder.plain(p, ev.max_new_tokens).new_tokens for p in prompts]
+                drafter = load_drafter(run_dir / "drafter", teacher).float().to(teacher.device)
+                results["rows"][key]["trees"] = decode_trees(decoder, drafter, prompts, refs, ev.max_new_tokens)
+                write_text_atomically(out, json.dumps(results, indent=2))
+                print(f"{key}: decoded again: " + ", ".join(f"{t} τ {r['tau']:.2f}" for t, r in
+                                                              results["rows"][key]["trees"].items()), flush=True)
+                continue
             if key in results["rows"]:
                 print(f"{key}: done already (in {out})", flush=True)
                 continue
-            run_dir = work / key.replace("/", "_")
             fresh_scratch_run(run_dir)  # a run cut short is not in results; trainer.resume=never needs it empty
             cmd = [*overrides, *common, *TRAIN, f"trainer.steps={steps}", f"seed={seed}"]
             cost = train_row(cmd, run_dir, work / f"{key.replace('/', '_')}.log", args.device)

@@ -290,9 +290,9 @@ SOURCES: dict[str, Source] = {
         "--seeds 0 --out scripts/results/bench_recipe_dflash_toy_cpu.json", render_recipe,
         "DFlash: `experiment=dflash_toy`'s drafter (blocks of 8, 32 anchors per row) for as many training steps as "
         "fit EAGLE-1's CPU seconds; `chain` drafts 4 tokens (EAGLE's chain budget), `block` the whole block (7). "
-        "`regen0` = trained on the target's greedy answers (the DFlash recipe's, 1,400 prompts). EAGLE-1's 16-node "
-        "column repeats its chain (a step-decoder cache; docs/dflash.md) and is void. CPU s is the training "
-        "process's, one thread."),
+        "`regen0` = trained on the target's greedy answers (the DFlash recipe's, 1,400 prompts). EAGLE-1's tree "
+        "columns were decoded again from the same weights (`--redecode`) after a step-decoder fix (docs/dflash.md). "
+        "CPU s is the training process's, one thread."),
     "bench_recipe_toy_gpu.json": Source(
         "EAGLE-3 recipes, trained and decoded on a GPU (τ only)",
         "python scripts/bench_recipe.py --device cuda --rows ROW --seeds SEED", render_recipe,
