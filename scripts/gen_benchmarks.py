@@ -28,6 +28,7 @@ HEADLINE = [
     ("bench_decode_gpu.json", ("eagle1", "eagle3", "lookup"), "1 H100, 1.14B target, bf16"),
     ("bench_decode_eagle_toy_cpu.json", ("eagle1", "eagle3"), "2 CPU cores, 4M toy target"),
     ("bench_decode_toy_cpu.json", ("medusa-tree[default]", "draft_model", "lookup"), "2 CPU cores, 4M toy target"),
+    ("bench_decode_dflash_toy_cpu.json", ("dflash",), "2 CPU cores, 4M toy target"),
 ]
 
 HEADER = """# Benchmarks
