@@ -146,3 +146,50 @@ def save(drafter, run_dir: Path, kind: str, teacher: Teacher, target_name: str |
     cfg = drafter.saved_config(dict(NODES[kind]))
     target = {"source": "hf", "name": target_name or teacher.name}
     return save_drafter(drafter, run_dir / "drafter", cfg, target, teacher.identity(), TRAINED)
+
+
+def assert_sampling_keeps_the_target_distribution(node: dict, batch: int, samples: int = 3000) -> None:
+    """Temperature-1 sampling through the decode loop (batch 1: ``Decoder``; batch > 1: ``BatchedDecoder``, one
+    prompt per row) with the drafter ``node`` builds, its weights random, draws each 3-token continuation of a 4-token
+    vocabulary with the target's own probability (total variation within twice the expected sampling error), and
+    the drafter's drafts are accepted often enough for the acceptance rule to be what is tested."""
+    import itertools
+
+    from inference.batched import BatchedDecoder
+    from inference.decoder import Decoder, DecoderConfig
+    from inference.sampling import SamplingConfig
+
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0, vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_key_value_heads=1, initializer_range=0.5)
+    teacher = Teacher(model, tokenizer=None, name="tiny-v4")
+    torch.manual_seed(5)
+    drafter = build_drafter(node, teacher)
+    drafter.bind_target(teacher, initialize=False)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.5)
+    drafter.eval()
+    prompt, length = torch.tensor([[1, 2, 3]]), 3
+    seqs = torch.tensor(list(itertools.product(range(4), repeat=length)))
+    with torch.no_grad():
+        logp = model(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.log_softmax(-1)
+    exact = logp[:, 2: 2 + length].gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp().view((4,) * length)
+    counts, accepted = torch.zeros_like(exact), 0
+    if batch == 1:
+        decoder = Decoder(teacher, DecoderConfig(temperature=1.0, seed=0))
+        for _ in range(samples):
+            gen = decoder.speculative(drafter, prompt, length, num_draft=2)
+            counts[tuple(gen.new_tokens)] += 1
+            accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
+    else:
+        batched = BatchedDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
+        for _ in range(samples // batch):
+            result = batched.speculative(drafter, [prompt[0]] * batch, length, 2)
+            for gen in result.generations:
+                counts[tuple(gen.new_tokens)] += 1
+            accepted += sum(a * c for row in result.stats.counts.values() for a, c in row.items())
+    assert accepted > samples // 10
+    tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
+    distance = 0.5 * float((counts / samples - exact).abs().sum())
+    assert distance < tol, f"TV {distance:.4f} exceeds {tol:.4f}"

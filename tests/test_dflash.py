@@ -4,23 +4,22 @@ config errors."""
 
 from __future__ import annotations
 
-import itertools
 import types
 
 import pytest
 import torch
 
 from distill.losses import forward_kl
-from distill.teacher import Teacher
 from heads.base import build_drafter
 from heads.dflash import DFlashDrafter, block_mask, default_feature_layers
 from heads.dflash_rows import DFlashRows
 from heads.saved import load_drafter
 from inference.batched import BatchedDecoder
-from inference.decoder import Decoder, DecoderConfig
+from inference.decoder import Decoder
 from inference.sampling import SamplingConfig
 from serve.export import check_export, export_drafter, load_export
-from tests.drafters import DFLASH_NODE, DIMS, deep_teacher, dflash, save, tiny_llama, varied_teacher
+from tests.drafters import (DFLASH_NODE, DIMS, assert_sampling_keeps_the_target_distribution, deep_teacher, dflash,
+                            save, varied_teacher)
 
 
 def batch_of(ids):
@@ -276,40 +275,7 @@ def test_export_refuses_what_no_engine_captures_and_unsupported_engines(tmp_path
 def test_sampled_output_distribution_is_the_targets(batch):
     """Temperature-1 sampling through the decode loop (batch 1: the step decoder with the static step; batch 4: the
     batched loop, one prompt per row) draws each 3-token continuation with the target's own probability."""
-    torch.manual_seed(0)
-    model = tiny_llama(seed=0, vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                       num_key_value_heads=1, initializer_range=0.5)
-    teacher = Teacher(model, tokenizer=None, name="tiny-v4")
-    torch.manual_seed(5)
-    drafter = build_drafter({**DFLASH_NODE, "block_size": 3}, teacher)
-    drafter.bind_target(teacher, initialize=False)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.5)
-    drafter.eval()
-    prompt, length, samples = torch.tensor([[1, 2, 3]]), 3, 3000
-    seqs = torch.tensor(list(itertools.product(range(4), repeat=length)))
-    with torch.no_grad():
-        logp = model(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.log_softmax(-1)
-    exact = logp[:, 2: 2 + length].gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp().view((4,) * length)
-    counts, accepted = torch.zeros_like(exact), 0
-    if batch == 1:
-        decoder = Decoder(teacher, DecoderConfig(temperature=1.0, seed=0))
-        for _ in range(samples):
-            gen = decoder.speculative(drafter, prompt, length, num_draft=2)
-            counts[tuple(gen.new_tokens)] += 1
-            accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
-    else:
-        decoder = BatchedDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
-        for _ in range(samples // batch):
-            result = decoder.speculative(drafter, [prompt[0]] * batch, length, 2)
-            for gen in result.generations:
-                counts[tuple(gen.new_tokens)] += 1
-            accepted += sum(a * c for row in result.stats.counts.values() for a, c in row.items())
-    assert accepted > samples // 10
-    tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
-    distance = 0.5 * float((counts / samples - exact).abs().sum())
-    assert distance < tol, f"TV {distance:.4f} exceeds {tol:.4f}"
+    assert_sampling_keeps_the_target_distribution({**DFLASH_NODE, "block_size": 3}, batch)
 
 
 # --- configuration ---------------------------------------------------------------------------------------------
