@@ -7,8 +7,10 @@ is the guess for the k-th token after the pending one).
 The cache is the step decoder's ``inference.static_cache.StaticKV`` (a transformers ``Cache``, so the draft model's
 own forward fills it), of ``columns`` = capacity + (M + 1) + γ positions, column = position. Columns below ``length``
 (this step's own device scalar) hold the committed tokens before the last verification's first row; a forward writes
-its n entries at device positions (``StaticKV.place``) by ``index_copy_`` and attends over the whole buffer under a
-4D mask (each query: the columns up to its own position), so every forward of a bucket has one shape.
+its n entries at device positions (``StaticKV.place``) by ``index_copy_`` and attends over a capacity bucket under a
+4D mask (each query: the columns up to its own position), so every forward of a bucket has one shape. The decoder
+picks the bucket on the host before each draft (``use_shape``: the smallest of ``inference.static_cache``'s buckets
+holding the drafts, so attention grows with the sequence as the target's does) and records one step per shape.
 
 Sampled chains (temperature > 0): each draft is drawn from the draft logits warped exactly as the target's
 (``inference.sampling.warp``; those rows are ``DraftBuffers.probs_TV``) by inverse CDF from a uniform made inside the
@@ -16,10 +18,17 @@ step: a counter-based hash (``hashed_uniforms``) of a per-sequence seed, drawn f
 ``prefill``, and a step counter on the device. A recorded step thus draws fresh uniforms on every replay, with no
 generator inside it (dynamo cannot trace one) and no host work before it.
 
-Per ``draft()``: one forward of M + 1 rows (the verification's rows ``ids_M[:count]``, then the pending token, then
-padding, whose writes land past the new length and are overwritten before they are read), the first draft from the
-pending token's row, then γ - 1 one-token forwards feeding each draft; ``length`` advances by ``count``. ``prefill``
-feeds the prompt but its last token, and leaves that token and the pending one as the first step's rows.
+Per ``draft()``: one catch-up forward, the first draft from the pending token's row, then γ - 1 one-token forwards
+feeding each draft; ``length`` advances by ``count``. The catch-up, by what the cache already holds:
+- after its own draft (what the decoder runs): the cache already holds every committed row but the last draft (the
+  first row was the last catch-up's pending token, the accepted drafts were fed at their positions while drafting),
+  so it feeds 2 rows: the last committed row (that last draft when the whole chain was accepted, else a row already
+  there, fed again) and the pending token;
+- otherwise (any committed rows: the default until ``use_shape``): M + 1 rows, the verification's rows
+  ``ids_M[:count]``, then the pending token, then padding, whose writes land past the new length and are
+  overwritten before they are read.
+``prefill`` feeds the prompt but its last token, and leaves that token and the pending one as the first step's
+rows.
 
 Shapes: M committed rows, R = M + 1 catch-up rows, γ draft tokens (= M - 1), C cache columns, V vocabulary.
 """
@@ -78,7 +87,8 @@ class DraftModelStaticDraft:
         dev = drafter.device
         R = M + 1
         self.columns = capacity + R + self.gamma
-        self.cache = StaticKV(kv_shapes(model), self.columns, dev, widths=(R, 1))
+        self.cache = StaticKV(kv_shapes(model), self.columns, dev, widths=(R, 2, 1))
+        self.rows = R  # the catch-up's width: R (any committed rows), or 2 after its own draft (``use_shape``)
         self.cache_kwarg = cache_kwarg(model)
         self.length = torch.zeros((), dtype=torch.long, device=dev)
         self.fresh = torch.ones((), dtype=torch.bool, device=dev)  # set by prefill: rows from prefill_ids_R
@@ -108,11 +118,11 @@ class DraftModelStaticDraft:
         if P > 1:  # eager: a shape per prompt length is fine here, and attention over the prompt's columns only
             pos = torch.arange(P - 1, device=dev)
             self.cache.place(P - 1, start=pos[0])
-            self.cache.bucket = P - 1
+            bucket, self.cache.bucket = self.cache.bucket, P - 1
             try:
                 self._forward(ids[None, : P - 1], pos)
             finally:
-                self.cache.bucket = self.columns
+                self.cache.bucket = bucket
         self.prefill_ids_R.zero_()
         self.prefill_ids_R[0] = ids[P - 1]
         self.prefill_ids_R[1] = pending.to(dev)
@@ -121,15 +131,31 @@ class DraftModelStaticDraft:
         if not self.sampling.greedy:
             reseed_draws(self.seed, self.counter, self.generator)
 
+    def use_shape(self, context: int, own_draft: bool) -> tuple[int, int]:
+        """Host, before a ``draft`` after ``context`` committed tokens (the pending token's position): attention over
+        the smallest capacity bucket of ``inference.static_cache`` holding the drafts' columns (up to ``context`` +
+        γ), and a catch-up of 2 rows when the committed rows past the first are this step's own last draft (their
+        keys and values are already in the cache, the last draft's aside: feed it and the pending token), else of
+        M + 1 (the default: any committed rows). Returns (bucket, catch-up rows): the recorded step's key."""
+        self.rows = 2 if own_draft else self.rows_R.shape[0]
+        return self.cache.use_bucket(context + self.gamma), self.rows
+
     @torch.no_grad()
     def draft(self) -> None:
         c = self.committed
         count = torch.where(self.fresh, 1, c.count)
-        committed_R = torch.cat([c.ids_M, c.ids_M[:1]])
-        rows = torch.where(self.rows_R < c.count, committed_R, torch.where(self.rows_R == c.count, c.pending, 0))
-        ids_R = torch.where(self.fresh, self.prefill_ids_R, rows)
-        self.cache.place(ids_R.shape[0], start=self.length)
-        logits = self._forward(ids_R[None], self.length + self.rows_R, count.reshape(1))
+        if self.rows == 2:  # after its own draft: the last committed row (its last draft, or a re-fed one), pending
+            start = self.length + count - 1
+            ids_2 = torch.cat([c.ids_M.index_select(0, (count - 1).reshape(1)), c.pending.reshape(1)])
+            ids_2 = torch.where(self.fresh, self.prefill_ids_R[:2], ids_2)
+            self.cache.place(2, start=start)
+            logits = self._forward(ids_2[None], start + self.rows_R[:2])
+        else:
+            committed_R = torch.cat([c.ids_M, c.ids_M[:1]])
+            rows = torch.where(self.rows_R < c.count, committed_R, torch.where(self.rows_R == c.count, c.pending, 0))
+            ids_R = torch.where(self.fresh, self.prefill_ids_R, rows)
+            self.cache.place(ids_R.shape[0], start=self.length)
+            logits = self._forward(ids_R[None], self.length + self.rows_R, count.reshape(1))
         self.length.add_(count)
         self.fresh.fill_(False)
         uniforms = None

@@ -65,6 +65,20 @@ class StaticDraft(Protocol):
         ...
 
 
+class ShapedDraft(Protocol):
+    """Optional on a ``StaticDraft`` whose step has more than one static shape: attention over a capacity bucket
+    that grows with the sequence (as the target's ``inference.static_cache.StaticKV``), a catch-up no wider than
+    what the last verification left to feed. The decoder calls ``use_shape`` on the host before each draft and keeps
+    one recorded draft step per key it returns."""
+
+    def use_shape(self, context: int, own_draft: bool) -> tuple[int, ...]:
+        """Host: the next ``draft`` follows ``context`` committed tokens (the pending token's position);
+        ``own_draft``: the committed rows past the first are this step's own last draft (the decoder verified it,
+        or ``prefill`` ran), not another proposal's. Fix the step's shape (Python constants of the recorded step)
+        and return it as the key of its recording."""
+        ...
+
+
 def mark_static(*tensors: Tensor) -> None:
     """Tell ``torch.compile`` these buffers keep their address: a compiled step with CUDA graphs
     (``mode="reduce-overhead"``) then reads and writes them in place, where it would otherwise skip the graph for a

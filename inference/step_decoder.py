@@ -108,7 +108,7 @@ class StepDecoder:
             live = {id(s) for s in self._states.values()}  # what a replaced state's recordings held goes with it
             self._static = {k: v for k, v in self._static.items() if k[1] in live}
             drafts = {("draft", id(v[1])) for v in self._static.values()}
-            self._fns = {k: f for k, f in self._fns.items() if k[0] in live or k in drafts}
+            self._fns = {k: f for k, f in self._fns.items() if k[0] in live or k[:2] in drafts}
         return steps
 
     def _step(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig) -> None:
@@ -137,9 +137,10 @@ class StepDecoder:
             return _Recorded(fn, self)
         return fn
 
-    def _draft_step(self, static):
-        """The static drafter's ``draft`` as this decoder runs a step (recorded / compiled like the verify steps)."""
-        key = ("draft", id(static))
+    def _draft_step(self, static, shape: tuple | None = None):
+        """The static drafter's ``draft`` as this decoder runs a step (recorded / compiled like the verify steps), one
+        per shape the drafter chose (``inference.static_draft.ShapedDraft``; None: a draft step of one shape)."""
+        key = ("draft", id(static), shape)
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = self._wrap(static.draft)
@@ -168,7 +169,8 @@ class StepDecoder:
         if key not in self._static:
             if len(self._static) >= STATIC_KEPT:  # the oldest goes, with the steps recorded for it
                 old = self._static.pop(next(iter(self._static)))
-                self._fns.pop(("draft", id(old[1])), None)
+                gone = ("draft", id(old[1]))
+                self._fns = {k: f for k, f in self._fns.items() if k[:2] != gone}
             self._static[key] = (drafter, static)
         return static
 
@@ -327,7 +329,9 @@ class Session:
         dec, steps = self.dec, self.steps
         if self.static is not None:
             steps.use_draft(self.static.buffers)
-            dec._draft_step(self.static)()
+            use_shape = getattr(self.static, "use_shape", None)  # context: the pending token's position
+            shape = use_shape(steps.cache.host_length, True) if use_shape else None
+            dec._draft_step(self.static, shape)()
             b = self.static.buffers
             T = size = b.tokens_T.shape[0]
             if b.chain and depth < T:  # no deeper than ``depth``, as an eager proposal
@@ -344,7 +348,9 @@ class Session:
 
     def load(self, tree: DraftTree, num_draft: int | None = None) -> None:
         """Verify ``tree`` next instead of a drafted proposal (the cost model's random trees of a shape), a chain in
-        the bucket of a decode drafting ``num_draft`` (default: this session's)."""
+        the bucket of a decode drafting ``num_draft`` (default: this session's). A static drafter's next catch-up
+        still feeds only what follows its own last draft (the step a real decode runs, which the cost model times),
+        so that draft reads a cache without this tree's tokens: a poorer guess, never a wrong output."""
         N, size, chain, parents = self.dec._load(self.steps, tree, num_draft or self.num_draft, self.sampling)
         self.steps.use_draft(None)
         self._next = (self.dec._bucket(self.steps, N, chain), size, chain, parents, tree)

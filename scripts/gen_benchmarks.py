@@ -338,7 +338,18 @@ SOURCES: dict[str, Source] = {
         "150; `data.max_length=128 trainer.micro_batch_size=4`), the same 20 held-out prompts × 96 new tokens, "
         "greedy, γ = 4; each method timed in one checkout, then the other, alone on the machine. The per-round "
         "ratios' spread is the run's noise: plain vs plain 0.83–1.18, one checkout's own rate up to ±12% between "
-        "rounds. The draft model is slower in every round."),
+        "rounds. The draft model is slower in every round (its static step since remeasured: "
+        "`bench_decode_steps_draft_model_toy_cpu.json`)."),
+    "bench_decode_steps_draft_model_toy_cpu.json": Source(
+        "The draft model's static step beside the eager loop it replaced (CPU toy)",
+        "python scripts/bench_decode_side_by_side.py --base BEFORE --preset toy --threads 2 --rounds 7 "
+        "--methods draft_model eval.drafter_dtype=float32",
+        render_side_by_side,
+        "After the draft step's attention moved to a capacity bucket that grows with the sequence and its catch-up "
+        "to 2 rows (the step before fed M + 1 = 6 rows over all 522 columns). BEFORE: a checkout of the code before "
+        "the step decoder; 20 held-out prompts × 96 new tokens, greedy, γ = 4, alone on the machine. A 5-round run "
+        "just before this one gave 0.89× (rounds 0.84–1.06): within this machine's noise (plain vs plain "
+        "0.83–1.18)."),
     "bench_decode_steps_tiny_cpu_before.json": Source(
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
     "bench_regenerate_toy_cpu.json": Source(

@@ -304,3 +304,54 @@ def test_a_new_tree_budget_between_decodes_drafts_the_new_tree(target):
     drafter.set_tree("chain")
     assert dec.speculative(drafter, prompt, 24, rows - 1).new_tokens == plain
     assert not used[0].chain and used[1] is used[0] and used[-1].chain
+
+
+def test_draft_model_shape_follows_the_context_and_its_own_draft(target):
+    """``use_shape``: attention over the smallest capacity bucket holding the drafts, a 2-row catch-up after its
+    own draft, M + 1 rows otherwise; past the capacity it refuses."""
+    drafter, rows = draft_model(target)
+    static = drafter.static_draft(committed_for(drafter, rows), 600, GREEDY, None)  # 600 + 6 + 4 columns
+    assert static.use_shape(10, True) == (256, 2)
+    assert static.use_shape(252, True) == (256, 2)  # drafts up to column 255
+    assert static.use_shape(253, True) == (512, 2)
+    assert static.use_shape(300, False) == (512, rows + 1)
+    assert static.use_shape(600, True) == (610, 2)
+    with pytest.raises(ValueError, match="more than the StaticKV capacity"):
+        static.use_shape(607, True)
+
+
+def test_decoder_drafts_with_a_two_row_catch_up_what_the_eager_proposal_drafts(target):
+    """Through ``Decoder``: the draft model's static step, at the shapes the decoder picks (a 2-row catch-up, the
+    key length a capacity bucket, never the whole buffer), accepts exactly what the eager proposal accepts at every
+    step (the same drafts) and decodes plain greedy decoding's tokens."""
+    drafter, rows = draft_model(target)
+    shapes, attention = [], set()
+    build = drafter.static_draft
+
+    def recorded(*args, **kwargs):
+        static = build(*args, **kwargs)
+        if not hasattr(static, "recorded"):
+            use_shape, draft, static.recorded = static.use_shape, static.draft, True
+            static.use_shape = lambda *a: shapes.append(use_shape(*a)) or shapes[-1]
+
+            def run():
+                with Recorder() as rec:
+                    draft()
+                attention.update(rec.attention)
+
+            static.draft = run
+        return static
+
+    dec = Decoder(target)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in PROMPTS]
+    drafter.static_draft = lambda *args, **kwargs: None  # the eager proposal, into the step's buffers
+    eager = [dec.speculative(drafter, p, 48, rows - 1) for p in prompts]
+    drafter.static_draft = recorded
+    static = [dec.speculative(drafter, p, 48, rows - 1) for p in prompts]
+    for p, e, s in zip(prompts, eager, static):
+        assert s.new_tokens == e.new_tokens == dec.plain(p, 48).new_tokens
+        assert dict(s.node_accepts) == dict(e.node_accepts) and s.nodes_per_forward == e.nodes_per_forward
+    assert sum(e.nodes_per_forward.values()) < 48  # drafts were accepted: the catch-up fed accepted chains
+    assert shapes and set(shapes) == {(256, 2)}
+    assert {(q[-2], k[-2]) for q, k in attention} == {(2, 256), (1, 256)}
