@@ -23,7 +23,8 @@ from torch import Tensor
 from heads.draft_model_static import hashed_uniforms
 from inference.acceptance import sample_uniform
 from inference.sampling import SamplingConfig, warp
-from inference.static_draft import CommittedBuffers, DraftBuffers, check_prompt_fits, mark_static, reseed_draws
+from inference.static_draft import (CommittedBuffers, DraftBuffers, check_layers_held,
+                                     check_prompt_fits, mark_static, reseed_draws)
 
 
 class DFlashStaticDraft:
@@ -32,11 +33,7 @@ class DFlashStaticDraft:
 
     def __init__(self, drafter, committed: CommittedBuffers, capacity: int, depth: int, sampling: SamplingConfig,
                  generator: torch.Generator | None):
-        missing = [i for i in drafter.teacher_layers if i not in committed.hidden_M]
-        if missing:
-            raise ValueError(f"{drafter.name} reads target hidden-state layers {list(drafter.teacher_layers)}; the "
-                             f"committed buffers hold {sorted(committed.hidden_M)} (missing {missing}): allocate them "
-                             f"with layers=drafter.teacher_layers")
+        check_layers_held(drafter, committed)
         M = committed.ids_M.shape[0]
         if not 1 <= depth <= min(M - 1, drafter.block_size - 1):
             raise ValueError(f"{drafter.name}: a draft of depth {depth} needs 1 <= depth <= committed rows - 1 "

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inference.dynamic_tree import expand_dynamic_trees
-from inference.static_draft import CommittedBuffers, DraftBuffers, check_prompt_fits, mark_static
+from inference.static_draft import (CommittedBuffers, DraftBuffers, check_layers_held,
+                                     check_prompt_fits, mark_static)
 
 
 def tree_sizes(top_k: int, depth: int, total_tokens: int, vocab: int) -> tuple[int, int, int]:
@@ -46,11 +47,7 @@ class EagleStaticDraft:
     """``StaticDraft`` for one ``heads.eagle.EagleDrafter`` at one capacity bucket (batch 1)."""
 
     def __init__(self, drafter, committed: CommittedBuffers, capacity: int, depth: int):
-        missing = [i for i in drafter.teacher_layers if i not in committed.hidden_M]
-        if missing:
-            raise ValueError(f"{drafter.name} reads target hidden-state layers {list(drafter.teacher_layers)}; the "
-                             f"committed buffers hold {sorted(committed.hidden_M)} (missing {missing}): allocate them "
-                             f"with layers=drafter.teacher_layers")
+        check_layers_held(drafter, committed)
         M = committed.ids_M.shape[0]
         if not 1 <= depth <= M - 1:
             raise ValueError(f"{drafter.name}: a draft of depth {depth} needs committed buffers of at least 1 + depth "

@@ -97,6 +97,15 @@ def weights_signature(module) -> tuple:
     return tuple((p.dtype, p.device, p.data_ptr()) for p in parameters()) if parameters else ()
 
 
+def check_layers_held(drafter, committed: CommittedBuffers) -> None:
+    """A static draft's refusal: the committed buffers must hold every target layer ``drafter`` reads."""
+    missing = [i for i in drafter.teacher_layers if i not in committed.hidden_M]
+    if missing:
+        raise ValueError(f"{drafter.name} reads target hidden-state layers {list(drafter.teacher_layers)}; the "
+                         f"committed buffers hold {sorted(committed.hidden_M)} (missing {missing}): allocate them "
+                         f"with layers=drafter.teacher_layers")
+
+
 def check_prompt_fits(name: str, prompt_len: int, capacity: int) -> None:
     """A ``StaticDraft.prefill`` refusal: the prompt must fit the capacity its buffers were allocated for."""
     if not 1 <= prompt_len <= capacity:
