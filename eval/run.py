@@ -208,6 +208,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         "greedy": {"new_tokens": plain.tokens, "seconds": plain.total.seconds, "tokens_per_s": plain_tps},
         "baselines": {name: _baseline(name, t, plain_tps, per, greedy, len(prompts)) for name, t in hf_tally.items()},
         "results": results,
+        "decoder_steps": decoder.steps.describe(),
         "machine": machine_info(),
         "definitions": DEFINITIONS,
     }

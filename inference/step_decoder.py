@@ -92,6 +92,14 @@ class StepDecoder:
         self._static: dict[tuple, tuple] = {}  # (drafter, buffers, sampling) -> (drafter, its StaticDraft or None)
         self.fallback_reason: str | None = None  # why a CUDA graph recording fell back to the eager step
 
+    def describe(self) -> dict:
+        """How the steps ran (reports): CUDA graphs or compile, the step functions made, how many are replayed
+        recorded graphs, and why a recording fell back to the eager step (None: none did)."""
+        fns = list(self._fns.values())
+        return {"cuda_graphs": self.graphs, "compile": self.compile, "step_functions": len(fns),
+                "recorded_graphs": sum(isinstance(f, _Recorded) and f.graph is not None for f in fns),
+                "fallback_reason": self.fallback_reason}
+
     # --- state and step functions ----------------------------------------------------------------------------------
     def state(self, columns: int, layers: tuple[int, ...] = (), max_nodes: int = 0, rows: int = 1,
               probs: bool = False) -> Steps:
@@ -211,17 +219,15 @@ class StepDecoder:
             sync(self.device)
             gen = run.gen
             gen.prefill_seconds = time.perf_counter() - start
+            clock = StepClock(self.device)
             while len(run.new) < max_new_tokens and (self.eos_token_id is None or self.eos_token_id not in run.new):
-                t0 = time.perf_counter()
+                t0 = clock.mark()
                 run.draft(min(num_draft, max_new_tokens - len(run.new)))
-                sync(self.device)
-                t1 = time.perf_counter()
+                t1 = clock.mark()
                 run.verify()
-                sync(self.device)
-                t2 = time.perf_counter()
-                gen.draft_seconds += t1 - t0
-                gen.verify_seconds += t2 - t1
+                clock.step(t0, t1, clock.mark())
         sync(self.device)
+        gen.draft_seconds, gen.verify_seconds = clock.totals()
         gen.seconds = time.perf_counter() - start
         gen.new_tokens = finish(run.new, max_new_tokens, self.eos_token_id)
         return gen
@@ -383,6 +389,39 @@ class Session:
             self.drafter.accepted(path, committed)
         self.new.extend(committed)
         return path, committed
+
+
+class StepClock:
+    """Draft and verify time over a decode. On CUDA, events recorded between the parts, read once after the decode: a
+    sync between a step's draft and its verification (the host clock needs one) would stall the device every step,
+    and the verification's read-back already waits for both. On a CPU, the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple] = []
+        self.draft = self.verify = 0.0
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def step(self, start, drafted, verified) -> None:
+        if self.cuda:
+            self.marks.append((start, drafted, verified))
+        else:
+            self.draft += drafted - start
+            self.verify += verified - drafted
+
+    def totals(self) -> tuple[float, float]:
+        """(draft seconds, verify seconds); on CUDA after the caller's sync."""
+        for start, drafted, verified in self.marks:
+            self.draft += start.elapsed_time(drafted) / 1e3
+            self.verify += drafted.elapsed_time(verified) / 1e3
+        self.marks.clear()
+        return self.draft, self.verify
 
 
 def _deepest(tree: DraftTree) -> int:

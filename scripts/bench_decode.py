@@ -58,6 +58,7 @@ PRESETS = {
         "eagle_steps": 20,
         # the toy recipe's feature layers do not exist on the 2-layer tiny target: its default spread instead
         "dflash": {"overrides": ["drafter.layers=null", "regenerate.num_prompts=32"], "steps": 20},
+        "peagle": {"overrides": ["regenerate.num_prompts=32"], "steps": 20},
     },
     "toy": {
         "target": "toy",
@@ -80,10 +81,16 @@ PRESETS = {
         "methods": "lookup,eagle1,eagle3",
         "medusa_steps": 400,
         "eagle_steps": 400,
+        # The parallel drafters read the default spread of the 22 layers (not the toy recipes' 1-3) and regenerate
+        # with this project's batched decoder (HF's compiled generate recompiles per batch shape); as many steps as
+        # EAGLE. Their recipes regenerate the target's answers: pass data.mode=regenerate to train EAGLE on the same.
+        "dflash": {"overrides": ["drafter.layers=null", "regenerate.engine=batched"], "steps": 400},
+        "peagle": {"overrides": ["regenerate.engine=batched"], "steps": 400},
     },
 }
-METHODS = ("medusa-chain", "medusa-tree", "draft_model", "lookup", "eagle1", "eagle3", "dflash")
+METHODS = ("medusa-chain", "medusa-tree", "draft_model", "lookup", "eagle1", "eagle3", "dflash", "peagle")
 DFLASH_RECIPE = "dflash_toy"  # conf/experiment/: the recipe the dflash method trains with (its steps included)
+PEAGLE_RECIPE = "peagle_toy"  # likewise for peagle
 
 
 def compose_cfg(preset: dict, extra: list[str], drafter: str, steps: int | None):
@@ -174,6 +181,13 @@ def main(argv=None) -> None:
     ap.add_argument("--dflash-dir", default=None, help="train DFlash into this run dir, or reuse the drafter there")
     ap.add_argument("--dflash-steps", type=int, default=None, help=f"DFlash training steps (default: "
                     f"experiment={DFLASH_RECIPE}'s)")
+    ap.add_argument("--peagle-dir", default=None, help="train P-EAGLE into this run dir, or reuse the drafter there")
+    ap.add_argument("--peagle-steps", type=int, default=None, help=f"P-EAGLE training steps (default: the preset's, "
+                    f"else experiment={PEAGLE_RECIPE}'s)")
+    ap.add_argument("--target-steps", type=int, default=None, help="pretraining steps of a built toy target "
+                    "(default: the preset's; another value is another cached target)")
+    ap.add_argument("--no-eager-steps", action="store_true", help="on CUDA, skip the second evaluation with "
+                    "decoder.cuda_graphs=off")
     ap.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} (default: all; "
                     "the gpu preset's: lookup,eagle1,eagle3)")
     ap.add_argument("--prepare", action="store_true", help="build the target and train the drafters (into the "
@@ -190,6 +204,8 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
+    if args.target_steps is not None:
+        preset = {**preset, "target_toy": {**preset.get("target_toy", {}), "steps": args.target_steps}}
     cfg, draft_cfg = load_cfg(preset, args.overrides, args.medusa_steps or preset["medusa_steps"])
 
     from distill.teacher import load_teacher
@@ -223,15 +239,20 @@ def main(argv=None) -> None:
         if kind in methods:
             kind_cfg = compose_cfg(preset, args.overrides, kind, steps)
             drafters[kind], setup[f"{kind}_training"] = trained(kind_cfg, run_dir, teacher, kind)
-    if "dflash" in methods:
-        own = preset.get("dflash", {})
-        kind_cfg = compose_cfg(preset, [f"experiment={DFLASH_RECIPE}", *own.get("overrides", []), *args.overrides],
-                               "dflash", args.dflash_steps or own.get("steps"))
-        drafters["dflash"], setup["dflash_training"] = trained(kind_cfg, args.dflash_dir, teacher, "dflash")
-    # a block drafter drafts its whole block (or its configured depth); the others eval.num_draft
+    for kind, recipe, run_dir, kind_steps in (("dflash", DFLASH_RECIPE, args.dflash_dir, args.dflash_steps),
+                                              ("peagle", PEAGLE_RECIPE, args.peagle_dir, args.peagle_steps)):
+        if kind in methods:
+            own = preset.get(kind, {})
+            kind_cfg = compose_cfg(preset, [f"experiment={recipe}", *own.get("overrides", []), *args.overrides],
+                                   kind, kind_steps or own.get("steps"))
+            drafters[kind], setup[f"{kind}_training"] = trained(kind_cfg, run_dir, teacher, kind)
+    # a parallel drafter drafts its whole block / every trained depth in one forward (or its configured depth); the
+    # others eval.num_draft
     num_draft = {}
     if "dflash" in drafters:
         num_draft["dflash"] = drafters["dflash"].depth or drafters["dflash"].block_size - 1
+    if "peagle" in drafters:
+        num_draft["peagle"] = drafters["peagle"].depth or drafters["peagle"].num_depths
 
     if args.prepare:
         log.info("prepared: target %s, drafters %s; setup seconds %s", teacher.identity(), sorted(drafters), setup)
@@ -271,7 +292,7 @@ def main(argv=None) -> None:
         save()
     out["transfers_per_step"] = transfers_per_step(teacher, drafters, prompts[0], cfg.eval, dcfg, num_draft)
     save()
-    if device.type == "cuda" and dcfg.cuda_graphs != "off":  # graphs vs eager steps, in the same run
+    if device.type == "cuda" and dcfg.cuda_graphs != "off" and not args.no_eager_steps:  # graphs vs eager steps
         try:
             eager = evaluate(teacher, drafters, prompts, dataclasses.replace(cfg.eval, hf_baselines=False),
                              dcfg.__class__(**{**vars(dcfg), "cuda_graphs": "off"}), categories,
@@ -296,7 +317,7 @@ def main(argv=None) -> None:
         out["runs"]["temperature_1"] = {"summary": summarize(sampled), "report": sampled}
     save()
     for run, body in out["runs"].items():
-        print(f"== {run}")
+        print(f"== {run}: steps {body.get('report', {}).get('decoder_steps')}")
         for name, row in body.get("summary", {"error": body}).items():
             print(f"  {name:<36}" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in row.items() if k != "alpha_per_position"))

@@ -312,6 +312,38 @@ def test_static_cache_decodes_like_the_models_own_cache(tiny_teacher):
         cache.use_bucket(301)
 
 
+def test_step_clock_reads_cuda_events_once_after_the_decode(monkeypatch):
+    """On CUDA the draft / verify split comes from events read after the decode (no sync between a step's draft and
+    its verification); on a CPU from the host clock. Fake events stand in for CUDA's."""
+    from inference.step_decoder import StepClock
+
+    made = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at, self.read = None, 0
+            made.append(self)
+
+        def record(self):
+            self.at = 10.0 * len(made)  # ms: 10, 20, 30, ...
+
+        def elapsed_time(self, end):
+            self.read += 1
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = StepClock(torch.device("cuda"))
+    for _ in range(3):
+        start, drafted = clock.mark(), clock.mark()
+        clock.step(start, drafted, clock.mark())
+    assert all(e.read == 0 for e in made)  # nothing read while decoding
+    assert clock.totals() == pytest.approx((0.03, 0.03))  # 10 ms each, 3 steps
+    cpu = StepClock(torch.device("cpu"))
+    cpu.step(1.0, 1.5, 3.0)
+    assert cpu.totals() == (0.5, 1.5)
+
+
 def test_cuda_graphs_key_is_checked():
     assert resolve_graphs("auto", torch.device("cpu")) is False
     assert resolve_graphs("off", torch.device("cuda")) is False

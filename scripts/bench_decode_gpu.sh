@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU decoding measurement as one command (docs/gpu-decoding.md, "GPU measurement recipe"), for a machine that
+# is lent for minutes: every phase writes its JSON and log under $OUT before the next starts, and each is cut at the
+# deadline so the command ends inside its lease.
+#
+#   OUT=<dir> DEADLINE_S=540 bash scripts/bench_decode_gpu.sh
+#
+# 0. smoke: the step decoder's CUDA test, then the tiny preset with every drafter kind, graphed (seconds; numbers
+#    meaningless). A failure stops here, so a second lease is spent on a fixed run, not on the long phases.
+# 1. core: the 1.14B preset (--target-steps, default 150), plain with CUDA graphs and without, HF generate() eager
+#    and with its compiled static cache, prompt lookup and EAGLE-1 (400 steps on the stdlib text).
+# 2. parallel: the same target, the target's own greedy answers regenerated once, then EAGLE-1, DFlash and P-EAGLE
+#    trained on them (400 steps each) and decoded in one run, graphed.
+# Needs torch, transformers and tokenizers; hydra, omegaconf and antlr4 may come from a folder on PYTHONPATH
+# (.gpu_deps: copy them from a virtual environment that has them).
+set -u
+OUT=${OUT:-scripts/results/gpu}
+DEADLINE_S=${DEADLINE_S:-540}
+TARGET_STEPS=${TARGET_STEPS:-150}
+PROMPTS=${PROMPTS:-10}
+RUNS=${RUNS:-/tmp/specdraft-gpu-runs}
+mkdir -p "$OUT" "$RUNS"
+export PYTHONPATH="$PWD:$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export SPECDRAFT_CACHE=${SPECDRAFT_CACHE:-/tmp/specdraft-cache}
+PY=${PYTHON:-python3}
+start=$(date +%s)
+left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
+phase() {  # phase NAME MAX_SECONDS COMMAND...: run under the smaller of MAX_SECONDS and the time left
+  local name=$1 max=$2 budget
+  shift 2
+  budget=$(left)
+  (( budget > max )) && budget=$max
+  if (( budget < 20 )); then
+    echo "== $name: skipped, ${budget}s left" | tee -a "$OUT/phases.txt"
+    return 124
+  fi
+  echo "== $name: up to ${budget}s (at $(( $(date +%s) - start ))s)" | tee -a "$OUT/phases.txt"
+  timeout --signal=INT --kill-after=15 "$budget" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc after $(( $(date +%s) - start ))s" | tee -a "$OUT/phases.txt"
+  tail -n 25 "$OUT/$name.log"
+  return $rc
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $PY -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__,
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
+} > "$OUT/phases.txt" 2>&1
+cat "$OUT/phases.txt"
+
+phase smoke 150 $PY -m pytest -x -q -p no:cacheprovider tests/test_step_decoder.py -k "cuda" || exit 3
+phase smoke_tiny 120 $PY scripts/bench_decode.py --preset tiny \
+  --methods lookup,eagle1,dflash,peagle,medusa-chain,draft_model --out "$OUT/smoke_tiny.json" || exit 4
+
+phase core 330 $PY scripts/bench_decode.py --preset gpu --target-steps "$TARGET_STEPS" --methods lookup,eagle1 \
+  --eagle1-dir "$RUNS/eagle1" --out "$OUT/gpu_core.json" eval.num_prompts="$PROMPTS"
+
+phase parallel 400 $PY scripts/bench_decode.py --preset gpu --target-steps "$TARGET_STEPS" \
+  --methods eagle1,dflash,peagle --no-eager-steps --eagle1-dir "$RUNS/eagle1_regen" --dflash-dir "$RUNS/dflash" \
+  --peagle-dir "$RUNS/peagle" --out "$OUT/gpu_parallel.json" eval.num_prompts="$PROMPTS" eval.hf_baselines=false \
+  data.mode=regenerate regenerate.num_prompts=512 regenerate.batch_size=128 regenerate.engine=batched \
+  regenerate.temperature=0
+echo "done after $(( $(date +%s) - start ))s"
