@@ -103,10 +103,11 @@ class TableDrafter:
         drafter = self
 
         class Static:
-            buffers = DraftBuffers(tokens_T=torch.zeros(drafter.gamma, dtype=torch.long),
-                                   parents_T=torch.arange(-1, drafter.gamma - 1), chain=True)
+            device = drafter.table.device
+            buffers = DraftBuffers(tokens_T=torch.zeros(drafter.gamma, dtype=torch.long, device=device),
+                                   parents_T=torch.arange(-1, drafter.gamma - 1, device=device), chain=True)
 
-            step = torch.zeros((), dtype=torch.long)
+            step = torch.zeros((), dtype=torch.long, device=device)
 
             def prefill(self, prompt_ids_P, hidden_P, pending):
                 self.step.zero_()
