@@ -66,8 +66,9 @@ class DecoderConfig:
     # Batch 1 decodes through recorded steps over a static cache (inference.step_decoder, docs/gpu-decoding.md).
     # cuda_graphs: auto (on for a CUDA target) | on | off: record each step bucket as a CUDA graph and replay it.
     cuda_graphs: str = "auto"
-    # torch.compile each step function (fullgraph=True, dynamic=False; CUDA: mode="reduce-overhead") instead of
-    # recording it by hand; the prefill runs eager. The first step of each bucket pays the compilation.
+    # torch.compile each step function (fullgraph=True, dynamic=False: inductor's fused kernels); with CUDA graphs on,
+    # the compiled step is then recorded like an eager one. The prefill runs eager. The first step of each bucket
+    # pays the compilation.
     compile: bool = False
 
     def sampling(self) -> SamplingConfig:

@@ -80,9 +80,9 @@ class ShapedDraft(Protocol):
 
 
 def mark_static(*tensors: Tensor) -> None:
-    """Tell ``torch.compile`` these buffers keep their address: a compiled step with CUDA graphs
-    (``mode="reduce-overhead"``) then reads and writes them in place, where it would otherwise skip the graph for a
-    step that mutates its inputs."""
+    """Tell ``torch.compile`` these buffers keep their address: a compiled step reads and writes them in place (and
+    under ``mode="reduce-overhead"`` keeps its CUDA graph, which it would otherwise skip for a step that mutates its
+    inputs)."""
     for t in tensors:
         try:
             torch._dynamo.mark_static_address(t)

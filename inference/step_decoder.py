@@ -18,7 +18,8 @@ stream the first time (a real step that warms up the libraries), is recorded wit
 (graphs share one memory pool) and replayed from then on; the
 attention backend is pinned (no cuDNN attention, whose per-shape plans the static shapes would not need anyway but
 whose choice must not change under a recording); a recording that fails falls back to the eager step, with the
-reason logged. ``decoder.compile`` compiles the step functions instead (``mode="reduce-overhead"`` on CUDA).
+reason logged. ``decoder.compile`` compiles the step functions first (inductor's fused kernels); with graphs on, the
+compiled step is recorded the same way (SGLang's pattern: a compiled model under the server's own graphs).
 """
 
 from __future__ import annotations
@@ -138,9 +139,10 @@ class StepDecoder:
         """``fn`` as this decoder runs a step: compiled, recorded as a CUDA graph, or as it is."""
         if self.compile:
             kw = {"backend": self.compile_backend} if self.compile_backend else {}
-            if self.device.type == "cuda" and not self.compile_backend:
-                kw["mode"] = "reduce-overhead"
-            return torch.compile(fn, fullgraph=True, dynamic=False, **kw)
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, **kw)
+            # On CUDA the compiled step (inductor's fused kernels) is recorded by this decoder like any other step, as
+            # SGLang records its compiled model: compiled on the first, eager call; one graph per bucket after.
+            return _Recorded(compiled, self) if self.graphs else compiled
         if self.graphs:
             return _Recorded(fn, self)
         return fn
