@@ -81,6 +81,7 @@ def main(argv=None) -> None:
 
     from distill.teacher import load_teacher
     from eval.baselines import hf_generate_static
+    from eval.report import machine_info
     from eval.run import eval_prompts
     from inference.sampling import GREEDY
     from train.engine import resolve_device
@@ -97,7 +98,7 @@ def main(argv=None) -> None:
     max_new, num_draft = cfg.eval.max_new_tokens, cfg.eval.num_draft
     out = {"preset": args.preset, "target": teacher.identity(), "dtype": cfg.target.dtype, "device": str(device),
            "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None, "torch": torch.__version__,
-           "max_new_tokens": max_new, "num_draft": num_draft, "modes": {}}
+           "max_new_tokens": max_new, "num_draft": num_draft, "machine": machine_info(), "modes": {}}
     path = Path(args.out)
 
     def save() -> None:

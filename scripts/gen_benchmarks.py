@@ -25,7 +25,9 @@ HEADLINE_BEGIN = "<!-- headline table: written by scripts/gen_benchmarks.py from
 HEADLINE_END = "<!-- end of the generated table -->"
 # (JSON, drafters, where): the README's one results table, GPU first
 HEADLINE = [
-    ("bench_decode_gpu.json", ("eagle1", "eagle3", "lookup"), "1 H100, 1.14B target, bf16"),
+    ("bench_decode_gpu_steps.json", ("eagle1", "lookup"), "1 H200, 1.14B target, bf16, CUDA graphs"),
+    ("bench_decode_gpu_parallel.json", ("dflash", "peagle", "eagle1"),
+     "1 H200, same target, drafters trained on its answers"),
     ("bench_decode_eagle_toy_cpu.json", ("eagle1", "eagle3"), "2 CPU cores, 4M toy target"),
     ("bench_decode_toy_cpu.json", ("medusa-tree[default]", "draft_model", "lookup"), "2 CPU cores, 4M toy target"),
     ("bench_decode_dflash_toy_cpu.json", ("dflash",), "2 CPU cores, 4M toy target"),
@@ -93,6 +95,28 @@ def render_decode(d: dict) -> str:
     for run, body in d["runs"].items():
         parts.append(f"Run `{run}`:\n\n" + _table(header, _decode_rows(body["summary"])))
     return "\n\n".join(parts)
+
+
+def render_modes(d: dict) -> str:
+    header = ["run", "mode", "plain tokens/s", "plain ÷ HF static", "EAGLE-1 tokens/s", "EAGLE-1 ÷ plain", "EAGLE-1 τ",
+              "EAGLE-1 identical", "warm-up s", "fallback"]
+    label = {"eager": "eager steps", "graphs": "CUDA graphs", "compiled": "compiled steps + CUDA graphs",
+             "hf_static": "HF `generate(cache_implementation=\"static\")`"}
+    rows = []
+    for run, body in d["runs"].items():
+        for mode, m in body["modes"].items():
+            if "error" in m:
+                rows.append([f"`{run}`", label.get(mode, mode), "error: " + m["error"][:80], *["–"] * 7])
+                continue
+            timed = m.get("timed_prompts")
+            same = m.get("eagle1_identical_prompts")
+            rows.append([f"`{run}`", label.get(mode, mode), _f(m["plain_tokens_per_s"], 1),
+                         _x(m.get("plain_over_hf_static")), _f(m.get("eagle1_tokens_per_s"), 1),
+                         _x(m.get("eagle1_speedup")), _f(m.get("eagle1_tau")),
+                         "–" if same is None else f"{same}/{timed}", _f(m.get("warmup_seconds"), 1),
+                         "–" if "steps" not in m else (m["steps"]["fallback_reason"] or "none")])
+    return (f"The first prompt warms every bucket up (compiles, then records); the rest are timed, "
+            f"{d['max_new_tokens']} new tokens each, greedy. {d['machine'].get('note', '')}\n\n" + _table(header, rows))
 
 
 def render_batch(d: dict) -> str:
@@ -246,8 +270,28 @@ class Source:
 
 DECODE = "python scripts/bench_decode.py"
 SOURCES: dict[str, Source] = {
+    "bench_decode_gpu_steps.json": Source(
+        "Decoding on a GPU with the step decoder: CUDA graphs and eager steps, 1.14B Llama-shaped target, bf16",
+        DECODE + " --preset gpu --target-steps 150 --methods lookup,eagle1 eval.num_prompts=10 (the core phase of "
+        "`bash scripts/bench_decode_gpu.sh`)", render_decode,
+        "EAGLE-1 trained 400 steps on the stdlib text; 10 held-out prompts, 96 new tokens, greedy; `greedy` records "
+        "each step bucket as a CUDA graph, `greedy_no_cuda_graphs` runs the same steps eagerly. bf16 verification and "
+        "plain steps run different kernels, so near-tied logits can flip (the one differing prompt: target logit gap "
+        "0.03 at the first difference)."),
+    "bench_decode_gpu_parallel.json": Source(
+        "Parallel drafters on a GPU: DFlash and P-EAGLE against EAGLE-1, 1.14B target, bf16, CUDA graphs",
+        DECODE + " --preset gpu --target-steps 150 --methods eagle1,dflash,peagle --no-eager-steps "
+        "data.mode=regenerate regenerate.num_prompts=512 ... (the parallel phase of `bash scripts/bench_decode_gpu.sh`)",
+        render_decode,
+        "All three trained 400 steps on the same 512 greedy answers of the target (regenerated once); DFlash drafts "
+        "its block of 7, P-EAGLE its 4 depths in one forward, EAGLE-1 a 16-node dynamic tree; 10 held-out prompts."),
+    "bench_decode_gpu_modes.json": Source(
+        "The step decoder's modes on a GPU: eager steps, CUDA graphs, compiled steps under graphs, HF static generate",
+        "python scripts/bench_decode_modes.py --preset gpu --target-steps 150 [--plain-only] --modes "
+        "graphs,hf_static,compiled", render_modes,
+        "No cost model or dtype timing, so a compiled run fits a short lease; the drafter is cast to bf16."),
     "bench_decode_gpu.json": Source(
-        "Decoding on a GPU: a 1.14B Llama-shaped target, bf16",
+        "Decoding on a GPU before the step decoder (the eager loop; H100): a 1.14B Llama-shaped target, bf16",
         f"{DECODE} --preset gpu --eagle1-dir R1 --eagle3-dir R3", render_decode,
         "EAGLE-1/3 trained 400 steps on the target; 20 held-out prompts, 96 new tokens, greedy. bf16 verification "
         "and plain steps run different kernels, so near-tied logits can flip (identical counts below 20/20)."),

@@ -213,6 +213,10 @@ def exercise(text: str) -> None:
             check_pip(seg[1:])
         elif head == "vllm":
             check_serve("vllm", text)
+        elif head == "bash":  # bash SCRIPT: the script exists and parses
+            assert len(seg) >= 2 and (ROOT / seg[1]).is_file(), f"bash: no such script {seg[1:2]}"
+            parsed = subprocess.run(["bash", "-n", str(ROOT / seg[1])], capture_output=True, text=True)
+            assert parsed.returncode == 0, parsed.stderr
         elif Path(head).name == "lint-imports":
             assert (ROOT / ".importlinter").is_file() and len(seg) == 1, seg
         elif seg[1:3] == ["-m", "pytest"] or Path(head).name == "pytest":
