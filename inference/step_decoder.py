@@ -139,7 +139,7 @@ class StepDecoder:
         """``fn`` as this decoder runs a step: compiled, recorded as a CUDA graph, or as it is."""
         if self.compile:
             kw = {"backend": self.compile_backend} if self.compile_backend else {}
-            compiled = torch.compile(fn, fullgraph=True, dynamic=False, **kw)
+            compiled = _Compiled(torch.compile(fn, fullgraph=True, dynamic=False, **kw), fn, self)
             # On CUDA the compiled step (inductor's fused kernels) is recorded by this decoder like any other step, as
             # SGLang records its compiled model: compiled on the first, eager call; one graph per bucket after.
             return _Recorded(compiled, self) if self.graphs else compiled
@@ -440,6 +440,27 @@ def clip_tree(buffers, depth: int) -> None:
     for _ in range(depth - 1):
         up = torch.where(up >= 0, parents[up.clamp(min=0)], up)
     buffers.tokens_T.masked_fill_(up >= 0, -1)  # still below a node after ``depth`` levels: deeper than ``depth``
+
+
+class _Compiled:
+    """A compiled step whose compilation, on its first call, may fail: the step then runs as it is, with the reason
+    logged (``StepDecoder.fallback_reason``). A compilation fails before the step runs, so nothing has moved."""
+
+    def __init__(self, compiled, fn, owner: StepDecoder):
+        self.compiled, self.fn, self.owner, self.calls = compiled, fn, owner, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.compiled()
+            return
+        try:
+            self.compiled()
+        except Exception as e:  # noqa: BLE001 - any failure to compile: decode with the step as it is, and say why
+            self.owner.fallback_reason = f"compile: {type(e).__name__}: {e}"[:2000]
+            log.warning("compiling a decode step failed (%s); it runs uncompiled", self.owner.fallback_reason)
+            self.compiled = self.fn
+            self.fn()
 
 
 class _Recorded:

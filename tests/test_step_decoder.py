@@ -396,6 +396,24 @@ class _FakeCuda:
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
+def test_a_failed_compilation_falls_back_to_the_step_as_it_is_and_says_why(tiny_teacher):
+    """decoder.compile with a backend that cannot compile: every step runs uncompiled, token-identically, and the
+    decoder says why."""
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no kernels for this step")
+
+    dec = StepDecoder(tiny_teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
+                      compile_backend=broken)
+    ref = Decoder(tiny_teacher)
+    prompt = prompts()[0]
+    drafter = TableDrafter(tiny_teacher)
+    assert dec.plain(prompt, 20).new_tokens == ref.plain_eager(prompt, 20).new_tokens
+    assert dec.speculative(drafter, prompt, 20, GAMMA).new_tokens == ref.plain_eager(prompt, 20).new_tokens
+    assert "no kernels for this step" in dec.fallback_reason
+    assert dec.describe()["fallback_reason"] == dec.fallback_reason
+
+
 def test_a_failed_recording_falls_back_to_the_eager_step_and_says_why(tiny_teacher, monkeypatch):
     dec = Decoder(tiny_teacher)
     dec.steps.graphs = True  # as on CUDA; the recording below fails
