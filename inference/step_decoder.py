@@ -92,6 +92,9 @@ class StepDecoder:
         self._pool = None
         self._static: dict[tuple, tuple] = {}  # (drafter, buffers, sampling) -> (drafter, its StaticDraft or None)
         self.fallback_reason: str | None = None  # why a CUDA graph recording fell back to the eager step
+        # The prompt through a recorded step padded to its capacity bucket where steps are recorded or compiled; on
+        # a CPU eagerly over its own columns (``_prefill``)
+        self.static_prefill = self.graphs or self.compile
 
     def describe(self) -> dict:
         """How the steps ran (reports): CUDA graphs or compile, the step functions made, how many are replayed
@@ -146,6 +149,22 @@ class StepDecoder:
         if self.graphs:
             return _Recorded(fn, self)
         return fn
+
+    def _prefill(self, steps: Steps, prompt: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
+        """The prompt into the cache: (last logits [V], hidden states {layer: [P, D]}). Recorded or compiled like a
+        step, one per capacity bucket, where steps are (graphs, compile); else eager over the prompt's own columns
+        (on a CPU, attention over a whole bucket would cost more than it saves)."""
+        if not self.static_prefill:
+            return steps.prefill(prompt, self.prefill_kw)
+        P = prompt.shape[0]
+        B = steps.load_prompt(prompt)
+        key = (id(steps), "prefill", B)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self._wrap(functools.partial(steps.prefill_bucket, B, self.prefill_kw))
+        fn()
+        steps.cache.host_length = P
+        return steps.first_logits.clone(), {i: h[:P].clone() for i, h in steps.prefill_hidden[B].items()}
 
     def _draft_step(self, static, shape: tuple | None = None):
         """The static drafter's ``draft`` as this decoder runs a step (recorded / compiled like the verify steps), one
@@ -303,7 +322,7 @@ class Session:
         self.gen = Generation(new_tokens=[], seconds=0.0)
         P = prompt_ids.shape[1]
         prompt = prompt_ids[0].to(dec.device)
-        logits, hidden = steps.prefill(prompt, dec.prefill_kw)
+        logits, hidden = dec._prefill(steps, prompt)
         nxt = dec._first(logits, sampling)
         steps.pending.copy_(nxt[0])
         steps.committed.pending.copy_(nxt[0])

@@ -94,6 +94,12 @@ class Steps:
         self.chain_parents = torch.arange(-1, T - 1, **long)
         self.uniforms = torch.zeros(T + 1, device=self.device)  # the sampling draws of the next step
         self.out = torch.zeros(4 + 2 * T, **long)  # the packed verdict the host reads back
+        # A recorded prefill's input (the prompt, padded to its bucket) and outputs (``prefill_bucket``).
+        self.prompt_buf = torch.zeros(capacity, **long)
+        self.prompt_last = torch.zeros(1, **long)
+        out_features = getattr(model.get_output_embeddings(), "out_features", None) or vocab_size
+        self.first_logits = torch.zeros(out_features, device=self.device)  # float32 holds any logits dtype exactly
+        self.prefill_hidden: dict[int, dict[int, Tensor]] = {}
         hidden = getattr(model.config.get_text_config(decoder=True), "hidden_size", None)
         self.committed: CommittedBuffers = new_committed(max(rows, 1), tuple(self.layers), hidden or 1, self.device,
                                                          self.dtype)
@@ -104,7 +110,9 @@ class Steps:
         """Every tensor a step reads or writes besides the model's weights (for address checks and marking)."""
         c, d = self.committed, self.draft
         out = [self.pending, self.chain_parents, self.uniforms, self.out, d.tokens_T, d.parents_T,
-               c.ids_M, c.count, c.position, c.pending, *c.hidden_M.values(), *self.cache.buffers()]
+               c.ids_M, c.count, c.position, c.pending, *c.hidden_M.values(), *self.cache.buffers(),
+               self.prompt_buf, self.prompt_last, self.first_logits,
+               *(h for b in self.prefill_hidden.values() for h in b.values())]
         return out + ([d.probs_TV] if d.probs_TV is not None else [])
 
     def use_draft(self, draft: DraftBuffers | None) -> None:
@@ -195,7 +203,48 @@ class Steps:
         hidden = {i: out.hidden_states[j][0] for i, j in self.layers.items()}
         return out.logits[0], hidden  # [W, V], {layer: [W, D]}
 
+    def prefill_bucket(self, B: int, prefill_kw: dict) -> None:
+        """The prompt in ``prompt_buf`` (its last index in ``prompt_last``), padded to ``B`` positions, through the
+        model into the cache: a step of one shape per bucket, so it is recorded and replayed like the others (CUDA
+        graphs, compile). The pads sit after the prompt, so no prompt position sees them; their keys land past the
+        committed length, masked until a later step overwrites them. Writes the last prompt position's logits into
+        ``first_logits`` and the hidden states into ``prefill_hidden[B]``; sets the committed length."""
+        cache = self.cache
+        q = cache._arange[:B]
+        where = cache.place(B)  # behind length 0 (``load_prompt``)
+        kw = {self._cache_kw: cache}
+        if self._cache_position:
+            kw["cache_position"] = where
+        allowed = (q[None, :] <= q[:, None])[None]  # causal over the bucket
+        mask = self.layout.additive(allowed, q[None], q[None], self.dtype)
+        keep = {"logits_to_keep": self.prompt_last} if "logits_to_keep" in prefill_kw else {}
+        out = self.model(input_ids=self.prompt_buf[:B].view(1, B), position_ids=q[None], attention_mask=mask,
+                         use_cache=True, output_hidden_states=bool(self.layers), **kw, **keep)
+        logits = out.logits[0] if keep else out.logits[0].index_select(0, self.prompt_last)
+        self.first_logits[: logits.shape[-1]].copy_(logits[0])
+        for i, j in self.layers.items():
+            self.prefill_hidden[B][i].copy_(out.hidden_states[j][0])
+        cache.length.copy_(self.prompt_last[0] + 1)
+
     # --- eager, outside any recording ------------------------------------------------------------------------------
+    def load_prompt(self, prompt_P: Tensor) -> int:
+        """Host: the prompt into ``prompt_buf`` for ``prefill_bucket``; returns its bucket (the smallest capacity
+        bucket holding it), whose write positions are declared here, before any recording."""
+        P = prompt_P.shape[0]
+        cache = self.cache
+        B = cache.use_bucket(P)
+        cache.declare(B)
+        cache.reset()
+        self.prompt_buf[:P].copy_(prompt_P)
+        self.prompt_buf[P:B].zero_()
+        self.prompt_last.fill_(P - 1)
+        if B not in self.prefill_hidden:  # the outputs the step writes, allocated before it is traced or recorded
+            D = self.committed.hidden_M[next(iter(self.layers))].shape[-1] if self.layers else 0
+            self.prefill_hidden[B] = {i: torch.empty(B, D, dtype=self.dtype, device=self.device) for i in self.layers}
+            for t in self.prefill_hidden[B].values():
+                _mark_static(t)
+        return B
+
     def prefill(self, prompt_P: Tensor, prefill_kw: dict) -> tuple[Tensor, dict[int, Tensor]]:
         """The prompt through the model into the static cache (eager, any length): (last logits [V], hidden states
         {layer: [P, D]}). The caller sets ``pending``."""

@@ -284,6 +284,21 @@ def test_lossless_batch1(family, kind, mode):
     assert accepted > 0, f"{family.name} {kind} {mode}: no draft token was ever accepted"
 
 
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_the_bucketed_prefill_decodes_identically(family, kind):
+    """The prefill recorded on a GPU (the prompt padded to its capacity bucket, one step shape per bucket) gives the
+    eager prefill's tokens, plain and speculative (the drafter reads its hidden states), on every family: the
+    sliding-window ones mask the pads like any later column."""
+    drafter = family.drafters[kind]
+    drafter.set_tree(next(iter(TREES[kind].values())))
+    decoder = Decoder(family.teacher)
+    decoder.steps.static_prefill = True
+    assert [decoder.plain(p[None], NEW).new_tokens for p in family.prompts] == family.references
+    gens = [decoder.speculative(drafter, p[None], NEW, GAMMA) for p in family.prompts]
+    assert [g.new_tokens for g in gens] == family.references
+    assert any(k[1] == "prefill" for k in decoder.steps._fns)  # the bucketed step ran
+
+
 @pytest.mark.parametrize("kind,mode", _modes(), ids=[f"{k}-{m}" for k, m in _modes()])
 def test_lossless_batch4(family, kind, mode):
     drafter = family.drafters[kind]

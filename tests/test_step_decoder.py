@@ -156,7 +156,9 @@ def test_one_graph_per_bucket_and_no_recompile(tiny_teacher, kind):
     short, long, third = prompts()
     decode(dec, kind, drafter, short, 8)  # warm-up: records the bucket
     graphs = counters["stats"]["unique_graphs"]
-    expected = 1 if kind in ("plain", "lookup") else 2  # the verify bucket (and a static drafter's draft step)
+    # the prefill's bucket (prompts of every length below 256 share it), the step bucket (and a static drafter's
+    # draft step)
+    expected = 2 if kind in ("plain", "lookup") else 3
     assert graphs == expected and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
     steps, accepted = 0, set()
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -183,7 +185,7 @@ def test_eager_drafters_verify_steps_compile_one_graph_per_bucket(tiny_teacher, 
         assert dec.speculative(drafter, prompt, 24, num_draft=GAMMA).new_tokens == \
             ref.plain_eager(prompt, 24).new_tokens
     assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] == len(dec._fns) <= 3, [k[1] for k in dec._fns]
+    assert counters["stats"]["unique_graphs"] == len(dec._fns) <= 4, [k[1] for k in dec._fns]  # prefill + <= 3
 
 
 class Shapes:
