@@ -3,20 +3,25 @@
 # is lent for minutes: every phase writes its JSON and log under $OUT before the next starts, and each is cut at the
 # deadline so the command ends inside its lease.
 #
-#   OUT=<dir> DEADLINE_S=540 bash scripts/bench_decode_gpu.sh
+#   OUT=<dir> DEADLINE_S=560 bash scripts/bench_decode_gpu.sh
 #
 # 0. smoke: the step decoder's CUDA test, then the tiny preset with every drafter kind, graphed (seconds; numbers
 #    meaningless). A failed tiny run stops here, so a second lease is spent on a fixed run, not on the long phases.
 # 1. core: the 1.14B preset (--target-steps, default 150), plain with CUDA graphs and without, HF generate() eager
 #    and with its compiled static cache, prompt lookup and EAGLE-1 (400 steps on the stdlib text).
-# 2. parallel: the same target, the target's own greedy answers regenerated once, then EAGLE-1, DFlash and P-EAGLE
+# 2. modes: plain and the same EAGLE-1 with CUDA graphs, HF's compiled static generate, then compiled steps under
+#    graphs (scripts/bench_decode_modes.py: each bucket compiles once, about 20 s).
+# 3. parallel: the same target, the target's own greedy answers regenerated once, then EAGLE-1, DFlash and P-EAGLE
 #    trained on them (400 steps each) and decoded in one run, graphed.
+# What comes back is $OUT/phases.txt (versions, each phase's time, return code and last lines) and each long phase's
+# log and JSON; the smoke phases' logs stay under $RUNS.
 # Needs torch, transformers and tokenizers; hydra, omegaconf and antlr4 may come from a folder on PYTHONPATH
 # (.gpu_deps: copy them from a virtual environment that has them).
 set -u
 OUT=${OUT:-scripts/results/gpu}
-DEADLINE_S=${DEADLINE_S:-540}
+DEADLINE_S=${DEADLINE_S:-560}
 TARGET_STEPS=${TARGET_STEPS:-150}
+PRESET=${PRESET:-gpu}  # PRESET=tiny checks the script end to end in minutes on a CPU
 PROMPTS=${PROMPTS:-10}
 RUNS=${RUNS:-/tmp/specdraft-gpu-runs}
 mkdir -p "$OUT" "$RUNS"
@@ -25,9 +30,9 @@ export SPECDRAFT_CACHE=${SPECDRAFT_CACHE:-/tmp/specdraft-cache}
 PY=${PYTHON:-python3}
 start=$(date +%s)
 left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
-phase() {  # phase NAME MAX_SECONDS COMMAND...: run under the smaller of MAX_SECONDS and the time left
-  local name=$1 max=$2 budget
-  shift 2
+phase() {  # phase DIR NAME MAX_SECONDS COMMAND...: run under the smaller of MAX_SECONDS and the time left, log
+  local dir=$1 name=$2 max=$3 budget  # in DIR/NAME.log
+  shift 3
   budget=$(left)
   (( budget > max )) && budget=$max
   if (( budget < 20 )); then
@@ -35,10 +40,10 @@ phase() {  # phase NAME MAX_SECONDS COMMAND...: run under the smaller of MAX_SEC
     return 124
   fi
   echo "== $name: up to ${budget}s (at $(( $(date +%s) - start ))s)" | tee -a "$OUT/phases.txt"
-  timeout --signal=INT --kill-after=15 "$budget" "$@" > "$OUT/$name.log" 2>&1
+  timeout --signal=INT --kill-after=15 "$budget" "$@" > "$dir/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc after $(( $(date +%s) - start ))s" | tee -a "$OUT/phases.txt"
-  tail -n 25 "$OUT/$name.log"
+  tr '\r' '\n' < "$dir/$name.log" | grep -v 'it/s\]$' | tail -n 25 | tee -a "$OUT/phases.txt"
   return $rc
 }
 
@@ -49,14 +54,18 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
 } > "$OUT/phases.txt" 2>&1
 cat "$OUT/phases.txt"
 
-phase smoke 150 $PY -m pytest -q -p no:cacheprovider tests/test_step_decoder.py -k "cuda"
-phase smoke_tiny 120 $PY scripts/bench_decode.py --preset tiny \
-  --methods lookup,eagle1,dflash,peagle,medusa-chain,draft_model --out "$OUT/smoke_tiny.json" || exit 4
+phase "$RUNS" smoke 150 $PY -m pytest -q -p no:cacheprovider tests/test_step_decoder.py -k "cuda"
+phase "$RUNS" smoke_tiny 120 $PY scripts/bench_decode.py --preset tiny \
+  --methods lookup,eagle1,dflash,peagle,medusa-chain,draft_model --out "$RUNS/smoke_tiny.json" || exit 4
 
-phase core 330 $PY scripts/bench_decode.py --preset gpu --target-steps "$TARGET_STEPS" --methods lookup,eagle1 \
-  --eagle1-dir "$RUNS/eagle1" --out "$OUT/gpu_core.json" eval.num_prompts="$PROMPTS"
+phase "$OUT" core 330 $PY scripts/bench_decode.py --preset "$PRESET" --target-steps "$TARGET_STEPS" \
+  --methods lookup,eagle1 --eagle1-dir "$RUNS/eagle1" --out "$OUT/gpu_core.json" eval.num_prompts="$PROMPTS"
 
-phase parallel 400 $PY scripts/bench_decode.py --preset gpu --target-steps "$TARGET_STEPS" \
+phase "$OUT" modes 200 $PY scripts/bench_decode_modes.py --preset "$PRESET" --target-steps "$TARGET_STEPS" \
+  --eagle1-dir "$RUNS/eagle1" --modes graphs,hf_static,compiled --prompts 5 --out "$OUT/gpu_modes.json" \
+  eval.num_prompts="$PROMPTS"
+
+phase "$OUT" parallel 400 $PY scripts/bench_decode.py --preset "$PRESET" --target-steps "$TARGET_STEPS" \
   --methods eagle1,dflash,peagle --no-eager-steps --eagle1-dir "$RUNS/eagle1_regen" --dflash-dir "$RUNS/dflash" \
   --peagle-dir "$RUNS/peagle" --out "$OUT/gpu_parallel.json" eval.num_prompts="$PROMPTS" eval.hf_baselines=false \
   data.mode=regenerate regenerate.num_prompts=512 regenerate.batch_size=128 regenerate.engine=batched \
