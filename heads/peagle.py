@@ -152,8 +152,7 @@ class PEagleDrafter(EagleDrafter):
         mask = parallel_mask(attn, anchors, counts)
         out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
         for upper in self.upper:
-            q, k, v = upper.qkv(out, pos)
-            out = upper.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), out)
+            out = upper(out, pos, mask)
         terms = [self._step_loss(out[:, :T], teacher_out, feats, self.train_mask(batch, 0), 0)[0]]
         start = T
         for d, n in enumerate(counts, start=1):
@@ -282,6 +281,12 @@ class UpperLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps=1e-6)
         self.layer = DraftLayer(hidden_size, hidden_size, num_heads, intermediate_size, theta)
+
+    def forward(self, h_BTD: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """The whole layer over ``h_BTD`` under ``mask``, as training runs it: a call of the module itself, so an
+        engine that gathers a sharded block's weights on its forward (FSDP2) sees it."""
+        q, k, v = self.qkv(h_BTD, positions)
+        return self.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), h_BTD)
 
     def qkv(self, h_BTD: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.layer.qkv(self.input_layernorm(h_BTD), positions)

@@ -328,6 +328,90 @@ def test_vllm_export_round_trip(tmp_path, num_layers):
                "unset" in problems
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_speculators_export_round_trip(tmp_path, num_layers):
+    """Export in the speculators format (speculators' EAGLE-3 layout plus its P-EAGLE keys: mask_token_id,
+    mask_hidden [1, 1, 3 x hidden], stacked plain layers as layers.1...), check it against the loader's
+    transcription, rebuild the drafter from those files only: the same weights and the same greedy decoding."""
+    import json
+
+    from safetensors.torch import load_file
+
+    teacher = deep_teacher(tmp_path / "target")
+    drafter = _stacked(teacher, num_layers)
+    path = save(drafter, tmp_path / "run", "peagle", teacher, target_name=str(tmp_path / "target"))
+    out = export_drafter(path, "speculators", tmp_path / "spec")
+    assert check_export(out, "speculators", "peagle", teacher.identity()) == []
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["PEagleSpeculator"] and config["speculators_model_type"] == "peagle"
+    assert config["speculators_config"]["algorithm"] == "peagle" and config["mask_token_id"] == drafter.mask_token_id
+    assert config["transformer_layer_config"]["num_hidden_layers"] == num_layers
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (1, 1, 3 * 32)
+    assert ("layers.1.self_attn.q_proj.weight" in weights) == (num_layers > 1)
+    assert "vllm serve" in (out / "README.md").read_text()
+    reloaded = load_export(out, teacher)
+    for name, p in drafter.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    decoder = Decoder(teacher)
+    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == decoder.speculative(drafter, prompt, 12, 4).new_tokens
+    weights["mask_hidden"] = weights["mask_hidden"][0]  # vLLM's [1, 3D] shape: speculators' loader rejects it
+    from safetensors.torch import save_file
+
+    save_file(weights, str(out / "model.safetensors"))
+    assert any("mask_hidden has shape (1, 96); speculators reads [1, 1, 96]" in p
+               for p in check_export(out, "speculators", "peagle", teacher.identity()))
+
+
+def test_speculators_loader_reads_our_export(tmp_path):
+    """The real loader: speculators' own P-EAGLE class reads the export, every exported tensor landing on one of its
+    parameters or buffers unchanged, and only what it takes from the verifier left out (stacked layer and
+    mask_hidden included)."""
+    pytest.importorskip("speculators", reason="speculators is an optional extra (pip install --no-deps "
+                                              "speculators==0.9.0 and its import deps; .ci/run installs it)")
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+
+    teacher = deep_teacher(tmp_path / "target")
+    drafter = _stacked(teacher, 2)
+    path = save(drafter, tmp_path / "run", "peagle", teacher, target_name=str(tmp_path / "target"))
+    out = export_drafter(path, "speculators", tmp_path / "spec")
+    config = PEagleSpeculatorConfig.from_pretrained(out)
+    config.transformer_layer_config._attn_implementation = "eager"
+    theirs = PEagleDraftModel.from_pretrained(out, config=config)
+    assert theirs.mask_token_id == drafter.mask_token_id and theirs.target_layer_ids == [1, 2, 3]
+    from safetensors.torch import load_file
+
+    exported, state = load_file(str(out / "model.safetensors")), theirs.state_dict()
+    assert set(exported) <= set(state), set(exported) - set(state)  # nothing skipped
+    for name, value in exported.items():
+        assert torch.equal(state[name].to(value.dtype), value), name
+    assert set(state) - set(exported) <= {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    ours = drafter.state_dict()
+    pairs = {"mask_hidden": ours["mask_hidden"][None, None], "fc.weight": ours["fc.weight"],
+             "lm_head.weight": ours["lm_head.weight"], "norm.weight": ours["norm.weight"],
+             "layers.0.self_attn.q_proj.weight": ours["layer.q_proj.weight"],
+             "layers.0.hidden_norm.weight": ours["hidden_norm.weight"],
+             "layers.1.self_attn.q_proj.weight": ours["upper.0.layer.q_proj.weight"],
+             "layers.1.input_layernorm.weight": ours["upper.0.input_layernorm.weight"],
+             "layers.1.mlp.down_proj.weight": ours["upper.0.layer.down_proj.weight"]}
+    for name, value in pairs.items():
+        torch.testing.assert_close(state[name].float(), value, msg=name)
+    assert len(theirs.layers) == 2
+
+
+def _stacked(teacher, num_layers):
+    """The export tests' drafter: EAGLE-3's layer off its init, and ``num_layers - 1`` stacked layers off theirs."""
+    drafter = eagle(teacher, "peagle")
+    if num_layers > 1:
+        torch.manual_seed(1)
+        stacked = build_drafter({**PEAGLE_NODE, "num_layers": num_layers}, teacher)
+        stacked.bind_target(teacher, initialize=True)
+        stacked.load_state_dict({**stacked.state_dict(), **drafter.state_dict()})
+        drafter = perturbed(stacked, 5, 0.2)
+    return drafter
+
+
 def test_vllm_check_catches_a_departure(tmp_path):
     import json
 
@@ -350,7 +434,7 @@ def test_vllm_check_catches_a_departure(tmp_path):
 def test_export_refuses_unsupported_engines_and_uncaptured_layers(tmp_path):
     teacher = deep_teacher(tmp_path / "target")
     path = save(eagle(teacher, "peagle"), tmp_path / "run", "peagle", teacher)
-    with pytest.raises(ValueError, match="SGLang's P-EAGLE .* loader is not transcribed"):
+    with pytest.raises(ValueError, match="SGLang has no P-EAGLE .* format=speculators"):
         export_drafter(path, "sglang", tmp_path / "sglang")
     torch.manual_seed(0)
     top = build_drafter({**PEAGLE_NODE, "layers": [1, 2, 4]}, teacher)

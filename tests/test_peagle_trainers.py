@@ -23,6 +23,10 @@ pytestmark = pytest.mark.slow
 
 PEAGLE = {"_target_": "heads.peagle.PEagleDrafter", "layers": [0, 1, 2], "num_depths": 4, "num_layers": 2,
           "draft_vocab_size": None}
+# ZeRO-3 partitions the trainable lm_head, so its loss runs through plain autograd on the gathered head
+# (``distill.chunked``) instead of the chunk loop's hand-written gradient: the same curve (rel 1e-5), weights equal to
+# rounding after Adam's steps (measured: at most 1.2e-5 apart on weights of size ~0.2).
+ATOL = {"zero3": 5e-5}
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +41,12 @@ def single(tmp_path_factory):
 
 @pytest.mark.parametrize("engine", list(trainer_ranks.ENGINES))
 def test_two_ranks_match_one_process(engine, two_ranks, single):
-    trainer_ranks.assert_matches_one_process(PEAGLE, engine, two_ranks, single)
+    trainer_ranks.assert_matches_one_process(PEAGLE, engine, two_ranks, single, ATOL.get(engine, 1e-6))
 
 
 @pytest.mark.parametrize("engine", list(trainer_ranks.ENGINES))
 def test_two_ranks_killed_and_resumed_follow_the_uninterrupted_curve(engine, two_ranks, single):
-    trainer_ranks.assert_resumed_onto_the_curve(engine, two_ranks, single)
+    trainer_ranks.assert_resumed_onto_the_curve(engine, two_ranks, single, ATOL.get(engine, 1e-6))
 
 
 def test_the_drawn_chains_change_the_loss():
