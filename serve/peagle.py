@@ -112,8 +112,9 @@ def load_upper_layers(state: dict[str, torch.Tensor], config: dict, packed: bool
             tensors = [state.pop(f"{p}{group}.{part}.weight", None) for part, _ in parts]
             rows = [n * hd if group == "self_attn" else n for _, n in parts]
             if any(t is None for t in tensors):
-                problems.append(f"{p}{packed_name}: shards {[part for (part, _), t in zip(parts, tensors) if t is None]} "
-                                f"are missing, the packed parameter would be partly unset")
+                missing = [part for (part, _), t in zip(parts, tensors) if t is None]
+                problems.append(f"{p}{packed_name}: shards {missing} are missing, the packed parameter would be "
+                                f"partly unset")
             elif any(tuple(t.shape) != (r, D) for t, r in zip(tensors, rows)):
                 problems.append(f"{p}{packed_name}: shard shapes {[tuple(t.shape) for t in tensors]}, vLLM packs "
                                 f"{[(r, D) for r in rows]}")
