@@ -207,6 +207,8 @@ def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], tea
     (``distill.fused_kernels``)."""
     if len(teacher) != student_ND.shape[0]:
         raise ValueError(f"{student_ND.shape[0]} student rows but {len(teacher)} teacher rows")
+    if _partitioned(head):
+        return _gathered_divergence(student_ND, head, teacher, loss_fn, chunk_elements)
     # ``trainer.fused_kernel``: liger-kernel's fused linear JSD where it computes this term exactly (GPU)
     lin = plain_linear(head.head if isinstance(head, Frozen) else head)
     liger = fused_kernels.select(student_ND, head, lin, teacher, loss_fn)
@@ -220,6 +222,29 @@ def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], tea
     else:
         loss = job.run(student_ND, [], need_grads=False)[0]
     return loss, job.pred_N
+
+
+def _partitioned(head) -> bool:
+    """Whether ``head`` holds parameters DeepSpeed ZeRO-3 partitions (``ds_id``): their tensors are empty outside the
+    module's own forward, so the chunk loop cannot read the weight; the head must be called."""
+    return isinstance(head, nn.Module) and any(hasattr(p, "ds_id") for p in head.parameters())
+
+
+def _gathered_divergence(student_ND: Tensor, head: nn.Module, teacher, loss_fn, chunk_elements: int | None
+                         ) -> tuple[Tensor, Tensor]:
+    """``chunked_divergence`` by plain autograd through calls of ``head`` (ZeRO-3 gathers its weight on each call and
+    reduces its gradient in backward): the same loss, chunk by chunk, but every chunk's logits stay in the graph."""
+    job = _Job(head, None, teacher, loss_fn, chunk_elements or _budget.get())
+    step = max(1, job.chunk_elements // teacher.width)
+    total = torch.zeros((), dtype=torch.float32, device=student_ND.device)
+    preds = []
+    for start in range(0, student_ND.shape[0], step):
+        end = min(start + step, student_ND.shape[0])
+        logits = head(student_ND[start:end])
+        preds.append(logits.detach().argmax(-1))
+        total = total + job._chunk_loss(logits, start, end).float()
+    pred_N = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=student_ND.device)
+    return total, pred_N
 
 
 class _Job:

@@ -22,8 +22,10 @@ depth-0 keys <= t; a depth-d query of the chain anchored at a sees the depth-0 k
 slots of the same step).
 
 Training data per row (SpecForge's "COD" sampling, nested): depth 0 trains every position; depth d trains the chains
-of the first n_d anchors of one random ranking of the row's anchors, n_d = ceil(max(r^d, r_min) x candidates), so a
-chain sampled at depth d is sampled at every depth below it (its earlier slots exist as keys). The deeper depths'
+of the first n_d anchors of one random ranking of the row's anchors, n_d = ceil(max(r^d, r_min) x the row's
+candidates), so a chain sampled at depth d is sampled at every depth below it (its earlier slots exist as keys). The
+ranking is a function of the row's seed (``distill.row_seeds``: run seed, step, the row's index in the step's global
+batch), so one process and N ranks, and a resumed run, train the same chains. The deeper depths'
 smaller share of the rows is the position weighting SpecForge and speculators train with; ``loss_decay`` ** d
 multiplies depth d's term on top (1: none). The divergence is the configured ``loss=`` (EAGLE-3's KL-family menu)
 against the target's distribution, through the chunked loss.
@@ -39,9 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distill.row_seeds import batch_row_seeds, uniform_bits
 from distill.teacher_output import TeacherOutput
-from heads.base import DraftOutput, ForkedRows, TargetDims
+from heads.base import DraftOutput, TargetDims
 from heads.eagle import DraftLayer, EagleDrafter, RMSNorm
+from heads.peagle_rows import PEagleRows
 from heads.peagle_static import PEagleStaticDraft
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.tree import DraftTree
@@ -110,17 +114,18 @@ class PEagleDrafter(EagleDrafter):
         return [min(candidates, math.ceil(r * candidates)) for r in ratios]
 
     def _rank_anchors(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, list[int]]:
-        """(anchors [B, n_1], drawn [B, n_1], [n_1, ..., n_{K-1}]): each row's anchors (positions whose depth-1 slot
-        is trainable) in one random order; depth d trains the first n_d of them."""
+        """(anchors [B, N], taken [B, K-1], [N_1, ..., N_{K-1}]): each row's anchors (positions whose depth-1 slot is
+        trainable) in one random order, a function of the row's seed (``distill.row_seeds``); row b trains the
+        chains of its first ``taken[b, d-1]`` anchors at depth d (``depth_counts`` of its own anchors); N_d, the
+        most any row takes, sizes the dense queries."""
         cand = self.train_mask(batch, 1)
-        C = int(cand.sum(1).max()) if cand.numel() else 0
-        counts = self.depth_counts(C)
+        per_row = [self.depth_counts(c) for c in cand.sum(1).tolist()]  # shapes: one read-back per batch
+        counts = [max(col) for col in zip(*per_row)] if per_row else []
+        taken = torch.tensor(per_row, dtype=torch.long, device=cand.device).view(cand.shape[0], len(counts))
         if not counts or counts[0] == 0:
-            empty = cand.new_zeros((cand.shape[0], 0), dtype=torch.long)
-            return empty, empty.bool(), [0] * len(counts)
-        score = torch.rand(cand.shape, device=cand.device).masked_fill(~cand, -1.0)
-        top, idx = score.topk(counts[0], dim=1)
-        return idx, top >= 0, counts
+            return cand.new_zeros((cand.shape[0], 0), dtype=torch.long), taken, [0] * len(counts)
+        score = uniform_bits(batch_row_seeds(batch), cand.shape[1]).masked_fill(~cand, -1)
+        return score.topk(counts[0], dim=1).indices, taken, counts
 
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         ids, attn = batch["input_ids"], batch["attention_mask"].bool()
@@ -130,7 +135,7 @@ class PEagleDrafter(EagleDrafter):
         feats = torch.cat([teacher_out.hidden[i] for i in self.teacher_layers], -1)
         dtype = self.fc.weight.dtype if not torch.is_autocast_enabled(feats.device.type) else feats.dtype
         feats = feats.to(dtype)
-        anchors, drawn, counts = self._rank_anchors(batch)
+        anchors, taken, counts = self._rank_anchors(batch)
         dev = ids.device
         # queries: [depth 0 at every position | depth 1 chains | depth 2 chains | ...]
         hid0 = self._first_hidden(feats)
@@ -147,12 +152,11 @@ class PEagleDrafter(EagleDrafter):
         mask = parallel_mask(attn, anchors, counts)
         out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
         for upper in self.upper:
-            q, k, v = upper.qkv(out, pos)
-            out = upper.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), out)
+            out = upper(out, pos, mask)
         terms = [self._step_loss(out[:, :T], teacher_out, feats, self.train_mask(batch, 0), 0)[0]]
         start = T
         for d, n in enumerate(counts, start=1):
-            rows = drawn[:, :n]
+            rows = torch.arange(n, device=dev)[None, :] < taken[:, d - 1: d]  # [B, n]: row b's first taken[b]
             b_N, i_N = rows.nonzero(as_tuple=True)
             a_N = anchors[b_N, i_N]
             chosen = torch.zeros(B, T, dtype=torch.bool, device=dev)
@@ -174,8 +178,8 @@ class PEagleDrafter(EagleDrafter):
         self._generator: torch.Generator | None = None
 
     def rows(self, seeds: list[int]):
-        """A batch drafts row by row (``heads.base.ForkedRows``), each row's chain in one forward."""
-        return ForkedRows(self, seeds)
+        """A batch drafts every row's chain in one forward per step (``heads.peagle_rows``)."""
+        return PEagleRows(self, seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole chain as one capture-safe step (``heads.peagle_static``), drafting ``depth``
@@ -208,12 +212,14 @@ class PEagleDrafter(EagleDrafter):
     def chain_logits(self, seq: Tensor, depth: int) -> Tensor:
         """[depth, V]: the target-vocabulary logits (-inf outside the draft vocabulary) of the ``depth`` tokens after
         ``seq`` ([n]): the context pairs not processed yet and the depth-1..depth-1 slots in one layer forward."""
-        out = self._draft(seq.to(self.fc.weight.device), depth)
-        draft = self._logits(out)  # [depth, Vd]
+        return self.target_logits(self._logits(self._draft(seq.to(self.fc.weight.device), depth)))
+
+    def target_logits(self, draft: Tensor) -> Tensor:
+        """[..., V]: draft-vocabulary logits [..., Vd] placed at their target ids, -inf elsewhere."""
         if self.draft_vocab_size == self.dims.vocab_size:
             return draft
-        full = draft.new_full((depth, self.dims.vocab_size), float("-inf"))
-        return full.index_copy(1, self.d2t, draft)
+        full = draft.new_full((*draft.shape[:-1], self.dims.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.d2t, draft)
 
     def _draft(self, seq: Tensor, depth: int) -> Tensor:
         """[depth, D]: the root's output (the last context pair: depth 0) and the ``depth`` - 1 slots' outputs.
@@ -275,6 +281,12 @@ class UpperLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps=1e-6)
         self.layer = DraftLayer(hidden_size, hidden_size, num_heads, intermediate_size, theta)
+
+    def forward(self, h_BTD: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """The whole layer over ``h_BTD`` under ``mask``, as training runs it: a call of the module itself, so an
+        engine that gathers a sharded block's weights on its forward (FSDP2) sees it."""
+        q, k, v = self.qkv(h_BTD, positions)
+        return self.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), h_BTD)
 
     def qkv(self, h_BTD: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.layer.qkv(self.input_layernorm(h_BTD), positions)

@@ -29,8 +29,9 @@ column order, so a column's position is its rank among the row's valid columns.
 Drafting is one call for the whole batch: ``drafter.rows(seeds)`` holds every row's drafter state
 (``inference.proposer.ProposerRows``); EAGLE drafts all rows in one drafter forward per tree level over a ragged
 context cache (``heads.eagle_decode``), a draft model all rows in one forward per draft step over a ragged cache of
-its own (``heads.draft_model_rows``), drafters without a batched path loop over per-row copies that share the
-weights (``heads.base.ForkedRows``). Verification is batched; acceptance (``inference.acceptance.decide``, the
+its own (``heads.draft_model_rows``), DFlash and P-EAGLE every row's whole draft in one forward
+(``heads.dflash_rows``, ``heads.peagle_rows``), drafters without a batched path loop over per-row copies that share
+the weights (``heads.base.ForkedRows``). Verification is batched; acceptance (``inference.acceptance.decide``, the
 batch-1 decoder's rule) runs per row on that row's logits, on the device; every row's verdict is read back in one
 transfer per step. Each row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
 decoding, sampled rows are distributed as the target (tests/test_batched.py). Rows may differ in sampling settings.

@@ -13,11 +13,13 @@ Kinds and engines (the adapters' own tables hold the details and the reasons for
     medusa       vllm (MedusaModel), hf (FasterDecoding/Medusa); SGLang has no Medusa: ``serve/medusa.py``
     medusa2      the heads exactly as medusa + ``merged_target/`` (serve THIS, not the original) + ``adapter/``
     draft_model  a plain Hugging Face model directory for every engine: ``serve/draft_model.py``
-    peagle       vllm (EAGLE-3's layout + mask_hidden, ``PeagleLlamaForCausalLM``): ``serve/peagle.py``
+    peagle       vllm (EAGLE-3's layout + mask_hidden, ``PeagleLlamaForCausalLM``), speculators
+                 (``PEagleSpeculator``); sglang, hf refused: ``serve/peagle.py``
     lookup       nothing to export (the engines have n-gram drafting built in): refused (``serve/lookup.py``)
     dflash       vllm (``method: dflash``), sglang (``DFLASH``), speculators (``DFlashSpeculator``); hf refused:
                  ``serve/dflash.py``
-The speculators format holds EAGLE-3 and DFlash only (speculators 0.9.0 has no Medusa, EAGLE-1 or draft-model class).
+The speculators format holds EAGLE-3, P-EAGLE and DFlash only (speculators 0.9.0 has no Medusa, EAGLE-1 or
+draft-model class).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 from distill.losses import forward_kl
 from heads.base import build_drafter
 from heads.peagle import PEagleDrafter, parallel_mask
+from heads.peagle_rows import PEagleRows
 from heads.saved import load_drafter
 from inference.batched import BatchedDecoder
 from inference.decoder import Decoder
@@ -86,13 +87,58 @@ def test_depths_sample_nested_shrinking_shares(teacher):
     batch = batch_of(ids)
     batch["attention_mask"][1, 10:] = 0  # a padded row
     batch["loss_mask"][1, 10:] = 0
-    torch.manual_seed(0)
-    anchors, drawn, counts = drafter._rank_anchors(batch)
-    assert counts == drafter.depth_counts(13)  # row 0: anchors 0 .. 12 (depth 1 predicts a + 3 < 16)
-    assert drawn[1].sum() == 7 and bool((anchors[1][drawn[1]] < 7).all())
+    anchors, taken, counts = drafter._rank_anchors(batch)
+    # each row takes its own share: row 0 of anchors 0 .. 12 (depth 1 predicts a + 3 < 16), row 1 of 0 .. 6
+    assert taken.tolist() == [drafter.depth_counts(13), drafter.depth_counts(7)] and counts == drafter.depth_counts(13)
+    assert bool((anchors[1, : taken[1, 0]] < 7).all()) and len(set(anchors[0].tolist())) == counts[0]
     out = drafter(batch, teacher.signals(batch, drafter.teacher_layers))
     rows = [len(t.student_ND) for t in out.terms]
     assert rows[0] == int(out.num_valid) == 14 + 8 and rows == sorted(rows, reverse=True)
+    assert rows[1] == counts[0] + drafter.depth_counts(7)[0]  # every depth-1 chain drawn is trainable
+
+
+def test_chains_are_a_function_of_the_row_seed(teacher):
+    """A row draws its chains from its own seed (``distill.row_seeds``): the same in any batch, at any index in it,
+    whatever the other rows are (so one process and N ranks draw the same); another seed draws others."""
+    from distill.row_seeds import ROW_SEED
+
+    drafter = PEagleDrafter(DIMS, layers=[1, 1, 2], num_depths=4)
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(5))
+
+    def ranked(rows, seeds):
+        batch = batch_of(ids[rows])
+        batch[ROW_SEED] = torch.tensor(seeds)
+        anchors, taken, _ = drafter._rank_anchors(batch)
+        return [anchors[b, : taken[b, 0]].tolist() for b in range(len(rows))]
+
+    together = ranked([0, 1, 2], [11, 12, 13])
+    assert ranked([2], [13]) == together[2:] and ranked([1, 0], [12, 11]) == together[1::-1]
+    assert ranked([0], [14]) != together[:1]
+    torch.manual_seed(1)  # the global generator plays no part
+    assert ranked([0, 1, 2], [11, 12, 13]) == together
+    # a batch without seeds (a held-out evaluation) numbers its rows: the same draw every time
+    assert drafter._rank_anchors(batch_of(ids))[0].equal(drafter._rank_anchors(batch_of(ids))[0])
+
+
+def test_seeded_chains_keep_uniform_nested_shares():
+    """Over many seeds every anchor is drawn at depth d with probability n_d / candidates (a uniform random ranking,
+    as the per-process random draw it replaces); the shares are nested by construction."""
+    from distill.row_seeds import ROW_SEED
+
+    drafter = PEagleDrafter(DIMS, layers=[1, 1, 2], num_depths=4)
+    n, T = 4000, 12  # anchors 0 .. 8 (depth 1 predicts a + 3 < 12)
+    batch = batch_of(torch.zeros(n, T, dtype=torch.long))
+    batch[ROW_SEED] = torch.arange(n) * 7919 + 3
+    anchors, taken, counts = drafter._rank_anchors(batch)
+    C = 9
+    assert counts == drafter.depth_counts(C) == [7, 5, 4]
+    for d, n_d in enumerate(counts):
+        hits = torch.zeros(T)
+        hits.index_add_(0, anchors[:, :n_d].flatten(), torch.ones(n * n_d))
+        share = hits[:C] / n
+        sd = (n_d / C * (1 - n_d / C) / n) ** 0.5
+        assert float((share - n_d / C).abs().max()) < 5 * sd, (d, share)
+        assert hits[C:].sum() == 0
 
 
 def _greedy_batch(teacher, n=4, new=24):
@@ -149,6 +195,64 @@ def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
     result = BatchedDecoder(teacher).speculative(drafter, prompts, 24, 4)
     assert [g.new_tokens for g in result.generations] == refs
     assert result.stats.forwards < len(prompts) * 24
+
+
+@pytest.mark.parametrize("vocab,num_layers", [(None, 1), (96, 3)])
+def test_batched_rows_draft_what_each_row_drafts_alone_in_one_forward(teacher, vocab, num_layers):
+    """``rows`` drafts every row's chain in one pass through the layers (not row by row), each row's logits and
+    greedy chain equal to its own ``propose``, over ragged rows growing unevenly (one by nothing), a row leaving
+    the batch and per-row depths (0: an empty tree); sampled drafts come from each row's own generator."""
+    torch.manual_seed(0)
+    drafter = build_drafter({**NODE, "draft_vocab_size": vocab, "num_layers": num_layers}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    drafter = perturbed(drafter, 3, 0.3).eval()
+    calls = []
+    original = drafter.layer.qkv
+    drafter.layer.qkv = lambda *a: (calls.append(1), original(*a))[1]
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (4, 9, 15, 6)]
+    rows = drafter.rows([0, 1, 2, 3])
+    assert isinstance(rows, PEagleRows)  # not the row-by-row default
+    seen = [0] * len(seqs)
+    for step, grow in enumerate([0, 3, 1, 5]):
+        if step == 2:  # row 1 leaves the batch
+            rows.keep([0, 2, 3])
+            seqs, seen = [seqs[0], seqs[2], seqs[3]], [seen[0], seen[2], seen[3]]
+        seqs = [torch.cat([s, torch.randint(0, 128, (1, grow + b % 2), generator=g)], 1) for b, s in enumerate(seqs)]
+        for b, s in enumerate(seqs):
+            full = teacher(s[:, :-1], None, drafter.teacher_layers).hidden
+            rows.observe(b, {i: h[:, seen[b]:] for i, h in full.items()})
+            seen[b] = s.shape[1] - 1
+        depths = [4, 2, 0, 4][: len(seqs)]
+        calls.clear()
+        trees = rows.propose(seqs, depths, [SamplingConfig()] * len(seqs))
+        assert len(calls) == 1  # one forward of EAGLE-3's layer for the whole batch
+        for b, (s, tree, depth) in enumerate(zip(seqs, trees, depths)):
+            drafter.reset()
+            drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
+            want = drafter.propose(s, depth).tokens.tolist() if depth else []
+            assert tree.tokens.tolist() == want, (step, b, depth)
+    # the batched logits are each row's own (to rounding), and sampling draws from each row's generator
+    s = seqs[0]
+    drafter.reset()
+    drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
+    with torch.no_grad():
+        single = drafter.chain_logits(s[0], 4)
+    rows = drafter.rows([7])
+    rows.observe(0, teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
+    with torch.no_grad():
+        batched = drafter.target_logits(drafter._logits(rows._forward([s], 3)))[0]
+    torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
+    sampling = SamplingConfig(temperature=1.0)
+    rows = drafter.rows([7, 8])
+    for r in range(2):
+        rows.observe(r, teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
+    drawn = rows.propose([s, s], [4, 4], [sampling, sampling])
+    drafter.reset(seed=7)
+    drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
+    alone = drafter.propose(s, 4, sampling)
+    assert drawn[0].tokens.tolist() == alone.tokens.tolist()
+    torch.testing.assert_close(drawn[0].probs_NV, alone.probs_NV, atol=1e-5, rtol=1e-5)
 
 
 def test_reduced_vocabulary_decodes_identically(teacher):
@@ -224,6 +328,91 @@ def test_vllm_export_round_trip(tmp_path, num_layers):
                "unset" in problems
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_speculators_export_round_trip(tmp_path, num_layers):
+    """Export in the speculators format (speculators' EAGLE-3 layout plus its P-EAGLE keys: mask_token_id,
+    mask_hidden [1, 1, 3 x hidden], stacked plain layers as layers.1...), check it against the loader's
+    transcription, rebuild the drafter from those files only: the same weights and the same greedy decoding."""
+    import json
+
+    from safetensors.torch import load_file
+
+    teacher = deep_teacher(tmp_path / "target")
+    drafter = _stacked(teacher, num_layers)
+    path = save(drafter, tmp_path / "run", "peagle", teacher, target_name=str(tmp_path / "target"))
+    out = export_drafter(path, "speculators", tmp_path / "spec")
+    assert check_export(out, "speculators", "peagle", teacher.identity()) == []
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["PEagleSpeculator"] and config["speculators_model_type"] == "peagle"
+    assert config["speculators_config"]["algorithm"] == "peagle" and config["mask_token_id"] == drafter.mask_token_id
+    assert config["transformer_layer_config"]["num_hidden_layers"] == num_layers
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (1, 1, 3 * 32)
+    assert ("layers.1.self_attn.q_proj.weight" in weights) == (num_layers > 1)
+    assert "vllm serve" in (out / "README.md").read_text()
+    reloaded = load_export(out, teacher)
+    for name, p in drafter.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    decoder = Decoder(teacher)
+    want = decoder.speculative(drafter, prompt, 12, 4).new_tokens
+    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == want
+    weights["mask_hidden"] = weights["mask_hidden"][0]  # vLLM's [1, 3D] shape: speculators' loader rejects it
+    from safetensors.torch import save_file
+
+    save_file(weights, str(out / "model.safetensors"))
+    assert any("mask_hidden has shape (1, 96); speculators reads [1, 1, 96]" in p
+               for p in check_export(out, "speculators", "peagle", teacher.identity()))
+
+
+def test_speculators_loader_reads_our_export(tmp_path):
+    """The real loader: speculators' own P-EAGLE class reads the export, every exported tensor landing on one of its
+    parameters or buffers unchanged, and only what it takes from the verifier left out (stacked layer and
+    mask_hidden included)."""
+    pytest.importorskip("speculators", reason="speculators is an optional extra (pip install --no-deps "
+                                              "speculators==0.9.0 and its import deps; .ci/run installs it)")
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+
+    teacher = deep_teacher(tmp_path / "target")
+    drafter = _stacked(teacher, 2)
+    path = save(drafter, tmp_path / "run", "peagle", teacher, target_name=str(tmp_path / "target"))
+    out = export_drafter(path, "speculators", tmp_path / "spec")
+    config = PEagleSpeculatorConfig.from_pretrained(out)
+    config.transformer_layer_config._attn_implementation = "eager"
+    theirs = PEagleDraftModel.from_pretrained(out, config=config)
+    assert theirs.mask_token_id == drafter.mask_token_id and theirs.target_layer_ids == [1, 2, 3]
+    from safetensors.torch import load_file
+
+    exported, state = load_file(str(out / "model.safetensors")), theirs.state_dict()
+    assert set(exported) <= set(state), set(exported) - set(state)  # nothing skipped
+    for name, value in exported.items():
+        assert torch.equal(state[name].to(value.dtype), value), name
+    assert set(state) - set(exported) <= {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    ours = drafter.state_dict()
+    pairs = {"mask_hidden": ours["mask_hidden"][None, None], "fc.weight": ours["fc.weight"],
+             "lm_head.weight": ours["lm_head.weight"], "norm.weight": ours["norm.weight"],
+             "layers.0.self_attn.q_proj.weight": ours["layer.q_proj.weight"],
+             "layers.0.hidden_norm.weight": ours["hidden_norm.weight"],
+             "layers.1.self_attn.q_proj.weight": ours["upper.0.layer.q_proj.weight"],
+             "layers.1.input_layernorm.weight": ours["upper.0.input_layernorm.weight"],
+             "layers.1.mlp.down_proj.weight": ours["upper.0.layer.down_proj.weight"]}
+    for name, value in pairs.items():
+        torch.testing.assert_close(state[name].float(), value, msg=name)
+    assert len(theirs.layers) == 2
+
+
+def _stacked(teacher, num_layers):
+    """The export tests' drafter: EAGLE-3's layer off its init, and ``num_layers - 1`` stacked layers off theirs."""
+    drafter = eagle(teacher, "peagle")
+    if num_layers > 1:
+        torch.manual_seed(1)
+        stacked = build_drafter({**PEAGLE_NODE, "num_layers": num_layers}, teacher)
+        stacked.bind_target(teacher, initialize=True)
+        stacked.load_state_dict({**stacked.state_dict(), **drafter.state_dict()})
+        drafter = perturbed(stacked, 5, 0.2)
+    return drafter
+
+
 def test_vllm_check_catches_a_departure(tmp_path):
     import json
 
@@ -246,7 +435,7 @@ def test_vllm_check_catches_a_departure(tmp_path):
 def test_export_refuses_unsupported_engines_and_uncaptured_layers(tmp_path):
     teacher = deep_teacher(tmp_path / "target")
     path = save(eagle(teacher, "peagle"), tmp_path / "run", "peagle", teacher)
-    with pytest.raises(ValueError, match="SGLang's P-EAGLE .* loader is not transcribed"):
+    with pytest.raises(ValueError, match="SGLang has no P-EAGLE .* format=speculators"):
         export_drafter(path, "sglang", tmp_path / "sglang")
     torch.manual_seed(0)
     top = build_drafter({**PEAGLE_NODE, "layers": [1, 2, 4]}, teacher)

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from distill.chunked import chunk_budget, default_chunk_elements
 from distill.data import rows_fingerprint
+from distill.row_seeds import ROW_SEED, row_seeds
 from distill.fused_kernels import fused_kernel
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
@@ -125,7 +126,12 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
         batches = []
         for micro in range(accum):
             batch = {k: v.to(engine.device) for k, v in collate([dataset[i] for i in order.indices(first + micro)]).items()}
-            batches.append(batch_source(batch, first + micro) if batch_source is not None else batch)
+            batch = batch_source(batch, first + micro) if batch_source is not None else batch
+            # Per-row seeds (distill.row_seeds) from the row's index in the step's global batch: a drafter that
+            # samples training positions draws the same for any world size and across a resume.
+            index = (first + micro - step * engine.world_size * accum) * t.micro_batch_size
+            batch[ROW_SEED] = row_seeds(cfg.seed, step, index, batch["input_ids"].shape[0]).to(engine.device)
+            batches.append(batch)
         # The step's valid-token count over all micro-batches and ranks, known before any forward (torchtitan's
         # global token count): each backward then carries its final per-token weight.
         total_valid = engine.all_reduce_sum(sum(drafter.count_valid(b) for b in batches)).clamp(min=1)
