@@ -145,28 +145,30 @@ class Steps:
         parents = self.chain_parents[:N] if bucket.chain else d.parents_T[:N]
         probs = d.probs_TV[:N] if (d.probs_TV is not None and bucket.chain and not sampling.greedy) else None
         valid = tokens >= 0
-        if bucket.chain:
-            depth_N = self.chain_parents[:N] + 2
-            ancestors_NN = torch.ones(N, N, dtype=torch.bool, device=self.device).tril()
-        else:
-            depth_N, ancestors_NN = tree_geometry(parents, min(N, self.max_depth))
         tree = DraftTree(tokens, parents, probs, chain_hint=bucket.chain, depth_bound=min(N, self.max_depth))
         # The shape facts the rules read, set on the instance (``DraftTree`` caches them behind a lock that a
-        # traced step must not take).
+        # traced step must not take; a chain's rules read no geometry).
         tree.is_chain = bucket.chain
-        tree.geometry = (depth_N, ancestors_NN)
-        depth = torch.cat([depth_N.new_zeros(1), depth_N])  # [W]
-        block = torch.eye(W, dtype=torch.bool, device=self.device)
-        block[:, 0].fill_(True)
-        block[1:, 1:] = ancestors_NN
         col = cache._arange[: cache.bucket]
-        rel = col - L  # a column's index inside the new block
-        in_block = (rel >= 0) & (rel < W)
-        rel = rel.clamp(0, W - 1)
-        allowed = (col < L)[None, :] | (in_block[None, :] & block[:, rel])  # [W, C]
-        k_pos = torch.where(in_block, L + depth[rel], col)
+        if bucket.chain:  # token w sits at column and position L + w and sees every column up to its own
+            pos = L + cache._arange[:W]
+            allowed = col[None, :] <= pos[:, None]  # [W, C]
+            k_pos = col
+        else:
+            depth_N, ancestors_NN = tree_geometry(parents, min(N, self.max_depth))
+            tree.geometry = (depth_N, ancestors_NN)
+            depth = torch.cat([depth_N.new_zeros(1), depth_N])  # [W]
+            block = torch.eye(W, dtype=torch.bool, device=self.device)
+            block[:, 0].fill_(True)
+            block[1:, 1:] = ancestors_NN
+            rel = col - L  # a column's index inside the new block
+            in_block = (rel >= 0) & (rel < W)
+            rel = rel.clamp(0, W - 1)
+            allowed = (col < L)[None, :] | (in_block[None, :] & block[:, rel])  # [W, C]
+            k_pos = torch.where(in_block, L + depth[rel], col)
+            pos = L + depth
         ids = torch.cat([self.pending.view(1), tokens.clamp(0, self.vocab - 1)])
-        logits, hidden = self._forward(ids.view(1, W), (L + depth).view(1, W), allowed[None], k_pos.view(1, -1), W)
+        logits, hidden = self._forward(ids.view(1, W), pos.view(1, W), allowed[None], k_pos.view(1, -1), W)
         if sampling.greedy:
             on_path, last, bonus = greedy_verdict(tree, logits.argmax(-1))
         else:
@@ -179,11 +181,16 @@ class Steps:
             cache.keep_path(L + 1, path)
         c = self.committed
         M = c.ids_M.shape[0]
-        rows = torch.cat([path.new_zeros(1), 1 + path])  # [W]: the pending token's row, then the path's
-        rows = rows[:M] if W >= M else torch.cat([rows, rows.new_zeros(M - W)])
-        c.ids_M.copy_(ids.index_select(0, rows))
-        for i, h in hidden.items():
-            c.hidden_M[i].copy_(h.index_select(0, rows))
+        if bucket.chain and W >= M:  # the accepted nodes follow the pending token: rows 0 .. count, then padding
+            c.ids_M.copy_(ids[:M])
+            for i, h in hidden.items():
+                c.hidden_M[i].copy_(h[:M])
+        else:
+            rows = torch.cat([path.new_zeros(1), 1 + path])  # [W]: the pending token's row, then the path's
+            rows = rows[:M] if W >= M else torch.cat([rows, rows.new_zeros(M - W)])
+            c.ids_M.copy_(ids.index_select(0, rows))
+            for i, h in hidden.items():
+                c.hidden_M[i].copy_(h.index_select(0, rows))
         c.count.copy_(1 + count)
         c.position.copy_(L)
         c.pending.copy_(bonus[0])

@@ -394,6 +394,24 @@ SOURCES: dict[str, Source] = {
         "the step decoder; 20 held-out prompts × 96 new tokens, greedy, γ = 4, alone on the machine. A 5-round run "
         "just before this one gave 0.89× (rounds 0.84–1.06): within this machine's noise (plain vs plain "
         "0.83–1.18)."),
+    "bench_decode_steps_medusa_chain_toy_cpu.json": Source(
+        "Medusa's chain through the step path beside the eager loop it replaced (CPU toy)",
+        "python scripts/bench_decode_side_by_side.py --base BEFORE --preset toy --threads 2 --rounds 5 "
+        "--methods medusa-chain --medusa-dir RUN_M eval.drafter_dtype=float32",
+        render_side_by_side,
+        "After the chain verify step built its mask and positions from the context length alone (291 -> 267 aten "
+        "ops per step; the eager loop: 268). BEFORE: a checkout of the code before the step decoder; the Medusa "
+        "heads of `bench_decode_steps_toy_cpu.json`, 20 held-out prompts × 96 new tokens, greedy, γ = 4, alone on "
+        "the machine. What the step path still spends more, measured: attention over the whole 256-column capacity "
+        "bucket (about 0.11 ms of an 8.5 ms step at 1 thread)."),
+    "bench_decode_steps_eagle3_toy_cpu.json": Source(
+        "EAGLE-3 through the step path beside the eager loop it replaced (CPU toy)",
+        "python scripts/bench_decode_side_by_side.py --base BEFORE --preset toy --threads 2 --rounds 5 "
+        "--methods eagle3 --eagle3-dir RUN_E3 eval.drafter_dtype=float32",
+        render_side_by_side,
+        "BEFORE: a checkout of the code before the step decoder; the EAGLE-3 drafter of "
+        "`bench_decode_steps_toy_cpu.json`, 20 held-out prompts × 96 new tokens, greedy, γ = 4, alone on the "
+        "machine."),
     "bench_decode_steps_tiny_cpu_before.json": Source(
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
     "bench_regenerate_toy_cpu.json": Source(

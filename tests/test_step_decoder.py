@@ -22,7 +22,7 @@ from inference.sampling import GREEDY, SamplingConfig
 from inference.static_cache import StaticKV, capacity_buckets, kv_shapes
 from inference.static_draft import DraftBuffers
 from inference.step_decoder import StepDecoder, resolve_graphs
-from inference.steps import Steps
+from inference.steps import Bucket, Steps
 from inference.transfers import TransferCounter
 from inference.tree import DraftTree
 from tests.test_decoder_transfers import make
@@ -569,3 +569,44 @@ def test_a_static_tree_accepts_no_more_than_the_tokens_left(tiny_teacher, max_ne
     committed = sum((a + 1) * c for row in gen.stats.counts.values() for a, c in row.items())
     assert committed <= max_new, dict(gen.stats.counts)  # + the prefill's token: at most one past max_new
     assert set(gen.nodes_per_forward) == {2 * GAMMA}  # clipped in place: the tree's one bucket throughout
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.8)], ids=["greedy", "t0.8"])
+def test_a_chain_step_attends_and_commits_as_the_tree_step_of_its_chain(tiny_teacher, sampling, monkeypatch):
+    """A chain's verify step builds its mask and positions straight from the context length; they, its verdict, the
+    committed rows it hands the drafter and the cache length equal the general tree step's on the same chain."""
+    model = tiny_teacher.model
+    steps = Steps(model, Decoder(tiny_teacher).layout, 256, tiny_teacher.vocab_size, {-1: -1}, 8, 1 + GAMMA,
+                  probs=not sampling.greedy)
+    prompt = prompts()[1][0]
+    seen = []
+    forward = steps._forward
+    monkeypatch.setattr(steps, "_forward", lambda *a: (seen.append([t.clone() for t in a[:4]]), forward(*a))[1])
+    with torch.no_grad():
+        ref = model(prompt[None]).logits[0, -1].argmax()
+    results = []
+    for chain in (True, False):
+        steps.prefill(prompt, {})
+        steps.pending.fill_(int(ref))
+        steps.uniforms.fill_(1e-4)  # sampling: the drafted nodes kept, the spoiled last one rejected
+        steps.uniforms[GAMMA - 1: GAMMA + 1] = torch.tensor([0.9999, 0.5])
+        table = TableDrafter(tiny_teacher, GAMMA, spoil=False, context=prompt)
+        drafted = table.table[int(ref)].clone()
+        drafted[-1] = (drafted[-1] + 1) % tiny_teacher.vocab_size  # the last node rejected: a partial path
+        steps.own_draft.tokens_T[:GAMMA].copy_(drafted)
+        steps.own_draft.parents_T[:GAMMA].copy_(torch.arange(-1, GAMMA - 1))
+        if steps.own_draft.probs_TV is not None:
+            steps.own_draft.probs_TV.zero_().scatter_(1, steps.own_draft.tokens_T.clamp(min=0).view(-1, 1), 1.0)
+        steps.cache.bucket = 256  # as the decoder sets it before a step
+        with torch.no_grad():
+            steps.verify(Bucket(GAMMA, chain, 256), sampling)
+        c = steps.committed
+        count = int(c.count)
+        results.append((steps.out.clone(), int(steps.cache.length), count, c.ids_M[:count].clone(),
+                        c.hidden_M[-1][:count].clone(), int(steps.pending)))
+    (out_c, len_c, n_c, ids_c, h_c, p_c), (out_t, len_t, n_t, ids_t, h_t, p_t) = results
+    for a, b in zip(*seen):
+        torch.testing.assert_close(a, b)
+    assert n_c == n_t and 1 < n_c <= GAMMA and len_c == len_t and p_c == p_t
+    assert torch.equal(out_c, out_t) and torch.equal(ids_c, ids_t)
+    torch.testing.assert_close(h_c, h_t)
