@@ -16,8 +16,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from inference.hash32 import MASK32 as _MASK32
+from inference.hash32 import mix32 as _mix32
+
 ROW_SEED = "row_seed"  # batch key: [B] int64
-_MASK32 = 0xFFFFFFFF
 _PRIME = 1_000_000_007
 
 
@@ -40,17 +42,3 @@ def uniform_bits(seeds_B: Tensor, length: int) -> Tensor:
     key = _mix32((seeds_B & _MASK32) ^ _mix32((seeds_B >> 32) & _MASK32))  # [B]
     t = torch.arange(length, device=seeds_B.device)
     return _mix32(key[:, None] ^ _mix32(t)[None, :])
-
-
-def _mul32(x: Tensor, m: int) -> Tensor:
-    """x * m mod 2^32 for x < 2^32 without leaving int64's range (the high half of m enters shifted)."""
-    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (xor-shift-multiply, the "lowbias32" constants): a bijection of [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)

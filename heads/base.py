@@ -26,7 +26,7 @@ from hydra.utils import instantiate
 from torch import Tensor, nn
 
 from distill.chunked import TeacherRows, chunked_divergence
-from inference.sampling import GREEDY, SamplingConfig
+from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.static_draft import weights_signature
 from inference.tree import DraftTree
 
@@ -303,6 +303,24 @@ class ForkedRows:
 
     def keep(self, rows: list[int]) -> None:
         self.forks = [self.forks[r] for r in rows]
+
+
+def row_chains(logits: Tensor, tokens: list[Tensor], wants: list[int], samplings: list[SamplingConfig],
+               sampler: Callable[[int, torch.device], torch.Generator]) -> list[DraftTree]:
+    """One chain per row of a batched drafter forward: row b's first ``wants[b]`` drafts from ``logits[b]`` ([B, n, V]),
+    on ``tokens[b]``'s device; an empty tree for 0. Greedy rows take the argmax; sampled rows draw from the warped
+    distribution with ``sampler(b, device)`` and keep it (rejection sampling needs q)."""
+    trees = []
+    for b, (t, n, sampling) in enumerate(zip(tokens, wants, samplings)):
+        if n < 1:
+            trees.append(DraftTree.empty(t.device))
+        elif sampling.greedy:
+            trees.append(DraftTree.chain(logits[b, :n].argmax(-1).to(t.device)))
+        else:
+            probs = warp(logits[b, :n], sampling)
+            drafts = sample(probs, sampler(b, probs.device))
+            trees.append(DraftTree.chain(drafts.to(t.device), probs.to(t.device)))
+    return trees
 
 
 def build_drafter(drafter_cfg: Mapping[str, Any], teacher) -> Drafter:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inference.sampling import SamplingConfig, sample, warp
+from heads.base import row_chains
+from inference.sampling import SamplingConfig
 from inference.tree import DraftTree
 
 
@@ -78,18 +79,7 @@ class DFlashRows:
         top = min(d.depth or S - 1, S - 1)
         out = d.norm(h[:, 1: top + 1])  # [B, top, D]
         logits = d.draft_logits(out.reshape(B * top, -1)).view(B, top, -1)
-        trees = []
-        for b, (t, want, sampling) in enumerate(zip(tokens, depths, samplings)):
-            n = min(top, want)
-            if n < 1:
-                trees.append(DraftTree.empty(t.device))
-            elif sampling.greedy:
-                trees.append(DraftTree.chain(logits[b, :n].argmax(-1).to(t.device)))
-            else:
-                probs = warp(logits[b, :n], sampling)
-                drafts = sample(probs, self._sampler(b, probs.device))
-                trees.append(DraftTree.chain(drafts.to(t.device), probs.to(t.device)))
-        return trees
+        return row_chains(logits, tokens, [min(top, want) for want in depths], samplings, self._sampler)
 
     def _sampler(self, row: int, device: torch.device) -> torch.Generator:
         g = self.generators[row]

@@ -40,27 +40,12 @@ from torch import Tensor
 
 from inference.acceptance import sample_uniform
 from inference.generation import cache_kwarg
+from inference.hash32 import MASK32 as _MASK32
+from inference.hash32 import mix32 as _mix32
+from inference.hash32 import mul32 as _mul32
 from inference.sampling import SamplingConfig, warp
 from inference.static_cache import StaticKV, kv_shapes
 from inference.static_draft import CommittedBuffers, DraftBuffers, check_prompt_fits, mark_static, reseed_draws
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """(x * c) mod 2**32 for x, c < 2**32 in int64 arithmetic without overflow (16-bit halves)."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash with good avalanche (xor-shift / multiply rounds, constants from C. Wellons' lowbias32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
 
 def hashed_uniforms(seed: Tensor, counter: Tensor, index_n: Tensor) -> Tensor:
     """[n] float32 uniforms in [0, 1 - 2**-23] from (seed, counter, index): fixed-shape integer ops, so a CUDA graph

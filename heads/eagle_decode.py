@@ -139,30 +139,42 @@ class EagleRows:
         return [DraftTree(t.tokens.to(s.device), t.parents.to(s.device), chain_hint=t.chain_hint,
                           depth_bound=t.depth_bound) for t, s in zip(trees, tokens)]
 
-    def _advance(self, tokens: list[Tensor]) -> None:
-        """Run every row's context pairs not yet processed (pair t = feature of token t, token t + 1), padded to the
-        longest; append their keys and values to the rows' caches; keep each row's last output as its root."""
-        d = self.drafter
-        dev, dtype = d.fc.weight.device, d.fc.weight.dtype
+    def _new_positions(self, tokens: list[Tensor]) -> list[int]:
+        """Per row, the context positions not run yet, checked against the features observed for them."""
         new = [t.shape[1] - 1 - n for t, n in zip(tokens, self.lengths)]
         for b, m in enumerate(new):
             seen = sum(f.shape[0] for f in self.pending[b])
             if seen != m:
-                raise RuntimeError(f"{d.name}: row {b} proposes after {tokens[b].shape[1]} tokens, which needs target "
-                                   f"features for {m} new positions; observed {seen}. The decoder must observe() the "
-                                   f"prefill and every committed position once")
-        M = max(new)
-        if M == 0:
-            return
-        B = len(tokens)
-        width = d.fc.in_features if d.variant == "eagle3" else d.dims.hidden_size
-        feats = torch.zeros(B, M, width, device=dev, dtype=dtype)
-        ids = torch.zeros(B, M, dtype=torch.long, device=dev)
+                raise RuntimeError(f"{self.drafter.name}: row {b} proposes after {tokens[b].shape[1]} tokens, which "
+                                   f"needs target features for {m} new positions; observed {seen}. The decoder must "
+                                   f"observe() the prefill and every committed position once")
+        return new
+
+    def _take_pairs(self, tokens: list[Tensor], new: list[int], width: int, dev: torch.device,
+                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """([B, M, width] features, [B, M] tokens t + 1) of every row's new pairs, padded to the longest; the
+        observed features are consumed."""
+        feats = torch.zeros(len(tokens), max(new), width, device=dev, dtype=dtype)
+        ids = torch.zeros(len(tokens), max(new), dtype=torch.long, device=dev)
         for b, m in enumerate(new):
             if m:
                 feats[b, :m] = torch.cat(self.pending[b]).to(dev, dtype)
                 ids[b, :m] = tokens[b][0, self.lengths[b] + 1:].to(dev)
             self.pending[b] = []
+        return feats, ids
+
+    def _advance(self, tokens: list[Tensor]) -> None:
+        """Run every row's context pairs not yet processed (pair t = feature of token t, token t + 1), padded to the
+        longest; append their keys and values to the rows' caches; keep each row's last output as its root."""
+        d = self.drafter
+        dev, dtype = d.fc.weight.device, d.fc.weight.dtype
+        new = self._new_positions(tokens)
+        M = max(new)
+        if M == 0:
+            return
+        B = len(tokens)
+        width = d.fc.in_features if d.variant == "eagle3" else d.dims.hidden_size
+        feats, ids = self._take_pairs(tokens, new, width, dev, dtype)
         self._reserve(max(n + m for n, m in zip(self.lengths, new)), dev)
         start = self.valid.sum(1)  # [B]: the first new pair's position per row
         pos = start[:, None] + torch.arange(M, device=dev)

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from heads.base import row_chains
 from heads.eagle_decode import EagleRows
-from inference.sampling import SamplingConfig, sample, warp
+from inference.sampling import SamplingConfig
 from inference.tree import DraftTree
 
 
@@ -51,17 +52,7 @@ class PEagleRows(EagleRows):
             return [DraftTree.empty(t.device) for t in tokens]
         out = self._forward(tokens, max(wants) - 1)  # [B, depth, D]
         logits = d.target_logits(d._logits(out))  # [B, depth, V]
-        trees = []
-        for b, (t, n, sampling) in enumerate(zip(tokens, wants, samplings)):
-            if n < 1:
-                trees.append(DraftTree.empty(t.device))
-            elif sampling.greedy:
-                trees.append(DraftTree.chain(logits[b, :n].argmax(-1).to(t.device)))
-            else:
-                probs = warp(logits[b, :n], sampling)
-                drafts = sample(probs, self._sampler(b, probs.device))
-                trees.append(DraftTree.chain(drafts.to(t.device), probs.to(t.device)))
-        return trees
+        return row_chains(logits, tokens, wants, samplings, self._sampler)
 
     def _sampler(self, row: int, device: torch.device) -> torch.Generator:
         g = self.generators[row]
@@ -124,21 +115,8 @@ class PEagleRows(EagleRows):
     def _new_pairs(self, tokens: list[Tensor], dev: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor, list]:
         """([B, M, F*D] features, [B, M] tokens t + 1, per-row counts): every row's context pairs not run yet."""
         d = self.drafter
-        new = [t.shape[1] - 1 - n for t, n in zip(tokens, self.lengths)]
-        for b, m in enumerate(new):
-            seen = sum(f.shape[0] for f in self.pending[b])
-            if seen != m:
-                raise RuntimeError(f"{d.name}: row {b} proposes after {tokens[b].shape[1]} tokens, which needs target "
-                                   f"features for {m} new positions; observed {seen}. The decoder must observe() the "
-                                   f"prefill and every committed position once")
-        M = max(new)
-        feats = torch.zeros(len(tokens), M, d.fc.in_features, device=dev, dtype=dtype)
-        ids = torch.zeros(len(tokens), M, dtype=torch.long, device=dev)
-        for b, m in enumerate(new):
-            if m:
-                feats[b, :m] = torch.cat(self.pending[b]).to(dev, dtype)
-                ids[b, :m] = tokens[b][0, self.lengths[b] + 1:].to(dev)
-            self.pending[b] = []
+        new = self._new_positions(tokens)
+        feats, ids = self._take_pairs(tokens, new, d.fc.in_features, dev, dtype)
         return feats, ids, new
 
     def _reserve(self, columns: int, dev: torch.device) -> None:
