@@ -48,7 +48,7 @@ from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads.dflash_rows import DFlashRows
 from heads.dflash_static import DFlashStaticDraft
 from heads.eagle import RMSNorm, _rope, _rope_tables, vocab_maps
-from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
 from inference.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -445,8 +445,7 @@ class DFlashDrafter(Drafter):
         return [(k[:, :, :need], v[:, :, :need]) for k, v in self._ctx_kv]
 
     def _sampler(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self._seed)
+        self._generator = seeded_generator(self._generator, self._seed, device)
         return self._generator
 
     @torch.no_grad()

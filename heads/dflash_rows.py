@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from heads.base import row_chains
-from inference.sampling import SamplingConfig
+from inference.sampling import SamplingConfig, seeded_generator
 from inference.tree import DraftTree
 
 
@@ -82,10 +82,8 @@ class DFlashRows:
         return row_chains(logits, tokens, [min(top, want) for want in depths], samplings, self._sampler)
 
     def _sampler(self, row: int, device: torch.device) -> torch.Generator:
-        g = self.generators[row]
-        if g is None or g.device != device:
-            g = self.generators[row] = torch.Generator(device=device).manual_seed(self.seeds[row])
-        return g
+        self.generators[row] = seeded_generator(self.generators[row], self.seeds[row], device)
+        return self.generators[row]
 
     def _catch_up(self, tokens: list[Tensor]) -> None:
         """Cache every row's context keys up to its anchor (positions 0 .. n_b - 2), padded to the longest."""

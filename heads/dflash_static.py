@@ -20,9 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from heads.draft_model_static import hashed_uniforms
-from inference.acceptance import sample_uniform
-from inference.sampling import SamplingConfig, warp
+from heads.draft_model_static import draw_chain
+from inference.sampling import SamplingConfig
 from inference.static_draft import (CommittedBuffers, DraftBuffers, check_layers_held,
                                      check_prompt_fits, mark_static, reseed_draws)
 
@@ -117,9 +116,4 @@ class DFlashStaticDraft:
         if self.sampling.greedy:
             self.buffers.tokens_T.copy_(logits.argmax(-1))
             return
-        uniforms = hashed_uniforms(self.seed, self.counter, self.draws_T)
-        self.counter.add_(1)
-        probs = warp(logits, self.sampling)
-        self.buffers.probs_TV.copy_(probs)
-        self.buffers.tokens_T.copy_(torch.cat([sample_uniform(probs[k], uniforms[k: k + 1])
-                                               for k in range(self.depth)]))
+        draw_chain(self, logits)

@@ -40,7 +40,7 @@ from heads.draft_model_rows import DraftModelRows
 from heads.draft_model_static import DraftModelStaticDraft
 from heads.lora import check_lora_spec, check_targets_exist, lora_config
 from inference.masks import AttentionLayout
-from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
 from inference.tree import DraftTree
 
 SOURCES = ("config", "toy", "hf")
@@ -368,8 +368,7 @@ class DraftModel(Drafter):
         return out.logits[0, -1]
 
     def _sampler(self) -> torch.Generator:
-        if self._generator is None or self._generator.device != self.device:
-            self._generator = torch.Generator(device=self.device).manual_seed(self._seed)
+        self._generator = seeded_generator(self._generator, self._seed, self.device)
         return self._generator
 
     def _check_positions(self, num_tokens: int, max_depth: int) -> None:

@@ -56,6 +56,18 @@ def hashed_uniforms(seed: Tensor, counter: Tensor, index_n: Tensor) -> Tensor:
     return (x >> 9).to(torch.float32) * (1.0 / (1 << 23))
 
 
+def draw_chain(static, logits_TV: Tensor) -> None:
+    """A parallel drafter's sampled chain inside its static step: ``static.depth`` tokens, one per row of the warped
+    ``logits_TV``, drawn with the step's hashed uniforms (a fresh counter each step), their distributions kept in
+    ``static.buffers.probs_TV`` for rejection sampling."""
+    uniforms = hashed_uniforms(static.seed, static.counter, static.draws_T)
+    static.counter.add_(1)
+    probs = warp(logits_TV, static.sampling)
+    static.buffers.probs_TV.copy_(probs)
+    static.buffers.tokens_T.copy_(torch.cat([sample_uniform(probs[k], uniforms[k: k + 1])
+                                             for k in range(static.depth)]))
+
+
 class DraftModelStaticDraft:
     """``StaticDraft`` for one ``heads.draft_model.DraftModel`` (a full-attention draft LM) at one capacity bucket:
     a chain of γ = M - 1 tokens, greedy or sampled."""

@@ -47,7 +47,7 @@ from heads.base import DraftOutput, TargetDims
 from heads.eagle import DraftLayer, EagleDrafter, RMSNorm
 from heads.peagle_rows import PEagleRows
 from heads.peagle_static import PEagleStaticDraft
-from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
 from inference.tree import DraftTree
 
 
@@ -193,8 +193,7 @@ class PEagleDrafter(EagleDrafter):
                                                                  generator))
 
     def _sampler(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self._seed)
+        self._generator = seeded_generator(self._generator, self._seed, device)
         return self._generator
 
     @torch.no_grad()

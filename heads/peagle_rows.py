@@ -21,7 +21,7 @@ from torch import Tensor
 
 from heads.base import row_chains
 from heads.eagle_decode import EagleRows
-from inference.sampling import SamplingConfig
+from inference.sampling import SamplingConfig, seeded_generator
 from inference.tree import DraftTree
 
 
@@ -55,10 +55,9 @@ class PEagleRows(EagleRows):
         return row_chains(logits, tokens, wants, samplings, self._sampler)
 
     def _sampler(self, row: int, device: torch.device) -> torch.Generator:
-        g = self.generators[row]
-        if g is None or g.device != device:  # seeded as a per-row fork's (``PEagleDrafter._sampler``)
-            g = self.generators[row] = torch.Generator(device=device).manual_seed(self.seeds[row])
-        return g
+        # seeded as a per-row fork's (``PEagleDrafter._sampler``)
+        self.generators[row] = seeded_generator(self.generators[row], self.seeds[row], device)
+        return self.generators[row]
 
     def _forward(self, tokens: list[Tensor], S: int) -> Tensor:
         """[B, 1 + S, D]: every row's root (its last context pair's output) and its S slots' outputs, the new pairs

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heads.draft_model_static import hashed_uniforms
+from heads.draft_model_static import draw_chain
 from heads.eagle_static import EagleStaticDraft
-from inference.acceptance import sample_uniform
-from inference.sampling import SamplingConfig, warp
+from inference.sampling import SamplingConfig
 from inference.static_draft import CommittedBuffers, DraftBuffers, mark_static, reseed_draws
 
 
@@ -107,12 +106,7 @@ class PEagleStaticDraft(EagleStaticDraft):
             self.buffers.tokens_T.copy_(d.d2t[logits.argmax(-1)])
             return
         full = logits.new_full((logits.shape[0], d.dims.vocab_size), float("-inf")).index_copy(1, d.d2t, logits)
-        uniforms = hashed_uniforms(self.seed, self.counter, self.draws_T)
-        self.counter.add_(1)
-        probs = warp(full, self.sampling)
-        self.buffers.probs_TV.copy_(probs)
-        self.buffers.tokens_T.copy_(torch.cat([sample_uniform(probs[k], uniforms[k: k + 1])
-                                               for k in range(self.depth)]))
+        draw_chain(self, full)
 
     def _attend(self, layer, x, residual, cos, sin, pos, kbuf, vbuf, mask):
         """One layer over the M committed rows and the S slots: their keys written into ``kbuf`` / ``vbuf`` (rows

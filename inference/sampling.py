@@ -66,6 +66,14 @@ def warp(logits_NV: Tensor, cfg: SamplingConfig) -> Tensor:
     return probs_NV
 
 
+def seeded_generator(current: torch.Generator | None, seed: int, device: torch.device) -> torch.Generator:
+    """``current`` where it already lives on ``device``, else a new generator there seeded with ``seed``: a drafter's
+    per-sequence sampler, made on the device its draws happen on."""
+    if current is not None and current.device == device:
+        return current
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def sample(probs_NV: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row: [N]."""
     return torch.multinomial(probs_NV, 1, generator=generator).squeeze(-1)
