@@ -31,6 +31,9 @@ class Generation:
     node_accepts: dict = field(default_factory=lambda: defaultdict(Counter))
     context_tokens: int = 0  # committed context length summed over verification forwards (mean = / forwards)
     shapes: dict = field(default_factory=dict)  # tree size -> parents of a tree of that size (to time it alone)
+    # first calls of compiled steps during this decode (their compilation): left out of every time above, as an
+    # engine's start-up compilation is left out of its decode times
+    compile_seconds: float = 0.0
 
     def merge(self, other: "Generation") -> "Generation":
         """Add ``other`` into this one (an evaluation's total over its prompts): tokens appended, times, counts and
@@ -47,6 +50,7 @@ class Generation:
         for size, parents in other.shapes.items():
             self.shapes.setdefault(size, parents)
         self.context_tokens += other.context_tokens
+        self.compile_seconds += other.compile_seconds
         return self
 
 

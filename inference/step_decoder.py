@@ -1,7 +1,8 @@
 """The batch-1 step decoder: plain and speculative decoding as a sequence of recorded steps over static buffers
 (``inference.steps``), the path ``inference.decoder.Decoder`` takes at batch 1.
 
-Per decode: the prompt runs eagerly into the static cache; then per step the host
+Per decode: the prompt goes into the static cache (a recorded step per capacity bucket where steps are recorded or
+compiled, else eagerly); then per step the host
 1. drafts: a drafter with a static step (``static_draft``, ``inference.static_draft``) runs it, writing its own
    ``DraftBuffers`` the verify step reads; any other drafter proposes eagerly (lookup's n-gram search on the host,
    a drafter without a static step) and its tree is copied into the step's fixed buffers, padded with token -1;
@@ -20,6 +21,8 @@ attention backend is pinned (no cuDNN attention, whose per-shape plans the stati
 whose choice must not change under a recording); a recording that fails falls back to the eager step, with the
 reason logged. ``decoder.compile`` compiles the step functions first (inductor's fused kernels); with graphs on, the
 compiled step is recorded the same way (SGLang's pattern: a compiled model under the server's own graphs).
+``decoder.compile=auto`` (the default) compiles on a CUDA target: a graph removes launches, not kernels, and a Hugging
+Face forward is hundreds of small kernels that inductor fuses (docs/gpu-decoding.md has the figures).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 log = logging.getLogger(__name__)
 
 CUDA_GRAPHS = ("auto", "on", "off")
+COMPILE = ("auto", "on", "off")  # true / false are read as on / off
 MAX_NODES = 64  # the widest draft the fixed buffers hold (a larger tree is refused with the fix)
 STATIC_KEPT = 16  # static drafts (and the steps recorded for them) a decoder keeps, oldest dropped first
 
@@ -62,6 +66,23 @@ def resolve_graphs(cuda_graphs: str, device: torch.device) -> bool:
     return cuda_graphs != "off" and device.type == "cuda"
 
 
+def compile_setting(compile: str | bool) -> str:
+    """``decoder.compile`` as auto / on / off (true and false, as Hydra or Python pass them, read as on / off)."""
+    value = str(compile).lower()
+    value = {"true": "on", "false": "off"}.get(value, value)
+    if value not in COMPILE:
+        raise ValueError(f"decoder.compile={compile!r}; valid: {list(COMPILE)} (auto: on for a CUDA target; true / "
+                         f"false mean on / off)")
+    return value
+
+
+def resolve_compile(compile: str | bool, device: torch.device) -> bool:
+    """``decoder.compile`` -> compile the step functions or not (auto: on for a CUDA target, where inductor's fused
+    kernels are what a graph replays; on a CPU compiling costs more than a short evaluation saves)."""
+    value = compile_setting(compile)
+    return value == "on" or (value == "auto" and device.type == "cuda")
+
+
 def _capacity(columns: int) -> int:
     """Cache capacities are powers of two from ``BUCKET`` up, so a decoder reuses one cache across prompts."""
     c = BUCKET
@@ -74,7 +95,7 @@ class StepDecoder:
     """Batch-1 decoding through ``inference.steps`` (see the module docstring)."""
 
     def __init__(self, teacher, eos_token_id: int | None, sampling: SamplingConfig, generator: torch.Generator,
-                 cuda_graphs: str = "auto", compile: bool = False, compile_backend: str | None = None):
+                 cuda_graphs: str = "auto", compile: str | bool = False, compile_backend: str | None = None):
         self.teacher = teacher
         self.model = teacher.model
         self.device = teacher.device
@@ -83,7 +104,7 @@ class StepDecoder:
         self.generator = generator
         self.layout = AttentionLayout.of(self.model)
         self.graphs = resolve_graphs(cuda_graphs, self.device)
-        self.compile = compile
+        self.compile = resolve_compile(compile, self.device)
         self.compile_backend = compile_backend
         self.prefill_kw = prefill_kwargs(self.model)
         self._shapes = None
@@ -91,17 +112,24 @@ class StepDecoder:
         self._fns: dict[tuple, object] = {}
         self._pool = None
         self._static: dict[tuple, tuple] = {}  # (drafter, buffers, sampling) -> (drafter, its StaticDraft or None)
-        self.fallback_reason: str | None = None  # why a CUDA graph recording fell back to the eager step
+        self.fallback_reason: str | None = None  # why a CUDA graph recording or a compilation fell back
+        self.compile_seconds = 0.0  # the first calls of compiled steps (compilation included), all decodes so far
+        self._told = False  # the first compilation is announced once
         # The prompt through a recorded step padded to its capacity bucket where steps are recorded or compiled; on
         # a CPU eagerly over its own columns (``_prefill``)
         self.static_prefill = self.graphs or self.compile
 
     def describe(self) -> dict:
         """How the steps ran (reports): CUDA graphs or compile, the step functions made, how many are replayed
-        recorded graphs, and why a recording fell back to the eager step (None: none did)."""
+        recorded graphs, how many were compiled and the seconds their first calls took (compilation included), and
+        why a recording or a compilation fell back (None: none did)."""
         fns = list(self._fns.values())
+        compiled = [f.fn if isinstance(f, _Recorded) else f for f in fns]
+        compiled = [f for f in compiled if isinstance(f, _Compiled) and f.calls]
         return {"cuda_graphs": self.graphs, "compile": self.compile, "step_functions": len(fns),
                 "recorded_graphs": sum(isinstance(f, _Recorded) and f.graph is not None for f in fns),
+                "compiled_steps": sum(f.seconds is not None for f in compiled),
+                "compile_seconds": round(self.compile_seconds, 3),
                 "fallback_reason": self.fallback_reason}
 
     # --- state and step functions ----------------------------------------------------------------------------------
@@ -217,14 +245,15 @@ class StepDecoder:
     def plain(self, prompt_ids: Tensor, max_new_tokens: int, sampling: SamplingConfig | None = None) -> Generation:
         check_prompt(prompt_ids, max_new_tokens, 0, self.teacher.max_positions)
         sync(self.device)
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), self.compile_seconds
         with self._pinned():
             run = self.session(None, prompt_ids, max_new_tokens, 0, sampling)
             while len(run.new) < max_new_tokens and run.new[-1] != self.eos_token_id:
                 run.plain_step()
         sync(self.device)
+        compiling = self.compile_seconds - compiled
         return Generation(new_tokens=finish(run.new, max_new_tokens, self.eos_token_id),
-                          seconds=time.perf_counter() - start)
+                          seconds=time.perf_counter() - start - compiling, compile_seconds=compiling)
 
     @torch.no_grad()
     def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int,
@@ -234,22 +263,29 @@ class StepDecoder:
         if num_draft < 1:
             return self.plain(prompt_ids, max_new_tokens, sampling)
         sync(self.device)
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), self.compile_seconds
         with self._pinned():
             run = self.session(drafter, prompt_ids, max_new_tokens, num_draft, sampling)
             sync(self.device)
             gen = run.gen
-            gen.prefill_seconds = time.perf_counter() - start
+            prefilled = self.compile_seconds
+            gen.prefill_seconds = time.perf_counter() - start - (prefilled - compiled)
             clock = StepClock(self.device)
+            drafting = 0.0  # compilation inside draft steps (the rest of it is inside verify steps)
             while len(run.new) < max_new_tokens and (self.eos_token_id is None or self.eos_token_id not in run.new):
                 t0 = clock.mark()
+                before = self.compile_seconds
                 run.draft(min(num_draft, max_new_tokens - len(run.new)))
+                drafting += self.compile_seconds - before
                 t1 = clock.mark()
                 run.verify()
                 clock.step(t0, t1, clock.mark())
         sync(self.device)
-        gen.draft_seconds, gen.verify_seconds = clock.totals()
-        gen.seconds = time.perf_counter() - start
+        gen.compile_seconds = self.compile_seconds - compiled
+        draft_s, verify_s = clock.totals()
+        gen.draft_seconds = draft_s - drafting
+        gen.verify_seconds = verify_s - (self.compile_seconds - prefilled - drafting)
+        gen.seconds = time.perf_counter() - start - gen.compile_seconds
         gen.new_tokens = finish(run.new, max_new_tokens, self.eos_token_id)
         return gen
 
@@ -467,19 +503,30 @@ class _Compiled:
 
     def __init__(self, compiled, fn, owner: StepDecoder):
         self.compiled, self.fn, self.owner, self.calls = compiled, fn, owner, 0
+        self.seconds: float | None = None  # the first call's, compilation included (None: not compiled)
 
     def __call__(self) -> None:
         self.calls += 1
         if self.calls > 1:
             self.compiled()
             return
+        owner = self.owner
+        if not owner._told:
+            owner._told = True
+            log.info("decoder.compile: each step shape compiles on its first use (about 20 s on an H200 for a 1B "
+                     "target); decoder.compile=off skips it (docs/gpu-decoding.md)")
+        start = time.perf_counter()
         try:
             self.compiled()
         except Exception as e:  # noqa: BLE001 - any failure to compile: decode with the step as it is, and say why
-            self.owner.fallback_reason = f"compile: {type(e).__name__}: {e}"[:2000]
-            log.warning("compiling a decode step failed (%s); it runs uncompiled", self.owner.fallback_reason)
+            owner.fallback_reason = f"compile: {type(e).__name__}: {e}"[:2000]
+            log.warning("compiling a decode step failed (%s); it runs uncompiled", owner.fallback_reason)
             self.compiled = self.fn
             self.fn()
+            return
+        sync(owner.device)  # once per compiled step: its first call's time is the compilation's
+        self.seconds = time.perf_counter() - start
+        owner.compile_seconds += self.seconds
 
 
 class _Recorded:
@@ -525,4 +572,5 @@ class _Recorded:
             graph.replay()
 
 
-__all__ = ["StepDecoder", "Session", "NeedsEagerLoop", "resolve_graphs", "CUDA_GRAPHS", "TREE_BUCKET"]
+__all__ = ["StepDecoder", "Session", "NeedsEagerLoop", "resolve_graphs", "resolve_compile", "compile_setting", "CUDA_GRAPHS", "COMPILE",
+           "TREE_BUCKET"]

@@ -1,7 +1,7 @@
 """Decoding benchmark: every drafter kind against plain decoding, HF generate() and HF assisted generation, one run.
 
     python scripts/bench_decode.py                      # CPU: the toy target (cached), writes bench_decode.json
-    python scripts/bench_decode.py --preset gpu --compile   # GPU: a 1.14B Llama-shaped target, built (~5 min on an H100) first
+    python scripts/bench_decode.py --preset gpu         # GPU: a 1.14B Llama-shaped target, built (~5 min on an H100) first
     python scripts/bench_decode.py --preset tiny        # seconds: checks the script end to end (numbers meaningless)
     python scripts/bench_decode.py --methods eagle1,eagle3 --eagle1-dir RUN --eagle3-dir RUN   # EAGLE rows only
     python scripts/bench_decode.py --methods lookup,eagle1,dflash --eagle1-dir RUN --dflash-dir RUN
@@ -17,8 +17,9 @@ What it does, all in one process so every ratio is measured side by side:
    drafting its whole block: ``drafter.depth``, else ``block_size - 1`` tokens) next to
    plain decoding, HF ``generate()`` and HF assisted generation with the same draft model and γ; then the draft
    model and the Medusa tree again with ``decoder.auto_tune`` (predicted vs measured speedup),
-4. optionally repeats at temperature 1 (``--sample``) and with ``decoder.compile`` (``--compile``: the target's
-   forward under torch.compile, plain decoding included),
+4. on CUDA repeats with eager steps (``greedy_no_cuda_graphs``: no graphs, no compile), optionally at temperature 1
+   (``--sample``) and with compiled steps (``--compile``: ``decoder.compile=on``, where the run's own setting does
+   not compile already; ``decoder.compile=auto``, the default, compiles on CUDA),
 5. writes JSON: machine, dtype, and per method τ, α, tokens/s, speedup, speedup over the faster of plain decoding
    and HF generate(), predicted speedup, overhead ratio, transfers per step; plus the full evaluation reports.
 """
@@ -187,12 +188,13 @@ def main(argv=None) -> None:
     ap.add_argument("--target-steps", type=int, default=None, help="pretraining steps of a built toy target "
                     "(default: the preset's; another value is another cached target)")
     ap.add_argument("--no-eager-steps", action="store_true", help="on CUDA, skip the second evaluation with "
-                    "decoder.cuda_graphs=off")
+                    "decoder.cuda_graphs=off decoder.compile=off")
     ap.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} (default: all; "
                     "the gpu preset's: lookup,eagle1,eagle3)")
     ap.add_argument("--prepare", action="store_true", help="build the target and train the drafters (into the "
                     "--*-dir run dirs), then stop: a GPU lease can do this apart from the timed part")
-    ap.add_argument("--compile", action="store_true", help="also evaluate with decoder.compile (torch.compile)")
+    ap.add_argument("--compile", action="store_true", help="also evaluate with decoder.compile=on (torch.compile), "
+                    "where the run's own decoder.compile does not compile")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. eval.num_prompts=10")
     args = ap.parse_args(argv)
     args.methods = args.methods or PRESETS[args.preset].get("methods") or ",".join(METHODS)
@@ -295,17 +297,19 @@ def main(argv=None) -> None:
     if device.type == "cuda" and dcfg.cuda_graphs != "off" and not args.no_eager_steps:  # graphs vs eager steps
         try:
             eager = evaluate(teacher, drafters, prompts, dataclasses.replace(cfg.eval, hf_baselines=False),
-                             dcfg.__class__(**{**vars(dcfg), "cuda_graphs": "off"}), categories,
+                             dcfg.__class__(**{**vars(dcfg), "cuda_graphs": "off", "compile": "off"}), categories,
                              num_draft=num_draft)
             out["runs"]["greedy_no_cuda_graphs"] = {"summary": summarize(eager), "report": eager}
         except Exception as exc:  # keep the graphed figures; the failure is part of the result
             log.exception("evaluation without CUDA graphs failed")
             out["runs"]["greedy_no_cuda_graphs"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         save()
-    if args.compile:
+    if args.compile and report["decoder_steps"]["compile"]:
+        log.info("--compile: the main run compiled its steps already (decoder.compile=%s)", dcfg.compile)
+    elif args.compile:
         try:
             compiled = evaluate(teacher, drafters, prompts, cfg.eval,
-                                dcfg.__class__(**{**vars(dcfg), "compile": True}), categories, num_draft=num_draft)
+                                dcfg.__class__(**{**vars(dcfg), "compile": "on"}), categories, num_draft=num_draft)
             out["runs"]["greedy_compiled"] = {"summary": summarize(compiled), "report": compiled}
         except Exception as exc:  # keep the eager figures; the failure is part of the result
             log.exception("compiled evaluation failed")

@@ -5,14 +5,16 @@
 #
 #   OUT=<dir> DEADLINE_S=560 bash scripts/bench_decode_gpu.sh
 #
-# 0. smoke: the step decoder's CUDA test, then the tiny preset with every drafter kind, graphed (seconds; numbers
-#    meaningless). A failed tiny run stops here, so a second lease is spent on a fixed run, not on the long phases.
-# 1. core: the 1.14B preset (--target-steps, default 150), plain with CUDA graphs and without, HF generate() eager
-#    and with its compiled static cache, prompt lookup and EAGLE-1 (400 steps on the stdlib text).
-# 2. modes: plain and the same EAGLE-1 with CUDA graphs, HF's compiled static generate, then compiled steps under
-#    graphs (scripts/bench_decode_modes.py: each bucket compiles once, about 20 s).
-# 3. parallel: the same target, the target's own greedy answers regenerated once, then EAGLE-1, DFlash and P-EAGLE
-#    trained on them (400 steps each) and decoded in one run, graphed.
+# 0. smoke: the step decoder's CUDA test (graphed and compiled steps token-identical to eager ones).
+# 1. modes: plain and EAGLE-1 (400 steps on the stdlib text) with CUDA graphs over eager steps, HF's compiled static
+#    generate, then compiled steps under graphs, the default on CUDA (scripts/bench_decode_modes.py: each bucket
+#    compiles once, about 20 s): the figures the decoder's targets are read from, first.
+# 2. smoke_tiny: the tiny preset with every drafter kind under the default settings (compiled, graphed): every kind's
+#    steps compile on CUDA (numbers meaningless). A failure stops here.
+# 3. core: the 1.14B preset (--target-steps, default 150) with decoder.compile=off: plain with CUDA graphs and
+#    without, HF generate() eager and static, prompt lookup and EAGLE-1, and the cost model's overhead ratios.
+# 4. parallel: the same target, the target's own greedy answers regenerated once, then EAGLE-1, DFlash and P-EAGLE
+#    trained on them (400 steps each) and decoded in one run, graphed (decoder.compile=off).
 # What comes back is $OUT/phases.txt (versions, each phase's time, return code and last lines) and each long phase's
 # log and JSON; the smoke phases' logs stay under $RUNS.
 # Needs torch, transformers and tokenizers; hydra, omegaconf and antlr4 may come from a folder on PYTHONPATH
@@ -55,19 +57,21 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
 cat "$OUT/phases.txt"
 
 phase "$RUNS" smoke 150 $PY -m pytest -q -p no:cacheprovider tests/test_step_decoder.py -k "cuda"
-phase "$RUNS" smoke_tiny 120 $PY scripts/bench_decode.py --preset tiny \
-  --methods lookup,eagle1,dflash,peagle,medusa-chain,draft_model --out "$RUNS/smoke_tiny.json" || exit 4
+
+phase "$OUT" modes 260 $PY scripts/bench_decode_modes.py --preset "$PRESET" --target-steps "$TARGET_STEPS" \
+  --eagle1-dir "$RUNS/eagle1" --modes graphs,hf_static,compiled --prompts 6 --out "$OUT/gpu_modes.json" \
+  eval.num_prompts="$PROMPTS"
+
+phase "$RUNS" smoke_tiny 150 $PY scripts/bench_decode.py --preset tiny \
+  --methods lookup,eagle1,dflash,peagle,medusa-chain,draft_model --out "$OUT/smoke_tiny.json" || exit 4
 
 phase "$OUT" core 330 $PY scripts/bench_decode.py --preset "$PRESET" --target-steps "$TARGET_STEPS" \
-  --methods lookup,eagle1 --eagle1-dir "$RUNS/eagle1" --out "$OUT/gpu_core.json" eval.num_prompts="$PROMPTS"
-
-phase "$OUT" modes 200 $PY scripts/bench_decode_modes.py --preset "$PRESET" --target-steps "$TARGET_STEPS" \
-  --eagle1-dir "$RUNS/eagle1" --modes graphs,hf_static,compiled --prompts 5 --out "$OUT/gpu_modes.json" \
-  eval.num_prompts="$PROMPTS"
+  --methods lookup,eagle1 --eagle1-dir "$RUNS/eagle1" --out "$OUT/gpu_core.json" eval.num_prompts="$PROMPTS" \
+  decoder.compile=off
 
 phase "$OUT" parallel 400 $PY scripts/bench_decode.py --preset "$PRESET" --target-steps "$TARGET_STEPS" \
   --methods eagle1,dflash,peagle --no-eager-steps --eagle1-dir "$RUNS/eagle1_regen" --dflash-dir "$RUNS/dflash" \
   --peagle-dir "$RUNS/peagle" --out "$OUT/gpu_parallel.json" eval.num_prompts="$PROMPTS" eval.hf_baselines=false \
   data.mode=regenerate regenerate.num_prompts=512 regenerate.batch_size=128 regenerate.engine=batched \
-  regenerate.temperature=0
+  regenerate.temperature=0 decoder.compile=off
 echo "done after $(( $(date +%s) - start ))s"

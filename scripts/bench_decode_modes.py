@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PRESETS, compose_cfg, load_cfg, trained  # noqa: E402
 
 log = logging.getLogger("bench_decode_modes")
-MODES = {"eager": {"cuda_graphs": "off"}, "graphs": {}, "compiled": {"compile": True}}
+MODES = {"eager": {"cuda_graphs": "off", "compile": "off"}, "graphs": {"compile": "off"}, "compiled": {"compile": "on"}}
 
 
 def decode_mode(teacher, drafter, prompts, max_new: int, num_draft: int, settings: dict) -> dict:

@@ -101,6 +101,7 @@ def test_bad_decoding_input(tiny_teacher):
     ("decoder.tree=bushy", "valid presets"),
     ("decoder.acceptance=fast", "decoder.acceptance"),
     ("decoder.cuda_graphs=yes", "decoder.cuda_graphs"),
+    ("decoder.compile=sometimes", "decoder.compile"),
 ])
 def test_bad_decoder_config_fails_validation(override, message):
     with pytest.raises(ValueError, match=message):

@@ -21,7 +21,7 @@ from inference.decoder import Decoder, DecoderConfig
 from inference.sampling import GREEDY, SamplingConfig
 from inference.static_cache import StaticKV, capacity_buckets, kv_shapes
 from inference.static_draft import DraftBuffers
-from inference.step_decoder import StepDecoder, resolve_graphs
+from inference.step_decoder import StepDecoder, resolve_compile, resolve_graphs
 from inference.steps import Bucket, Steps
 from inference.transfers import TransferCounter
 from inference.tree import DraftTree
@@ -357,6 +357,46 @@ def test_cuda_graphs_key_is_checked():
         resolve_graphs("yes", torch.device("cpu"))
 
 
+def test_compile_key_is_checked():
+    """decoder.compile: auto compiles on CUDA only; on / off (and true / false, as Hydra passes them) everywhere."""
+    assert resolve_compile("auto", torch.device("cuda")) is True
+    assert resolve_compile("auto", torch.device("cpu")) is False
+    assert resolve_compile("off", torch.device("cuda")) is False
+    assert resolve_compile("on", torch.device("cpu")) is True
+    assert resolve_compile(True, torch.device("cpu")) is True and resolve_compile("True", torch.device("cpu")) is True
+    assert resolve_compile("false", torch.device("cuda")) is False and resolve_compile(False, torch.device("cuda")) is False
+    with pytest.raises(ValueError, match="decoder.compile='sometimes'; valid"):
+        resolve_compile("sometimes", torch.device("cpu"))
+    assert DecoderConfig().compile == "auto"
+
+
+def test_compilation_is_left_out_of_decode_times_and_reported(tiny_teacher):
+    """A step's first call compiles it (here: a backend that takes 0.4 s per graph). That time is the report's
+    compile_seconds, not decode time: the decode that compiles takes as long as the next one, which compiles
+    nothing."""
+    import time
+
+    def slow(gm, example_inputs):
+        time.sleep(0.4)
+        return gm.forward
+
+    torch._dynamo.reset()
+    dec = StepDecoder(tiny_teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile="on",
+                      compile_backend=slow)
+    prompt, drafter = prompts()[0], TableDrafter(tiny_teacher)
+    first, second = dec.plain(prompt, 20), dec.plain(prompt, 20)
+    assert first.compile_seconds >= 0.8 and second.compile_seconds == 0  # the prefill's step and the plain step
+    assert first.seconds < 0.4 + 2 * second.seconds, (first.seconds, second.seconds)
+    spec = dec.speculative(drafter, prompt, 20, GAMMA)
+    assert spec.compile_seconds >= 0.8  # its draft step and its verify step
+    assert spec.seconds < 0.4 and spec.draft_seconds < 0.4 and spec.verify_seconds < 0.4, spec
+    assert spec.draft_seconds > 0 and spec.verify_seconds > 0
+    described = dec.describe()
+    assert described["compiled_steps"] == len(dec._fns) >= 4, list(dec._fns)  # each compiled once
+    assert described["compile_seconds"] == pytest.approx(first.compile_seconds + spec.compile_seconds, abs=1e-3)
+    assert first.new_tokens == second.new_tokens == Decoder(tiny_teacher).plain_eager(prompt, 20).new_tokens
+
+
 def test_sampled_siblings_repeating_a_token_are_refused():
     from inference.acceptance import refuse_repeated_sampled_siblings
 
@@ -462,17 +502,24 @@ def test_cuda_graphs_replay_token_identically_on_cuda():
     from tests.conftest import make_tiny_llama
 
     teacher = Teacher(make_tiny_llama().cuda(), tokenizer=None, name="tiny-cuda")
-    graphed, eager = Decoder(teacher), Decoder(teacher, DecoderConfig(cuda_graphs="off"))
-    assert graphed.steps.graphs and not eager.steps.graphs
+    # the default on CUDA (compiled steps under graphs), graphs over eager steps, eager steps
+    default = Decoder(teacher)
+    graphed = Decoder(teacher, DecoderConfig(compile="off"))
+    eager = Decoder(teacher, DecoderConfig(cuda_graphs="off", compile="off"))
+    assert default.steps.graphs and default.steps.compile and graphed.steps.graphs and not graphed.steps.compile
+    assert not eager.steps.graphs and not eager.steps.compile
     drafters = {"table": TableDrafter(teacher), "lookup": make("lookup", teacher),
                 "medusa_tree": make("medusa_tree", teacher).cuda()}
     for prompt in prompts()[:2]:
         ref = eager.plain_eager(prompt, 40).new_tokens
-        assert graphed.plain(prompt, 40).new_tokens == eager.plain(prompt, 40).new_tokens == ref
-        for name, drafter in drafters.items():
-            assert graphed.speculative(drafter, prompt, 40, num_draft=GAMMA).new_tokens == ref, name
-    assert graphed.steps.fallback_reason is None
-    assert any(isinstance(f, _Recorded) and f.graph is not None for f in graphed.steps._fns.values())
+        for dec in (graphed, default):
+            assert dec.plain(prompt, 40).new_tokens == eager.plain(prompt, 40).new_tokens == ref
+            for name, drafter in drafters.items():
+                assert dec.speculative(drafter, prompt, 40, num_draft=GAMMA).new_tokens == ref, name
+    for dec in (graphed, default):
+        assert dec.steps.fallback_reason is None
+        assert any(isinstance(f, _Recorded) and f.graph is not None for f in dec.steps._fns.values())
+    assert default.steps.describe()["compiled_steps"] > 0
 
 
 @pytest.mark.parametrize("kind", ["plain", "table"])

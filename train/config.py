@@ -32,7 +32,7 @@ from distill.regenerate import RegenerateConfig
 from distill.fused_kernels import check_kernel
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
-from inference.step_decoder import CUDA_GRAPHS
+from inference.step_decoder import CUDA_GRAPHS, compile_setting
 from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
 from train.engine import ENGINES, TARGET_SHARDING, TrainerConfig
@@ -155,6 +155,7 @@ def validate(cfg: Config) -> None:
     if cfg.decoder.cuda_graphs not in CUDA_GRAPHS:
         raise ValueError(f"decoder.cuda_graphs={cfg.decoder.cuda_graphs!r}; valid: {list(CUDA_GRAPHS)} (auto: on for "
                          f"a CUDA target)")
+    compile_setting(cfg.decoder.compile)  # auto / on / off
     parse_tree(cfg.decoder.tree)
     _check_batched(cfg.decoder)
     if cfg.drafter:
