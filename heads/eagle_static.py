@@ -4,23 +4,30 @@ positions the target just committed and every tree level, over buffers allocated
 Which token each output predicts: as in ``heads.eagle`` (context pair t = the target's feature at t and token t + 1,
 whose output predicts token t + 2; a depth-d node predicts the token d + 1 past the pending one).
 
-One buffer holds every key the drafter's attention reads, so every attention call has the same key length:
+One buffer of C = capacity + M + S columns holds every key the drafter's attention reads; attention reads its first
+B columns, a capacity bucket (``inference.static_cache.capacity_buckets`` of C; a Python constant per recorded step):
 
-    columns [0, Ccap)         context pairs, column = position; ``length`` (a device scalar) of them are valid.
-                              Ccap = capacity + M: a catch-up writes all M rows at length + i, and the rows past the
-                              committed count land beyond the new length, where they are masked and later overwritten.
-    columns [Ccap, Ccap + S)  draft nodes, in the slots ``inference.dynamic_tree`` numbers them by (level d's
+    columns [0, B - S)        context pairs, column = position; ``length`` (a device scalar) of them are valid. A
+                              catch-up writes all M rows at length + i, and the rows past the committed count land
+                              beyond the new length, where they are masked and later overwritten.
+    columns [B - S, B)        draft nodes, in the slots ``inference.dynamic_tree`` numbers them by (level d's
                               frontier in slots (d - 1) F .. d F - 1); a node sees the valid context and its own
                               ancestors (``ancestry``), never another step's stale slots.
+
+The decoder picks B on the host before each draft (``use_shape``, as the draft model's static step does): the
+smallest bucket whose context part holds the context after the catch-up, so the key length grows with the sequence
+(256, 512, ..., C) instead of being C at every level. Nodes are only ever written at or past the context's end, so a
+context column, once written by a catch-up, stays valid whatever bucket later steps use. Without ``use_shape`` B = C
+(the slots right behind the capacity + M context columns).
 
 Per ``draft()``: catch-up (M rows, padding masked) -> root output -> ``expand_dynamic_trees`` (fixed shapes for fixed
 (top_k, depth, total_tokens); the chain is top_k 1) scoring each level into its slots -> ``DraftBuffers``. Rotary
 tables are made once for every position and indexed by device positions; nothing is read back, nothing the host keeps
-is allocated, and no Python value changes between calls, so one recording serves every step of every sequence that
-fits the capacity.
+is allocated, and no Python value changes between calls of one bucket, so one recording per bucket serves every step
+of every sequence that fits the capacity.
 
 Shapes: M committed rows, S node slots (F per level below the first), F frontier nodes per level (min(top_k, Vd)),
-T draft nodes, C = Ccap + S key columns, h heads, hd head size, D hidden size, Vd draft vocabulary.
+T draft nodes, C buffer columns, B of them read (the bucket), h heads, hd head size, D hidden size, Vd draft vocabulary.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inference.dynamic_tree import expand_dynamic_trees
+from inference.static_cache import capacity_buckets
 from inference.static_draft import (CommittedBuffers, DraftBuffers, check_layers_held,
                                      check_prompt_fits, mark_static)
 
@@ -62,8 +70,10 @@ class EagleStaticDraft:
         self.top_k = 1 if self.chain else drafter.top_k
         self.total = depth if self.chain else drafter.total_tokens
         self.frontier, S, T = tree_sizes(self.top_k, depth, self.total, drafter.draft_vocab_size)
-        self.ctx_cols = capacity + M
+        self.ctx_cols = capacity + M  # the context columns of the largest bucket (C)
         C = self.ctx_cols + S
+        self.buckets = capacity_buckets(C)
+        self.bucket = C  # key columns attention reads (``use_shape``)
         self.k = torch.zeros(1, layer.num_heads, C, layer.head_dim, device=dev, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = torch.zeros((), dtype=torch.long, device=dev)  # context pairs processed
@@ -101,11 +111,24 @@ class EagleStaticDraft:
         self.length.fill_(P)
         self.fresh.fill_(True)
 
+    def use_shape(self, context: int, own_draft: bool) -> tuple[int]:
+        """Host, before a ``draft`` after ``context`` committed tokens (the pending token's position: the context
+        pairs once the catch-up has run, whose real rows all sit below it): attention over the smallest capacity
+        bucket holding those pairs and the S node slots behind them. Returns (bucket,): the recorded step's key.
+        ``own_draft`` changes nothing here (the catch-up always runs all M rows)."""
+        S = self.ancestry.shape[1]
+        if context + S > self.buckets[-1]:
+            raise ValueError(f"{self.drafter.name}: a draft after {context} tokens does not fit this static draft's "
+                             f"capacity {self.capacity}; allocate it with a capacity >= {context}")
+        self.bucket = next(b for b in self.buckets if b >= context + S)
+        return (self.bucket,)
+
     # --- capture-safe, every step -----------------------------------------------------------------------------
     @torch.no_grad()
     def draft(self) -> None:
         self._catch_up()
-        ctx_mask = (self.cols_C[: self.ctx_cols] < self.length)[None].expand(self.frontier, self.ctx_cols)
+        ctx = self.bucket - self.ancestry.shape[1]  # the bucket's context columns; its node slots follow
+        ctx_mask = (self.cols_C[:ctx] < self.length)[None].expand(self.frontier, ctx)
         d = self.drafter
         tokens, parents = expand_dynamic_trees(functools.partial(self._score, ctx_mask), self.top_k, self.depth,
                                                self.total)
@@ -126,18 +149,20 @@ class EagleStaticDraft:
         q, k, v = d.layer.qkv_rotated(x, self.cos[pos], self.sin[pos])
         self.k.index_copy_(2, pos, k)
         self.v.index_copy_(2, pos, v)
-        mask = self.cols_C[None, :] <= pos[:, None]  # [M, C]: its own and earlier pairs (never a node slot)
-        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask[None, None]),
-                             residual)[0]
+        B = self.bucket  # a real row's pairs lie below the new length, inside the bucket's context columns
+        mask = self.cols_C[None, :B] <= pos[:, None]  # [M, B]: its own and earlier pairs (never a node slot)
+        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k[:, :, :B], self.v[:, :, :B],
+                                                            attn_mask=mask[None, None]), residual)[0]
         last = out.index_select(0, (c.count - 1).reshape(1))[0]
         self.node_out[0].copy_(torch.where(self.fresh, self.node_out[0], last))
         self.length.add_(torch.where(self.fresh, 0, c.count))
         self.fresh.fill_(False)
 
-    def _score(self, ctx_mask_FC: Tensor, level: int, parent_slot_BF: Tensor | None, tokens_BF: Tensor | None
+    def _score(self, ctx_mask_FX: Tensor, level: int, parent_slot_BF: Tensor | None, tokens_BF: Tensor | None
                ) -> Tensor:
         """``expand_dynamic_trees``' level scorer: level 0 the root, level d its F frontier nodes written into their
-        slots and run over the valid context (``ctx_mask_FC``) and their ancestors; logits [1, (F,) Vd]."""
+        slots (the bucket's last S columns) and run over the valid context (``ctx_mask_FX``, X = B - S: the bucket's
+        context columns) and their ancestors; logits [1, (F,) Vd]."""
         d = self.drafter
         if level == 0:
             return d._logits(self.node_out[:1])
@@ -148,12 +173,14 @@ class EagleStaticDraft:
         x, residual = d._layer_input(d._embed(d.d2t[tokens_BF[0]][None], parent_out), parent_out[None])
         pos = (self.length - 1 + level).reshape(1)
         q, k, v = d.layer.qkv_rotated(x, self.cos[pos], self.sin[pos])
-        self.k[:, :, self.ctx_cols + lo: self.ctx_cols + hi].copy_(k)
-        self.v[:, :, self.ctx_cols + lo: self.ctx_cols + hi].copy_(v)
+        X = ctx_mask_FX.shape[1]  # the bucket's node slots start here (Python constants per bucket)
+        self.k[:, :, X + lo: X + hi].copy_(k)
+        self.v[:, :, X + lo: X + hi].copy_(v)
         rows = self.ancestry.index_select(0, parent) + self.eye_SS[lo:hi]  # [F, S]: the parent's, and itself
         self.ancestry[1 + lo: 1 + hi].copy_(rows)
-        mask = torch.cat([ctx_mask_FC, rows.bool()], 1)  # [F, C]: the valid context, its ancestors and itself
-        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask[None, None]),
-                             residual)[0]
+        mask = torch.cat([ctx_mask_FX, rows.bool()], 1)  # [F, B]: the valid context, its ancestors and itself
+        B = self.bucket
+        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k[:, :, :B], self.v[:, :, :B],
+                                                            attn_mask=mask[None, None]), residual)[0]
         self.node_out[1 + lo: 1 + hi].copy_(out)
         return d._logits(out)[None]

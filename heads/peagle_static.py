@@ -73,6 +73,11 @@ class PEagleStaticDraft(EagleStaticDraft):
         if not self.sampling.greedy:
             reseed_draws(self.seed, self.counter, self.generator)
 
+    def use_shape(self, context: int, own_draft: bool) -> tuple[()]:
+        """One shape: this step attends over every column (its slots sit behind the whole context), so it keeps one
+        recording rather than EAGLE's one per capacity bucket."""
+        return ()
+
     @torch.no_grad()
     def draft(self) -> None:
         d, c = self.drafter, self.committed

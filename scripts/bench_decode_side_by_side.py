@@ -96,16 +96,18 @@ dtype = proposal_dtype(policy, teacher.device)
 dtypes = {n: str(_cast(decoder, d, dtype, policy == "auto", prompts[0], k)) for n, d in drafters.items()}
 
 def decode(method):
-    tokens, seconds, stats, outs = 0, 0.0, None, []
+    tokens, seconds, stats, outs, draft, steps = 0, 0.0, None, [], 0.0, 0
     for idx, p in enumerate(prompts):
         decoder.reseed(dcfg.seed + idx)
         gen = decoder.plain(p, max_new) if method == "plain" else decoder.speculative(drafters[method], p, max_new, k)
         tokens += len(gen.new_tokens)
         seconds += gen.seconds
+        draft, steps = draft + gen.draft_seconds, steps + sum(gen.nodes_per_forward.values())
         stats = gen.stats if stats is None else stats.merge(gen.stats)
         outs.append(gen.new_tokens)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tau": stats.tau if stats.forwards else None}, outs
+            "tau": stats.tau if stats.forwards else None,
+            "draft_ms_per_step": 1e3 * draft / steps if steps else None}, outs
 
 for method in methods:  # one-off costs (buffers, static drafts, allocator), as eval.run.evaluate's warm-up
     if method != "plain":
@@ -161,8 +163,10 @@ def summarize(rounds: list[dict], methods: list[str]) -> dict:
         row = {}
         for side, tps in (("base", base), ("this", this)):
             taus = [r[m][side]["tau"] for r in rounds if r[m][side]["tau"] is not None]
+            drafts = [r[m][side]["draft_ms_per_step"] for r in rounds if r[m][side].get("draft_ms_per_step")]
             med = statistics.median(tps)
             row[side] = {"tokens_per_s": med, "tau": statistics.median(taus) if taus else None,
+                         "draft_ms_per_step": statistics.median(drafts) if drafts else None,
                          "identical_to_greedy": min(r[m][side]["identical_to_greedy"] for r in rounds),
                          "spread": (max(tps) - min(tps)) / med}  # (max - min) / median over rounds
         row["ratio"] = row["this"]["tokens_per_s"] / row["base"]["tokens_per_s"]

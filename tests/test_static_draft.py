@@ -4,7 +4,9 @@ step and two prompt lengths in one capacity bucket. Each step compiles to one gr
 keeps every tensor it touches at one address, shape and stride, runs attention at a bounded set of shapes and a fixed
 number of ops, and drafts exactly what the eager ``propose`` drafts on the same context (greedy). A sampled draft-model
 chain draws from its own warped distributions with uniforms made in the step; decoding through ``Decoder`` with each
-static step gives plain greedy decoding's tokens."""
+static step gives plain greedy decoding's tokens. A shaped step (``use_shape``) keeps all of that in every capacity
+bucket; EAGLE's attends over the smallest bucket holding its draft, growing across a bucket boundary, with one compiled
+graph per bucket."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from heads.medusa2 import Medusa2
 from inference.acceptance import sample_uniform
 from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig, warp
+from inference.step_decoder import StepDecoder
 from tests.conftest import make_tiny_llama
 from tests.static_harness import Recorder, Replay, committed_for, counts, layout, tensors_of
 from tests.drafters import truncated
@@ -77,9 +80,10 @@ def target():
     return Teacher(make_tiny_llama(initializer_range=0.2), tokenizer=None, name="tiny-llama-varied")
 
 
-def play(drafter, static, committed, target, prompt_len, steps, step_fn, check=None):
+def play(drafter, static, committed, target, prompt_len, steps, step_fn, check=None, shape=None):
     """Prefill, then ``steps`` draft steps after varying accepted lengths; after each, compare the draft with the
-    eager ``propose`` on the same context (a second copy of the drafter's state, fed the same hidden states)."""
+    eager ``propose`` on the same context (a second copy of the drafter's state, fed the same hidden states).
+    ``shape(step, context)``, if given, runs on the host before each step (the decoder's ``use_shape``)."""
     M = committed.ids_M.shape[0]
     replay = Replay(target, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
     replay.prefill(static)
@@ -90,6 +94,8 @@ def play(drafter, static, committed, target, prompt_len, steps, step_fn, check=N
             start = replay.position
             replay.commit(committed, count)
             drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
+        if shape is not None:
+            shape(step, replay.position)
         step_fn()
         if check is not None:
             check(step)
@@ -134,15 +140,21 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
     known = {t.untyped_storage().data_ptr() for t in named.values()}
     known |= {t.untyped_storage().data_ptr() for t in (*drafter.parameters(), *drafter.buffers())}
     known |= {t.untyped_storage().data_ptr() for t in target.model.parameters()}
-    recorders = []
+    recorders, buckets = [], []
 
     def recorded():
         with Recorder() as rec:
             static.draft()
         recorders.append(rec)
 
+    def shape(step, context):
+        """A shaped step (``use_shape``) alternates between its smallest bucket and the one for a full capacity (any
+        bucket holding the context drafts the same): both keep every tensor in place and run the same ops."""
+        buckets.append(static.use_shape(CAPACITY if step % 2 else context, False)[0])
+
     for prompt_len in PROMPTS:
-        play(drafter, static, committed, target, prompt_len, 12, recorded)
+        play(drafter, static, committed, target, prompt_len, 12, recorded,
+             shape=shape if hasattr(static, "use_shape") else None)
     assert layout(named) == before
     # No step leaves a tensor of its own behind in the state (a prompt's eager prefill may keep its write positions).
     assert {k for k in tensors_of(static) if not k.startswith(("state.cache._positions", "state.cache._scratch"))
@@ -154,8 +166,11 @@ def test_draft_keeps_its_tensors_in_place_and_attention_shapes_bounded(target, k
     unknown = set(first) - known
     assert not unknown, f"a step reads {len(unknown)} tensor(s) outside its state, the committed buffers and weights"
     shapes = set().union(*(rec.attention for rec in recorders))
-    assert len(shapes) <= ATTENTION_SHAPES[kind], shapes
+    assert len(shapes) <= ATTENTION_SHAPES[kind] * max(len(set(buckets)), 1), shapes
     assert bool(shapes) == bool(ATTENTION_SHAPES[kind])
+    if buckets:  # each step's key length is its bucket, and both buckets ran
+        assert len(set(buckets)) == 2, buckets
+        assert [{k[-2] for _, k in rec.attention} for rec in recorders] == [{b} for b in buckets]
 
 
 def test_eagle_static_draft_checks_its_buffers(target):
@@ -355,3 +370,137 @@ def test_decoder_drafts_with_a_two_row_catch_up_what_the_eager_proposal_drafts(t
     assert sum(e.nodes_per_forward.values()) < 48  # drafts were accepted: the catch-up fed accepted chains
     assert shapes and set(shapes) == {(256, 2)}
     assert {(q[-2], k[-2]) for q, k in attention} == {(2, 256), (1, 256)}
+
+
+# EAGLE's static draft over a growing capacity bucket (``EagleStaticDraft.use_shape``): decodes whose context crosses
+# the first bucket (256 columns) on a target with room for it.
+EAGLE_KINDS = sorted(k for k in KINDS if k.startswith("eagle"))
+LONG_PROMPTS = (236, 243)  # a bucket boundary within the first steps of each
+
+
+@pytest.fixture(scope="module")
+def long_target():
+    return Teacher(make_tiny_llama(initializer_range=0.2, max_position_embeddings=1024), tokenizer=None,
+                   name="tiny-llama-long")
+
+
+def check_smallest_bucket(static, context: int, bucket: int) -> None:
+    """``bucket`` is the smallest of the static draft's buckets holding the context and its S node slots."""
+    need = context + static.ancestry.shape[1]
+    assert bucket in static.buckets and bucket >= need, (context, bucket)
+    assert all(b < need for b in static.buckets if b < bucket), (context, bucket, static.buckets)
+
+
+def test_eagle_shape_follows_the_context(target):
+    """``use_shape``: the smallest capacity bucket holding the context and the node slots behind it; past the
+    capacity it refuses."""
+    drafter, rows = eagle(target, "eagle1", "chain")
+    static = drafter.static_draft(committed_for(drafter, rows), 600, GREEDY, None)  # 600 + 5 + 3 columns
+    assert static.use_shape(10, True) == (256,)
+    assert static.use_shape(253, True) == (256,)  # context columns 0 .. 252, node slots 253 .. 255
+    assert static.use_shape(254, False) == (512,)
+    assert static.use_shape(600, True) == (608,)
+    with pytest.raises(ValueError, match="capacity >= 606"):
+        static.use_shape(606, True)
+
+
+@pytest.mark.parametrize("kind", EAGLE_KINDS)
+def test_eagle_draft_attends_over_a_growing_bucket_and_drafts_what_propose_does(long_target, kind):
+    """Across the first bucket boundary, every step's attention keys are the bucket ``use_shape`` picked (the
+    smallest holding the draft), the buckets grow with the context, and the drafts equal the eager ``propose``'s."""
+    drafter, rows = KINDS[kind](long_target)
+    committed = committed_for(drafter, rows)
+    static = drafter.static_draft(committed, 512, GREEDY, None)
+    keys, buckets = [], []
+
+    def shape(step, context):
+        buckets.append(static.use_shape(context, True)[0])
+        check_smallest_bucket(static, context, buckets[-1])
+
+    def recorded():
+        with Recorder() as rec:
+            static.draft()
+        keys.append({k[-2] for _, k in rec.attention})
+
+    for prompt_len in LONG_PROMPTS:
+        buckets.clear(), keys.clear()
+        play(drafter, static, committed, long_target, prompt_len, 14, recorded, shape=shape)
+        assert keys == [{b} for b in buckets]
+        assert buckets == sorted(buckets) and set(buckets) == {256, 512}, buckets
+
+
+def _decode_through(dec, teacher, drafter, prompts, new_tokens, rows, keys=None):
+    """Decode each prompt through ``dec`` (a ``StepDecoder``) and assert plain greedy decoding's tokens; return the
+    static draft and its (context, bucket) per step; with ``keys``, each draft step's attention key lengths too."""
+    used, made = [], []
+    build = drafter.static_draft
+
+    def recorded(*args, **kwargs):
+        static = build(*args, **kwargs)
+        if not hasattr(static, "recorded"):  # wrapped once; each decode's lists go in ``recorded``
+            use_shape, draft = static.use_shape, static.draft
+
+            def shaped(context, own_draft):
+                key = use_shape(context, own_draft)
+                static.recorded[0].append((context, key[0]))
+                return key
+
+            def run():
+                if static.recorded[1] is None:
+                    return draft()
+                with Recorder() as rec:
+                    draft()
+                static.recorded[1].append({k[-2] for _, k in rec.attention})
+
+            static.use_shape, static.draft = shaped, run
+        static.recorded = (used, keys)
+        made.append(static)
+        return static
+
+    drafter.static_draft = recorded
+    plain = Decoder(teacher)
+    for prompt in prompts:
+        assert dec.speculative(drafter, prompt, new_tokens, rows - 1).new_tokens == \
+            plain.plain(prompt, new_tokens).new_tokens
+    drafter.static_draft = build
+    assert made and all(s is made[0] for s in made)  # one static draft for every prompt
+    return made[0], used
+
+
+@pytest.mark.parametrize("kind", EAGLE_KINDS)
+def test_decoder_drafts_eagle_over_growing_buckets_as_plain_greedy(long_target, kind):
+    """Through the step decoder (batch 1): the EAGLE static draft's buckets grow across the boundary, each the
+    smallest holding the draft, its attention keys are the bucket, and the tokens are plain greedy decoding's."""
+    drafter, rows = KINDS[kind](long_target)
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in LONG_PROMPTS]
+    keys = []
+    static, used = _decode_through(Decoder(long_target).steps, long_target, drafter, prompts, 40, rows, keys)
+    assert len(keys) == len(used) >= 2 * 8
+    assert keys == [{b} for _, b in used]
+    for context, bucket in used:
+        check_smallest_bucket(static, context, bucket)
+    assert {b for _, b in used} == {256, 512}
+
+
+@pytest.mark.parametrize("kind", EAGLE_KINDS)
+def test_eagle_draft_steps_compile_one_graph_per_bucket(long_target, kind):
+    """Compiled (``fullgraph=True, dynamic=False``) through the step decoder: one draft graph per bucket used, none
+    recompiled after a warm-up decode across the boundary, and plain greedy decoding's tokens."""
+    drafter, rows = KINDS[kind](long_target)
+    gen = torch.Generator().manual_seed(17)
+    warm, *later = [torch.randint(0, 128, (1, n), generator=gen) for n in (*LONG_PROMPTS, 239)]
+    torch._dynamo.reset()
+    counters.clear()
+    dec = StepDecoder(long_target, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
+                      compile_backend="eager")
+    _, used = _decode_through(dec, long_target, drafter, [warm], 40, rows)
+    drafts = sorted(k[2] for k in dec._fns if k[0] == "draft")
+    assert drafts == [(256,), (512,)] and {b for _, b in used} == {256, 512}
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == len(dec._fns) and not counters["graph_break"], dict(counters["graph_break"])
+    with torch.compiler.set_stance("fail_on_recompile"):
+        _, used = _decode_through(dec, long_target, drafter, later, 40, rows)
+    assert {b for _, b in used} == {256, 512}
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sorted(k[2] for k in dec._fns if k[0] == "draft") == drafts
