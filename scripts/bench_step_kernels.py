@@ -7,8 +7,9 @@ Under CUDA graphs a step costs what its kernels cost: a graph removes the launch
 the Hugging Face forward is hundreds of small kernels that ``decoder.compile`` (inductor) fuses. This counts them per
 step, for a random-weight target of ``scripts/bench_decode.py``'s ``gpu`` preset architecture (Llama-shaped, 22
 layers, 16 heads, MLP 2.75x the hidden size, the toy's 4,096-token vocabulary) made narrow (hidden 256 by default):
-the number of kernels depends on the layer structure (layers, ops per layer), not on the width, so a narrow target
-counts like the 2,048-wide one at a fraction of the compile time. Steps, as the step decoder runs them
+the number of kernels depends on the layer structure (layers, ops per layer), not on the width (hidden 64 and 256
+count the same plain and verify steps), so a narrow target counts like the 2,048-wide one at a fraction of the
+compile time. Steps, as the step decoder runs them
 (``inference.step_decoder``, eager, no CUDA graphs): the plain step, EAGLE-1's verify step over its default 16-node
 dynamic tree, and EAGLE-1's static draft step (an untrained drafter of the target's width, conf/drafter/eagle1.yaml).
 
@@ -226,7 +227,9 @@ def main() -> None:
                 "intermediate_size": int(args.hidden * MLP_RATIO), "vocab_size": VOCAB, "weights": "random",
                 "drafter": "EAGLE-1 (conf/drafter/eagle1.yaml), untrained, dynamic tree of 16 nodes, depth 4",
                 "width_note": "the gpu preset's architecture (hidden 2048) made narrow: kernel counts depend on the "
-                              "layer structure, not the width (compile seconds do grow with it)",
+                              "layer structure, not the width (at hidden 64 the plain and verify steps count the "
+                              "same, the draft step 3 kernels more); inductor on a GPU may still split a wide "
+                              "reduction into two kernels, which a CPU count does not see",
                 "proxy_note": "inductor on a CPU emits C++ loops (cpp_fused_*) where a GPU gets Triton kernels, and "
                               "CPU matmul / attention calls: a proxy of the fusion, not the GPU's kernel count",
                 "view_ops": sorted(VIEW_OPS), "allocations": sorted(ALLOCATIONS)}
