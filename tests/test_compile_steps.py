@@ -5,8 +5,8 @@
 - a decoder making more step functions than dynamo's per-code-object recompile limit (8) still compiles every one
   (each compiled step gets its own code object);
 - DFlash's static draft step compiles to one graph, no break, no recompile over two prompts and varying accepted
-  lengths, and drafts what ``propose`` drafts; sampled, one graph too (EAGLE's static steps: tests/test_static_draft.py;
-  P-EAGLE's: tests/test_peagle.py);
+  lengths, and drafts what ``propose`` drafts; sampled, DFlash's and P-EAGLE's are one graph too (EAGLE's greedy
+  static steps: tests/test_static_draft.py; P-EAGLE's: tests/test_peagle.py);
 - the step kernel counter of ``scripts/bench_step_kernels.py`` on a tiny plain step: inductor's kernels fewer than the
   eager ops, and more than none.
 """
@@ -109,7 +109,7 @@ def test_more_steps_than_the_recompile_limit_all_compile(teacher):
     assert done["draft"] >= 4 and done["verify"] >= 2, done
 
 
-def _dflash_play(teacher, drafter, static, committed, prompt_len, steps, step_fn, check):
+def _play(teacher, drafter, static, committed, prompt_len, steps, step_fn, check):
     """Prefill, then ``steps`` draft steps after varying accepted lengths, each followed by ``check(step, context)``
     on the eager drafter fed the same hidden states."""
     M = committed.ids_M.shape[0]
@@ -146,15 +146,21 @@ def test_dflash_static_draft_is_one_graph_in_place(teacher, window, vocab):
 
     try:
         for prompt_len in (5, 11):
-            _dflash_play(teacher, drafter, static, committed, prompt_len, 10, step, check)
+            _play(teacher, drafter, static, committed, prompt_len, 10, step, check)
     finally:
         torch.compiler.set_stance("default")
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert layout(tensors_of(static)) == before
 
 
-def test_sampled_dflash_static_draft_is_one_graph(teacher):
-    drafter = dflash(teacher)
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_sampled_static_draft_is_one_graph(teacher, kind):
+    if kind == "dflash":
+        drafter = dflash(teacher)
+    else:
+        from tests.test_peagle import _static_drafter
+
+        drafter = _static_drafter(teacher)
     sampling = SamplingConfig(temperature=0.8, top_k=20)
     committed = committed_for(drafter, 4)
     static = drafter.static_draft(committed, 64, sampling, torch.Generator().manual_seed(0))
@@ -171,7 +177,7 @@ def test_sampled_dflash_static_draft_is_one_graph(teacher):
 
     try:
         for prompt_len in (5, 11):
-            _dflash_play(teacher, drafter, static, committed, prompt_len, 10, step, check)
+            _play(teacher, drafter, static, committed, prompt_len, 10, step, check)
     finally:
         torch.compiler.set_stance("default")
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]

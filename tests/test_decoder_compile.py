@@ -6,7 +6,7 @@ DFlash and P-EAGLE.
 
 One compiled decoder serves every kind (its plain step and prefill buckets are compiled once; each kind adds its
 verify buckets and its draft step), as one evaluation process would. Sampled (temperature 0.8), the drafters whose
-static step samples its own chain decode as the uncompiled steps do from the same seed, compiled. Slow: inductor on
+static step samples its own chain (draft model, DFlash, P-EAGLE) decode as the uncompiled steps do from the same seed, compiled. Slow: inductor on
 CPU, about 5 minutes on one thread from a cold inductor cache; the graph-break checks with dynamo alone are the fast
 tests/test_compile_steps.py."""
 
@@ -20,7 +20,7 @@ from tests.test_decoder_transfers import make
 
 STATIC = ["medusa_chain", "medusa_tree", "medusa2_tree", "draft_model", "eagle1_chain", "eagle1_dynamic",
           "eagle3_chain", "eagle3_dynamic", "dflash", "peagle"]
-SAMPLED = ["draft_model", "dflash"]  # static steps that draw from their own distributions (probs_TV)
+SAMPLED = ["draft_model", "dflash", "peagle"]  # static steps that draw from their own distributions (probs_TV)
 KINDS = ["plain", "lookup", *STATIC]
 LENGTHS = (9, 23)
 NEW = 20
