@@ -170,7 +170,7 @@ class StepDecoder:
         """``fn`` as this decoder runs a step: compiled, recorded as a CUDA graph, or as it is."""
         if self.compile:
             kw = {"backend": self.compile_backend} if self.compile_backend else {}
-            compiled = _Compiled(torch.compile(fn, fullgraph=True, dynamic=False, **kw), fn, self)
+            compiled = _Compiled(torch.compile(_own_code(fn), fullgraph=True, dynamic=False, **kw), fn, self)
             # On CUDA the compiled step (inductor's fused kernels) is recorded by this decoder like any other step, as
             # SGLang records its compiled model: compiled on the first, eager call; one graph per bucket after.
             return _Recorded(compiled, self) if self.graphs else compiled
@@ -495,6 +495,20 @@ def clip_tree(buffers, depth: int) -> None:
     for _ in range(depth - 1):
         up = torch.where(up >= 0, parents[up.clamp(min=0)], up)
     buffers.tokens_T.masked_fill_(up >= 0, -1)  # still below a node after ``depth`` levels: deeper than ``depth``
+
+
+def _own_code(fn):
+    """``fn`` called from a function with a code object of its own. Dynamo keeps compiled graphs per code object and
+    gives up on one past ``torch._dynamo.config.recompile_limit`` (8) of them; every step (a ``functools.partial`` or
+    a static drafter's bound ``draft``) would otherwise share one code object (the wrapper ``torch.compile`` puts
+    around a partial, or the drafter class's ``draft``), so a decoder's ninth bucket or a second drafter's draft step
+    would fail to compile and run uncompiled."""
+
+    def step():
+        return fn()
+
+    step.__code__ = step.__code__.replace()  # a new code object (the function's own is shared by every ``step``)
+    return step
 
 
 class _Compiled:

@@ -156,6 +156,34 @@ def render_cache_dtype(d: dict) -> str:
     return _table(header, rows) + f"\n\nEvery run: `{' '.join(d['settings']['common'])}`."
 
 
+STEP_NAMES = {"plain": "plain step", "verify_tree_16": "verify, EAGLE-1's 16-node tree",
+              "EagleStaticDraft.draft": "EAGLE-1 static draft (depth 4)"}
+
+
+def _call_name(op: str) -> str:
+    name = op.split(".")[-1]
+    return "attention (SDPA)" if "scaled_dot_product" in name else name
+
+
+def render_step_kernels(d: dict) -> str:
+    header = ["step", "eager: kernel ops", "compiled: kernel calls", "inductor kernels", "extern and aten calls",
+              "eager / compiled", "compile s"]
+    rows = []
+    for name, r in d["steps"].items():
+        c = r["compiled"]
+        calls = ", ".join(f"{_call_name(k)} {n}" for k, n in {**c["extern_by_name"], **c["fallback_by_name"]}.items())
+        rows.append([STEP_NAMES.get(name, f"`{name}`"), _f(r["eager"]["kernel_ops"]), _f(c["total"]),
+                     _f(c["kernels"]), calls, _x(r["eager"]["kernel_ops"] / c["total"]), _f(r["compile_seconds"], 1)])
+    st = d["settings"]
+    ops = ", ".join(f"`{o}`" for o in st["view_ops"])
+    allocations = ", ".join(f"`{o}`" for o in st["allocations"])
+    return _table(header, rows) + (
+        f"\n\nTarget: {st['layers']} layers, {st['heads']} heads, hidden {st['hidden_size']}, MLP "
+        f"{st['intermediate_size']}, vocabulary {st['vocab_size']}, {st['weights']} weights: {st['width_note']}. "
+        f"Not counted as kernels: views and metadata ({ops}) and allocations ({allocations}). "
+        f"{st['proxy_note'][0].upper()}{st['proxy_note'][1:]}.")
+
+
 def render_recipe(d: dict) -> str:
     budgets = ["chain", "tree16", "tree59"]
     if any("block" in r["trees"] for r in d["rows"].values()):  # a block drafter's whole block (DFlash)
@@ -448,6 +476,13 @@ SOURCES: dict[str, Source] = {
         "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, 4M toy target)",
         "python scripts/bench_cache_dtype.py --preset toy", render_cache_dtype,
         "As above, on the default toy target (D = 256, EAGLE-3's three layers); a short budget of 100 steps."),
+    "bench_step_kernels_cpu.json": Source(
+        "Kernels per decode step, eager against compiled (inductor): a CPU proxy for a GPU's launches",
+        "python scripts/bench_step_kernels.py", render_step_kernels,
+        "The gpu preset's target architecture made narrow, random weights; the step decoder's steps as it runs them. "
+        "Eager: the aten ops the step dispatches that launch a kernel; compiled: the kernel calls in inductor's "
+        "generated wrapper (its own fused kernels, the extern matmuls and the aten ops it still calls, e.g. "
+        "attention); compile seconds at one thread, caches off."),
     "bench_step_cpu.json": Source(
         "Training step time across versions", "", None, "A comparison of versions of the code; not rendered."),
 }

@@ -1,25 +1,107 @@
-"""``decoder.compile``: the batch-1 step functions compiled (torch.compile, fullgraph=True, dynamic=False) decode
-token-identically to the eager loop (greedy, a static tree and a chain, two prompt lengths). Slow: compiling with
-inductor takes about a minute on CPU."""
+"""``decoder.compile`` with inductor: every drafter kind's steps compiled (torch.compile, fullgraph=True,
+dynamic=False) decode token-identically to plain eager greedy decoding (two prompt lengths), no step falls back to
+running uncompiled, and a drafter's static draft step is among the compiled steps that ran: plain, lookup (an eager
+proposer: verify steps only), Medusa chain and tree, Medusa-2, the draft model, EAGLE-1 and EAGLE-3 (chain and dynamic tree),
+DFlash and P-EAGLE.
+
+One compiled decoder serves every kind (its plain step and prefill buckets are compiled once; each kind adds its
+verify buckets and its draft step), as one evaluation process would. Sampled (temperature 0.8), the drafters whose
+static step samples its own chain (draft model, DFlash, P-EAGLE) decode as the uncompiled steps do from the same seed, compiled. Slow: inductor on
+CPU, about 5 minutes on one thread from a cold inductor cache; the graph-break checks with dynamo alone are the fast
+tests/test_compile_steps.py."""
 
 import pytest
 import torch
 
 from inference.decoder import Decoder, DecoderConfig
+from tests.drafters import dflash, varied_teacher
+from tests.test_compile_steps import compiled_steps
 from tests.test_decoder_transfers import make
+
+STATIC = ["medusa_chain", "medusa_tree", "medusa2_tree", "draft_model", "eagle1_chain", "eagle1_dynamic",
+          "eagle3_chain", "eagle3_dynamic", "dflash", "peagle"]
+SAMPLED = ["draft_model", "dflash", "peagle"]  # static steps that draw from their own distributions (probs_TV)
+KINDS = ["plain", "lookup", *STATIC]
+LENGTHS = (9, 23)
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return varied_teacher()
+
+
+@pytest.fixture(scope="module")
+def decoders(teacher):
+    torch._dynamo.reset()
+    return Decoder(teacher, DecoderConfig(compile=True)), Decoder(teacher)
+
+
+def drafter_for(kind: str, teacher):
+    if kind == "dflash":
+        return dflash(teacher)
+    if kind == "medusa2_tree":
+        from heads.medusa2 import Medusa2
+        from tests.test_static_draft import medusa
+
+        return medusa(teacher, "small", Medusa2)[0]
+    if kind == "peagle":
+        from tests.test_peagle import _static_drafter
+
+        return _static_drafter(teacher)
+    return make(kind, teacher)
 
 
 @pytest.mark.slow
-def test_compiled_decoder_is_token_identical(tiny_teacher):
-    eager, compiled = Decoder(tiny_teacher), Decoder(tiny_teacher, DecoderConfig(compile=True))
-    assert compiled.steps.compile and not eager.steps.compile  # it really runs the compiled steps
-    gen = torch.Generator().manual_seed(0)
-    for kind in ("medusa_tree", "medusa_chain"):
-        drafter = make(kind, tiny_teacher)
-        for length in (9, 23):
-            prompt = torch.randint(0, 128, (1, length), generator=gen)
-            ref = eager.speculative_eager(drafter, prompt, 20, num_draft=3)
-            out = compiled.speculative(drafter, prompt, 20, num_draft=3)
-            assert out.new_tokens == ref.new_tokens == eager.plain_eager(prompt, 20).new_tokens
-            assert out.stats.counts == ref.stats.counts
-    assert compiled.plain(prompt, 20).new_tokens == ref.new_tokens
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_decoder_is_token_identical_and_nothing_falls_back(teacher, decoders, kind):
+    compiled, eager = decoders
+    assert compiled.steps.compile and not eager.steps.compile
+    before, _ = compiled_steps(compiled)
+    drafter = None if kind == "plain" else drafter_for(kind, teacher)
+    gen = torch.Generator().manual_seed(len(kind))
+    for length in LENGTHS:
+        prompt = torch.randint(0, 128, (1, length), generator=gen)
+        want = eager.plain_eager(prompt, NEW).new_tokens
+        out = compiled.plain(prompt, NEW) if drafter is None else compiled.speculative(drafter, prompt, NEW, 3)
+        assert out.new_tokens == want, f"{kind}, prompt of {length}"
+    done, failed = compiled_steps(compiled)
+    assert not failed and compiled.steps.fallback_reason is None, failed
+    assert compiled.steps.describe()["compile"]
+    new = done - before
+    if kind == "plain":
+        assert done["plain"] >= 1 and done["prefill"] >= 1
+    elif kind == "lookup":  # proposes on the host: its verify steps only
+        assert new["verify"] >= 1 and not new["draft"], new
+    else:
+        assert new["draft"] >= 1 and new["verify"] >= 1, new  # the static draft step ran compiled
+
+
+@pytest.fixture(scope="module")
+def sampled_decoders(teacher):
+    config = dict(temperature=0.8, top_k=20, seed=1)
+    return Decoder(teacher, DecoderConfig(compile=True, **config)), Decoder(teacher, DecoderConfig(**config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", SAMPLED)
+def test_sampled_static_steps_compile_and_draw_as_uncompiled(teacher, sampled_decoders, kind):
+    """The sampled draft step (warped distributions, in-step uniforms) and the sampled verify step compile; from
+    the same seed the compiled decode draws the tokens the uncompiled steps draw (float32: the same numbers up to
+    rounding, far from any draw's boundary here)."""
+    compiled, uncompiled = sampled_decoders
+    before, _ = compiled_steps(compiled)
+    drafter = drafter_for(kind, teacher)
+    gen = torch.Generator().manual_seed(7)
+    for length in LENGTHS:
+        prompt = torch.randint(0, 128, (1, length), generator=gen)
+        compiled.reseed(length)
+        uncompiled.reseed(length)
+        out = compiled.speculative(drafter, prompt, NEW, 3)
+        assert out.new_tokens == uncompiled.speculative(drafter, prompt, NEW, 3).new_tokens, f"{kind}, {length}"
+    done, failed = compiled_steps(compiled)
+    assert not failed and compiled.steps.fallback_reason is None, failed
+    new = done - before
+    assert new["draft"] >= 1 and new["verify"] >= 1, new
+    statics = [static for d, static in compiled.steps._static.values() if d is drafter]
+    assert statics and all(s.buffers.probs_TV is not None for s in statics)  # it drafted a sampled chain

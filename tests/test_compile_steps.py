@@ -1,0 +1,195 @@
+"""Compiling the batch-1 step decoder's steps (``decoder.compile``), the fast checks (dynamo only: backend "eager"):
+
+- ``compiled_steps`` (also used by the slow inductor test, tests/test_decoder_compile.py) counts the step functions a
+  decoder ran compiled and names those that fell back; a step with a graph break is caught;
+- a decoder making more step functions than dynamo's per-code-object recompile limit (8) still compiles every one
+  (each compiled step gets its own code object);
+- DFlash's static draft step compiles to one graph, no break, no recompile over two prompts and varying accepted
+  lengths, and drafts what ``propose`` drafts; sampled, DFlash's and P-EAGLE's are one graph too (EAGLE's greedy
+  static steps: tests/test_static_draft.py; P-EAGLE's: tests/test_peagle.py);
+- the step kernel counter of ``scripts/bench_step_kernels.py`` on a tiny plain step: inductor's kernels fewer than the
+  eager ops, and more than none.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from inference.sampling import GREEDY, SamplingConfig
+from inference.step_decoder import StepDecoder, _Compiled
+from tests.drafters import dflash, varied_teacher
+from tests.static_harness import Replay, committed_for, counts, layout, tensors_of
+from tests.test_decoder_transfers import make
+
+
+def step_kind(key: tuple) -> str:
+    """A ``StepDecoder._fns`` key -> "draft", "prefill", "plain" or "verify"."""
+    if key[0] == "draft":
+        return "draft"
+    if key[1] == "prefill":
+        return "prefill"
+    return "plain" if key[1].nodes == 0 else "verify"
+
+
+def compiled_steps(decoder) -> tuple[collections.Counter, list[str]]:
+    """(step functions that ran compiled, by ``step_kind``; the steps that did not, with the reason): a step counts as
+    compiled once it ran at least once through its compiled function (``_Compiled`` keeps the compiled function
+    unless compiling failed, then it holds the eager step)."""
+    steps = getattr(decoder, "steps", decoder)
+    done, failed = collections.Counter(), []
+    for key, fn in steps._fns.items():
+        fn = getattr(fn, "fn", fn) if not isinstance(fn, _Compiled) else fn  # under a CUDA graph: the compiled step
+        if not isinstance(fn, _Compiled):
+            failed.append(f"{step_kind(key)}: not compiled")
+        elif fn.compiled is fn.fn:
+            failed.append(f"{step_kind(key)}: fell back ({steps.fallback_reason})")
+        elif fn.calls:
+            done[step_kind(key)] += 1
+    return done, failed
+
+
+def eager_compiled(teacher) -> StepDecoder:
+    return StepDecoder(teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
+                       compile_backend="eager")
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return varied_teacher()
+
+
+def prompt(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_step_with_a_graph_break_is_caught(teacher, monkeypatch):
+    """The check the inductor test relies on: a static draft step that breaks the graph falls back, and
+    ``compiled_steps`` names it (the verify and prefill steps still count as compiled)."""
+    torch._dynamo.reset()
+    drafter = make("medusa_chain", teacher)
+    build = drafter.static_draft
+
+    def broken(*args, **kwargs):
+        static = build(*args, **kwargs)
+        if not getattr(static, "broken", False):
+            draft = static.draft
+
+            def with_break():
+                torch._dynamo.graph_break()
+                draft()
+
+            static.draft, static.broken = with_break, True
+        return static
+
+    monkeypatch.setattr(drafter, "static_draft", broken)
+    dec = eager_compiled(teacher)
+    ref = dec.plain(prompt(9), 12).new_tokens
+    assert dec.speculative(drafter, prompt(9), 12, 3).new_tokens == ref  # decoded uncompiled, still identical
+    done, failed = compiled_steps(dec)
+    assert failed == [f"draft: fell back ({dec.fallback_reason})"] and "graph_break" in dec.fallback_reason.lower()
+    assert done["verify"] == 1 and done["plain"] == 1 and not done["draft"]
+
+
+def test_more_steps_than_the_recompile_limit_all_compile(teacher):
+    """Every step function (plain, verify buckets, prefill buckets, each drafter's draft step) used to share one code
+    object with dynamo, whose recompile limit (8 per code object) then made the ninth step run uncompiled."""
+    torch._dynamo.reset()
+    dec = eager_compiled(teacher)
+    for n in (9, 23):
+        want = dec.plain(prompt(n, n), 16).new_tokens
+        for kind in ("medusa_chain", "medusa_tree", "eagle1_chain", "draft_model", "lookup"):
+            assert dec.speculative(make(kind, teacher), prompt(n, n), 16, 3).new_tokens == want, kind
+    done, failed = compiled_steps(dec)
+    assert not failed and dec.fallback_reason is None
+    assert sum(done.values()) > torch._dynamo.config.recompile_limit, done
+    assert done["draft"] >= 4 and done["verify"] >= 2, done
+
+
+def _play(teacher, drafter, static, committed, prompt_len, steps, step_fn, check):
+    """Prefill, then ``steps`` draft steps after varying accepted lengths, each followed by ``check(step, context)``
+    on the eager drafter fed the same hidden states."""
+    M = committed.ids_M.shape[0]
+    replay = Replay(teacher, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
+    replay.prefill(static)
+    drafter.reset()
+    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
+    for step, count in enumerate(counts(steps, M, seed=prompt_len)):
+        if step:
+            start = replay.position
+            replay.commit(committed, count)
+            drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
+        step_fn()
+        check(step, replay.context())
+
+
+
+@pytest.mark.parametrize("window,vocab", [(None, None), (8, 24)], ids=["full", "window-vocab"])
+def test_dflash_static_draft_is_one_graph_in_place(teacher, window, vocab):
+    drafter = dflash(teacher, sliding_window=window, draft_vocab_size=vocab)
+    if vocab:
+        drafter.d2t.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(5))[:vocab].sort().values)
+    committed = committed_for(drafter, 4)
+    static = drafter.static_draft(committed, 64, GREEDY, None)
+    before = layout(tensors_of(static))
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
+
+    def check(i, context):
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        assert static.buffers.tokens_T.tolist() == drafter.propose(context, 3, GREEDY).tokens.tolist(), i
+
+    try:
+        for prompt_len in (5, 11):
+            _play(teacher, drafter, static, committed, prompt_len, 10, step, check)
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert layout(tensors_of(static)) == before
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_sampled_static_draft_is_one_graph(teacher, kind):
+    if kind == "dflash":
+        drafter = dflash(teacher)
+    else:
+        from tests.test_peagle import _static_drafter
+
+        drafter = _static_drafter(teacher)
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    committed = committed_for(drafter, 4)
+    static = drafter.static_draft(committed, 64, sampling, torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
+    drafted = []
+
+    def check(i, context):
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        drafted.append(tuple(static.buffers.tokens_T.tolist()))
+        assert bool((static.buffers.probs_TV.gather(1, static.buffers.tokens_T[:, None]) > 0).all())
+
+    try:
+        for prompt_len in (5, 11):
+            _play(teacher, drafter, static, committed, prompt_len, 10, step, check)
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len(set(drafted)) > len(drafted) // 2  # draws, not one fixed chain
+
+
+def test_step_kernel_counter_sees_fusion():
+    """``scripts/bench_step_kernels.py``'s counts on a tiny plain step: inductor fuses the eager ops into fewer
+    kernels, and emits some."""
+    from scripts.bench_step_kernels import count_step, tiny_target
+
+    target = tiny_target()
+    counts = count_step(target, "plain")
+    assert counts["compiled"]["kernels"] > 0 and counts["compiled"]["extern"] > 0
+    assert counts["eager"]["kernel_ops"] > counts["compiled"]["total"] > 0, counts
