@@ -56,6 +56,49 @@ class Replay:
         return self.seq[: self.position + 1][None]
 
 
+def play_steps(teacher, drafter, static, committed, prompt_len: int, steps: int, step_fn, check=None, shape=None):
+    """Prefill ``static``, then ``steps`` draft steps after varying accepted lengths, the eager ``drafter`` fed the
+    same hidden states: ``shape(step, position)`` on the host before each step (the decoder's ``use_shape``), then
+    ``step_fn()``, then ``check(step, context)``."""
+    M = committed.ids_M.shape[0]
+    replay = Replay(teacher, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
+    replay.prefill(static)
+    drafter.reset()
+    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
+    for step, count in enumerate(counts(steps, M, seed=prompt_len)):
+        if step:
+            start = replay.position
+            replay.commit(committed, count)
+            drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
+        if shape is not None:
+            shape(step, replay.position)
+        step_fn()
+        if check is not None:
+            check(step, replay.context())
+
+
+def one_graph_over_plays(teacher, drafter, static, committed, prompt_lens, steps: int, check) -> None:
+    """``static.draft`` compiled (dynamo only, fullgraph) and played over each prompt length (``play_steps``, with
+    ``check(step, context)`` after each step), recompiles refused after the first step: one graph, no graph break."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    step_fn = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
+
+    def checked(step, context):
+        if step == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        check(step, context)
+
+    try:
+        for prompt_len in prompt_lens:
+            play_steps(teacher, drafter, static, committed, prompt_len, steps, step_fn, checked)
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
 def committed_for(drafter, rows: int, dtype=torch.float32) -> CommittedBuffers:
     return new_committed(rows, tuple(drafter.teacher_layers), drafter.dims.hidden_size, "cpu", dtype)
 

@@ -17,12 +17,11 @@ import collections
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from inference.sampling import GREEDY, SamplingConfig
 from inference.step_decoder import StepDecoder, _Compiled
 from tests.drafters import dflash, varied_teacher
-from tests.static_harness import Replay, committed_for, counts, layout, tensors_of
+from tests.static_harness import committed_for, layout, one_graph_over_plays, tensors_of
 from tests.test_decoder_transfers import make
 
 
@@ -109,24 +108,6 @@ def test_more_steps_than_the_recompile_limit_all_compile(teacher):
     assert done["draft"] >= 4 and done["verify"] >= 2, done
 
 
-def _play(teacher, drafter, static, committed, prompt_len, steps, step_fn, check):
-    """Prefill, then ``steps`` draft steps after varying accepted lengths, each followed by ``check(step, context)``
-    on the eager drafter fed the same hidden states."""
-    M = committed.ids_M.shape[0]
-    replay = Replay(teacher, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
-    replay.prefill(static)
-    drafter.reset()
-    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
-    for step, count in enumerate(counts(steps, M, seed=prompt_len)):
-        if step:
-            start = replay.position
-            replay.commit(committed, count)
-            drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
-        step_fn()
-        check(step, replay.context())
-
-
-
 @pytest.mark.parametrize("window,vocab", [(None, None), (8, 24)], ids=["full", "window-vocab"])
 def test_dflash_static_draft_is_one_graph_in_place(teacher, window, vocab):
     drafter = dflash(teacher, sliding_window=window, draft_vocab_size=vocab)
@@ -135,21 +116,11 @@ def test_dflash_static_draft_is_one_graph_in_place(teacher, window, vocab):
     committed = committed_for(drafter, 4)
     static = drafter.static_draft(committed, 64, GREEDY, None)
     before = layout(tensors_of(static))
-    torch._dynamo.reset()
-    counters.clear()
-    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
 
     def check(i, context):
-        if i == 1:
-            torch.compiler.set_stance("fail_on_recompile")
         assert static.buffers.tokens_T.tolist() == drafter.propose(context, 3, GREEDY).tokens.tolist(), i
 
-    try:
-        for prompt_len in (5, 11):
-            _play(teacher, drafter, static, committed, prompt_len, 10, step, check)
-    finally:
-        torch.compiler.set_stance("default")
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    one_graph_over_plays(teacher, drafter, static, committed, (5, 11), 10, check)
     assert layout(tensors_of(static)) == before
 
 
@@ -164,23 +135,13 @@ def test_sampled_static_draft_is_one_graph(teacher, kind):
     sampling = SamplingConfig(temperature=0.8, top_k=20)
     committed = committed_for(drafter, 4)
     static = drafter.static_draft(committed, 64, sampling, torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    counters.clear()
-    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
     drafted = []
 
     def check(i, context):
-        if i == 1:
-            torch.compiler.set_stance("fail_on_recompile")
         drafted.append(tuple(static.buffers.tokens_T.tolist()))
         assert bool((static.buffers.probs_TV.gather(1, static.buffers.tokens_T[:, None]) > 0).all())
 
-    try:
-        for prompt_len in (5, 11):
-            _play(teacher, drafter, static, committed, prompt_len, 10, step, check)
-    finally:
-        torch.compiler.set_stance("default")
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    one_graph_over_plays(teacher, drafter, static, committed, (5, 11), 10, check)
     assert len(set(drafted)) > len(drafted) // 2  # draws, not one fixed chain
 
 

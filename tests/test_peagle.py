@@ -482,32 +482,13 @@ def _static_drafter(teacher, vocab=96, num_layers=1):
     return drafter
 
 
-def _play(drafter, static, committed, teacher, prompt_len, steps, step_fn, check):
-    """Prefill, then ``steps`` draft steps after varying accepted lengths, each followed by ``check(step, context)``
-    on the eager drafter fed the same hidden states."""
-    from tests.static_harness import Replay, counts
-
-    M = committed.ids_M.shape[0]
-    replay = Replay(teacher, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
-    replay.prefill(static)
-    drafter.reset()
-    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
-    for step, count in enumerate(counts(steps, M, seed=prompt_len)):
-        if step:
-            start = replay.position
-            replay.commit(committed, count)
-            drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
-        step_fn()
-        check(step, replay.context())
-
-
 @pytest.mark.parametrize("prompt_len,vocab,num_layers", [(5, None, 1), (11, 96, 1), (11, 96, 2)])
 def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, vocab, num_layers):
     """Played through the step decoder's stand-in with a varying accepted length per step: every static draft
     equals the eager ``propose`` on the same context (greedy), and the sampled step's distributions are the eager
     logits' (its draws lie in their support); a reduced draft vocabulary included."""
     from inference.sampling import GREEDY, warp
-    from tests.static_harness import committed_for
+    from tests.static_harness import committed_for, play_steps
 
     drafter = _static_drafter(teacher, vocab, num_layers)
     M = 4
@@ -526,35 +507,23 @@ def test_static_draft_drafts_what_propose_drafts(teacher, prompt_len, vocab, num
             torch.testing.assert_close(static.buffers.probs_TV, want, atol=1e-5, rtol=1e-5)
             assert bool((want.gather(1, static.buffers.tokens_T[:, None]) > 0).all())
 
-        _play(drafter, static, committed, teacher, prompt_len, 8, static.draft, check)
+        play_steps(teacher, drafter, static, committed, prompt_len, 8, static.draft, check)
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_compiled_static_draft_is_one_graph_in_place(teacher, num_layers):
     """The step compiles to one graph (fullgraph, no recompile over two prompts and varying accepted lengths),
     keeps its tensors at one address, shape and stride, and drafts what ``propose`` drafts."""
-    from torch._dynamo.utils import counters
-
     from inference.sampling import GREEDY
-    from tests.static_harness import committed_for, layout, tensors_of
+    from tests.static_harness import committed_for, layout, one_graph_over_plays, tensors_of
 
     drafter = _static_drafter(teacher, num_layers=num_layers)
     committed = committed_for(drafter, 5)
     static = drafter.static_draft(committed, 128, GREEDY, None)
     before = layout(tensors_of(static))
-    torch._dynamo.reset()
-    counters.clear()
-    step = torch.compile(static.draft, fullgraph=True, dynamic=False, backend="eager")
 
     def check(i, context):
-        if i == 1:
-            torch.compiler.set_stance("fail_on_recompile")
         assert static.buffers.tokens_T.tolist() == drafter.propose(context, 4, GREEDY).tokens.tolist(), i
 
-    try:
-        for prompt_len in (7, 12):
-            _play(drafter, static, committed, teacher, prompt_len, 12, step, check)
-    finally:
-        torch.compiler.set_stance("default")
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    one_graph_over_plays(teacher, drafter, static, committed, (7, 12), 12, check)
     assert layout(tensors_of(static)) == before

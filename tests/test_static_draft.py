@@ -24,7 +24,7 @@ from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig, warp
 from inference.step_decoder import StepDecoder
 from tests.conftest import make_tiny_llama
-from tests.static_harness import Recorder, Replay, committed_for, counts, layout, tensors_of
+from tests.static_harness import Recorder, Replay, committed_for, counts, layout, play_steps, tensors_of
 from tests.drafters import truncated
 from tests.test_eagle import DIMS, make as make_eagle
 
@@ -81,28 +81,19 @@ def target():
 
 
 def play(drafter, static, committed, target, prompt_len, steps, step_fn, check=None, shape=None):
-    """Prefill, then ``steps`` draft steps after varying accepted lengths; after each, compare the draft with the
-    eager ``propose`` on the same context (a second copy of the drafter's state, fed the same hidden states).
-    ``shape(step, context)``, if given, runs on the host before each step (the decoder's ``use_shape``)."""
+    """``play_steps``, and after each step the draft compared with the eager ``propose`` on the same context (a second
+    copy of the drafter's state, fed the same hidden states); ``check(step)`` first, if given."""
     M = committed.ids_M.shape[0]
-    replay = Replay(target, tuple(drafter.teacher_layers), prompt_len, new_tokens=M * steps + 2, seed=prompt_len)
-    replay.prefill(static)
-    drafter.reset()
-    drafter.observe({i: h[None] for i, h in replay.hidden_at(0, prompt_len).items()})
-    for step, count in enumerate(counts(steps, M, seed=prompt_len)):
-        if step:
-            start = replay.position
-            replay.commit(committed, count)
-            drafter.observe({i: h[None] for i, h in replay.hidden_at(start, start + count).items()})
-        if shape is not None:
-            shape(step, replay.position)
-        step_fn()
+
+    def compare(step, context):
         if check is not None:
             check(step)
-        want = drafter.propose(replay.context(), M - 1, GREEDY)
+        want = drafter.propose(context, M - 1, GREEDY)
         got = static.buffers
         assert got.tokens_T.tolist() == want.tokens.tolist(), f"step {step}: tokens differ from the eager propose"
         assert got.parents_T.tolist() == want.parents.tolist(), f"step {step}: parents differ from the eager propose"
+
+    play_steps(target, drafter, static, committed, prompt_len, steps, step_fn, compare, shape)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
