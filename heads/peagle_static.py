@@ -4,14 +4,17 @@ the target just committed and the depth - 1 parallel slots in ONE layer forward,
 Which token each output predicts: as in ``heads.peagle`` (context pair t = the target's features at t and token t+1,
 predicting token t+2; slot d at position a + d, a the last context pair, predicts token a + 2 + d).
 
-The buffers are EAGLE's chain step's (``heads.eagle_static.EagleStaticDraft``, whose constructor and ``prefill`` this
-reuses): key columns [0, Ccap) hold the context pairs (column = position, ``length`` of them valid), columns
-[Ccap, Ccap + S) the S = depth - 1 slots of the current step. Per ``draft()`` the M committed rows (as pairs at
+The buffers are EAGLE's chain step's (``heads.eagle_static.EagleStaticDraft``, whose constructor, ``prefill`` and
+``use_shape`` this reuses), and so is their layout: attention reads the first B columns, a capacity bucket the host
+picks before each draft (growing with the sequence); columns [0, B - S) hold the context pairs (column = position,
+``length`` of them valid), columns [B - S, B) the S = depth - 1 slots of the current step. Per ``draft()`` the M
+committed rows (as pairs at
 length + i) and the S slots (placeholders at positions length' - 1 + d, length' the length after this catch-up) are
 projected together; a pair attends to the pairs up to itself, a slot to the valid context and the slots up to itself.
 Nothing is read back, nothing the host keeps is allocated, and no Python value changes between calls.
 
-Shapes: M committed rows, S = depth - 1 slots, T = depth drafts, C = Ccap + S key columns, Vd draft vocabulary.
+Shapes: M committed rows, S = depth - 1 slots, T = depth drafts, B key columns read (the bucket), X = B - S of them
+context, Vd draft vocabulary.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class PEagleStaticDraft(EagleStaticDraft):
         self.counter = torch.zeros((), dtype=torch.long, device=dev)
         self.draws_T = torch.arange(depth, device=dev)
         probs = None if sampling.greedy else torch.zeros(depth, drafter.dims.vocab_size, device=dev)
+        self.buffers.parents_T.copy_(torch.arange(-1, depth - 1, device=dev))  # a chain, for every step
         self.buffers = DraftBuffers(tokens_T=self.buffers.tokens_T, parents_T=self.buffers.parents_T, probs_TV=probs,
                                     chain=True)
         self.upper_kv = [(torch.zeros_like(self.k), torch.zeros_like(self.v)) for _ in drafter.upper]  # stacked layers'
@@ -73,11 +77,6 @@ class PEagleStaticDraft(EagleStaticDraft):
         if not self.sampling.greedy:
             reseed_draws(self.seed, self.counter, self.generator)
 
-    def use_shape(self, context: int, own_draft: bool) -> tuple[()]:
-        """One shape: this step attends over every column (its slots sit behind the whole context), so it keeps one
-        recording rather than EAGLE's one per capacity bucket."""
-        return ()
-
     @torch.no_grad()
     def draft(self) -> None:
         d, c = self.drafter, self.committed
@@ -94,9 +93,9 @@ class PEagleStaticDraft(EagleStaticDraft):
         x, residual = d._layer_input(emb, torch.cat([hid, hid_m], 1))
         all_pos = torch.cat([pos, slot_pos])
         cos, sin = self.cos[all_pos], self.sin[all_pos]
-        ctx = self.cols_C[: self.ctx_cols]
-        pairs = torch.cat([ctx[None, :] <= pos[:, None], self.no_slots_MS], 1)  # [M, C]: pairs up to itself
-        slots = torch.cat([(ctx < length)[None].expand(S, -1), self.own_SS], 1)  # [S, C]: context, slots <= itself
+        ctx = self.cols_C[: self.bucket - S]  # the bucket's context columns; its slot columns follow
+        pairs = torch.cat([ctx[None, :] <= pos[:, None], self.no_slots_MS], 1)  # [M, B]: pairs up to itself
+        slots = torch.cat([(ctx < length)[None].expand(S, -1), self.own_SS], 1)  # [S, B]: context, slots <= itself
         mask = torch.cat([pairs, slots])[None, None]
         out = self._attend(d.layer, x, residual, cos, sin, pos, self.k, self.v, mask)
         for upper, (kbuf, vbuf) in zip(d.upper, self.upper_kv):
@@ -115,11 +114,14 @@ class PEagleStaticDraft(EagleStaticDraft):
 
     def _attend(self, layer, x, residual, cos, sin, pos, kbuf, vbuf, mask):
         """One layer over the M committed rows and the S slots: their keys written into ``kbuf`` / ``vbuf`` (rows
-        at their positions, slots in the slot columns), attention over the whole buffer under ``mask``."""
-        M = pos.shape[0]
+        at their positions, slots in the bucket's last S columns), attention over the bucket's B columns under
+        ``mask``. A real row's position lies below the new length, inside the context columns; a padding row that
+        lands in a slot column is overwritten by the slots before attention reads it."""
+        M, B = pos.shape[0], self.bucket
         q, k, v = layer.qkv_rotated(x, cos, sin)
         kbuf.index_copy_(2, pos, k[:, :, :M])
         vbuf.index_copy_(2, pos, v[:, :, :M])
-        kbuf[:, :, self.ctx_cols:].copy_(k[:, :, M:])
-        vbuf[:, :, self.ctx_cols:].copy_(v[:, :, M:])
-        return layer.finish(F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=mask), residual)
+        kbuf[:, :, B - (k.shape[2] - M):B].copy_(k[:, :, M:])
+        vbuf[:, :, B - (k.shape[2] - M):B].copy_(v[:, :, M:])
+        attended = F.scaled_dot_product_attention(q, kbuf[:, :, :B], vbuf[:, :, :B], attn_mask=mask)
+        return layer.finish(attended, residual)

@@ -395,11 +395,21 @@ def test_eagle_shape_follows_the_context(target):
         static.use_shape(606, True)
 
 
-@pytest.mark.parametrize("kind", EAGLE_KINDS)
+def _with_peagle(kind, teacher):
+    """An EAGLE kind's drafter and rows, or P-EAGLE's (two layers: its stacked layer's keys follow the bucket too)."""
+    if kind != "peagle":
+        return KINDS[kind](teacher)
+    from tests.test_peagle import _static_drafter
+
+    return _static_drafter(teacher, num_layers=2), 5
+
+
+@pytest.mark.parametrize("kind", [*EAGLE_KINDS, "peagle"])
 def test_eagle_draft_attends_over_a_growing_bucket_and_drafts_what_propose_does(long_target, kind):
     """Across the first bucket boundary, every step's attention keys are the bucket ``use_shape`` picked (the
-    smallest holding the draft), the buckets grow with the context, and the drafts equal the eager ``propose``'s."""
-    drafter, rows = KINDS[kind](long_target)
+    smallest holding the draft), the buckets grow with the context, and the drafts equal the eager ``propose``'s.
+    P-EAGLE's step keeps EAGLE's layout (the context, then its parallel slots)."""
+    drafter, rows = _with_peagle(kind, long_target)
     committed = committed_for(drafter, rows)
     static = drafter.static_draft(committed, 512, GREEDY, None)
     keys, buckets = [], []
@@ -458,11 +468,11 @@ def _decode_through(dec, teacher, drafter, prompts, new_tokens, rows, keys=None)
     return made[0], used
 
 
-@pytest.mark.parametrize("kind", EAGLE_KINDS)
+@pytest.mark.parametrize("kind", [*EAGLE_KINDS, "peagle"])
 def test_decoder_drafts_eagle_over_growing_buckets_as_plain_greedy(long_target, kind):
     """Through the step decoder (batch 1): the EAGLE static draft's buckets grow across the boundary, each the
     smallest holding the draft, its attention keys are the bucket, and the tokens are plain greedy decoding's."""
-    drafter, rows = KINDS[kind](long_target)
+    drafter, rows = _with_peagle(kind, long_target)
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in LONG_PROMPTS]
     keys = []
@@ -474,11 +484,11 @@ def test_decoder_drafts_eagle_over_growing_buckets_as_plain_greedy(long_target, 
     assert {b for _, b in used} == {256, 512}
 
 
-@pytest.mark.parametrize("kind", EAGLE_KINDS)
+@pytest.mark.parametrize("kind", [*EAGLE_KINDS, "peagle"])
 def test_eagle_draft_steps_compile_one_graph_per_bucket(long_target, kind):
     """Compiled (``fullgraph=True, dynamic=False``) through the step decoder: one draft graph per bucket used, none
     recompiled after a warm-up decode across the boundary, and plain greedy decoding's tokens."""
-    drafter, rows = KINDS[kind](long_target)
+    drafter, rows = _with_peagle(kind, long_target)
     gen = torch.Generator().manual_seed(17)
     warm, *later = [torch.randint(0, 128, (1, n), generator=gen) for n in (*LONG_PROMPTS, 239)]
     torch._dynamo.reset()
