@@ -117,11 +117,11 @@ class PEagleStaticDraft(EagleStaticDraft):
         at their positions, slots in the bucket's last S columns), attention over the bucket's B columns under
         ``mask``. A real row's position lies below the new length, inside the context columns; a padding row that
         lands in a slot column is overwritten by the slots before attention reads it."""
-        M, B = pos.shape[0], self.bucket
+        M, S, B = pos.shape[0], self.steps_S.shape[0], self.bucket
         q, k, v = layer.qkv_rotated(x, cos, sin)
         kbuf.index_copy_(2, pos, k[:, :, :M])
         vbuf.index_copy_(2, pos, v[:, :, :M])
-        kbuf[:, :, B - (k.shape[2] - M):B].copy_(k[:, :, M:])
-        vbuf[:, :, B - (k.shape[2] - M):B].copy_(v[:, :, M:])
+        kbuf[:, :, B - S:B].copy_(k[:, :, M:])
+        vbuf[:, :, B - S:B].copy_(v[:, :, M:])
         attended = F.scaled_dot_product_attention(q, kbuf[:, :, :B], vbuf[:, :, :B], attn_mask=mask)
         return layer.finish(attended, residual)

@@ -124,11 +124,10 @@ class StepDecoder:
         recorded graphs, how many were compiled and the seconds their first calls took (compilation included), and
         why a recording or a compilation fell back (None: none did)."""
         fns = list(self._fns.values())
-        compiled = [f.fn if isinstance(f, _Recorded) else f for f in fns]
-        compiled = [f for f in compiled if isinstance(f, _Compiled) and f.calls]
+        compiled = [compiled_of(f) for f in fns]
         return {"cuda_graphs": self.graphs, "compile": self.compile, "step_functions": len(fns),
                 "recorded_graphs": sum(isinstance(f, _Recorded) and f.graph is not None for f in fns),
-                "compiled_steps": sum(f.seconds is not None for f in compiled),
+                "compiled_steps": sum(c is not None and c.seconds is not None for c in compiled),
                 "compile_seconds": round(self.compile_seconds, 3),
                 "fallback_reason": self.fallback_reason}
 
@@ -511,6 +510,12 @@ def _own_code(fn):
     return step
 
 
+def compiled_of(fn) -> "_Compiled | None":
+    """The compiled step a step function runs (itself, or the one under its CUDA graph); None: an uncompiled step."""
+    fn = fn.fn if isinstance(fn, _Recorded) else fn
+    return fn if isinstance(fn, _Compiled) else None
+
+
 class _Compiled:
     """A compiled step whose compilation, on its first call, may fail: the step then runs as it is, with the reason
     logged (``StepDecoder.fallback_reason``). A compilation fails before the step runs, so nothing has moved."""
@@ -586,5 +591,5 @@ class _Recorded:
             graph.replay()
 
 
-__all__ = ["StepDecoder", "Session", "NeedsEagerLoop", "resolve_graphs", "resolve_compile", "compile_setting", "CUDA_GRAPHS", "COMPILE",
-           "TREE_BUCKET"]
+__all__ = ["StepDecoder", "Session", "NeedsEagerLoop", "resolve_graphs", "resolve_compile", "compile_setting",
+           "compiled_of", "CUDA_GRAPHS", "COMPILE", "TREE_BUCKET"]

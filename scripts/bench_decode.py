@@ -1,7 +1,7 @@
 """Decoding benchmark: every drafter kind against plain decoding, HF generate() and HF assisted generation, one run.
 
     python scripts/bench_decode.py                      # CPU: the toy target (cached), writes bench_decode.json
-    python scripts/bench_decode.py --preset gpu         # GPU: a 1.14B Llama-shaped target, built (~5 min on an H100) first
+    python scripts/bench_decode.py --preset gpu         # GPU: a 1.14B Llama-shaped target, built first (~5 min, H100)
     python scripts/bench_decode.py --preset tiny        # seconds: checks the script end to end (numbers meaningless)
     python scripts/bench_decode.py --methods eagle1,eagle3 --eagle1-dir RUN --eagle3-dir RUN   # EAGLE rows only
     python scripts/bench_decode.py --methods lookup,eagle1,dflash --eagle1-dir RUN --dflash-dir RUN

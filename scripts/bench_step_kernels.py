@@ -19,9 +19,10 @@ Per step:
 - compiled: ``torch.compile(fullgraph=True, dynamic=False)`` with inductor, counted in the generated wrapper's
   ``call``: the calls of inductor's own kernels (one per launch; inductor defines a kernel once for identical code,
   so fewer are defined (``distinct_kernels``) than called; ``torch._inductor.metrics.generated_kernel_count`` is
-  not used: it counted more kernels than the wrapper defines or calls), plus the extern calls it keeps (``extern_kernels.mm`` / ``addmm`` / ``bmm``, the attention
-  op) and any other aten op the wrapper still calls (a fallback). On a CPU inductor emits C++ loops where a GPU gets
-  Triton kernels, and picks CPU attention and matmul calls, so this is a proxy of the fusion, not the GPU's count;
+  not used: it counted more kernels than the wrapper defines or calls), plus the extern calls it keeps
+  (``extern_kernels.mm`` / ``addmm`` / ``bmm``, the attention op) and any other aten op the wrapper still calls (a
+  fallback). On a CPU inductor emits C++ loops where a GPU gets Triton kernels, and picks CPU attention and matmul
+  calls, so this is a proxy of the fusion, not the GPU's count;
 - the seconds compiling the step took on this CPU (its first compiled call; caches off).
 
 Each step runs once as it is (warm-up), once under the op counter, then once compiled; every run is a real step of

@@ -149,6 +149,49 @@ def save(drafter, run_dir: Path, kind: str, teacher: Teacher, target_name: str |
     return save_drafter(drafter, run_dir / "drafter", cfg, target, teacher.identity(), TRAINED)
 
 
+def assert_rows_draft_what_each_row_drafts_alone(teacher: Teacher, drafter, rows, depths: list[int],
+                                                 propose=None) -> list[torch.Tensor]:
+    """A parallel drafter's batched ``rows`` over four ragged rows growing unevenly for four steps (row 1 leaves the
+    batch at the third): at every step each row's batched draft of its depth in ``depths`` (0: an empty tree)
+    equals the eager ``propose`` of that row alone. ``propose(seqs, depths)`` runs the batched proposal (default
+    ``rows.propose``, greedy). Returns the rows' final sequences."""
+    from inference.sampling import SamplingConfig
+
+    propose = propose or (lambda seqs, d: rows.propose(seqs, d, [SamplingConfig()] * len(seqs)))
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (4, 9, 15, 6)]
+    seen = [0] * len(seqs)
+    for step, grow in enumerate([0, 3, 1, 5]):
+        if step == 2:  # row 1 leaves the batch
+            rows.keep([0, 2, 3])
+            seqs, seen = [seqs[0], seqs[2], seqs[3]], [seen[0], seen[2], seen[3]]
+        seqs = [torch.cat([s, torch.randint(0, 128, (1, grow + b % 2), generator=g)], 1) for b, s in enumerate(seqs)]
+        for b, s in enumerate(seqs):
+            full = teacher(s[:, :-1], None, drafter.teacher_layers).hidden
+            rows.observe(b, {i: h[:, seen[b]:] for i, h in full.items()})
+            seen[b] = s.shape[1] - 1
+        step_depths = depths[: len(seqs)]
+        trees = propose(seqs, step_depths)
+        for b, (s, tree, depth) in enumerate(zip(seqs, trees, step_depths)):
+            drafter.reset()
+            drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
+            want = drafter.propose(s, depth).tokens.tolist() if depth else []
+            assert tree.tokens.tolist() == want, (step, b, depth)
+    return seqs
+
+
+def assert_reloaded_alike(drafter, reloaded, teacher: Teacher) -> None:
+    """An exported drafter rebuilt from its files: the same weights, exactly, and the same greedy decoding."""
+    from inference.decoder import Decoder
+
+    for name, p in drafter.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    decoder = Decoder(teacher)
+    want = decoder.speculative(drafter, prompt, 12, 4).new_tokens
+    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == want
+
+
 def assert_sampling_keeps_the_target_distribution(node: dict, batch: int, samples: int = 3000) -> None:
     """Temperature-1 sampling through the decode loop (batch 1: ``Decoder``; batch > 1: ``BatchedDecoder``, one
     prompt per row) with the drafter ``node`` builds, its weights random, draws each 3-token continuation of a 4-token

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from inference.sampling import GREEDY, SamplingConfig
-from inference.step_decoder import StepDecoder, _Compiled
+from inference.step_decoder import StepDecoder, compiled_of
 from tests.drafters import dflash, varied_teacher
 from tests.static_harness import committed_for, layout, one_graph_over_plays, tensors_of
 from tests.test_decoder_transfers import make
@@ -41,8 +41,8 @@ def compiled_steps(decoder) -> tuple[collections.Counter, list[str]]:
     steps = getattr(decoder, "steps", decoder)
     done, failed = collections.Counter(), []
     for key, fn in steps._fns.items():
-        fn = getattr(fn, "fn", fn) if not isinstance(fn, _Compiled) else fn  # under a CUDA graph: the compiled step
-        if not isinstance(fn, _Compiled):
+        fn = compiled_of(fn)  # under a CUDA graph: the compiled step
+        if fn is None:
             failed.append(f"{step_kind(key)}: not compiled")
         elif fn.compiled is fn.fn:
             failed.append(f"{step_kind(key)}: fell back ({steps.fallback_reason})")

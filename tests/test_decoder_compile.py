@@ -1,14 +1,14 @@
 """``decoder.compile`` with inductor: every drafter kind's steps compiled (torch.compile, fullgraph=True,
 dynamic=False) decode token-identically to plain eager greedy decoding (two prompt lengths), no step falls back to
 running uncompiled, and a drafter's static draft step is among the compiled steps that ran: plain, lookup (an eager
-proposer: verify steps only), Medusa chain and tree, Medusa-2, the draft model, EAGLE-1 and EAGLE-3 (chain and dynamic tree),
-DFlash and P-EAGLE.
+proposer: verify steps only), Medusa chain and tree, Medusa-2, the draft model, EAGLE-1 and EAGLE-3 (chain and
+dynamic tree), DFlash and P-EAGLE.
 
 One compiled decoder serves every kind (its plain step and prefill buckets are compiled once; each kind adds its
 verify buckets and its draft step), as one evaluation process would. Sampled (temperature 0.8), the drafters whose
-static step samples its own chain (draft model, DFlash, P-EAGLE) decode as the uncompiled steps do from the same seed, compiled. Slow: inductor on
-CPU, about 5 minutes on one thread from a cold inductor cache; the graph-break checks with dynamo alone are the fast
-tests/test_compile_steps.py."""
+static step samples its own chain (draft model, DFlash, P-EAGLE) decode, compiled, as the uncompiled steps do from the
+same seed. Slow: inductor on CPU, about 5 minutes on one thread from a cold inductor cache; the graph-break checks
+with dynamo alone are the fast tests/test_compile_steps.py."""
 
 import pytest
 import torch

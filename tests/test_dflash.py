@@ -16,10 +16,9 @@ from heads.dflash_rows import DFlashRows
 from heads.saved import load_drafter
 from inference.batched import BatchedDecoder
 from inference.decoder import Decoder
-from inference.sampling import SamplingConfig
 from serve.export import check_export, export_drafter, load_export
-from tests.drafters import (DFLASH_NODE, DIMS, assert_sampling_keeps_the_target_distribution, deep_teacher, dflash,
-                            save, varied_teacher)
+from tests.drafters import (DFLASH_NODE, DIMS, assert_reloaded_alike, assert_rows_draft_what_each_row_drafts_alone,
+                            assert_sampling_keeps_the_target_distribution, deep_teacher, dflash, save, varied_teacher)
 
 
 def batch_of(ids):
@@ -127,32 +126,9 @@ def test_batched_rows_draft_what_each_row_drafts_alone(teacher, window, vocab):
     """``rows``: every row's block in one forward, over ragged contexts and draft depths, proposes exactly what the
     eager ``propose`` of that row alone does, step after step, rows leaving the batch included."""
     drafter = dflash(teacher, sliding_window=window, draft_vocab_size=vocab).eval()
-    g = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (4, 9, 15, 6)]
     rows = drafter.rows([0, 1, 2, 3])
     assert isinstance(rows, DFlashRows)  # not the row-by-row default
-    seen = [0] * len(seqs)
-    for step, grow in enumerate([0, 3, 1, 5]):
-        if step == 2:  # row 1 leaves the batch
-            rows.keep([0, 2, 3])
-            seqs, seen = [seqs[0], seqs[2], seqs[3]], [seen[0], seen[2], seen[3]]
-        seqs = [torch.cat([s, torch.randint(0, 128, (1, grow + b % 2), generator=g)], 1) for b, s in enumerate(seqs)]
-        for b, s in enumerate(seqs):
-            rows.observe(b, _hidden_slice(teacher, drafter, s, seen[b]))
-            seen[b] = s.shape[1] - 1
-        depths = [5, 2, 0, 5][: len(seqs)]
-        trees = rows.propose(seqs, depths, [SamplingConfig()] * len(seqs))
-        for s, tree, depth in zip(seqs, trees, depths):
-            drafter.reset()
-            drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
-            want = drafter.propose(s, depth).tokens.tolist() if depth else []
-            assert tree.tokens.tolist() == want, (step, depth)
-
-
-def _hidden_slice(teacher, drafter, seq, start):
-    """The target's hidden states of ``seq``'s positions ``start`` .. n - 2 (run over the whole prefix)."""
-    full = teacher(seq[:, :-1], None, drafter.teacher_layers).hidden
-    return {i: h[:, start:] for i, h in full.items()}
+    assert_rows_draft_what_each_row_drafts_alone(teacher, drafter, rows, [5, 2, 0, 5])
 
 
 def test_save_load_round_trip(teacher, trained, tmp_path):
@@ -225,12 +201,7 @@ def test_vllm_export_round_trip(tmp_path, window):
         assert config["dflash_config"]["causal"] is False
         assert reloaded_window(out, teacher) == window
     reloaded = load_export(out, teacher)
-    for name, p in drafter.state_dict().items():
-        torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
-    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
-    decoder = Decoder(teacher)
-    want = decoder.speculative(drafter, prompt, 12, 4).new_tokens
-    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == want
+    assert_reloaded_alike(drafter, reloaded, teacher)
 
 
 def reloaded_window(out, teacher):

@@ -17,8 +17,9 @@ from inference.decoder import Decoder
 from inference.sampling import SamplingConfig
 from heads.eagle import vocab_maps
 from serve.export import check_export, export_drafter, load_export
-from tests.drafters import (DIMS, PEAGLE_NODE, assert_sampling_keeps_the_target_distribution, deep_teacher, eagle,
-                            perturbed, save, varied_teacher)
+from tests.drafters import (DIMS, PEAGLE_NODE, assert_reloaded_alike, assert_rows_draft_what_each_row_drafts_alone,
+                            assert_sampling_keeps_the_target_distribution, deep_teacher, eagle, perturbed, save,
+                            varied_teacher)
 
 NODE = {**PEAGLE_NODE, "layers": [0, 1, 2]}  # the 2-layer tiny target's
 
@@ -209,29 +210,16 @@ def test_batched_rows_draft_what_each_row_drafts_alone_in_one_forward(teacher, v
     calls = []
     original = drafter.layer.qkv
     drafter.layer.qkv = lambda *a: (calls.append(1), original(*a))[1]
-    g = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (4, 9, 15, 6)]
     rows = drafter.rows([0, 1, 2, 3])
     assert isinstance(rows, PEagleRows)  # not the row-by-row default
-    seen = [0] * len(seqs)
-    for step, grow in enumerate([0, 3, 1, 5]):
-        if step == 2:  # row 1 leaves the batch
-            rows.keep([0, 2, 3])
-            seqs, seen = [seqs[0], seqs[2], seqs[3]], [seen[0], seen[2], seen[3]]
-        seqs = [torch.cat([s, torch.randint(0, 128, (1, grow + b % 2), generator=g)], 1) for b, s in enumerate(seqs)]
-        for b, s in enumerate(seqs):
-            full = teacher(s[:, :-1], None, drafter.teacher_layers).hidden
-            rows.observe(b, {i: h[:, seen[b]:] for i, h in full.items()})
-            seen[b] = s.shape[1] - 1
-        depths = [4, 2, 0, 4][: len(seqs)]
+
+    def in_one_forward(seqs, depths):
         calls.clear()
         trees = rows.propose(seqs, depths, [SamplingConfig()] * len(seqs))
         assert len(calls) == 1  # one forward of EAGLE-3's layer for the whole batch
-        for b, (s, tree, depth) in enumerate(zip(seqs, trees, depths)):
-            drafter.reset()
-            drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
-            want = drafter.propose(s, depth).tokens.tolist() if depth else []
-            assert tree.tokens.tolist() == want, (step, b, depth)
+        return trees
+
+    seqs = assert_rows_draft_what_each_row_drafts_alone(teacher, drafter, rows, [4, 2, 0, 4], in_one_forward)
     # the batched logits are each row's own (to rounding), and sampling draws from each row's generator
     s = seqs[0]
     drafter.reset()
@@ -312,12 +300,7 @@ def test_vllm_export_round_trip(tmp_path, num_layers):
     assert '"parallel_drafting": true' in (out / "README.md").read_text()
     reloaded = load_export(out, teacher)
     assert isinstance(reloaded, PEagleDrafter) and reloaded.num_depths == drafter.num_depths
-    for name, p in drafter.state_dict().items():
-        torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
-    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
-    decoder = Decoder(teacher)
-    want = decoder.speculative(drafter, prompt, 12, 4).new_tokens
-    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == want
+    assert_reloaded_alike(drafter, reloaded, teacher)
     if num_layers > 1:  # a stacked layer's shard gone: the check names it
         from safetensors.torch import save_file
 
@@ -351,12 +334,7 @@ def test_speculators_export_round_trip(tmp_path, num_layers):
     assert ("layers.1.self_attn.q_proj.weight" in weights) == (num_layers > 1)
     assert "vllm serve" in (out / "README.md").read_text()
     reloaded = load_export(out, teacher)
-    for name, p in drafter.state_dict().items():
-        torch.testing.assert_close(reloaded.state_dict()[name], p, atol=0, rtol=0)
-    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
-    decoder = Decoder(teacher)
-    want = decoder.speculative(drafter, prompt, 12, 4).new_tokens
-    assert decoder.speculative(reloaded, prompt, 12, 4).new_tokens == want
+    assert_reloaded_alike(drafter, reloaded, teacher)
     weights["mask_hidden"] = weights["mask_hidden"][0]  # vLLM's [1, 3D] shape: speculators' loader rejects it
     from safetensors.torch import save_file
 

@@ -364,7 +364,8 @@ def test_compile_key_is_checked():
     assert resolve_compile("off", torch.device("cuda")) is False
     assert resolve_compile("on", torch.device("cpu")) is True
     assert resolve_compile(True, torch.device("cpu")) is True and resolve_compile("True", torch.device("cpu")) is True
-    assert resolve_compile("false", torch.device("cuda")) is False and resolve_compile(False, torch.device("cuda")) is False
+    assert resolve_compile("false", torch.device("cuda")) is False
+    assert resolve_compile(False, torch.device("cuda")) is False
     with pytest.raises(ValueError, match="decoder.compile='sometimes'; valid"):
         resolve_compile("sometimes", torch.device("cpu"))
     assert DecoderConfig().compile == "auto"
