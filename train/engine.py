@@ -81,6 +81,10 @@ class TrainerConfig:
     # chunked path | liger = require it (a clear error where it cannot apply). Verified only under the Triton
     # interpreter on CPU so far; install with pip install -e '.[gpu]'.
     fused_kernel: str = "none"
+    # The drafters' structured training attention (heads.train_attention): auto = flex attention on CUDA, the tiled
+    # SDPA kernel elsewhere | flex (CUDA only to train) | tiled | dense = one SDPA call under the whole [Q, KV] mask
+    # (the reference; memory grows with the square of the sequence).
+    attention: str = "auto"
 
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]

@@ -33,6 +33,7 @@ from distill.chunked import chunk_budget, default_chunk_elements
 from distill.data import rows_fingerprint
 from distill.row_seeds import ROW_SEED, row_seeds
 from distill.fused_kernels import fused_kernel
+from heads.train_attention import train_attention
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
 from train.selection import Selection
@@ -83,7 +84,7 @@ def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, lo
     evaluates nothing. SIGTERM, SIGINT and SIGUSR1 stop the run after the step they arrive in, checkpointed
     (``train.preemption``)."""
     with chunk_budget(cfg.trainer.loss_chunk_elements or default_chunk_elements(engine.device)), \
-            fused_kernel(cfg.trainer.fused_kernel), stop_on_signals() as stop:
+            fused_kernel(cfg.trainer.fused_kernel), train_attention(cfg.trainer.attention), stop_on_signals() as stop:
         return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source, stop,
                       selection)
 
