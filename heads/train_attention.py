@@ -12,6 +12,7 @@ with the kernel ``trainer.attention`` picks (``train_attention`` sets it for a b
   ([B, 1, TILE, keys it may see]) and its keys are only the spans the mask says it may see (``StructuredMask.spans``),
   so cost and memory follow the visible keys. A leading run of plainly causal queries (``causal_prefix``) goes through
   SDPA's ``is_causal`` with no mask at all. Autograd runs through it on any device.
+  A mask that is plainly causal throughout (EAGLE's step 0) runs SDPA's causal kernel under flex too.
 * ``dense``: the whole [B, 1, Q, KV] mask and one SDPA call: the reference the others are tested against.
 * ``auto`` (default): flex on CUDA, tiled elsewhere.
 
@@ -128,6 +129,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: StructuredMask) -> Tensor:
     kernel = kernel_for(q.device, needs_grad)
     if kernel == "dense":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device))
+    if mask.right_padded and mask.causal_prefix >= max(mask.Q, mask.KV):  # plainly causal: the fused causal kernel
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if kernel == "flex":
         return _flex(q, k, v, mask)
     return _tiled(q, k, v, mask)
