@@ -112,10 +112,19 @@ class StructuredMask:
         """[B, 1, Q, KV] bool: the whole mask (the ``dense`` kernel and the tests)."""
         return self.evaluate(0, self.Q, torch.arange(self.KV, device=device))
 
-    def block_mask(self, device: torch.device):
+    def block_mask(self, device: torch.device, Q: int, KV: int):
+        """The flex ``BlockMask`` of this mask padded to Q x KV (padded queries and keys see nothing), made once per
+        device: a forward's layers share it."""
         if device not in self._blocks:
-            self._blocks[device] = _create_block_mask(device)(self.mask_mod, self.B, None, self.Q, self.KV,
-                                                              device=device)
+            # The true sizes as device tensors, not Python ints: compiled code would specialise on an int's value.
+            mod = self.mask_mod
+            q_last, kv_last = (torch.full((), n - 1, dtype=torch.long, device=device) for n in (self.Q, self.KV))
+
+            def padded(b, h, q_idx, kv_idx):
+                inside = (q_idx <= q_last) & (kv_idx <= kv_last)
+                return inside & mod(b, h, torch.minimum(q_idx, q_last), torch.minimum(kv_idx, kv_last))
+
+            self._blocks[device] = _create_block_mask(device)(padded, self.B, None, Q, KV, device=device)
         return self._blocks[device]
 
 
@@ -158,8 +167,18 @@ def _tiled(q: Tensor, k: Tensor, v: Tensor, mask: StructuredMask) -> Tensor:
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: StructuredMask) -> Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
+    # Sizes padded to a power of two: the compiled kernels (dynamic=False) then see a few shapes however the anchors
+    # and chains of a batch vary (P-EAGLE's and DFlash's query counts follow the data), instead of recompiling per
+    # batch. The padding costs only memory for q, k, v: its blocks are masked out, and flex skips them.
+    Q, KV = _bucket(mask.Q), _bucket(mask.KV)
+    q = F.pad(q, (0, 0, 0, Q - mask.Q))
+    k, v = F.pad(k, (0, 0, 0, KV - mask.KV)), F.pad(v, (0, 0, 0, KV - mask.KV))
     run = _compiled_flex() if FLEX_COMPILE else flex_attention
-    return run(q, k, v, block_mask=mask.block_mask(q.device))
+    return run(q, k, v, block_mask=mask.block_mask(q.device, Q, KV))[:, :, : mask.Q]
+
+
+def _bucket(n: int) -> int:
+    return max(128, 1 << (n - 1).bit_length())
 
 
 @functools.cache
@@ -186,6 +205,17 @@ def _compiled_block_mask():
 
 
 # --- the drafters' masks ------------------------------------------------------------------------------------------
+# A mask_mod closes over tensors and Python values that compiled flex code treats as fixed: the sequence length,
+# block size and window (fixed for a run) and tensors whose size follows the data (anchors, chains), padded to
+# ``_bucket`` sizes so that a new batch is a new value, not a new shape.
+
+def _padded(t: Tensor, dim: int) -> Tensor:
+    """``t`` zero-padded along ``dim`` to a ``_bucket`` size (entries past the true size are never read)."""
+    extra = _bucket(t.shape[dim]) - t.shape[dim]
+    if extra <= 0:
+        return t
+    return torch.cat([t, t.new_zeros((*t.shape[:dim], extra, *t.shape[dim + 1:]))], dim)
+
 
 def ttt_step_mask(attn_BT: Tensor, step: int, right_padded: bool = True) -> StructuredMask:
     """EAGLE training-time-test step ``step``'s mask over keys [step 0's T | step 1's T | ... | step ``step``'s T]:
@@ -213,6 +243,7 @@ def dflash_block_mask(anchors_BN: Tensor, attn_BT: Tensor, block_size: int, wind
     B, N = anchors_BN.shape
     T, S = attn_BT.shape[1], block_size
     attn_BT = attn_BT.bool()
+    anchors_BN = _padded(anchors_BN, 1)
 
     def mask_mod(b, h, q_idx, kv_idx):
         n = q_idx // S
@@ -238,14 +269,16 @@ def parallel_chain_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: Sequence[in
     attn_BT = attn_BT.bool()
     slots = sum(counts)
     dev = attn_BT.device
-    if slots:
-        chain = torch.cat([torch.arange(n, device=dev) for n in counts])  # [slots]
-        depth = torch.cat([torch.full((n,), d, device=dev) for d, n in enumerate(counts, start=1)])
+    has_slots = slots > 0  # (the mask_mod reads no count: compiled code would specialise on it)
+    if has_slots:
+        chain = _padded(torch.cat([torch.arange(n, device=dev) for n in counts]), 0)  # [slots, padded]
+        depth = _padded(torch.cat([torch.full((n,), d, device=dev) for d, n in enumerate(counts, start=1)]), 0)
+        anchors_BN = _padded(anchors_BN, 1)
 
     def mask_mod(b, h, q_idx, kv_idx):
         real = attn_BT[b, kv_idx.clamp(max=T - 1)]
         zero = (kv_idx <= q_idx) & (real | (kv_idx == q_idx))
-        if not slots:
+        if not has_slots:
             return zero
         s_q, s_k = (q_idx - T).clamp(min=0), (kv_idx - T).clamp(min=0)
         to_ctx = (kv_idx <= anchors_BN[b, chain[s_q]]) & real
