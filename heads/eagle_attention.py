@@ -9,8 +9,9 @@ from torch import Tensor
 # Training attention on a CPU: explicit scores (``explicit_ttt_attention``) while B x h x T x (T + steps) stays
 # below this (64 MB of float32 scores per step; the toy target's 8 x 4 x 256 x 259 is 2.1M) and T below
 # EXPLICIT_MAX_SEQ; above either, and on GPUs, ``heads.train_attention``'s kernels, which never hold a [T, T] tensor.
-# (TTT 3 on the toy target's shapes, fwd + bwd at 1 thread: steps 1 and 2 take 112 and 139 ms here against the
-# tiled kernel's 182 and 281: its tiles spend a [TILE, TILE] block on each earlier step's one visible key.)
+# (TTT 3 at the toy target's shapes, B 8, h 4, T 256, hd 64, fwd + bwd at 1 thread, scripts/bench_train_attention.py:
+# steps 1 and 2 take 126 and 136 ms here, 133 and 200 tiled, 171 and 285 dense; the tiles spend a [TILE, TILE]
+# block on each earlier step's one visible key.)
 EXPLICIT_ATTENTION_ELEMENTS = 1 << 24
 EXPLICIT_MAX_SEQ = 512
 
