@@ -90,7 +90,9 @@ def _rope_tables(positions: Tensor, hd: int, theta: float, dtype: torch.dtype, d
                  ) -> tuple[Tensor, Tensor]:
     """(cos, sin) of the rotary embedding at ``positions`` [n] ([n, hd]), or [B, n] ([B, 1, n, hd]: each row its own
     positions, the batched decoder's ragged rows). Made once per layer call, shared by queries and keys."""
-    angles = positions.to(torch.float32)[..., None] * _inv_freq(hd, theta, device)  # [(B,) n, hd]
+    # compiled (trainer.compile), the frequencies are traced like any op: dynamo does not trace a cache
+    inv_freq = (_inv_freq.__wrapped__ if torch.compiler.is_compiling() else _inv_freq)(hd, theta, device)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [(B,) n, hd]
     cos, sin = angles.cos(), angles.sin()
     if dtype != torch.float32:
         cos, sin = cos.to(dtype), sin.to(dtype)
@@ -390,6 +392,10 @@ class EagleDrafter(Drafter):
         keys = [(prev[i], prev[i + 1]) for i in range(0, len(prev), 2)] + [(k, v)]
         return self.layer.finish(self._ttt_attention(q, keys, mask), residual), k, v
 
+    def compile_regions(self) -> list[tuple[object, str]]:
+        """One region per TTT step: the fused input, the layer and its attention (a graph per step count j)."""
+        return [(self, "_ttt_step")]
+
     def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
         """[B, T]: step k at position t (fed token t + 1 + k, predicting t + 2 + k) is trained when that token is
         loss-bearing and the one it was fed is real; the last k + 2 positions never are."""
@@ -408,7 +414,8 @@ class EagleDrafter(Drafter):
         thread: steps 1 and 2 take 41 and 45 ms against the fused kernel's 56 and 84; step 0 is level, 36 vs 34 ms,
         so it stays fused)."""
         B, h, T, _ = q.shape
-        if len(keys) > 1 and q.device.type == "cpu" and B * h * T * (T + len(keys)) <= EXPLICIT_ATTENTION_ELEMENTS:
+        if (len(keys) > 1 and q.device.type == "cpu" and B * h * T * (T + len(keys)) <= EXPLICIT_ATTENTION_ELEMENTS
+                and not torch.compiler.is_compiling()):  # writes into slices of its score buffer: not traceable
             return explicit_ttt_attention(q, keys, mask[..., :T])
         if len(keys) == 1:
             k, v = keys[0]

@@ -81,6 +81,11 @@ class TrainerConfig:
     # chunked path | liger = require it (a clear error where it cannot apply). Verified only under the Triton
     # interpreter on CPU so far; install with pip install -e '.[gpu]'.
     fused_kernel: str = "none"
+    # torch.compile for the training step (train.compile): auto = on for CUDA | on | off. Regional: each drafter
+    # layer (EAGLE's TTT step, DFlash's layers, ...) and each loss chunk's divergence arithmetic, the rest eager.
+    # Refused under DeepSpeed ZeRO-3 (trainer=zero3), whose partitioned parameters a compiled region cannot gather.
+    compile: str = "auto"
+    compile_backend: Optional[str] = None  # torch.compile backend; null = inductor (aot_eager: tracing only, checks)
 
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
