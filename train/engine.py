@@ -252,7 +252,7 @@ class SingleEngine:
         after the group is destroyed joins gloo threads whose peers are gone, and hangs."""
         self.model = None
         gc.collect()
-        if self.world_size > 1 and dist.is_initialized():
+        if dist.is_initialized() and (self.world_size > 1 or self.name == "fsdp"):
             dist.barrier()
             dist.destroy_process_group()
 
@@ -280,6 +280,14 @@ class FSDPEngine(SingleEngine):
     group; parameters become DTensors sharded over the ranks, so the optimizer state is sharded too."""
 
     name = "fsdp"
+
+    def __init__(self, trainer_cfg: TrainerConfig):
+        super().__init__(trainer_cfg)
+        # One rank under torchrun (the launcher set a rendezvous): FSDP2 still needs its process group and mesh.
+        if self.world_size == 1 and "MASTER_ADDR" in os.environ and not dist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
     def _wrap(self, drafter: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
