@@ -393,8 +393,10 @@ class EagleDrafter(Drafter):
         return self.layer.finish(self._ttt_attention(q, keys, mask), residual), k, v
 
     def compile_regions(self) -> list[tuple[object, str]]:
-        """One region per TTT step: the fused input, the layer and its attention (a graph per step count j)."""
-        return [(self, "_ttt_step")]
+        """The fused input, the layer's projections and its MLP half: the same shapes at every TTT step, so one
+        graph each serves all steps. The attention between them takes one more step's keys at each step (its kernel
+        is compiled on its own where it is flex attention)."""
+        return [(self, "_layer_input"), (self.layer, "qkv"), (self.layer, "finish")]
 
     def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
         """[B, T]: step k at position t (fed token t + 1 + k, predicting t + 2 + k) is trained when that token is
@@ -414,8 +416,7 @@ class EagleDrafter(Drafter):
         thread: steps 1 and 2 take 41 and 45 ms against the fused kernel's 56 and 84; step 0 is level, 36 vs 34 ms,
         so it stays fused)."""
         B, h, T, _ = q.shape
-        if (len(keys) > 1 and q.device.type == "cpu" and B * h * T * (T + len(keys)) <= EXPLICIT_ATTENTION_ELEMENTS
-                and not torch.compiler.is_compiling()):  # writes into slices of its score buffer: not traceable
+        if len(keys) > 1 and q.device.type == "cpu" and B * h * T * (T + len(keys)) <= EXPLICIT_ATTENTION_ELEMENTS:
             return explicit_ttt_attention(q, keys, mask[..., :T])
         if len(keys) == 1:
             k, v = keys[0]

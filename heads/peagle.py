@@ -128,10 +128,9 @@ class PEagleDrafter(EagleDrafter):
         return score.topk(counts[0], dim=1).indices, taken, counts
 
     def compile_regions(self) -> list[tuple[object, str]]:
-        """The fused input, the first layer's projections and its MLP half (the attention between them runs under
-        the group mask), and each stacked layer whole."""
-        return [(self, "_layer_input"), (self.layer, "qkv"), (self.layer, "finish"),
-                *((upper, "forward") for upper in self.upper)]
+        """EAGLE-3's (the fused input, the first layer's projections and its MLP half) and each stacked layer
+        whole."""
+        return [*super().compile_regions(), *((upper, "forward") for upper in self.upper)]
 
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         ids, attn = batch["input_ids"], batch["attention_mask"].bool()
