@@ -26,7 +26,6 @@ Nothing here reads a device value on the host: every shape is a Python int the c
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,9 @@ TILE = 128
 # CPU switch compilation off to check the masks' semantics without minutes of CPU compilation.
 FLEX_COMPILE = True
 
-_choice = contextvars.ContextVar("train_attention", default="auto")
+# The current choice: a module value, not a ContextVar, so that a compiled region (trainer.compile) reads it without
+# a graph break (dynamo cannot trace ContextVar.get; it guards on this value instead).
+_choice = "auto"
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -57,22 +58,23 @@ def check_attention(choice: str) -> None:
 @contextlib.contextmanager
 def train_attention(choice: str) -> Iterator[None]:
     """Inside this block, ``attend`` uses ``choice`` (``trainer.attention``: auto | flex | tiled | dense)."""
+    global _choice
     check_attention(choice)
-    token = _choice.set(choice)
+    before, _choice = _choice, choice
     try:
         yield
     finally:
-        _choice.reset(token)
+        _choice = before
 
 
 def chosen() -> str:
     """``trainer.attention`` as set (``auto`` unresolved): a drafter may keep a faster path of its own under auto."""
-    return _choice.get()
+    return _choice
 
 
 def kernel_for(device: torch.device, needs_grad: bool) -> str:
     """The kernel ``attend`` runs on ``device``: the chosen one, ``auto`` resolved (flex on CUDA, else tiled)."""
-    choice = _choice.get()
+    choice = _choice
     if choice == "auto":
         return "flex" if device.type == "cuda" else "tiled"
     if choice == "flex" and needs_grad and device.type != "cuda":
