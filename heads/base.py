@@ -145,6 +145,18 @@ class TrainingHooks:
         micro-batch's backward already carries the global per-token normalisation (any engine, any split)."""
         return self.train_mask(batch, 0).sum()
 
+    def train_flops(self, target, B: int, T: int):
+        """FLOPs of one training micro-batch of [B, T] tokens (``distill.flops.StepFlops``: teacher and drafter parts)
+        from sizes alone, never a forward or a read of the batch: for the TFLOP/s and MFU the loop logs. ``target``:
+        ``distill.flops.TargetShape``. None: this kind is not counted (no ``perf/tflops``)."""
+        return None
+
+    @property
+    def flops_stage(self) -> tuple:
+        """What, besides [B, T], changes ``train_flops`` from one step to another (a schedule's stage): the loop's
+        cached count is keyed by it."""
+        return ()
+
     # Engines read these two: DDP must look for parameters a step leaves without gradient (Medusa-2's LoRA in its
     # heads-only stage); sharding engines must not shard modules that live inside the target.
     may_skip_parameters: bool = False

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from distill.chunked import Frozen, LabelRows, TeacherRows, cross_entropy_sum
 from distill.teacher_output import TeacherOutput
+from heads import flops
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads.dflash_rows import DFlashRows
 from heads.dflash_static import DFlashStaticDraft
@@ -331,6 +332,9 @@ class DFlashDrafter(Drafter):
         return full.index_copy_(1, self.d2t.to(sub.device), sub)
 
     # --- training ------------------------------------------------------------------------------------------
+    def train_flops(self, target, B: int, T: int):
+        return flops.dflash(self, target, B, T)
+
     def _candidates(self, batch: Mapping[str, Tensor]) -> Tensor:
         """[B, T] bool: positions a that may anchor a block (a real token with a real context before it and a
         loss-bearing token after it)."""

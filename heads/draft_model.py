@@ -35,6 +35,7 @@ from distill.chunked import TeacherRows, positions
 from distill.teacher import DTYPES
 from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
+from heads import flops
 from heads.base import DraftOutput, DraftTerm, Drafter, ForkedRows, TargetDims
 from heads.draft_model_rows import DraftModelRows
 from heads.draft_model_static import DraftModelStaticDraft
@@ -225,15 +226,25 @@ class DraftModel(Drafter):
         term = DraftTerm(student_ND[:, :-1][mask_BT], head, teacher)
         return DraftOutput(terms=[term], num_valid=self.count_valid(batch)).evaluate(loss_fn)
 
+    @property
+    def projects_in_chunks(self) -> bool:
+        """Whether the loss projects the final states itself (``_features_and_head``): the output embedding is a plain
+        Linear with nothing after it and the forward can skip its logits."""
+        config = self.model.config.get_text_config()
+        return bool(self._logits_to_keep and isinstance(self.model.get_output_embeddings(), nn.Linear)
+                    and not getattr(config, "final_logit_softcapping", None)
+                    and getattr(config, "logit_scale", 1.0) == 1.0)
+
+    def train_flops(self, target, B: int, T: int):
+        return flops.draft_model(self, target, B, T)
+
     def _features_and_head(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Any]:
         """([B, T, D] the final normed hidden states, the output embedding): the loss projects them in chunks, so
         the model's [B, T, V] logits are never computed (``logits_to_keep=1``: one position's). A model that does
         more to its logits than its output embedding (soft-capping, a logit scale) or cannot skip them is
         projected whole: ([B, T, V] logits, identity)."""
         out_layer = self.model.get_output_embeddings()
-        config = self.model.config.get_text_config()
-        plain = (self._logits_to_keep and isinstance(out_layer, nn.Linear)
-                 and not getattr(config, "final_logit_softcapping", None) and getattr(config, "logit_scale", 1.0) == 1.0)
+        plain = self.projects_in_chunks
         kwargs = {"logits_to_keep": 1, "output_hidden_states": True} if plain else {}
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, **kwargs)
         if plain:

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from distill.chunked import Finished, Frozen, TeacherRows, positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
+from heads import flops
 from heads.eagle_decode import EagleRows, draft_trees
 from heads.eagle_static import EagleStaticDraft
 from heads.eagle_attention import EXPLICIT_ATTENTION_ELEMENTS, explicit_ttt_attention
@@ -309,6 +310,13 @@ class EagleDrafter(Drafter):
         """``ttt_warmup_steps``: optimizer steps before it unroll step 0 only (no training-time test, the cheap step
         of EAGLE-1's cost), later ones all ``ttt_steps``."""
         self._ttt_now = 1 if step < self.ttt_warmup_steps else self.ttt_steps
+
+    def train_flops(self, target, B: int, T: int):
+        return flops.eagle(self, target, B, T)
+
+    @property
+    def flops_stage(self) -> tuple:
+        return (self._ttt_now,)
 
     @property
     def dynamic_tree(self) -> bool:

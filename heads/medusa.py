@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from distill.chunked import Finished, TeacherRows, chunked_divergence, positions
 from distill.teacher_output import TeacherOutput
+from heads import flops
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from inference.sampling import GREEDY, SamplingConfig
 from inference.static_draft import DraftBuffers, mark_static
@@ -107,6 +108,9 @@ class MedusaHeads(Drafter):
             lm_head = teacher.lm_head.weight.detach()
             for head in self.heads:
                 head[-1].weight.data.copy_(lm_head.to(head[-1].weight.dtype))
+
+    def train_flops(self, target, B: int, T: int):
+        return flops.medusa(self, target, B, T)
 
     def head_logits(self, hidden_BTD: Tensor) -> list[Tensor]:
         return [head(hidden_BTD) for head in self.heads]

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from distill.chunked import Finished, chunked_cross_entropy
 from distill.prompts import heldout_prompts
 from distill.teacher_output import TeacherOutput
+from heads import flops
 from heads.base import DraftOutput, TargetDims
 from heads.lora import ADAPTER, check_lora_spec, inject_lora, remove_lora
 from heads.medusa import MedusaHeads
@@ -173,6 +174,13 @@ class Medusa2(MedusaHeads):
         # (peft flips that flag when adapters are toggled).
         return [{"params": [p for p in self.heads.parameters() if p.requires_grad], "lr_scale": 1.0},
                 {"params": list(self.lora.parameters()), "lr_scale": self.lora_lr_scale}]
+
+    def train_flops(self, target, B: int, T: int):
+        return flops.medusa2(self, target, B, T)
+
+    @property
+    def flops_stage(self) -> tuple:
+        return (self._joint,)
 
     def begin_step(self, step: int) -> None:
         joint = step >= self.heads_only_steps

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from distill.row_seeds import batch_row_seeds, uniform_bits
 from distill.teacher_output import TeacherOutput
+from heads import flops
 from heads.base import DraftOutput, TargetDims
 from heads.eagle import DraftLayer, EagleDrafter, RMSNorm
 from heads.peagle_rows import PEagleRows
@@ -108,6 +109,9 @@ class PEagleDrafter(EagleDrafter):
         return self.draft_vocab_size == self.dims.vocab_size and self.num_depths > 1
 
     # --- training ------------------------------------------------------------------------------------------
+    def train_flops(self, target, B: int, T: int):
+        return flops.peagle(self, target, B, T)
+
     def depth_counts(self, candidates: int) -> list[int]:
         """Chains trained at depths 1..K-1 out of ``candidates`` anchors: non-increasing, so the sets nest."""
         ratios = [max(self.down_sample_ratio ** d, self.down_sample_ratio_min) for d in range(1, self.num_depths)]
