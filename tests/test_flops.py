@@ -4,6 +4,7 @@ steps of every drafter kind, and the ``model`` attention convention against the 
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from heads.base import build_drafter
 from heads.base import TargetDims
 from heads.draft_model import DraftModel
 from tests.drafters import NODES, tiny_llama
+from train.flops import FlopMeter, device_peak_tflops
 
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=4)
 
@@ -108,3 +110,139 @@ def test_dense_count_matches_the_flop_counter(kind, T, monkeypatch):
     got = measured(teacher, drafter, B, T)
     want = drafter.train_flops(TargetShape.of(teacher), B, T).total.dense
     assert want == pytest.approx(got, rel=0.05), (kind, T, want / got)
+
+
+# --- the model convention: the pairs the reference masks allow ------------------------------------------------------
+def _per_pair(drafter_heads: int, head_dim: int) -> float:
+    """Model FLOPs of one allowed (query, key) pair in every head: q.k and p.v forward, twice that backward."""
+    return drafter_heads * 4 * head_dim * 3
+
+
+def test_eagle_model_attention_counts_the_ttt_mask_pairs():
+    from heads.eagle import ttt_mask
+
+    teacher = _teacher()
+    drafter = _drafter("eagle3", teacher)  # 3 TTT steps
+    B, T = 2, 10
+    mask = ttt_mask(torch.ones(B, T, dtype=torch.bool), drafter.ttt_steps)
+    allowed = sum(int(mask[..., : (j + 1) * T].sum()) for j in range(drafter.ttt_steps))
+    got = drafter.train_flops(TargetShape.of(teacher), B, T).drafter.attn_model
+    assert got == allowed * _per_pair(drafter.layer.num_heads, drafter.layer.head_dim)
+
+
+@pytest.mark.parametrize("anchors, window", [(512, None), (512, 8), (4, None)])
+def test_dflash_model_attention_counts_the_block_mask_pairs(anchors, window):
+    from heads.dflash import block_mask
+
+    teacher = _teacher()
+    torch.manual_seed(0)
+    drafter = build_drafter({**KINDS["dflash"], "num_anchors": anchors, "sliding_window": window}, teacher)
+    B, T = 2, 12
+    attn = torch.ones(B, T, dtype=torch.bool)
+    cand = drafter._candidates({"attention_mask": attn, "loss_mask": attn})
+    draws = 1 if anchors >= T else 400  # sampled anchors: the count is the mean over draws
+    allowed = sum(int(block_mask(drafter._draw_anchors(cand)[0], attn, drafter.block_size, window).sum())
+                  for _ in range(draws)) / draws
+    attn_cfg = drafter.layers[0].self_attn
+    got = drafter.train_flops(TargetShape.of(teacher), B, T).drafter.attn_model
+    want = allowed * _per_pair(attn_cfg.h, attn_cfg.hd) * len(drafter.layers)
+    assert got == pytest.approx(want, rel=0 if draws == 1 else 0.02)
+
+
+def test_peagle_model_attention_counts_the_parallel_mask_pairs():
+    from heads.peagle import parallel_mask
+
+    teacher = _teacher()
+    drafter = _drafter("peagle", teacher)
+    B, T = 2, 12
+    counts = drafter.depth_counts(T - 3)  # a full row's anchors: positions 0 .. T-4
+    attn = torch.ones(B, T, dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    draws = 400
+    allowed = sum(int(parallel_mask(attn, torch.stack([torch.randperm(T - 3, generator=g)[: counts[0]]
+                                                       for _ in range(B)]), counts).sum())
+                  for _ in range(draws)) / draws
+    got = drafter.train_flops(TargetShape.of(teacher), B, T).drafter.attn_model
+    layers = 1 + len(drafter.upper)
+    assert got == pytest.approx(allowed * _per_pair(drafter.layer.num_heads, drafter.layer.head_dim) * layers,
+                                rel=0.02)
+
+
+def test_target_model_attention_is_causal_and_forward_only():
+    teacher = _teacher()
+    lm = TargetShape.of(teacher).lm
+    B, T = 2, 16
+    allowed = int(torch.ones(T, T).tril().sum()) * B
+    got = lm.forward(B, T).attn_model
+    assert got == allowed * lm.num_heads * 4 * lm.head_dim * len(lm.layers)
+    assert got == pytest.approx(lm.forward(B, T).attn_dense * causal_pairs(T) / T ** 2)
+
+
+def test_model_attention_of_a_sliding_window_counts_the_window():
+    assert causal_pairs(6, window=2) == int((torch.ones(6, 6).tril() - torch.ones(6, 6).tril(-2)).sum())
+    assert causal_pairs(6, window=10) == causal_pairs(6)
+
+
+# --- the loop's figures ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA H800", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA A10G", 125.0),
+    ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0), ("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA B200", 2250.0),
+    ("AMD Instinct MI300X", 1307.4), ("Some Future Accelerator", None),
+])
+def test_peak_is_matched_on_the_device_name(name, peak, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_peak_tflops(torch.device("cuda", 0)) == peak
+    assert device_peak_tflops(torch.device("cuda", 0), override=500.0) == 500.0
+
+
+def test_no_peak_on_a_cpu_unless_given():
+    assert device_peak_tflops(torch.device("cpu")) is None
+    assert device_peak_tflops(torch.device("cpu"), override=2.0) == 2.0
+
+
+def test_meter_counts_each_shape_once_and_reports_all_ranks(monkeypatch):
+    teacher = _teacher()
+    drafter = _drafter("medusa", teacher)
+    calls = []
+    count = drafter.train_flops
+    monkeypatch.setattr(drafter, "train_flops", lambda *a: calls.append(a[1:]) or count(*a))
+    meter = FlopMeter(drafter, teacher, world_size=2, peak_tflops=1e-6)
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+    for _ in range(3):
+        meter.add(batch)
+    meter.add({"input_ids": torch.zeros(1, 16, dtype=torch.long)})
+    assert calls == [(2, 16), (1, 16)]
+    step = count(TargetShape.of(teacher), 2, 16)
+    flops = 3 * step.total.model + count(TargetShape.of(teacher), 1, 16).total.model
+    got = meter.metrics(window_s=2.0, run_s=4.0)
+    assert got["perf/tflops"] == pytest.approx(flops * 2 / 2.0 / 1e12)
+    assert got["perf/tflops_mean"] == pytest.approx(flops * 2 / 4.0 / 1e12)
+    assert got["perf/mfu"] == pytest.approx(got["perf/tflops"] / (2 * 1e-6))
+    assert 0 < got["perf/teacher_flops_share"] < 1
+    assert meter.metrics(window_s=1.0, run_s=5.0)["perf/tflops"] == 0  # the window restarts at each report
+
+
+def test_training_logs_tflops_and_mfu_only_with_a_peak(tiny_teacher, tmp_path):
+    from tests.test_checkpoint import make_cfg, run
+
+    for name, peak in (("cpu", None), ("given", 1e-4)):
+        cfg = make_cfg(steps=2, peak_tflops=peak)
+        run(tiny_teacher, tmp_path / name, cfg)
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        logged = [r for r in rows if "perf/tokens_per_s" in r]
+        assert logged and all(r["perf/tflops"] > 0 and 0 < r["perf/teacher_flops_share"] < 1 for r in logged)
+        assert all(("perf/mfu" in r) == (peak is not None) for r in logged)
+        if peak is not None:
+            assert logged[-1]["perf/mfu_mean"] == pytest.approx(logged[-1]["perf/tflops_mean"] / peak)
+
+
+def test_the_training_guide_lists_every_peak():
+    from pathlib import Path
+
+    from train.flops import PEAK_TFLOPS
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "multi-gpu.md").read_text()
+    peaks = guide.split("**Peaks.**")[1].split("\n\n")[0]
+    for _, peak in PEAK_TFLOPS:
+        assert f" {round(peak)}" in peaks, peak

@@ -81,6 +81,9 @@ class TrainerConfig:
     # chunked path | liger = require it (a clear error where it cannot apply). Verified only under the Triton
     # interpreter on CPU so far; install with pip install -e '.[gpu]'.
     fused_kernel: str = "none"
+    # Dense bf16 TFLOP/s of one device, for perf/mfu (train.flops); null: looked up from the GPU's name (a table of
+    # common GPUs), none on a CPU. Set it for an unlisted accelerator or another precision's peak.
+    peak_tflops: Optional[float] = None
 
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
