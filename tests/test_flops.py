@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 import heads.eagle
-from distill.flops import TargetShape, attention, causal_pairs
+from distill.flops import LMShape, TargetShape, causal_pairs
 from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import build_drafter
@@ -24,10 +24,12 @@ from train.flops import FlopMeter, device_peak_tflops
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=4)
 
 aten = torch.ops.aten
-# torch.utils.flop_counter's formulas, plus two it lacks: the in-place addmm_ (a chunked loss accumulates a trainable
-# head's weight gradient with it) and a CPU's scaled_dot_product_attention, the flash-for-CPU op (the formulas of the
-# GPU kernels: the whole [queries x keys] product per call).
+# torch.utils.flop_counter's formulas, plus three it lacks: the in-place addmm_ (a chunked loss accumulates a trainable
+# head's weight gradient with it), the grouped matmul of mixture-of-experts banks ([rows, K] by [E, K, N], each row
+# through one expert) and a CPU's scaled_dot_product_attention, the flash-for-CPU op (the formulas of the GPU
+# kernels: the whole [queries x keys] product per call).
 FORMULAS = {**flop_registry, aten.addmm_: flop_registry[aten.addmm],
+            aten._grouped_mm: shape_wrapper(lambda a, b, *args, out_shape=None, **kwargs: 2 * a[0] * a[1] * b[-1]),
             aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(
                 lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)),
             aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(
@@ -246,3 +248,40 @@ def test_the_training_guide_lists_every_peak():
     peaks = guide.split("**Peaks.**")[1].split("\n\n")[0]
     for _, peak in PEAK_TFLOPS:
         assert f" {round(peak)}" in peaks, peak
+
+
+def _family(name: str):
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    if name == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**sizes, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+    if name == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**sizes, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+                                                  num_experts=8, num_experts_per_tok=2))
+    if name == "gpt_neox":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(**sizes))
+    return Gemma2ForCausalLM(Gemma2Config(**sizes, num_key_value_heads=2, head_dim=8, sliding_window=8))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_neox", "gemma2"])
+def test_target_forward_of_other_families_matches_the_flop_counter(family):
+    """Expert banks (top_k of E per token), fused projections and plain MLPs, alternating sliding windows."""
+    model = _family(family).eval()
+    B, T = 2, 32
+    ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), FlopCounter() as counter:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    lm = LMShape.of(model)
+    assert (lm.forward(B, T) + lm.lm_head(B * T)).dense == pytest.approx(counter.flops, rel=0.05)
+    if family == "gemma2":  # its sliding layers see fewer keys in the model convention
+        assert lm.windows[0] == 8 and lm.forward(B, T).attn_model < lm.forward(B, T).attn_dense * causal_pairs(T) / T**2
+
+
+def test_an_offline_cache_costs_no_target_forward():
+    lm = TargetShape.of(_teacher()).lm
+    offline = TargetShape(lm, online=False, can_project=False)
+    assert offline.form(dense=True) == offline.form(dense=False) == "sparse"
+    assert offline.signals(2, 16, "sparse").dense == 0
