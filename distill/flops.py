@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import Callable
 
 from torch import nn
 
@@ -186,24 +187,26 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
 class TargetShape:
     """The frozen target as FLOP counts see it: its ``LMShape`` and how it answers ``signals``: ``online`` (a forward
     per batch; False for an offline cache, ``distill.cache``, which answers from disk) and whether it can give the
-    projected form (``Teacher(dense=False)``: logits of the last position only, each loss chunk projecting its rows)."""
+    projected form (``Teacher(dense=False)``: logits of the last position only, each loss chunk projecting its rows),
+    asked only for a drafter that wants that form: the teacher answers it with a one-off probe forward, which it runs
+    on that drafter's first batch anyway."""
 
     lm: LMShape
     online: bool
-    can_project: bool
+    can_project: Callable[[], bool]
 
     @classmethod
     def of(cls, teacher) -> "TargetShape":
         from distill.teacher import Teacher  # the same layer; imported here to keep this module free of models
 
         online = isinstance(teacher, Teacher)
-        return cls(LMShape.of(teacher.model), online, online and teacher._can_project)
+        return cls(LMShape.of(teacher.model), online, (lambda: teacher._can_project) if online else (lambda: False))
 
     def form(self, dense: bool) -> str:
         """The signal form a drafter asking ``dense`` gets: dense | projected | sparse (offline top-K)."""
         if not self.online:
             return "sparse"
-        return "projected" if not dense and self.can_project else "dense"
+        return "projected" if not dense and self.can_project() else "dense"
 
     def signals(self, B: int, T: int, form: str, projected_rows: float = 0.0) -> Flops:
         """The teacher's FLOPs for one batch: the forward with its logits (every position when dense, the last one when

@@ -217,12 +217,14 @@ def test_meter_counts_each_shape_once_and_reports_all_ranks(monkeypatch):
     assert calls == [(2, 16), (1, 16)]
     step = count(TargetShape.of(teacher), 2, 16)
     flops = 3 * step.total.model + count(TargetShape.of(teacher), 1, 16).total.model
-    got = meter.metrics(window_s=2.0, run_s=4.0)
+    two_ranks = lambda t: t * 2  # another rank counted the same
+    got = meter.metrics(window_s=2.0, run_s=4.0, all_reduce_sum=two_ranks, device=torch.device("cpu"))
     assert got["perf/tflops"] == pytest.approx(flops * 2 / 2.0 / 1e12)
     assert got["perf/tflops_mean"] == pytest.approx(flops * 2 / 4.0 / 1e12)
     assert got["perf/mfu"] == pytest.approx(got["perf/tflops"] / (2 * 1e-6))
     assert 0 < got["perf/teacher_flops_share"] < 1
-    assert meter.metrics(window_s=1.0, run_s=5.0)["perf/tflops"] == 0  # the window restarts at each report
+    later = meter.metrics(window_s=1.0, run_s=5.0, all_reduce_sum=two_ranks, device=torch.device("cpu"))
+    assert later["perf/tflops"] == 0  # the window restarts at each report
 
 
 def test_training_logs_tflops_and_mfu_only_with_a_peak(tiny_teacher, tmp_path):
@@ -257,7 +259,8 @@ def _family(name: str):
     torch.manual_seed(0)
     sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
     if name == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(**sizes, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+        return MixtralForCausalLM(MixtralConfig(**sizes, num_key_value_heads=2, num_local_experts=4,
+                                                num_experts_per_tok=2))
     if name == "qwen3_moe":
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(**sizes, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
                                                   num_experts=8, num_experts_per_tok=2))
@@ -282,6 +285,14 @@ def test_target_forward_of_other_families_matches_the_flop_counter(family):
 
 def test_an_offline_cache_costs_no_target_forward():
     lm = TargetShape.of(_teacher()).lm
-    offline = TargetShape(lm, online=False, can_project=False)
+    offline = TargetShape(lm, online=False, can_project=lambda: False)
     assert offline.form(dense=True) == offline.form(dense=False) == "sparse"
     assert offline.signals(2, 16, "sparse").dense == 0
+
+
+def test_the_report_carries_the_training_run_means():
+    from eval.run import _training_perf
+
+    final = {"train/loss": 1.0, "perf/tflops_mean": 3.0, "perf/mfu_mean": 0.25, "perf/teacher_flops_share": 0.4}
+    assert _training_perf(final) == {"training_perf": {"tflops": 3.0, "mfu": 0.25, "teacher_flops_share": 0.4}}
+    assert _training_perf({"train/loss": 1.0}) == {}

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Callable
 
 import torch
+from torch import Tensor
 
 from distill.flops import StepFlops, TargetShape
 
@@ -57,7 +59,7 @@ def device_peak_tflops(device: torch.device, override: float | None = None) -> f
 class FlopMeter:
     """The FLOPs this rank has run since the last logging step and since the start, one Python float per micro-batch:
     the count is made once per batch shape and drafter stage (shapes are static in a run) and never touches a
-    tensor's values, so it adds no device sync."""
+    tensor's values, so it adds no device sync; ranks' counts are summed on logging steps only."""
 
     def __init__(self, drafter, teacher, world_size: int, peak_tflops: float | None):
         self.drafter, self.teacher, self.world_size, self.peak = drafter, teacher, world_size, peak_tflops
@@ -68,11 +70,18 @@ class FlopMeter:
 
     def add(self, batch) -> None:
         """Count one micro-batch (its [B, T] shape only)."""
+        if not self._counted:
+            return
         B, T = batch["input_ids"].shape
         key = (B, T, *self.drafter.flops_stage)
         if key not in self._counts:
             if self._target is None:
-                self._target = TargetShape.of(self.teacher)
+                try:
+                    self._target = TargetShape.of(self.teacher)
+                except ValueError as e:  # a target whose layers cannot be found: train on, without the figures
+                    log.warning("perf/tflops and perf/mfu are not logged: %s", e)
+                    self._counted = False
+                    return
             self._counts[key] = self.drafter.train_flops(self._target, B, T)
         step = self._counts[key]
         if step is None:
@@ -83,19 +92,20 @@ class FlopMeter:
         self.run += model
         self.run_teacher += step.teacher.model
 
-    def metrics(self, window_s: float, run_s: float) -> dict:
-        """``perf/tflops`` (model TFLOP/s of all ranks over the window; every rank runs the same shapes), ``perf/mfu``
-        (its fraction of world size x peak, where a peak is known), their run means (``*_mean``) and the teacher's share
-        of the FLOPs; resets the window."""
+    def metrics(self, window_s: float, run_s: float, all_reduce_sum: Callable[[Tensor], Tensor],
+                device: torch.device) -> dict:
+        """``perf/tflops`` (model TFLOP/s of all ranks over the window), ``perf/mfu`` (its fraction of world size x
+        peak, where a peak is known), their run means (``*_mean``) and the teacher's share of the run's FLOPs; resets
+        the window. ``all_reduce_sum``: the engine's, a collective every rank calls (a logging step's)."""
         if not self._counted:
             return {}
-        out = {"perf/tflops": self._tflops(self.window, window_s), "perf/tflops_mean": self._tflops(self.run, run_s),
-               "perf/teacher_flops_share": self.run_teacher / max(self.run, 1.0)}
+        sums = all_reduce_sum(torch.tensor([self.window, self.run, self.run_teacher], dtype=torch.float64,
+                                           device=device)).tolist()
+        window, run, teacher = sums
+        out = {"perf/tflops": window / max(window_s, 1e-9) / 1e12, "perf/tflops_mean": run / max(run_s, 1e-9) / 1e12,
+               "perf/teacher_flops_share": teacher / max(run, 1.0)}
         if self.peak:
             out["perf/mfu"] = out["perf/tflops"] / (self.world_size * self.peak)
             out["perf/mfu_mean"] = out["perf/tflops_mean"] / (self.world_size * self.peak)
         self.window = 0.0
         return out
-
-    def _tflops(self, flops: float, seconds: float) -> float:
-        return flops * self.world_size / max(seconds, 1e-9) / 1e12

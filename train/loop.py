@@ -235,6 +235,8 @@ def throughput(engine, clock: PhaseClock, tokens: Tensor, seconds: float, flops:
         peak = torch.cuda.max_memory_allocated(engine.device) / 2**30
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-    return {"perf/tokens_per_s": total / max(seconds, 1e-9), "perf/teacher_s": clock.seconds["teacher"],
-            "perf/drafter_s": clock.seconds["drafter"], "perf/peak_mem_gb": peak,
-            **(flops.metrics(seconds, run_seconds) if flops is not None else {})}
+    out = {"perf/tokens_per_s": total / max(seconds, 1e-9), "perf/teacher_s": clock.seconds["teacher"],
+           "perf/drafter_s": clock.seconds["drafter"], "perf/peak_mem_gb": peak}
+    if flops is not None:
+        out.update(flops.metrics(seconds, run_seconds, engine.all_reduce_sum, engine.device))
+    return out
