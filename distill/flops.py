@@ -28,7 +28,8 @@ from torch import nn
 ATTN_BACKWARD_DENSE = 2.5  # torch.utils.flop_counter's SDPA backward: the scores again + 4 products (forward: 2)
 ATTN_BACKWARD_MODEL = 2.0  # the gradients' 4 products, no recompute
 # Projections that read a decoder layer's own input: in layer 0 of a target whose embedding is frozen that input needs
-# no gradient, so these projections skip their input-gradient product (Medusa-2's LoRA-adapted target).
+# no gradient, so these projections skip their input-gradient product (Medusa-2's LoRA-adapted target). Matched by the
+# attention projections' names; a parallel-residual MLP reading the same input (GPT-NeoX) is counted with its product.
 INPUT_PROJECTIONS = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|query_key_value|W_pack|c_attn)(\.|$)")
 
 

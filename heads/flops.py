@@ -2,10 +2,10 @@
 conventions and the pieces). Each kind's ``train_flops`` hook calls its function here, so the counts sit together
 and the drafter files keep a two-line hook.
 
-Data-dependent sizes are taken for full rows: every token real and loss-bearing. Then the rows each term trains and
-the anchors a DFlash / P-EAGLE batch draws are known from T alone; sampled anchor positions count at their expected
-value (uniform over the candidates), which is what a long run averages to. Padding and masked-out tokens make the
-true figure lower (a bound for packed or fully-supervised data, close to it otherwise).
+Layers run over every position, padded or not; only the rows a loss term trains and the anchors a DFlash / P-EAGLE
+batch draws depend on the data. Those are taken for full rows (every token real and loss-bearing), sampled anchor
+positions at their expected value (uniform over the candidates: what a run averages to). Rows with padding or
+unsupervised tokens train fewer rows than counted: there the figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from __future__ import annotations
 from distill.flops import Flops, StepFlops, TargetShape, attention, causal_pairs, matmul, projected_rows, total
 
 
-def _mlp(rows: float, D: int, inter: int, first_grad_input: bool = True) -> Flops:
-    """A gated MLP (gate, up: D -> I; down: I -> D), trainable."""
-    return (matmul(rows, D, inter, first_grad_input, True) * 2) + matmul(rows, inter, D, True, True)
+def _mlp(rows: float, D: int, inter: int) -> Flops:
+    """A trainable gated MLP (gate, up: D -> I; down: I -> D) whose input needs a gradient."""
+    return matmul(rows, D, inter, True, True) * 2 + matmul(rows, inter, D, True, True)
 
 
 def _teacher_term_rows(target: TargetShape, B: int, T: int, dense: bool, term_rows: list[float], covered: float,
                        sliced: bool) -> Flops:
+    """The teacher's FLOPs for a drafter asking ``dense`` whose terms read ``term_rows`` rows (``projected_rows``)."""
     form = target.form(dense)
     return target.signals(B, T, form, projected_rows(B, T, term_rows, covered, sliced) if form == "projected" else 0)
 
