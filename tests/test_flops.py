@@ -296,3 +296,16 @@ def test_the_report_carries_the_training_run_means():
     final = {"train/loss": 1.0, "perf/tflops_mean": 3.0, "perf/mfu_mean": 0.25, "perf/teacher_flops_share": 0.4}
     assert _training_perf(final) == {"training_perf": {"tflops": 3.0, "mfu": 0.25, "teacher_flops_share": 0.4}}
     assert _training_perf({"train/loss": 1.0}) == {}
+
+
+def test_a_schedule_stage_is_counted_apart():
+    teacher = _teacher()
+    torch.manual_seed(0)
+    drafter = build_drafter({**KINDS["eagle3"], "ttt_warmup_steps": 2}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    target = TargetShape.of(teacher)
+    drafter.begin_step(0)
+    warm = (drafter.flops_stage, drafter.train_flops(target, 2, 16).total.model)
+    drafter.begin_step(2)
+    full = (drafter.flops_stage, drafter.train_flops(target, 2, 16).total.model)
+    assert warm[0] != full[0] and warm[1] < full[1]
