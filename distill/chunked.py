@@ -42,6 +42,8 @@ CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per
 # figure has not been measured yet (the lease ran out); it follows the CPU trend (larger chunks train faster).
 CUDA_CHUNK_ELEMENTS = 1 << 28
 _budget = contextvars.ContextVar("chunk_elements", default=CHUNK_ELEMENTS)
+# ``torch.compile`` keyword arguments for the loss core of every chunk (``compiled_loss``); None: eager.
+_compile = contextvars.ContextVar("compile_loss", default=None)
 
 
 def default_chunk_elements(device: torch.device | str) -> int:
@@ -62,6 +64,19 @@ def chunk_budget(elements: int) -> Iterator[None]:
         yield
     finally:
         _budget.reset(token)
+
+
+@contextlib.contextmanager
+def compiled_loss(compile_kw: dict | None) -> Iterator[None]:
+    """Inside this block, a chunk's hand-differentiated divergence (``distill.losses.fused_divergence``: the
+    softmaxes, the divergence and its logit gradient, several passes over [rows, V] float32 buffers eagerly) runs
+    as one compiled function (``trainer.compile``), its row count dynamic; ``compile_kw``: ``torch.compile``'s
+    keyword arguments, None: eager."""
+    token = _compile.set(compile_kw)
+    try:
+        yield
+    finally:
+        _compile.reset(token)
 
 
 class Finished(nn.Module):
@@ -254,7 +269,7 @@ class _Job:
         # ``lin``: the plain nn.Linear ``head`` is or wraps (``Frozen``), else None (``teacher_output.plain_linear``)
         self.head, self.lin, self.teacher, self.loss_fn = head, lin, teacher, loss_fn
         self.core = row_divergence(loss_fn)
-        self.fused = fused_divergence(loss_fn)
+        self.fused = fused_divergence(loss_fn, compile_kw=_compile.get())
         self.chunk_elements = chunk_elements
         self.pred_N: Tensor | None = None
 

@@ -208,17 +208,26 @@ def _menu_entry(loss_fn) -> tuple[Callable, float, dict] | None:
     return None if kwargs else (func, temperature, values)
 
 
-def fused_divergence(loss_fn) -> tuple[Callable[..., tuple[Tensor, Tensor]], float] | None:
+@functools.lru_cache(maxsize=None)
+def _compiled(func: Callable, compile_kw: tuple) -> Callable:
+    """``func`` compiled once per process (and per ``torch.compile`` settings), its row count dynamic: every chunk
+    of every term shares the graph."""
+    return torch.compile(func, dynamic=True, **dict(compile_kw))
+
+
+def fused_divergence(loss_fn, compile_kw: dict | None = None
+                     ) -> tuple[Callable[..., tuple[Tensor, Tensor]], float] | None:
     """(fused(logits_CV, log_p_CV, p_CV=None, q_out=None) -> (summed divergence, its gradient w.r.t. the logits),
     temperature) for a menu loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL);
     None for the others, which autograd differentiates. ``p_CV``: the teacher's probabilities, when its log-probs
     came with them (else computed where needed); ``q_out``: a [C, V] float32 buffer the gradient is written into.
-    ``fused`` overwrites its arguments."""
+    ``fused`` overwrites its arguments. ``compile_kw``: run it ``torch.compile``d with these arguments
+    (``trainer.compile``)."""
     entry = _menu_entry(loss_fn)
     if entry is None or entry[0] not in _FUSED:
         return None
     func, temperature, values = entry
-    fused = _FUSED[func]
+    fused = _FUSED[func] if compile_kw is None else _compiled(_FUSED[func], tuple(sorted(compile_kw.items())))
     return (lambda logits_CV, log_p_CV, p_CV=None, q_out=None:
             fused(logits_CV, log_p_CV, temperature, p_CV=p_CV, q_out=q_out, **values)), temperature
 

@@ -167,6 +167,12 @@ class TrainingHooks:
         target's LoRA slower than its heads)."""
         return [{"params": [p for p in self.parameters() if p.requires_grad], "lr_scale": 1.0}]
 
+    def compile_regions(self) -> list[tuple[object, str]]:
+        """(object, method name) pairs ``trainer.compile`` compiles for training (``train.compile``): the dense,
+        static pieces of the forward, one region per repeated block. Default: the ``forward`` of every block of the
+        drafter's ``nn.ModuleList``s (DFlash's layers, a draft model's decoder layers)."""
+        return [(block, "forward") for m in self.modules() if isinstance(m, nn.ModuleList) for block in m]
+
     def begin_step(self, step: int) -> None:
         """Called by the training loop before optimizer step ``step`` (0-based; also after a resume): drafters with a
         schedule (Medusa-2: heads first, then joint) switch on it."""

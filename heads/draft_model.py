@@ -251,6 +251,18 @@ class DraftModel(Drafter):
             return out.hidden_states[-1], out_layer
         return out.logits, nn.Identity()
 
+    def compile_regions(self) -> list[tuple[object, str]]:
+        """Each decoder layer's attention and MLP modules, not the layer itself: transformers captures hidden states
+        with forward hooks on the layers and reads its collector from a ``ContextVar`` there, which dynamo cannot
+        trace (a graph break per layer); the hooks run around these regions instead."""
+        regions = []
+        for module in self.model.modules():
+            attention = getattr(module, "self_attn", None) or getattr(module, "attention", None)
+            mlp = getattr(module, "mlp", None)
+            if isinstance(attention, nn.Module) and isinstance(mlp, nn.Module):
+                regions += [(attention, "forward"), (mlp, "forward")]
+        return regions
+
     def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
         """[B, T - 1]: position t predicts token t + 1 and is trained where that token is real and loss-bearing (one
         term: the draft model drafts deeper by feeding itself)."""

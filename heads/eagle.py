@@ -91,7 +91,9 @@ def _rope_tables(positions: Tensor, hd: int, theta: float, dtype: torch.dtype, d
                  ) -> tuple[Tensor, Tensor]:
     """(cos, sin) of the rotary embedding at ``positions`` [n] ([n, hd]), or [B, n] ([B, 1, n, hd]: each row its own
     positions, the batched decoder's ragged rows). Made once per layer call, shared by queries and keys."""
-    angles = positions.to(torch.float32)[..., None] * _inv_freq(hd, theta, device)  # [(B,) n, hd]
+    # compiled (trainer.compile), the frequencies are traced like any op: dynamo does not trace a cache
+    inv_freq = (_inv_freq.__wrapped__ if torch.compiler.is_compiling() else _inv_freq)(hd, theta, device)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [(B,) n, hd]
     cos, sin = angles.cos(), angles.sin()
     if dtype != torch.float32:
         cos, sin = cos.to(dtype), sin.to(dtype)
@@ -397,6 +399,12 @@ class EagleDrafter(Drafter):
         q, k, v = self.layer.qkv(x, pos_T)
         keys = [(prev[i], prev[i + 1]) for i in range(0, len(prev), 2)] + [(k, v)]
         return self.layer.finish(self._ttt_attention(q, keys, mask), residual), k, v
+
+    def compile_regions(self) -> list[tuple[object, str]]:
+        """The fused input, the layer's projections and its MLP half: the same shapes at every TTT step, so one
+        graph each serves all steps. The attention between them takes one more step's keys at each step (its kernel
+        is compiled on its own where it is flex attention)."""
+        return [(self, "_layer_input"), (self.layer, "qkv"), (self.layer, "finish")]
 
     def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
         """[B, T]: step k at position t (fed token t + 1 + k, predicting t + 2 + k) is trained when that token is

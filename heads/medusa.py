@@ -134,6 +134,10 @@ class MedusaHeads(Drafter):
                 terms.append(DraftTerm(hidden_ND, head, teacher, weight=weight, loss_sum=loss_sum, pred_N=pred_N))
         return DraftOutput(terms=terms, num_valid=self.count_valid(batch)).evaluate(loss_fn)
 
+    def compile_regions(self) -> list[tuple[object, str]]:
+        """Each head's ResBlocks (its projection runs in the chunked loss, compiled there)."""
+        return [(head, "features") for head in self.heads]
+
     def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
         """[B, T - k - 2]: head k + 1 is trained at t when the token it predicts, t + k + 2, is real and loss-bearing."""
         return (batch["loss_mask"].bool() & batch["attention_mask"].bool())[:, k + 2:]

@@ -131,6 +131,11 @@ class PEagleDrafter(EagleDrafter):
         score = uniform_bits(batch_row_seeds(batch), cand.shape[1]).masked_fill(~cand, -1)
         return score.topk(counts[0], dim=1).indices, taken, counts
 
+    def compile_regions(self) -> list[tuple[object, str]]:
+        """EAGLE-3's (the fused input, the first layer's projections and its MLP half) and each stacked layer
+        whole."""
+        return [*super().compile_regions(), *((upper, "forward") for upper in self.upper)]
+
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
         ids, attn = batch["input_ids"], batch["attention_mask"].bool()
         B, T = ids.shape

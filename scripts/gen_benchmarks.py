@@ -229,6 +229,31 @@ def render_train(d: dict) -> str:
     return _table(["run", "tokens/s", "teacher s / step", "drafter s / step"], rows) + "\n\n" + "; ".join(extra) + "."
 
 
+def render_train_kinds(d: dict) -> str:
+    """Per drafter kind and mode (eager, compiled): the training loop's own perf figures."""
+    rows = []
+    for kind, runs in d["runs"].items():
+        for mode in ("eager", "compiled"):
+            r = runs.get(mode)
+            if r is None:
+                continue
+            if "error" in r:
+                rows.append([kind, mode, "–", "–", "–", "–", "–", "–", "–", f"failed: {r['error'][:80]}"])
+                continue
+            mfu = "–" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+            ratio = _x(runs.get("compiled_vs_eager")) if mode == "compiled" else ""
+            rows.append([kind, mode, _f(r.get("micro_batch")), _f(r.get("tokens_per_s"), 0), _f(r.get("tflops"), 3),
+                         mfu, _f(r.get("peak_mem_gb")), _f(r.get("teacher_share")),
+                         _f(r.get("data_wait_s"), 5), ratio])
+    return _table(["kind", "mode", "micro-batch", "tokens/s", "TFLOP/s", "MFU", "peak GB", "teacher share",
+                   "data wait s/step", "compiled / eager"], rows)
+
+
+def render_train_side_by_side(d: dict) -> str:
+    rows = [[kind, _f(r["base_median"], 0), _f(r["this_median"], 0), _x(r["ratio"])] for kind, r in d["kinds"].items()]
+    return _table(["kind", "before: tokens/s", "now: tokens/s", "now / before"], rows)
+
+
 def render_memory(d: dict) -> str:
     gpu = bool(d["machine"].get("cuda"))
     peak = "peak CUDA GB" if gpu else "peak RSS GB"
@@ -380,6 +405,24 @@ SOURCES: dict[str, Source] = {
     "bench_distill_toy_cpu.json": Source(
         "Distilled draft models and Medusa heads (CPU toy)",
         "python scripts/bench_distill.py", render_distill),
+    "bench_train_kinds_8b_cuda.json": Source(
+        "Training speed per drafter kind on a GPU: a random-weight target at Llama-3.1-8B's shape, bf16, seq 2048",
+        "OUT=<dir> bash scripts/bench_train_gpu.sh (scripts/bench_train_kinds.py --preset 8b)", render_train_kinds,
+        "Random packed rows through the real training loop; medians of the logged windows after the first. MFU: "
+        "model FLOPs (attention counted over the positions the mask allows) per second over the device's dense bf16 "
+        "peak (docs/training-speed.md)."),
+    "bench_train_kinds_toy_cpu.json": Source(
+        "Training speed per drafter kind on the CPU: a random-weight target at the toy's shape",
+        "python scripts/bench_train_kinds.py --preset toy --threads 1", render_train_kinds,
+        "Random packed rows of 256 tokens through the real training loop, one thread; compiled = trainer.compile=on "
+        "(inductor's C++ on a CPU: a check that every kind compiles, not a GPU figure). No MFU on a CPU."),
+    "bench_train_side_by_side_toy_cpu.json": Source(
+        "Training speed per drafter kind beside the code before the compiled step and the background input pipeline "
+        "(CPU, eager)",
+        "python scripts/bench_train_kinds.py --preset toy --threads 1 --base <older checkout> --rounds 3",
+        render_train_side_by_side,
+        "Alternating subprocesses (before, now, before, now, ...), medians of their tokens/s: a regression check that "
+        "needs no GPU."),
     "bench_train_toy_cpu.json": Source(
         "Training throughput: one process vs DDP (CPU toy, EAGLE-1)",
         "python scripts/bench_train.py", render_train),

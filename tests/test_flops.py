@@ -241,12 +241,12 @@ def test_training_logs_tflops_and_mfu_only_with_a_peak(tiny_teacher, tmp_path):
             assert logged[-1]["perf/mfu_mean"] == pytest.approx(logged[-1]["perf/tflops_mean"] / peak)
 
 
-def test_the_training_guide_lists_every_peak():
+def test_the_speed_guide_lists_every_peak():
     from pathlib import Path
 
     from train.flops import PEAK_TFLOPS
 
-    guide = (Path(__file__).resolve().parents[1] / "docs" / "multi-gpu.md").read_text()
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "training-speed.md").read_text()
     peaks = guide.split("**Peaks.**")[1].split("\n\n")[0]
     for _, peak in PEAK_TFLOPS:
         assert f" {round(peak)}" in peaks, peak

@@ -81,6 +81,11 @@ class TrainerConfig:
     # chunked path | liger = require it (a clear error where it cannot apply). Verified only under the Triton
     # interpreter on CPU so far; install with pip install -e '.[gpu]'.
     fused_kernel: str = "none"
+    # torch.compile for the training step (train.compile): auto = on for CUDA | on | off. Regional: each drafter
+    # layer (EAGLE's TTT step, DFlash's layers, ...) and each loss chunk's divergence arithmetic, the rest eager.
+    # Refused under DeepSpeed ZeRO-3 (trainer=zero3), whose partitioned parameters a compiled region cannot gather.
+    compile: str = "auto"
+    compile_backend: Optional[str] = None  # torch.compile backend; null = inductor (aot_eager: tracing only, checks)
     # Dense bf16 TFLOP/s of one device, for perf/mfu (train.flops); null: looked up from the GPU's name (a table of
     # common GPUs), none on a CPU. Set it for an unlisted accelerator or another precision's peak.
     peak_tflops: Optional[float] = None
@@ -250,7 +255,7 @@ class SingleEngine:
         after the group is destroyed joins gloo threads whose peers are gone, and hangs."""
         self.model = None
         gc.collect()
-        if self.world_size > 1 and dist.is_initialized():
+        if dist.is_initialized() and (self.world_size > 1 or self.name == "fsdp"):
             dist.barrier()
             dist.destroy_process_group()
 
@@ -278,6 +283,14 @@ class FSDPEngine(SingleEngine):
     group; parameters become DTensors sharded over the ranks, so the optimizer state is sharded too."""
 
     name = "fsdp"
+
+    def __init__(self, trainer_cfg: TrainerConfig):
+        super().__init__(trainer_cfg)
+        # One rank under torchrun (the launcher set a rendezvous): FSDP2 still needs its process group and mesh.
+        if self.world_size == 1 and "MASTER_ADDR" in os.environ and not dist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
     def _wrap(self, drafter: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard

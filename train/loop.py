@@ -35,6 +35,8 @@ from distill.row_seeds import ROW_SEED, row_seeds
 from distill.fused_kernels import fused_kernel
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
+from train.compile import FirstStepTimer, compiled_regions, resolve_compile
+from train.feed import StepFeed
 from train.selection import Selection
 from train.preemption import Preempted, StopFlag, stop_on_signals, stopped_line
 from train.config import Config
@@ -82,18 +84,23 @@ def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, lo
     (``distill.onpolicy``: the draft writes the continuations); None keeps the data as it is. ``selection``: the
     held-out evaluation every ``trainer.eval_every`` steps and the best weights so far (``train.selection``); None
     evaluates nothing. SIGTERM, SIGINT and SIGUSR1 stop the run after the step they arrive in, checkpointed
-    (``train.preemption``)."""
-    with chunk_budget(cfg.trainer.loss_chunk_elements or default_chunk_elements(engine.device)), \
-            fused_kernel(cfg.trainer.fused_kernel), stop_on_signals() as stop:
-        return _train(cfg, teacher, drafter, dataset, collate, loss_fn, engine, run_dir, logger, batch_source, stop,
-                      selection)
-
-
-def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, loss_fn: Callable, engine,
-           run_dir, logger, batch_source: Callable | None, stop: StopFlag, selection: Selection | None) -> dict:
+    (``train.preemption``). ``trainer.compile``: the drafter's regions and the loss core run compiled
+    (``train.compile``) for the whole run, and are restored after it."""
     t = cfg.trainer
     model, optimizer = engine.setup(drafter, lambda groups: torch.optim.AdamW(
         groups, lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay))
+    compiled = resolve_compile(t.compile, engine.device, engine.name, t.zero_stage)
+    with contextlib.ExitStack() as stack, chunk_budget(t.loss_chunk_elements or default_chunk_elements(engine.device)), \
+            fused_kernel(t.fused_kernel), stop_on_signals() as stop, \
+            compiled_regions(drafter.compile_regions() if compiled else (), compiled, t.compile_backend) as report:
+        return _train(cfg, teacher, drafter, model, optimizer, dataset, collate, loss_fn, engine, run_dir, logger,
+                      batch_source, stop, selection, report, stack)
+
+
+def _train(cfg: Config, teacher, drafter, model, optimizer, dataset: Dataset, collate: Callable, loss_fn: Callable,
+           engine, run_dir, logger, batch_source: Callable | None, stop: StopFlag, selection: Selection | None,
+           report, stack: contextlib.ExitStack) -> dict:
+    t = cfg.trainer
     identity = {**teacher.identity(), "weights_digest": teacher.weights_digest()}
     layout = {**data_layout(t, engine.world_size, len(dataset), cfg.seed), "rows_digest": rows_fingerprint(dataset)}
     recipe = checkpoint.training_recipe(cfg.loss, cfg.trainer)
@@ -112,6 +119,13 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
     model.train()
     t_start = t_window = time.perf_counter()
     tokens_window = torch.zeros((), dtype=torch.long, device=engine.device)  # summed on device: no sync per step
+    wait_window, steps_window, first_step = 0.0, 0, FirstStepTimer(report)
+    # This rank's micro-batches: global numbers [first, first + accum). Ranks take disjoint, consecutive slices of
+    # the step's global batch, so any world size sees the same rows per step and none twice. Collated one step
+    # ahead on the feed's thread (``train.feed``).
+    numbers = lambda s: range((s * engine.world_size + engine.rank) * accum,
+                              (s * engine.world_size + engine.rank + 1) * accum)
+    feed = stack.enter_context(StepFeed(dataset, collate, order.indices, numbers, engine.device, t.steps))
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", disable=not engine.is_main)
     for step in bar:
         lr = lr_at(step, t)
@@ -122,18 +136,16 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
         eval_step = selection is not None and t.eval_every > 0 and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps)
         logging_step = step % t.log_every == 0 or step == t.steps - 1 or eval_step
         clock = PhaseClock(engine.device, enabled=logging_step)
-        # This rank's micro-batches: global numbers [first, first + accum). Ranks take disjoint, consecutive slices
-        # of the step's global batch, so any world size sees the same rows per step and none twice.
-        first = (step * engine.world_size + engine.rank) * accum
-        batches = []
-        for micro in range(accum):
-            batch = {k: v.to(engine.device) for k, v in collate([dataset[i] for i in order.indices(first + micro)]).items()}
+        first = numbers(step)[0]
+        batches, waited = feed.get(step)
+        wait_window, steps_window = wait_window + waited, steps_window + 1
+        for micro, batch in enumerate(batches):
             batch = batch_source(batch, first + micro) if batch_source is not None else batch
             # Per-row seeds (distill.row_seeds) from the row's index in the step's global batch: a drafter that
             # samples training positions draws the same for any world size and across a resume.
             index = (first + micro - step * engine.world_size * accum) * t.micro_batch_size
             batch[ROW_SEED] = row_seeds(cfg.seed, step, index, batch["input_ids"].shape[0]).to(engine.device)
-            batches.append(batch)
+            batches[micro] = batch
         # The step's valid-token count over all micro-batches and ranks, known before any forward (torchtitan's
         # global token count): each backward then carries its final per-token weight.
         total_valid = engine.all_reduce_sum(sum(drafter.count_valid(b) for b in batches)).clamp(min=1)
@@ -163,6 +175,7 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
             grad_norm = engine.step(optimizer, t.grad_clip)
         if not bool(torch.isfinite(grad_norm)):
             nonfinite.check_update(step, grad_norm, drafter, lr, run_dir)
+        first_step.done()
 
         if logging_step:
             total_loss = engine.all_reduce_sum(loss_sum)
@@ -175,9 +188,12 @@ def _train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, l
             last["train/sim_tau"] = simulated_tau(accs, sim_depth)
             last.update(throughput(engine, clock, tokens_window, time.perf_counter() - t_window, flops,
                                    last["train/elapsed_s"]))
+            last["perf/data_wait_s"] = wait_window / max(steps_window, 1)
+            if report is not None:
+                last.update(report.summary())
             if eval_step:
                 last.update(selection.evaluate(step + 1, model, drafter, loss_fn, engine))
-            t_window = time.perf_counter()
+            t_window, wait_window, steps_window = time.perf_counter(), 0.0, 0
             tokens_window.zero_()
             logger.log(last, step=step)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}", acc1=f"{accs[0]:.2f}" if accs else "-")
