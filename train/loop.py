@@ -144,7 +144,7 @@ def _train(cfg: Config, teacher, drafter, model, optimizer, dataset: Dataset, co
             # Per-row seeds (distill.row_seeds) from the row's index in the step's global batch: a drafter that
             # samples training positions draws the same for any world size and across a resume.
             index = (first + micro - step * engine.world_size * accum) * t.micro_batch_size
-            batch[ROW_SEED] = row_seeds(cfg.seed, step, index, batch["input_ids"].shape[0]).to(engine.device)
+            batch[ROW_SEED] = feed.upload(row_seeds(cfg.seed, step, index, batch["input_ids"].shape[0]))
             batches[micro] = batch
         # The step's valid-token count over all micro-batches and ranks, known before any forward (torchtitan's
         # global token count): each backward then carries its final per-token weight.
