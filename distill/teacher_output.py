@@ -116,6 +116,11 @@ class TeacherOutput:
     def _chunk_rows(self) -> int:
         return max(1, PROJECT_CHUNK_ELEMENTS // self.vocab_size)
 
+    def recorded_argmax(self) -> Tensor:
+        """[B, T] the teacher's top token at the positions projected so far (-1 elsewhere): ``argmax_BT`` without
+        projecting the rest, for a caller that knows its rows were projected (``distill.chunked.TeacherRows``)."""
+        return self._argmax_record()
+
     def _argmax_record(self) -> Tensor:
         """[B, T] the teacher's top token at the positions projected so far (-1 elsewhere)."""
         if "argmax" not in self._memo:
