@@ -206,7 +206,7 @@ class LabelRows:
 
 def cross_entropy_sum(logits_CV: Tensor, labels_C: Tensor, mask_C: Tensor | None = None) -> tuple[Tensor, None]:
     """float32 next-token cross-entropy summed over a chunk's rows where ``mask_C`` is True (None: all rows;
-    ``LabelRows``' loss_fn). Masked by multiplication: no row selection, no host sync."""
+    ``LabelRows``' loss_fn). Masked rows are zeroed (``torch.where``), not selected: no host sync."""
     if mask_C is None:
         return F.cross_entropy(logits_CV.float(), labels_C, reduction="sum"), None
     ce = F.cross_entropy(logits_CV.float(), labels_C, reduction="none")
