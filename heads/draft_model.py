@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from distill.chunked import TeacherRows, positions
+from distill.chunked import TeacherRows, slice_positions
 from distill.teacher import DTYPES
 from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
@@ -220,10 +220,12 @@ class DraftModel(Drafter):
 
     # --- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
-        mask_BT = self.train_mask(batch, 0)
-        teacher = TeacherRows(teacher_out, *positions(mask_BT))
-        student_ND, head = self._features_and_head(batch)
-        term = DraftTerm(student_ND[:, :-1][mask_BT], head, teacher)
+        # every position t < T - 1 is a row, weighted by whether it is trained: static shapes, no sync
+        weight_N = self.train_mask(batch, 0).reshape(-1).float()
+        student_BTD, head = self._features_and_head(batch)
+        B, n = student_BTD.shape[0], student_BTD.shape[1] - 1
+        teacher = TeacherRows(teacher_out, *slice_positions(B, n, 0, student_BTD.device))
+        term = DraftTerm(student_BTD[:, :-1].reshape(B * n, -1), head, teacher, weight_N=weight_N)
         return DraftOutput(terms=[term], num_valid=self.count_valid(batch)).evaluate(loss_fn)
 
     @property

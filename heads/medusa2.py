@@ -209,9 +209,12 @@ class Medusa2(MedusaHeads):
         draft = super().forward(batch, dataclasses.replace(teacher_out, hidden={-1: hidden_BTD}), loss_fn)
         if self.lm_loss_weight:
             # Position t predicts token t+1, trained where that token is loss-bearing (as the loader masks it).
-            mask_BT = (batch["loss_mask"].bool() & attention_BT.bool())[:, 1:]
+            # Every position is a row, weighted by that mask: static shapes, no sync.
+            weight_N = (batch["loss_mask"].bool() & attention_BT.bool())[:, 1:].reshape(-1).float()
             head = Finished(model.get_output_embeddings(), self._finish)  # the target's lm_head, then its soft-cap
-            ce = chunked_cross_entropy(hidden_BTD[:, :-1][mask_BT], head, ids_BT[:, 1:][mask_BT], self.dims.vocab_size)
+            B, n = ids_BT.shape[0], ids_BT.shape[1] - 1
+            ce = chunked_cross_entropy(hidden_BTD[:, :-1].reshape(B * n, -1), head, ids_BT[:, 1:].reshape(-1),
+                                       self.dims.vocab_size, weight_N=weight_N)
             draft.aux_loss_sum = self.lm_loss_weight * ce
         return draft
 
