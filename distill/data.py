@@ -3,7 +3,8 @@
 Every training row is ``max_length`` tokens with three aligned tensors:
 
 * ``input_ids``      the tokens the target and drafter see,
-* ``attention_mask`` 1 on real tokens, 0 on right-padding (packing=false only),
+* ``attention_mask`` 1 on real tokens, 0 on right-padding (packing=false only; never on the left:
+                     training forwards run causal attention without a mask),
 * ``loss_mask``      True where the drafter should learn to predict token t: every
                      real token of text data, and only assistant tokens of chat data
                      when ``assistant_only_loss`` is on (prompts are given, not generated).
@@ -230,9 +231,17 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 
 class TokenBlockDataset(Dataset):
-    """Fixed-length rows held as three ``[N, T]`` tensors."""
+    """Fixed-length rows held as three ``[N, T]`` tensors. Every row is right-padded or packed (its padding, if
+    any, at its end): training forwards rely on it to run causal attention with no mask (``distill.teacher``,
+    ``heads.train_attention``), so other rows are refused here, once, rather than checked per step on the device."""
 
     def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+        if attention_mask.dim() == 2 and attention_mask.shape[1] > 1:
+            real = attention_mask.bool()
+            late = (real[:, 1:] & ~real[:, :-1]).any(1).nonzero()
+            if late.numel():
+                raise ValueError(f"attention_mask: row {int(late[0])} has a real token after padding; training rows "
+                                 f"must be right-padded (padding only at the end) or packed: pad on the right")
         self.input_ids = input_ids
         self.attention_mask = attention_mask
         self.loss_mask = loss_mask

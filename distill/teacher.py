@@ -271,8 +271,9 @@ class Teacher:
     def signals(self, batch: Mapping[str, Tensor], layers: Sequence[int] = (), dense: bool = True) -> TeacherOutput:
         """What the training loop asks for: the teacher's outputs for a collated batch. Online: one forward here;
         ``distill.cache.OfflineTeacher`` answers the same call from precomputed shards. ``dense=False`` asks for
-        the projected form (see ``__call__``)."""
-        return self(batch["input_ids"], batch["attention_mask"], layers, dense=dense)
+        the projected form (see ``__call__``). Training rows are right-padded or packed (``distill.data``'s
+        ``TokenBlockDataset`` refuses others), so the forward runs causal with no mask (``right_padded``)."""
+        return self(batch["input_ids"], batch["attention_mask"], layers, dense=dense, right_padded=True)
 
     @torch.no_grad()
     def weights_digest(self) -> str:
@@ -291,7 +292,7 @@ class Teacher:
         return h.hexdigest()[:16]
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, layers: Sequence[int] = (),
-                 dense: bool = True) -> TeacherOutput:
+                 dense: bool = True, right_padded: bool = False) -> TeacherOutput:
         """Under ``torch.inference_mode``: no autograd bookkeeping, and the HF hidden states not asked for are freed
         on return. The logits stay an inference tensor (losses only read them, never differentiate through them);
         the requested hidden states are cloned out of it, since drafters feed them into layers that save their
@@ -299,8 +300,15 @@ class Teacher:
 
         ``dense=False``: the projected form, where the target's forward can skip its logits (``logits_to_keep``):
         the final hidden state and ``output_logits`` instead of [B, T, V] logits, which the loss then projects a
-        chunk of rows at a time (a drafter whose loss reads each teacher row once, or a vocabulary slice of it)."""
+        chunk of rows at a time (a drafter whose loss reads each teacher row once, or a vocabulary slice of it).
+
+        ``right_padded``: the caller vouches that every row's padding (``attention_mask`` 0) is at its end. The mask
+        is then not handed to the model: a real token never sees a later position under causal attention, so every
+        real position's outputs are unchanged, while HF builds no [B, 1, T, T] mask and reads no padding flag back to
+        the host (its SDPA path checks ``mask.all()`` to skip the mask). Padded positions then attend to padding as
+        well; nothing reads them. Sliding-window layers still get their window mask from the model itself."""
         project = not dense and self._can_project
+        attention_mask = None if right_padded else attention_mask
         readout = self.output_logits if project else None  # (its one-off probe forward runs outside inference mode)
         with adapters_disabled(self.model), torch.inference_mode():
             out = self.model(
@@ -314,7 +322,7 @@ class Teacher:
             final, logits = (out.hidden_states[self.num_layers] if project else None), out.logits
             del out
             if project and not self._readout_matches(final, logits):
-                return self(input_ids, attention_mask, layers, dense=True)
+                return self(input_ids, attention_mask, layers, dense=True)  # (mask already dropped if right-padded)
         hidden = {i: h.clone() for i, h in picked.items()}
         if project:
             return TeacherOutput(logits_BTV=None, hidden=hidden, final_BTD=final, readout=readout,

@@ -24,7 +24,8 @@ Feature layers use ``distill.teacher``'s hidden-state index (i = output of decod
 (one feature layer per draft layer, from layer 1 to L - 3; the middle layer for a one-layer drafter).
 
 Training (the anchors' recipe): up to ``num_anchors`` random anchor positions per row, every anchor's block drafted
-in the same forward (one attention over [context ; all blocks] under ``block_mask``: a block sees the context strictly
+in the same forward (one attention over [context ; all blocks] under ``block_mask``, run by
+``heads.train_attention`` without a [queries, keys] tensor: a block sees the context strictly
 before its anchor and its own S positions); slot k's loss weight is exp(-(k - 1) / loss_gamma). ``objective: ce``
 (the anchors'): cross-entropy on the target's tokens (its greedy token at a + k - 1, which greedy decoding must
 match); ``objective: distill``: the configured divergence (``loss=``) against the target's distribution.
@@ -49,6 +50,7 @@ from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads.dflash_rows import DFlashRows
 from heads.dflash_static import DFlashStaticDraft
 from heads.eagle import RMSNorm, _rope, _rope_tables, vocab_maps
+from heads.train_attention import StructuredMask, attend, dflash_block_mask
 from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
 from inference.tree import DraftTree
 
@@ -121,11 +123,15 @@ class DFlashAttention(nn.Module):
         tables = _rope_tables(pos, self.hd, self.theta, q.dtype, q.device)  # shared by the block's keys
         return _rope(q, *tables), tables
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | StructuredMask | None) -> Tensor:
+        """Decoding passes a dense mask (or None); training a ``StructuredMask`` (``heads.train_attention``)."""
         B, _, S, _ = q.shape
         if self.g != self.h:
             k, v = k.repeat_interleave(self.h // self.g, 1), v.repeat_interleave(self.h // self.g, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(mask, StructuredMask):
+            out = attend(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
     def forward(self, x_BSD: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None) -> Tensor:
@@ -402,7 +408,7 @@ class DFlashDrafter(Drafter):
         block_ids[..., 0] = ids.gather(1, anchors)
         h = self._embed(block_ids.view(B, N * S), ctx)  # [B, N*S, D]
         pos_q = pos_BNS.view(B, N * S)
-        mask = block_mask(anchors, attn, S, self.sliding_window)  # [B, 1, N*S, T + N*S]
+        mask = dflash_block_mask(anchors, attn, S, self.sliding_window)  # N*S queries over T + N*S keys
         ctx_pos = torch.arange(T, device=dev)
         for layer in self.layers:
             h = layer(h, pos_q, None, None, mask, ctx_BTD=ctx, ctx_pos=ctx_pos)
@@ -516,18 +522,7 @@ class DFlashDrafter(Drafter):
 
 
 def block_mask(anchors_BN: Tensor, attn_BT: Tensor, block_size: int, window: int | None = None) -> Tensor:
-    """[B, 1, N*S, T + N*S] bool: block n's queries see the real context positions before its anchor (with
-    ``window``: only those less than ``window`` positions before the query's own) and every position of their own
-    block (non-causal), nothing of the other blocks."""
-    B, N = anchors_BN.shape
-    T, S = attn_BT.shape[1], block_size
-    ctx = torch.arange(T, device=attn_BT.device)
-    sees_ctx = (ctx[None, None, :] < anchors_BN[..., None]) & attn_BT[:, None, :]  # [B, N, T]
-    sees_ctx = sees_ctx[:, :, None, :].expand(B, N, S, T)
-    if window is not None:
-        pos_q = anchors_BN[..., None] + torch.arange(S, device=attn_BT.device)  # [B, N, S]
-        sees_ctx = sees_ctx & ((pos_q[..., None] - ctx) < window)
-    sees_ctx = sees_ctx.reshape(B, N * S, T)
-    blk = torch.arange(N, device=attn_BT.device).repeat_interleave(S)
-    same = (blk[:, None] == blk[None, :])[None].expand(B, -1, -1)
-    return torch.cat([sees_ctx, same], -1)[:, None]
+    """[B, 1, N*S, T + N*S] bool, ``heads.train_attention.dflash_block_mask`` as a dense tensor: block n's queries
+    see the real context positions before its anchor (with ``window``: only those less than ``window`` positions
+    before the query's own) and every position of their own block (non-causal), nothing of the other blocks."""
+    return dflash_block_mask(anchors_BN, attn_BT, block_size, window).dense(attn_BT.device)

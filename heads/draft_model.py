@@ -248,7 +248,9 @@ class DraftModel(Drafter):
         out_layer = self.model.get_output_embeddings()
         plain = self.projects_in_chunks
         kwargs = {"logits_to_keep": 1, "output_hidden_states": True} if plain else {}
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, **kwargs)
+        # Training rows are right-padded or packed (distill.data): causal attention without a mask is exact at every
+        # real position, and HF then builds no [B, 1, T, T] mask (distill.teacher.Teacher.__call__'s right_padded).
+        out = self.model(input_ids=batch["input_ids"], use_cache=False, **kwargs)
         if plain:
             return out.hidden_states[-1], out_layer
         return out.logits, nn.Identity()

@@ -52,7 +52,8 @@ from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads import flops
 from heads.eagle_decode import EagleRows, draft_trees
 from heads.eagle_static import EagleStaticDraft
-from heads.eagle_attention import EXPLICIT_ATTENTION_ELEMENTS, explicit_ttt_attention
+from heads.eagle_attention import EXPLICIT_ATTENTION_ELEMENTS, EXPLICIT_MAX_SEQ, explicit_ttt_attention
+from heads.train_attention import StructuredMask, attend, chosen, ttt_step_mask
 from inference.dynamic_tree import check_dynamic_tree_args
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
@@ -370,14 +371,14 @@ class EagleDrafter(Drafter):
         pos = torch.arange(T, device=ids_BT.device)
         hid = self._first_hidden(noisy)
         keys: list[tuple[Tensor, Tensor]] = []  # per step: (k, v) [B, h, T, hd]
-        mask = ttt_mask(attn_BT, self._ttt_now)  # [B, 1, T, S*T]; step j uses its first (j+1)*T columns
         terms, aux = [], None
         for j in range(self._ttt_now):
             n = T - 2 - j  # positions t with a predicted token t+2+j inside the row
             if n <= 0:
                 break
             emb = self._embed(torch.roll(ids_BT, -(1 + j), dims=1), hid)  # token t+1+j at position t
-            step = (emb, hid, pos + j, mask[..., : (j + 1) * T], *(t for kv in keys for t in kv))
+            # Training rows are right-padded (distill.data): step 0 is plain causal attention at every real query.
+            step = (emb, hid, pos + j, ttt_step_mask(attn_BT, j), *(t for kv in keys for t in kv))
             if self.checkpoint_layer and torch.is_grad_enabled():
                 out, k, v = torch.utils.checkpoint.checkpoint(self._ttt_step, *step, use_reentrant=False)
             else:
@@ -393,7 +394,8 @@ class EagleDrafter(Drafter):
             raise ValueError(f"data.max_length={T} is too short for {self.name}; it needs at least 3 tokens per row")
         return DraftOutput(terms=terms, num_valid=self.count_valid(batch), aux_loss_sum=aux).evaluate(loss_fn)
 
-    def _ttt_step(self, emb: Tensor, hid: Tensor, pos_T: Tensor, mask: Tensor, *prev: Tensor) -> tuple[Tensor, ...]:
+    def _ttt_step(self, emb: Tensor, hid: Tensor, pos_T: Tensor, mask: StructuredMask, *prev: Tensor
+                  ) -> tuple[Tensor, ...]:
         """One training-time-test step: (output, its keys, its values); ``prev`` = earlier steps' k0, v0, k1, v1..."""
         x, residual = self._layer_input(emb, hid)
         q, k, v = self.layer.qkv(x, pos_T)
@@ -416,21 +418,21 @@ class EagleDrafter(Drafter):
         mask_BT[:, : max(T - 2 - k, 0)] = valid_BT[:, 2 + k:] & attn_BT[:, 1 + k: T - 1]
         return mask_BT
 
-    def _ttt_attention(self, q: Tensor, keys: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
-        """Step j's queries over step 0's keys (causal, padding masked) and steps 1..j's keys at the same position:
-        one ``scaled_dot_product_attention`` over the steps' keys side by side, under ``ttt_mask`` (no [B, h, T, T]
-        score tensor; the fused kernel keeps only blocks of it). Steps j >= 1 on a CPU with a small score tensor:
-        ``explicit_ttt_attention`` instead, the same up to float rounding (TTT 3 on the toy target, fwd + bwd at 1
-        thread: steps 1 and 2 take 41 and 45 ms against the fused kernel's 56 and 84; step 0 is level, 36 vs 34 ms,
-        so it stays fused)."""
+    def _ttt_attention(self, q: Tensor, keys: list[tuple[Tensor, Tensor]], mask: StructuredMask) -> Tensor:
+        """Step j's queries over step 0's keys (causal, padding masked) and steps 1..j's keys at the same position
+        (``heads.train_attention.ttt_step_mask``), with the steps' keys side by side, through the kernel
+        ``trainer.attention`` picks (no [T, T] mask or score tensor). Steps j >= 1 of short right-padded rows on a
+        CPU under ``auto``: ``explicit_ttt_attention`` instead, the same up to float rounding and faster there (see
+        ``heads.eagle_attention``); step 0 is SDPA's causal kernel, which it cannot beat."""
         B, h, T, _ = q.shape
-        if len(keys) > 1 and q.device.type == "cpu" and B * h * T * (T + len(keys)) <= EXPLICIT_ATTENTION_ELEMENTS:
-            return explicit_ttt_attention(q, keys, mask[..., :T])
+        if (len(keys) > 1 and q.device.type == "cpu" and chosen() == "auto" and mask.right_padded
+                and T <= EXPLICIT_MAX_SEQ and B * h * T * (T + len(keys)) <= EXPLICIT_ATTENTION_ELEMENTS):
+            return explicit_ttt_attention(q, keys)
         if len(keys) == 1:
             k, v = keys[0]
         else:
             k, v = torch.cat([kv[0] for kv in keys], 2), torch.cat([kv[1] for kv in keys], 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return attend(q, k, v, mask)
 
     def _step_loss(self, out_BTD: Tensor, teacher_out: TeacherOutput, feats_BTX: Tensor, mask_BT: Tensor,
                    j: int) -> tuple[DraftTerm, Tensor | None]:
@@ -562,14 +564,7 @@ class EagleDrafter(Drafter):
 
 
 def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:
-    """[B, 1, T, steps*T] bool: query t may see step 0's keys <= t that are real tokens (and always its own, so a
-    padded query is never left with no key), and, in block i >= 1, step i's key at t itself. Step j uses the first
-    (j+1)*T columns."""
-    B, T = attn_BT.shape
-    pos = torch.arange(T, device=attn_BT.device)
-    causal = (pos[None, :] <= pos[:, None])[None] & (attn_BT[:, None, :] | torch.eye(T, dtype=torch.bool, device=pos.device))
-    mask = torch.zeros(B, 1, T, steps * T, dtype=torch.bool, device=attn_BT.device)
-    mask[:, 0, :, :T] = causal
-    for i in range(1, steps):
-        mask[:, 0, :, i * T: (i + 1) * T].diagonal(dim1=-2, dim2=-1).fill_(True)
-    return mask
+    """[B, 1, T, steps*T] bool, ``heads.train_attention.ttt_step_mask`` as a dense tensor: query t may see step 0's
+    keys <= t that are real tokens (and always its own, so a padded query is never left with no key), and, in block
+    i >= 1, step i's key at t itself. Step j uses the first (j+1)*T columns."""
+    return ttt_step_mask(attn_BT, steps - 1, right_padded=False).dense(attn_BT.device)

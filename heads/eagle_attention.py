@@ -1,5 +1,5 @@
 """EAGLE training-time-test attention on a CPU, from explicit scores (``heads.eagle``'s ``_ttt_attention`` picks it
-for TTT steps j >= 1 while the score tensor is small; GPUs and long sequences keep the fused kernel)."""
+for TTT steps j >= 1 of short right-padded rows; GPUs and long sequences keep ``heads.train_attention``'s kernels)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,26 @@ import torch
 from torch import Tensor
 
 # Training attention on a CPU: explicit scores (``explicit_ttt_attention``) while B x h x T x (T + steps) stays
-# below this (64 MB of float32 scores per step; the toy target's 8 x 4 x 256 x 259 is 2.1M); above it, and on
-# GPUs, the fused kernel, which never holds the score tensor.
+# below this (64 MB of float32 scores per step; the toy target's 8 x 4 x 256 x 259 is 2.1M) and T below
+# EXPLICIT_MAX_SEQ; above either, and on GPUs, ``heads.train_attention``'s kernels, which never hold a [T, T] tensor.
+# (TTT 3 at the toy target's shapes, B 8, h 4, T 256, hd 64, fwd + bwd at 1 thread, scripts/bench_train_attention.py:
+# steps 1 and 2 take 126 and 136 ms here, 133 and 200 tiled, 171 and 285 dense; the tiles spend a [TILE, TILE]
+# block on each earlier step's one visible key.)
 EXPLICIT_ATTENTION_ELEMENTS = 1 << 24
+EXPLICIT_MAX_SEQ = 512
 
 
-def explicit_ttt_attention(q_BhTd: Tensor, keys: list[tuple[Tensor, Tensor]], causal_B1TT: Tensor) -> Tensor:
-    """``_ttt_attention`` from explicit float32 scores: [B, h, T, T] over step 0's keys under ``causal_B1TT`` (the
-    first block of ``ttt_mask``: causal, padding masked, its own key always visible), plus one column per earlier
-    step i >= 1 (q . k_i at the same position); one softmax over both, then P0 @ v0 + sum_i p_i v_i. Step j thus
+def explicit_ttt_attention(q_BhTd: Tensor, keys: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """``_ttt_attention`` from explicit float32 scores: [B, h, T, T] over step 0's keys, causal (masked in place: no
+    mask tensor), plus one column per earlier step i >= 1 (q . k_i at the same position); one softmax over both, then
+    P0 @ v0 + sum_i p_i v_i. For right-padded rows (training's): padded keys are never visible to a real query under
+    causal order, and a padded query's output is never read. Step j thus
     costs T + j scores per query where the fused kernel over ``ttt_mask``'s (j+1)T columns computes (j+1)T. Float32
     like the fused kernel's accumulation; the result in ``q``'s dtype. Backward is written out (``_ExplicitTTT``):
     autograd's would zero-fill a [B, h, T, T + j] gradient per slice of the weights."""
     ks, vs = [k for k, _ in keys], [v for _, v in keys]
     with torch.autocast(q_BhTd.device.type, enabled=False):
-        return _ExplicitTTT.apply(causal_B1TT, q_BhTd, *ks, *vs)
+        return _ExplicitTTT.apply(q_BhTd, *ks, *vs)
 
 
 class _ExplicitTTT(torch.autograd.Function):
@@ -29,18 +34,24 @@ class _ExplicitTTT(torch.autograd.Function):
     backward as in FlashAttention: dS = P * (dP - rowsum(dO * out)), one [B, h, T, T + j] buffer (P) saved."""
 
     @staticmethod
-    def forward(ctx, causal_B1TT: Tensor, q_BhTd: Tensor, *kv: Tensor) -> Tensor:
+    def forward(ctx, q_BhTd: Tensor, *kv: Tensor) -> Tensor:
         n = len(kv) // 2
         ks, vs = [k.float() for k in kv[:n]], [v.float() for v in kv[n:]]
         T, scale = q_BhTd.shape[2], q_BhTd.shape[-1] ** -0.5
         q = q_BhTd.float()
-        scores = torch.empty(*q.shape[:3], T + n - 1, dtype=torch.float32, device=q.device)
-        torch.matmul(q, ks[0].transpose(-1, -2), out=scores[..., :T])
+        weights = torch.empty(*q.shape[:3], T + n - 1, dtype=torch.float32, device=q.device)
+        torch.matmul(q, ks[0].transpose(-1, -2), out=weights[..., :T])
         for i in range(1, n):
-            scores[..., T + i - 1] = (q * ks[i]).sum(-1)
-        scores.mul_(scale)
-        scores[..., :T].masked_fill_(~causal_B1TT, float("-inf"))
-        weights = scores.softmax(-1)
+            weights[..., T + i - 1] = (q * ks[i]).sum(-1)
+        weights.mul_(scale)
+        # Causal softmax without a mask tensor: scores relative to the query's own key (always visible), the future
+        # zeroed by tril_ (so the row max is the visible max, own key included), exponentiated, the future zeroed again.
+        own = weights[..., :T].diagonal(dim1=-2, dim2=-1).clone()
+        weights.sub_(own[..., None])
+        weights[..., :T].tril_()
+        weights.sub_(weights.amax(-1, keepdim=True)).exp_()
+        weights[..., :T].tril_()
+        weights.div_(weights.sum(-1, keepdim=True))
         out = weights[..., :T] @ vs[0]
         for i in range(1, n):
             out.addcmul_(weights[..., T + i - 1, None], vs[i])
@@ -70,4 +81,4 @@ class _ExplicitTTT(torch.autograd.Function):
             d_q.addcmul_(d_col, ks[i])
             dks.append(d_col * q)
         grads = [d_q, *dks, *dvs]
-        return (None, *(g.to(dt) for g, dt in zip(grads, ctx.dtypes)))
+        return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes))

@@ -202,8 +202,9 @@ class Medusa2(MedusaHeads):
         ids_BT, attention_BT = batch["input_ids"], batch["attention_mask"]
         model = self._frozen["model"]
         # logits_to_keep=1: the adapted target's [B, T, V] logits are never formed; its LM loss projects in chunks.
-        out = model(input_ids=ids_BT, attention_mask=attention_BT, output_hidden_states=True, use_cache=False,
-                    logits_to_keep=1)
+        # No mask: training rows are right-padded or packed (distill.data), exact at every real position, as the
+        # teacher's forward (distill.teacher.Teacher.__call__'s right_padded).
+        out = model(input_ids=ids_BT, output_hidden_states=True, use_cache=False, logits_to_keep=1)
         hidden_BTD = out.hidden_states[-1]
         # Heads read the adapted target's final normed state, but are still distilled toward the original's logits.
         draft = super().forward(batch, dataclasses.replace(teacher_out, hidden={-1: hidden_BTD}), loss_fn)

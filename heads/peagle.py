@@ -16,7 +16,8 @@ Shape legend:  B batch, T sequence, D target hidden size, V target vocabulary, V
 Every piece except ``mask_hidden`` is EAGLE-3's (``heads.eagle.EagleDrafter``, whose layer, fusion, draft vocabulary,
 target binding and context cache this class reuses), so the export is EAGLE-3's layout plus ``mask_hidden``.
 
-Attention (training, one forward over all Q queries, as SpecForge's P-EAGLE mask): a depth-0 query at t sees the
+Attention (training, one forward over all Q queries, as SpecForge's P-EAGLE mask, run by ``heads.train_attention``
+without a [Q, Q] tensor): a depth-0 query at t sees the
 depth-0 keys <= t; a depth-d query of the chain anchored at a sees the depth-0 keys <= a and the keys of depths
 1..d of its own chain. That is exactly what the slot sees when decoding (the committed context, then the earlier
 slots of the same step).
@@ -48,6 +49,7 @@ from heads.base import DraftOutput, TargetDims
 from heads.eagle import DraftLayer, EagleDrafter, RMSNorm
 from heads.peagle_rows import PEagleRows
 from heads.peagle_static import PEagleStaticDraft
+from heads.train_attention import StructuredMask, attend, parallel_chain_mask
 from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
 from inference.tree import DraftTree
 
@@ -164,8 +166,9 @@ class PEagleDrafter(EagleDrafter):
             else torch.zeros(0, dtype=torch.long, device=dev)
         pos = torch.cat([torch.arange(T, device=dev).expand(B, T), slot_anchor + slot_depth], 1)
         q, k, v = self.layer.qkv(x, pos)
-        mask = parallel_mask(attn, anchors, counts)
-        out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
+        # Training rows are right-padded (distill.data): depth 0 is plain causal attention at every real query.
+        mask = parallel_chain_mask(attn, anchors, counts)
+        out = self.layer.finish(attend(q, k, v, mask), residual)
         for upper in self.upper:
             out = upper(out, pos, mask)
         terms = [self._step_loss(out[:, :T], teacher_out, feats, self.train_mask(batch, 0), 0)[0]]
@@ -295,11 +298,11 @@ class UpperLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps=1e-6)
         self.layer = DraftLayer(hidden_size, hidden_size, num_heads, intermediate_size, theta)
 
-    def forward(self, h_BTD: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
-        """The whole layer over ``h_BTD`` under ``mask``, as training runs it: a call of the module itself, so an
-        engine that gathers a sharded block's weights on its forward (FSDP2) sees it."""
+    def forward(self, h_BTD: Tensor, positions: Tensor, mask: StructuredMask) -> Tensor:
+        """The whole layer over ``h_BTD`` under ``mask`` (``heads.train_attention``), as training runs it: a call of
+        the module itself, so an engine that gathers a sharded block's weights on its forward (FSDP2) sees it."""
         q, k, v = self.qkv(h_BTD, positions)
-        return self.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), h_BTD)
+        return self.finish(attend(q, k, v, mask), h_BTD)
 
     def qkv(self, h_BTD: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.layer.qkv(self.input_layernorm(h_BTD), positions)
@@ -312,24 +315,8 @@ class UpperLayer(nn.Module):
 
 
 def parallel_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: list[int]) -> Tensor:
-    """[B, 1, Q, Q] bool over the queries [depth 0 at 0..T-1 | depth 1's n_1 chains | depth 2's n_2 | ...] (chain i
-    of every depth is anchored at ``anchors_BN[:, i]``): depth 0 is causal over real tokens (a query always sees
-    itself); a depth-d query of chain i sees the depth-0 keys <= its anchor that are real tokens and the depth 1..d
-    keys of chain i."""
-    B, T = attn_BT.shape
-    dev = attn_BT.device
-    slots = sum(counts)
-    Q = T + slots
-    t = torch.arange(T, device=dev)
-    mask = torch.zeros(B, Q, Q, dtype=torch.bool, device=dev)
-    mask[:, :T, :T] = (t[None, :] <= t[:, None])[None] & (attn_BT[:, None, :] | torch.eye(T, dtype=torch.bool,
-                                                                                          device=dev))
-    if not slots:
-        return mask[:, None]
-    chain = torch.cat([torch.arange(n, device=dev) for n in counts])  # [slots]
-    depth = torch.cat([torch.full((n,), d, device=dev) for d, n in enumerate(counts, start=1)])
-    anchor = anchors_BN[:, chain]  # [B, slots]
-    mask[:, T:, :T] = (t[None, None, :] <= anchor[..., None]) & attn_BT[:, None, :]
-    same = (chain[:, None] == chain[None, :]) & (depth[None, :] <= depth[:, None])
-    mask[:, T:, T:] = same[None]
-    return mask[:, None]
+    """[B, 1, Q, Q] bool, ``heads.train_attention.parallel_chain_mask`` as a dense tensor, over the queries [depth 0
+    at 0..T-1 | depth 1's n_1 chains | depth 2's n_2 | ...] (chain i of every depth is anchored at
+    ``anchors_BN[:, i]``): depth 0 is causal over real tokens (a query always sees itself); a depth-d query of chain
+    i sees the depth-0 keys <= its anchor that are real tokens and the depth 1..d keys of chain i."""
+    return parallel_chain_mask(attn_BT, anchors_BN, counts, right_padded=False).dense(attn_BT.device)

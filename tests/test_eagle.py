@@ -12,6 +12,7 @@ from heads.base import TargetDims
 from heads.saved import load_drafter, save_drafter
 import heads.eagle  # its _ttt_attention reads these names: the tests patch them there
 from heads.eagle import EagleDrafter, default_feature_layers, explicit_ttt_attention, ttt_mask, vocab_maps
+from heads.train_attention import ttt_step_mask
 from heads.eagle_decode import BatchNodes, score_level
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
@@ -87,7 +88,7 @@ def test_ttt_attention_is_causal_and_shaped(tiny_teacher):
         assert a.terms[j].student_NV.shape == (20 - 2 - j, 96)  # positions with a predicted token in the row
     q = torch.randn(1, 1, 5, 4)
     keys = [(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)) for _ in range(3)]
-    out = drafter._ttt_attention(q, keys, ttt_mask(torch.ones(1, 5, dtype=torch.bool), 3))
+    out = drafter._ttt_attention(q, keys, ttt_step_mask(torch.ones(1, 5, dtype=torch.bool), 2))
     # Reference: step 2 at position t sees step-0 keys 0..t and steps 1, 2 at t only.
     for t in range(5):
         k = torch.cat([keys[0][0][0, 0, : t + 1], keys[1][0][0, 0, t: t + 1], keys[2][0][0, 0, t: t + 1]])
@@ -99,22 +100,23 @@ def test_ttt_attention_is_causal_and_shaped(tiny_teacher):
 
 @pytest.mark.parametrize("steps", [1, 2, 4])
 def test_explicit_ttt_attention_equals_the_fused_kernel(steps):
-    """The CPU path (explicit scores, hand-written backward) against SDPA under ``ttt_mask``: outputs and the
-    gradients of q and every step's k, v, with a left-padded row (whose padded queries see their own key)."""
+    """The CPU path (explicit scores, causal in place, hand-written backward) against SDPA under ``ttt_mask``: outputs
+    at the real queries and the gradients of q and every step's k, v, with a right-padded row."""
     g = torch.Generator().manual_seed(steps)
     B, h, T, d = 2, 3, 9, 8
     attn = torch.ones(B, T, dtype=torch.bool)
-    attn[1, :3] = False
+    attn[1, 6:] = False
     mask = ttt_mask(attn, steps)
     leaf = lambda: torch.randn(B, h, T, d, generator=g, dtype=torch.float64).requires_grad_()
     q, keys = leaf(), [(leaf(), leaf()) for _ in range(steps)]
     inputs = [q, *(t for kv in keys for t in kv)]
     fused = torch.nn.functional.scaled_dot_product_attention(
         q, torch.cat([k for k, _ in keys], 2), torch.cat([v for _, v in keys], 2), attn_mask=mask)
-    explicit = explicit_ttt_attention(q, keys, mask[..., :T])
+    explicit = explicit_ttt_attention(q, keys)
     assert explicit.dtype == q.dtype
-    torch.testing.assert_close(explicit, fused, rtol=1e-5, atol=1e-6)  # float32 inside
-    grad = torch.randn(fused.shape, generator=g, dtype=torch.float64)
+    real = attn[:, None, :, None].expand_as(fused)  # padded queries see padding too: never read
+    torch.testing.assert_close(explicit[real], fused[real], rtol=1e-5, atol=1e-6)  # float32 inside
+    grad = torch.randn(fused.shape, generator=g, dtype=torch.float64) * real
     for want, got in zip(torch.autograd.grad(fused, inputs, grad), torch.autograd.grad(explicit, inputs, grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -203,7 +203,7 @@ def drafter_and_batch(node: dict, teacher) -> tuple:
 def test_every_drafter_kind_matches_the_materialised_loss(tiny_teacher, kind, loss):
     drafter, batch = drafter_and_batch(KINDS[kind], tiny_teacher)
     ids = batch["input_ids"]
-    batch["attention_mask"][1, :3] = 0  # a left-padded row
+    batch["attention_mask"][1, 11:] = 0  # a padded row
     if hasattr(drafter, "prepare") and kind.startswith("eagle3"):
         drafter.prepare(type("D", (), {"input_ids": ids, "loss_mask": batch["loss_mask"],
                                        "attention_mask": batch["attention_mask"]})())
@@ -307,7 +307,7 @@ def explicit_ttt_attention(q, keys, causal):
 
 @pytest.mark.parametrize("steps", [1, 2, 4])
 def test_ttt_attention_through_sdpa_equals_explicit_scores(tiny_teacher, steps):
-    from heads.eagle import ttt_mask
+    from heads.train_attention import ttt_step_mask
 
     drafter = build_drafter(KINDS["eagle3"], tiny_teacher)
     g = torch.Generator().manual_seed(5)
@@ -318,7 +318,7 @@ def test_ttt_attention_through_sdpa_equals_explicit_scores(tiny_teacher, steps):
     keys = [(torch.randn(B, h, T, d, generator=g), torch.randn(B, h, T, d, generator=g)) for _ in range(steps)]
     pos = torch.arange(T)
     causal = (pos[None, :] <= pos[:, None])[None, None] & attn[:, None, None, :]
-    got = drafter._ttt_attention(q, keys, ttt_mask(attn, 5)[..., : steps * T])
+    got = drafter._ttt_attention(q, keys, ttt_step_mask(attn, steps - 1, right_padded=False))
     want = explicit_ttt_attention(q, keys, causal)
     # Real queries agree; a padded query (never trained, never attended by a real one) now always sees its own
     # step-0 key, where the explicit scores left it none at step 0 (NaN).

@@ -30,6 +30,7 @@ from distill.cache import CacheConfig
 from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
 from distill.regenerate import RegenerateConfig
 from distill.fused_kernels import check_kernel
+from heads.train_attention import check_attention
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
 from inference.step_decoder import CUDA_GRAPHS, compile_setting
@@ -211,6 +212,7 @@ def _check_schedule(t: TrainerConfig) -> None:
         raise ValueError(f"trainer.loss_chunk_elements={t.loss_chunk_elements} must be >= 1 (rows x vocabulary per "
                          f"loss chunk) or null (per device: 2^25 on a CPU, 2^28 on a GPU)")
     check_kernel(t.fused_kernel)
+    check_attention(t.attention)
     if t.select not in SELECTIONS:
         raise ValueError(f"trainer.select={t.select!r}; valid: {list(SELECTIONS)}")
     if t.eval_every < 0 or t.eval_rows < 1:

@@ -89,6 +89,10 @@ class TrainerConfig:
     # Dense bf16 TFLOP/s of one device, for perf/mfu (train.flops); null: looked up from the GPU's name (a table of
     # common GPUs), none on a CPU. Set it for an unlisted accelerator or another precision's peak.
     peak_tflops: Optional[float] = None
+    # The drafters' structured training attention (heads.train_attention): auto = flex attention on CUDA, the tiled
+    # SDPA kernel elsewhere | flex (CUDA only to train) | tiled | dense = one SDPA call under the whole [Q, KV] mask
+    # (the reference; memory grows with the square of the sequence).
+    attention: str = "auto"
 
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]

@@ -33,6 +33,7 @@ from distill.chunked import chunk_budget, default_chunk_elements
 from distill.data import rows_fingerprint
 from distill.row_seeds import ROW_SEED, row_seeds
 from distill.fused_kernels import fused_kernel
+from heads.train_attention import train_attention
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
 from train.compile import FirstStepTimer, compiled_regions, resolve_compile
@@ -91,7 +92,7 @@ def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, lo
         groups, lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay))
     compiled = resolve_compile(t.compile, engine.device, engine.name, t.zero_stage)
     with contextlib.ExitStack() as stack, chunk_budget(t.loss_chunk_elements or default_chunk_elements(engine.device)), \
-            fused_kernel(t.fused_kernel), stop_on_signals() as stop, \
+            fused_kernel(t.fused_kernel), train_attention(t.attention), stop_on_signals() as stop, \
             compiled_regions(drafter.compile_regions() if compiled else (), compiled, t.compile_backend) as report:
         return _train(cfg, teacher, drafter, model, optimizer, dataset, collate, loss_fn, engine, run_dir, logger,
                       batch_source, stop, selection, report, stack)
