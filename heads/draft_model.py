@@ -29,8 +29,10 @@ from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
+
 from transformers import DynamicCache
 
+from distill.causal import causal_attention
 from distill.chunked import TeacherRows, slice_positions
 from distill.teacher import DTYPES
 from distill.teacher_output import TeacherOutput
@@ -250,7 +252,8 @@ class DraftModel(Drafter):
         kwargs = {"logits_to_keep": 1, "output_hidden_states": True} if plain else {}
         # Training rows are right-padded or packed (distill.data): causal attention without a mask is exact at every
         # real position, and HF then builds no [B, 1, T, T] mask (distill.teacher.Teacher.__call__'s right_padded).
-        out = self.model(input_ids=batch["input_ids"], use_cache=False, **kwargs)
+        with causal_attention(self.model):  # no mask built, no host read-back (distill.causal)
+            out = self.model(input_ids=batch["input_ids"], use_cache=False, **kwargs)
         if plain:
             return out.hidden_states[-1], out_layer
         return out.logits, nn.Identity()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distill.causal import causal_attention
 from distill.chunked import Finished, chunked_cross_entropy
 from distill.prompts import heldout_prompts
 from distill.teacher_output import TeacherOutput
@@ -204,7 +205,8 @@ class Medusa2(MedusaHeads):
         # logits_to_keep=1: the adapted target's [B, T, V] logits are never formed; its LM loss projects in chunks.
         # No mask: training rows are right-padded or packed (distill.data), exact at every real position, as the
         # teacher's forward (distill.teacher.Teacher.__call__'s right_padded).
-        out = model(input_ids=ids_BT, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        with causal_attention(model):  # no mask built, no host read-back (distill.causal)
+            out = model(input_ids=ids_BT, output_hidden_states=True, use_cache=False, logits_to_keep=1)
         hidden_BTD = out.hidden_states[-1]
         # Heads read the adapted target's final normed state, but are still distilled toward the original's logits.
         draft = super().forward(batch, dataclasses.replace(teacher_out, hidden={-1: hidden_BTD}), loss_fn)

@@ -30,6 +30,7 @@ from distill.losses import forward_kl
 from distill.row_seeds import ROW_SEED, row_seeds
 from distill.teacher import Teacher
 from heads.base import build_drafter
+from distill.causal import causal_attention, plain_causal
 from inference.transfers import TransferCounter
 from tests.conftest import make_tiny_llama
 
@@ -45,7 +46,6 @@ KINDS = {
                "draft_vocab_size": 96},
     "draft_model": {"_target_": "heads.draft_model.DraftModel"},
 }
-HF_FORWARDS = {"medusa2": 1, "draft_model": 1}  # forwards of an HF model inside the drafter's own step
 SYNCS = ("item", "tolist", "sync_shape", "from_python")
 KL = functools.partial(forward_kl)
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -95,5 +95,23 @@ def test_training_step_makes_no_host_syncs(kind):
     drafter, target = step_syncs(kind)
     print(f"\n{kind}: drafter {dict(drafter)} teacher {dict(target)}")
     assert sum(drafter[k] for k in SYNCS) == 0, f"{kind}'s training step syncs: {dict(drafter)}"
-    assert drafter["hf_mask"] <= HF_FORWARDS.get(kind, 0), f"{kind}: {dict(drafter)}"
-    assert sum(target[k] for k in SYNCS) == 0 and target["hf_mask"] <= 1, f"the teacher's forward: {dict(target)}"
+    # a plainly causal HF model (Llama) builds no mask (distill.causal): not even transformers' own read-back
+    assert drafter["hf_mask"] == 0, f"{kind}: {dict(drafter)}"
+    assert sum(target[k] for k in SYNCS) == 0 and target["hf_mask"] == 0, f"the teacher's forward: {dict(target)}"
+
+
+def test_causal_forward_equals_the_masked_one_at_real_positions_and_skips_windowed_models():
+    model = make_tiny_llama()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0  # right padding
+    with torch.no_grad():
+        masked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        with causal_attention(model):
+            assert model.config._attn_implementation == "specdraft_causal"
+            causal = model(input_ids=ids, use_cache=False).logits
+    assert model.config._attn_implementation == "sdpa"  # restored
+    real = mask.bool()
+    torch.testing.assert_close(causal[real], masked[real])
+    windowed = make_tiny_llama(sliding_window=4)  # a window is more than causal: the model's own mask path
+    assert not plain_causal(windowed.config)
