@@ -16,6 +16,11 @@ form (final hidden state + read-out: each chunk projects its own teacher rows; a
 projected once per batch) or the offline cache's sparse top-K — optionally restricted to the student's vocabulary
 ids (EAGLE-3's ``d2t``). Each chunk gathers its own rows (and columns), never a full-row copy of the batch; the
 per-row log-normaliser is computed once per batch and shared by every term (``TeacherOutput.log_normaliser``).
+
+Rows and weights: a drafter hands every row of a term's static slice (``slice_positions``) with a 0/1 weight per row
+(``weight_N``) instead of selecting its trained rows (``x[mask]``, ``nonzero``): a selection's size is data, which on a
+GPU makes the host wait for the device. The loss is ``sum_r w_r * divergence_r`` and each row's gradient is scaled by
+``w_r``; rows of weight 0 are read as zeros, so whatever a padded position holds never reaches a gradient.
 """
 
 from __future__ import annotations
@@ -131,6 +136,8 @@ class TeacherRows:
     t_N: Tensor
     cols: Tensor | None = None
     label_map: Tensor | None = None  # target id -> student index (-1: absent), for top-1 agreement
+    # every row went through ``raw`` of a projected signal, which recorded its argmax (``TeacherOutput._project``)
+    projected_all: bool = False
 
     def __len__(self) -> int:
         return self.b_N.shape[0]
@@ -175,7 +182,10 @@ class TeacherRows:
     def labels(self) -> Tensor:
         """[N] the index the student's argmax must equal to agree with the teacher: the teacher's top token over the
         whole vocabulary, mapped into the student's (-1, never matched, when it lies outside)."""
-        top = self.signal.argmax_BT()[self.b_N, self.t_N]
+        if self.signal.projected and self.projected_all:  # recorded already: no look-up of the rows left to project
+            top = self.signal.recorded_argmax()[self.b_N, self.t_N]
+        else:
+            top = self.signal.argmax_BT()[self.b_N, self.t_N]
         return top if self.label_map is None else self.label_map[top]
 
 
@@ -194,48 +204,69 @@ class LabelRows:
         return self.labels_N[start:end]
 
 
-def cross_entropy_sum(logits_CV: Tensor, labels_C: Tensor, _mask=None) -> tuple[Tensor, None]:
-    """float32 next-token cross-entropy summed over a chunk's rows (``LabelRows``' loss_fn)."""
-    return F.cross_entropy(logits_CV.float(), labels_C, reduction="sum"), None
+def cross_entropy_sum(logits_CV: Tensor, labels_C: Tensor, mask_C: Tensor | None = None) -> tuple[Tensor, None]:
+    """float32 next-token cross-entropy summed over a chunk's rows where ``mask_C`` is True (None: all rows;
+    ``LabelRows``' loss_fn). Masked rows are zeroed (``torch.where``), not selected: no host sync."""
+    if mask_C is None:
+        return F.cross_entropy(logits_CV.float(), labels_C, reduction="sum"), None
+    ce = F.cross_entropy(logits_CV.float(), labels_C, reduction="none")
+    return torch.where(mask_C, ce, 0).sum(), None
 
 
 def chunked_cross_entropy(hidden_ND: Tensor, head: Callable[[Tensor], Tensor], labels_N: Tensor, vocab_size: int,
-                          chunk_elements: int | None = None) -> Tensor:
+                          chunk_elements: int | None = None, weight_N: Tensor | None = None) -> Tensor:
     """``F.cross_entropy(head(hidden_ND), labels_N, reduction="sum")`` without the [N, V] logits (chunked, with the
-    same hand-made backward as the divergences)."""
-    return chunked_divergence(hidden_ND, head, LabelRows(labels_N, vocab_size), cross_entropy_sum, chunk_elements)[0]
+    same hand-made backward as the divergences); ``weight_N``: 0/1 per row, the rows that count (None: all)."""
+    return chunked_divergence(hidden_ND, head, LabelRows(labels_N, vocab_size), cross_entropy_sum, chunk_elements,
+                              weight_N)[0]
 
 
 def positions(mask_BT: Tensor, shift: int = 0) -> tuple[Tensor, Tensor]:
-    """(b_N, t_N + shift) of the True entries of ``mask_BT``, in the row-major order of ``x[mask_BT]``."""
+    """(b_N, t_N + shift) of the True entries of ``mask_BT``, in the row-major order of ``x[mask_BT]`` (a
+    data-dependent size: the host waits for the device; a training step uses ``slice_positions``)."""
     b_N, t_N = mask_BT.nonzero(as_tuple=True)
     return b_N, t_N + shift
 
 
+def slice_positions(B: int, n: int, shift: int = 0, device: torch.device | str | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    """(b_N, t_N + shift) of every position of ``x[:, :n]`` of a [B, T, ...] batch, in the row-major order of
+    ``x[:, :n].reshape(B * n, ...)``: a term's static rows (weighted by ``mask[:, :n].reshape(-1)``)."""
+    b_N = torch.arange(B, device=device)[:, None].expand(B, n).reshape(-1)
+    t_N = torch.arange(shift, n + shift, device=device)[None].expand(B, n).reshape(-1)
+    return b_N, t_N
+
+
 def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], teacher: TeacherRows | LabelRows, loss_fn,
-                       chunk_elements: int | None = None) -> tuple[Tensor, Tensor]:
+                       chunk_elements: int | None = None, weight_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(loss summed over the N rows, the student's argmax per row [N]) for ``loss_fn`` (a ``distill.losses`` menu
-    function or partial; any other ``loss_fn(student_CV, teacher_CV, None)`` is called per chunk) between
-    ``head(student_ND)`` and the teacher rows. Differentiable w.r.t. ``student_ND`` and ``head``'s parameters
-    that require grad (``head`` an ``nn.Module``; a plain function's captured tensors are treated as constants).
-    Under ``trainer.fused_kernel`` auto | liger, a term liger-kernel computes exactly runs through it instead
-    (``distill.fused_kernels``)."""
+    function or partial; any other ``loss_fn(student_CV, teacher_CV, mask_C)`` is called per chunk, ``mask_C`` None
+    or, with weights, the chunk's rows of nonzero weight as a bool mask: such a function may select rows by it, at
+    the cost of a host sync per chunk) between ``head(student_ND)`` and the teacher rows. ``weight_N``: 0/1 per row
+    (float; None: every row counts): the loss is ``sum_r w_r * divergence_r``, each row's gradient scaled by ``w_r``.
+    Differentiable w.r.t. ``student_ND`` and ``head``'s parameters that require grad (``head`` an ``nn.Module``; a
+    plain function's captured tensors are treated as constants). Under ``trainer.fused_kernel`` auto | liger, a term
+    liger-kernel computes exactly runs through it instead (``distill.fused_kernels``; given weights, it takes the
+    rows of weight 1 alone, a selection whose size the host must read)."""
     if len(teacher) != student_ND.shape[0]:
         raise ValueError(f"{student_ND.shape[0]} student rows but {len(teacher)} teacher rows")
+    if weight_N is not None and weight_N.shape != (student_ND.shape[0],):
+        raise ValueError(f"weight_N {tuple(weight_N.shape)} must hold one weight per row ({student_ND.shape[0]})")
     if _partitioned(head):
-        return _gathered_divergence(student_ND, head, teacher, loss_fn, chunk_elements)
+        return _gathered_divergence(student_ND, head, teacher, loss_fn, chunk_elements, weight_N)
     # ``trainer.fused_kernel``: liger-kernel's fused linear JSD where it computes this term exactly (GPU)
     lin = plain_linear(head.head if isinstance(head, Frozen) else head)
-    liger = fused_kernels.select(student_ND, head, lin, teacher, loss_fn)
+    liger = fused_kernels.select(student_ND, head, lin, teacher, loss_fn, weight_N)
     if liger is not None:
         rows = max(1, (chunk_elements or _budget.get()) // teacher.width)
         return fused_kernels.liger_divergence(liger), fused_kernels.student_argmax(student_ND, head, rows)
-    job = _Job(head, lin, teacher, loss_fn, chunk_elements or _budget.get())
+    job = _Job(head, lin, teacher, loss_fn, chunk_elements or _budget.get(), weight_N)
     params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, nn.Module) else []
     if torch.is_grad_enabled() and (student_ND.requires_grad or params):
         loss = _ChunkedDivergence.apply(job, student_ND, *params)
     else:
         loss = job.run(student_ND, [], need_grads=False)[0]
+    job.mark_projected()
     return loss, job.pred_N
 
 
@@ -245,40 +276,61 @@ def _partitioned(head) -> bool:
     return isinstance(head, nn.Module) and any(hasattr(p, "ds_id") for p in head.parameters())
 
 
-def _gathered_divergence(student_ND: Tensor, head: nn.Module, teacher, loss_fn, chunk_elements: int | None
-                         ) -> tuple[Tensor, Tensor]:
+def _gathered_divergence(student_ND: Tensor, head: nn.Module, teacher, loss_fn, chunk_elements: int | None,
+                         weight_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``chunked_divergence`` by plain autograd through calls of ``head`` (ZeRO-3 gathers its weight on each call and
     reduces its gradient in backward): the same loss, chunk by chunk, but every chunk's logits stay in the graph."""
-    job = _Job(head, None, teacher, loss_fn, chunk_elements or _budget.get())
+    job = _Job(head, None, teacher, loss_fn, chunk_elements or _budget.get(), weight_N)
     step = max(1, job.chunk_elements // teacher.width)
     total = torch.zeros((), dtype=torch.float32, device=student_ND.device)
     preds = []
     for start in range(0, student_ND.shape[0], step):
         end = min(start + step, student_ND.shape[0])
-        logits = head(student_ND[start:end])
+        logits = head(job.rows(student_ND, start, end))
         preds.append(logits.detach().argmax(-1))
         total = total + job._chunk_loss(logits, start, end).float()
     pred_N = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=student_ND.device)
+    job.mark_projected()
     return total, pred_N
 
 
 class _Job:
     """One term's chunk loop; ``run`` returns (loss, grad w.r.t. student rows, grads w.r.t. params)."""
 
-    def __init__(self, head, lin: nn.Linear | None, teacher: TeacherRows | LabelRows, loss_fn, chunk_elements: int):
+    def __init__(self, head, lin: nn.Linear | None, teacher: TeacherRows | LabelRows, loss_fn, chunk_elements: int,
+                 weight_N: Tensor | None = None):
         # ``lin``: the plain nn.Linear ``head`` is or wraps (``Frozen``), else None (``teacher_output.plain_linear``)
         self.head, self.lin, self.teacher, self.loss_fn = head, lin, teacher, loss_fn
         self.core = row_divergence(loss_fn)
         self.fused = fused_divergence(loss_fn, compile_kw=_compile.get())
         self.chunk_elements = chunk_elements
+        self.weight_N = None if weight_N is None else weight_N.detach().float()
         self.pred_N: Tensor | None = None
+
+    def rows(self, x_ND: Tensor, start: int, end: int) -> Tensor:
+        """Rows [start, end) of ``x_ND``, those of weight 0 read as zeros (a padded position's features may be
+        anything, even non-finite; a zero row keeps them out of the projection's weight gradient)."""
+        if self.weight_N is None:
+            return x_ND[start:end]
+        return torch.where(self.weight_N[start:end, None] > 0, x_ND[start:end], 0)
+
+    def _weighted(self, rows_C: Tensor, start: int, end: int) -> Tensor:
+        """The chunk's per-row divergences summed, each times its row's weight."""
+        return rows_C.sum() if self.weight_N is None else (rows_C * self.weight_N[start:end]).sum()
+
+    def mark_projected(self) -> None:
+        """Record that every teacher row went through ``raw`` (its argmax is then recorded, ``TeacherRows.labels``)."""
+        if isinstance(self.teacher, TeacherRows):
+            self.teacher.projected_all = True
 
     def _chunk_loss(self, logits_CV: Tensor, start: int, end: int) -> Tensor:
         if self.core is None:
-            return self.loss_fn(logits_CV, self.teacher.raw(start, end), None)[0]
+            mask = None if self.weight_N is None else self.weight_N[start:end] > 0
+            return self.loss_fn(logits_CV, self.teacher.raw(start, end), mask)[0]
         core, temperature = self.core
         z = logits_CV.float() if temperature == 1 else logits_CV.float() / temperature
-        return core(F.log_softmax(z, dim=-1), self.teacher.log_probs(start, end, temperature))
+        return self._weighted(core(F.log_softmax(z, dim=-1), self.teacher.log_probs(start, end, temperature)),
+                              start, end)
 
     def _loss_and_dlogits(self, logits_CV: Tensor, start: int, end: int,
                           ws: Workspace | None = None) -> tuple[Tensor, Tensor]:
@@ -287,7 +339,11 @@ class _Job:
         if self.fused is not None:
             fused, temperature = self.fused
             q_out = ws.take("q", *logits_CV.shape) if ws is not None else None
-            return fused(logits_CV, *self.teacher.log_probs(start, end, temperature, probs=True, ws=ws), q_out=q_out)
+            rows, dlogits = fused(logits_CV, *self.teacher.log_probs(start, end, temperature, probs=True, ws=ws),
+                                  q_out=q_out)
+            if self.weight_N is not None:
+                dlogits.mul_(self.weight_N[start:end, None])
+            return self._weighted(rows, start, end), dlogits
         with torch.enable_grad():
             logits_CV.requires_grad_()
             loss = self._chunk_loss(logits_CV, start, end)
@@ -317,11 +373,11 @@ class _Job:
             end = min(start + step, N)
             if not need_grads or not wrt:
                 with torch.no_grad():
-                    logits = self.head(x_ND[start:end])
+                    logits = self.head(self.rows(x_ND, start, end))
                     preds.append(logits.argmax(-1))
                     total += self._chunk_loss(logits, start, end).float()
                 continue
-            x = x_ND[start:end].detach()
+            x = self.rows(x_ND, start, end).detach()
             if linear:
                 with torch.no_grad():
                     logits = project_into(lin, x, ws.take("student", end - start, self.teacher.width)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -147,13 +148,21 @@ def _load_liger() -> tuple[type | None, str | None]:
         return None, f"liger-kernel cannot be imported ({err}); {INSTALL}"
 
 
-def select(student_ND: Tensor, head, lin: nn.Linear | None, teacher, loss_fn) -> LigerTerm | None:
+def select(student_ND: Tensor, head, lin: nn.Linear | None, teacher, loss_fn, weight_N: Tensor | None = None
+           ) -> LigerTerm | None:
     """The term for liger under the current ``trainer.fused_kernel``, or None for the chunked path; ``liger`` where it
-    cannot apply raises, naming why."""
+    cannot apply raises, naming why. ``weight_N`` (0/1 per row, None: all rows): liger weighs every row alike, so it
+    is given the rows of weight 1 alone, selected by ``nonzero`` (the host waits for the device once per term)."""
     choice = _choice.get()
     if choice == "none" or student_ND.shape[0] == 0:  # no rows: nothing to compute, on any path
         return None
     why = liger_unavailable(student_ND.device)
+    if why is None and weight_N is not None and getattr(teacher, "signal", None) is not None:
+        keep = (weight_N > 0).nonzero().squeeze(1)  # its size is on the host now: no further wait to test it
+        if keep.numel() == 0:  # no row counts: the chunked path's zero
+            return None
+        student_ND = student_ND[keep]
+        teacher = dataclasses.replace(teacher, b_N=teacher.b_N[keep], t_N=teacher.t_N[keep])
     term = liger_term(student_ND, head, lin, teacher, loss_fn) if why is None else why
     if isinstance(term, LigerTerm):
         return term

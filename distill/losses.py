@@ -7,9 +7,11 @@ not get the same weight as a full one.
 Shapes: ``student_NV`` / ``teacher_NV`` are logits over the vocabulary for N positions (any leading shape works as
 long as the last dim is V and ``mask`` has the leading shape; ``mask=None`` counts every position).
 
-Each divergence is a ``_core`` of (student log-probs, teacher log-probs) rows at temperature T; the public functions
-select and normalise rows, then apply it. ``row_divergence(loss_fn)`` hands the core of a configured loss to
-``distill.chunked``, which applies it to chunks of rows whose logits are never all in memory at once.
+Each divergence is a ``_core`` of (student log-probs, teacher log-probs) rows at temperature T, giving one value per
+row (summed over the vocabulary only); the public functions select and normalise rows, apply it and sum.
+``row_divergence(loss_fn)`` hands the core of a configured loss to ``distill.chunked``, which applies it to chunks of
+rows whose logits are never all in memory at once and weights each row (a drafter's rows are a static slice with a
+0/1 weight per row, so no row selection makes the step wait for the device).
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ def forward_kl(student: Tensor, teacher: Tensor, mask: Tensor | None, temperatur
     differences the loss is about.
     """
     log_q, log_p, n = _select(student, teacher, mask, temperature)
-    return _fkl_core(log_q, log_p, temperature), n
+    return _fkl_core(log_q, log_p, temperature).sum(), n
 
 
 def _fkl_core(log_q: Tensor, log_p: Tensor, temperature: float) -> Tensor:
     # F.kl_div(input, target) computes KL(target || input) with input = log q (student) and target = log p
-    # (teacher, log_target=True): sum p * (log p - log q).
-    return F.kl_div(log_q, log_p, log_target=True, reduction="sum") * temperature**2
+    # (teacher, log_target=True): p * (log p - log q), summed over the vocabulary per row.
+    return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1) * temperature**2
 
 
 def _select(student: Tensor, teacher: Tensor, mask: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -75,12 +77,12 @@ def reverse_kl(student: Tensor, teacher: Tensor, mask: Tensor | None, temperatur
     """KL(student || teacher): mode-seeking — the drafter concentrates on tokens the teacher likes most, which is
     what greedy acceptance rewards. T² scaled like ``forward_kl``."""
     log_q, log_p, n = _select(student, teacher, mask, temperature)
-    return _rkl_core(log_q, log_p, temperature), n
+    return _rkl_core(log_q, log_p, temperature).sum(), n
 
 
 def _rkl_core(log_q: Tensor, log_p: Tensor, temperature: float) -> Tensor:
-    # kl_div(input=log p, target=log q) = sum q * (log q - log p).
-    return F.kl_div(log_p, log_q, log_target=True, reduction="sum") * temperature**2
+    # kl_div(input=log p, target=log q) = q * (log q - log p), summed over the vocabulary per row.
+    return F.kl_div(log_p, log_q, log_target=True, reduction="none").sum(-1) * temperature**2
 
 
 def jsd(student: Tensor, teacher: Tensor, mask: Tensor | None, temperature: float = 1.0, beta: float = 0.5) -> tuple[Tensor, Tensor]:
@@ -88,7 +90,7 @@ def jsd(student: Tensor, teacher: Tensor, mask: Tensor | None, temperature: floa
     with p the teacher and q the student. β = 0.5 is the symmetric JSD; β interpolates between the two KLs' modes."""
     _check_beta(beta)
     log_q, log_p, n = _select(student, teacher, mask, temperature)
-    return _jsd_core(log_q, log_p, temperature, beta), n
+    return _jsd_core(log_q, log_p, temperature, beta).sum(), n
 
 
 def _check_beta(beta: float) -> None:
@@ -98,10 +100,10 @@ def _check_beta(beta: float) -> None:
 
 def _jsd_core(log_q: Tensor, log_p: Tensor, temperature: float, beta: float) -> Tensor:
     if beta in (0, 1):  # m equals one side: that side's term is 0 and the other is weighted 0
-        return 0 * log_q.sum()  # (still attached to the graph, so backward works)
+        return 0 * log_q.sum(-1)  # (still attached to the graph, so backward works)
     log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
-    kl_pm = F.kl_div(log_m, log_p, log_target=True, reduction="sum")
-    kl_qm = F.kl_div(log_m, log_q, log_target=True, reduction="sum")
+    kl_pm = F.kl_div(log_m, log_p, log_target=True, reduction="none").sum(-1)
+    kl_qm = F.kl_div(log_m, log_q, log_target=True, reduction="none").sum(-1)
     return (beta * kl_pm + (1 - beta) * kl_qm) * temperature**2
 
 
@@ -109,11 +111,11 @@ def total_variation(student: Tensor, teacher: Tensor, mask: Tensor | None, tempe
     """½·Σ|p − q| per position: for a one-token draft sampled from q, 1 − TV is exactly the acceptance probability of
     speculative sampling (Leviathan et al.), so minimising it targets α directly. Bounded, so no T² factor."""
     log_q, log_p, n = _select(student, teacher, mask, temperature)
-    return _tvd_core(log_q, log_p, temperature), n
+    return _tvd_core(log_q, log_p, temperature).sum(), n
 
 
 def _tvd_core(log_q: Tensor, log_p: Tensor, temperature: float) -> Tensor:
-    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum()
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
 
 
 def topk_forward_kl(student: Tensor, teacher: Tensor, mask: Tensor | None, temperature: float = 1.0, k: int = 32) -> tuple[Tensor, Tensor]:
@@ -122,7 +124,7 @@ def topk_forward_kl(student: Tensor, teacher: Tensor, mask: Tensor | None, tempe
     _check_k(k)
     _check(student, teacher, mask, temperature)
     log_q = F.log_softmax(_rows(student, mask, temperature), dim=-1)
-    return _topk_core(log_q, _rows(teacher, mask, temperature), temperature, k), _count(student, mask)
+    return _topk_core(log_q, _rows(teacher, mask, temperature), temperature, k).sum(), _count(student, mask)
 
 
 def _check_k(k: int) -> None:
@@ -135,7 +137,7 @@ def _topk_core(log_q: Tensor, teacher_rows: Tensor, temperature: float, k: int) 
     the top-k nor the renormalised softmax sees)."""
     top = teacher_rows.topk(min(k, teacher_rows.shape[-1]), dim=-1)
     log_pk = F.log_softmax(top.values, dim=-1)
-    kl = (log_pk.exp() * (log_pk - log_q.gather(-1, top.indices))).sum()
+    kl = (log_pk.exp() * (log_pk - log_q.gather(-1, top.indices))).sum(-1)
     return kl * temperature**2
 
 
@@ -153,7 +155,7 @@ def softmax_pair_(z_CV: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tens
 
 def _fkl_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, p_CV: Tensor | None = None,
                q_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``_fkl_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p), by hand: four
+    """``_fkl_core(log_softmax(logits / T), log_p)`` (per row) and its gradient w.r.t. the logits, T·(q − p), by hand: four
     [C, V] float32 buffers (log q, q, log p, p) where autograd keeps six or seven, two ``exp`` passes when the
     teacher's ``p_CV`` comes with its log-probs (``TeacherRows.log_probs(probs=True)``), else three. The arguments are
     consumed (overwritten in place); ``q_out``, a buffer for q (the gradient is returned in it)."""
@@ -162,7 +164,7 @@ def _fkl_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, p_CV: Te
         z.div_(temperature)
     log_q, q = softmax_pair_(z, q_out)
     p = log_p_CV.exp() if p_CV is None else p_CV
-    loss = log_p_CV.sub_(log_q).mul_(p).sum() * temperature**2  # sum p (log p - log q), as F.kl_div's "sum"
+    loss = log_p_CV.sub_(log_q).mul_(p).sum(-1) * temperature**2  # p (log p - log q) summed per row
     return loss, q.sub_(p).mul_(temperature)  # d/dz of T² KL(p || softmax(z / T)), p summing to 1
 
 
@@ -173,7 +175,7 @@ _CORES = {forward_kl: (_fkl_core, {}), reverse_kl: (_rkl_core, {}), total_variat
 
 def _topk_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, k: int,
                 p_CV: Tensor | None = None, q_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``_topk_core(log_softmax(logits / T), log_p)`` and its gradient w.r.t. the logits, T·(q − p_k) with p_k the
+    """``_topk_core(log_softmax(logits / T), log_p)`` (per row) and its gradient w.r.t. the logits, T·(q − p_k) with p_k the
     teacher renormalised on its top k (scattered; it sums to 1), by hand like ``_fkl_fused``: the teacher's rows are
     reduced to k columns first and dropped, so two [C, V] float32 buffers remain. Both arguments are consumed."""
     top = log_p_CV.topk(min(k, log_p_CV.shape[-1]), dim=-1)
@@ -184,7 +186,7 @@ def _topk_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, k: int,
     if temperature != 1:
         z.div_(temperature)
     log_q, q = softmax_pair_(z, q_out)
-    loss = (p_k * (log_pk - log_q.gather(-1, top.indices))).sum() * temperature**2
+    loss = (p_k * (log_pk - log_q.gather(-1, top.indices))).sum(-1) * temperature**2
     del log_q, z
     return loss, q.scatter_add_(-1, top.indices, -p_k).mul_(temperature)
 
@@ -217,8 +219,8 @@ def _compiled(func: Callable, compile_kw: tuple) -> Callable:
 
 def fused_divergence(loss_fn, compile_kw: dict | None = None
                      ) -> tuple[Callable[..., tuple[Tensor, Tensor]], float] | None:
-    """(fused(logits_CV, log_p_CV, p_CV=None, q_out=None) -> (summed divergence, its gradient w.r.t. the logits),
-    temperature) for a menu loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL);
+    """(fused(logits_CV, log_p_CV, p_CV=None, q_out=None) -> ([C] divergence per row, the gradient of their sum
+    w.r.t. the logits: row r's is that row's own), temperature) for a menu loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL);
     None for the others, which autograd differentiates. ``p_CV``: the teacher's probabilities, when its log-probs
     came with them (else computed where needed); ``q_out``: a [C, V] float32 buffer the gradient is written into.
     ``fused`` overwrites its arguments. ``compile_kw``: run it ``torch.compile``d with these arguments
@@ -233,7 +235,7 @@ def fused_divergence(loss_fn, compile_kw: dict | None = None
 
 
 def row_divergence(loss_fn) -> tuple[Callable[[Tensor, Tensor], Tensor], float] | None:
-    """(core(log_q, log_p) -> summed divergence of those rows, temperature) for a menu loss given as the function or
+    """(core(log_q, log_p) -> [C] divergence per row, temperature) for a menu loss given as the function or
     a ``functools.partial`` of it (what ``loss=`` instantiates); None for any other callable, which
     ``distill.chunked`` then calls on each chunk's logits instead."""
     entry = _menu_entry(loss_fn)

@@ -20,6 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
+from distill.causal import causal_attention
 from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target, toy_cache_path
 from inference.masks import AttentionLayout
@@ -305,12 +306,15 @@ class Teacher:
         ``right_padded``: the caller vouches that every row's padding (``attention_mask`` 0) is at its end. The mask
         is then not handed to the model: a real token never sees a later position under causal attention, so every
         real position's outputs are unchanged, while HF builds no [B, 1, T, T] mask and reads no padding flag back to
-        the host (its SDPA path checks ``mask.all()`` to skip the mask). Padded positions then attend to padding as
-        well; nothing reads them. Sliding-window layers still get their window mask from the model itself."""
+        the host (its SDPA path checks ``mask.all()`` to skip the mask; without one it reads the position ids back
+        to look for packed sequences, which ``distill.causal`` avoids where attention is plainly causal). Padded
+        positions then attend to padding as well; nothing reads them. Sliding-window layers still get their window
+        mask from the model itself."""
         project = not dense and self._can_project
         attention_mask = None if right_padded else attention_mask
         readout = self.output_logits if project else None  # (its one-off probe forward runs outside inference mode)
-        with adapters_disabled(self.model), torch.inference_mode():
+        causal = causal_attention(self.model) if right_padded else contextlib.nullcontext()
+        with adapters_disabled(self.model), torch.inference_mode(), causal:
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

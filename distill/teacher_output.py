@@ -71,10 +71,14 @@ class TeacherOutput:
     @torch.no_grad()
     def argmax_BT(self) -> Tensor:
         """[B, T] the teacher's top token over the whole vocabulary (computed once per batch)."""
-        if self.projected:  # the rows projected so far recorded theirs (``_project``); the others are projected now
-            b_N, t_N = (self._argmax_record() < 0).nonzero(as_tuple=True)
-            for i in range(0, b_N.numel(), self._chunk_rows()):
-                self._project(b_N[i: i + self._chunk_rows()], t_N[i: i + self._chunk_rows()])
+        if self.projected:  # every row projected once, in row chunks (``_project`` records the argmax on the way)
+            if not self._memo.get("argmax_all"):
+                B, T = self.shape_BT
+                b_all = torch.arange(B, device=self._device)[:, None].expand(B, T).reshape(-1)
+                t_all = torch.arange(T, device=self._device)[None].expand(B, T).reshape(-1)
+                for i in range(0, B * T, self._chunk_rows()):  # all rows, not the unrecorded ones: a static loop
+                    self._project(b_all[i: i + self._chunk_rows()], t_all[i: i + self._chunk_rows()])
+                self._memo["argmax_all"] = True
             return self._memo["argmax"]
         if "argmax" not in self._memo:
             if self.sparse:
@@ -116,6 +120,11 @@ class TeacherOutput:
     def _chunk_rows(self) -> int:
         return max(1, PROJECT_CHUNK_ELEMENTS // self.vocab_size)
 
+    def recorded_argmax(self) -> Tensor:
+        """[B, T] the teacher's top token at the positions projected so far (-1 elsewhere): ``argmax_BT`` without
+        projecting the rest, for a caller that knows its rows were projected (``distill.chunked.TeacherRows``)."""
+        return self._argmax_record()
+
     def _argmax_record(self) -> Tensor:
         """[B, T] the teacher's top token at the positions projected so far (-1 elsewhere)."""
         if "argmax" not in self._memo:
@@ -149,6 +158,7 @@ class TeacherOutput:
                     out = torch.empty(B * T, cols.numel(), dtype=rows.dtype, device=rows.device)
                 out[i: i + step] = rows
             self._memo[key] = out.view(B, T, -1)
+            self._memo["argmax_all"] = True  # every row was projected
         return self._memo[key]
 
 

@@ -31,6 +31,9 @@ DEFINITIONS = {
     "sim_tau": "training-time estimate, 1 + sum_k prod_{j<=k} acc_j over the last logged top-1 accuracies of draft "
                "steps 1..gamma (Medusa head k, EAGLE TTT step k) on training data; a chain estimate, shown beside the "
                "measured tau",
+    "training_perf": "the training run's mean model TFLOP/s over all ranks (attention counted where the mask lets a "
+                     "query see a key), MFU = that / (ranks x the device's dense bf16 peak), and the frozen target's "
+                     "share of the FLOPs (docs/benchmarks.md, FLOPs and MFU)",
     "overhead_ratio": "wall time / (prefill + sum over steps of isolated t_verify(tree size) + t_draft); 1.0 = no "
                       "loop overhead",
     "mismatches": "greedy runs whose output differs from plain greedy decoding (first 5 prompts): the first "

@@ -354,6 +354,7 @@ def _report(cfg: Config, teacher, drafters: dict, run_dir, training: Mapping[str
             autoregressive = getattr(drafters.get(result["drafter"]), "drafts_autoregressively", False)
             result.update(_simulated(final, result["num_draft"], autoregressive))
             result.update(_heldout(final))
+            result.update(_training_perf(final))
         # Medusa-2 merged its LoRA into the target: every method in this report decoded with the merged target.
         if merged := getattr(drafters.get(result["drafter"]), "verifies_against", None):
             result["target"] = merged
@@ -380,6 +381,14 @@ def _heldout(final: Mapping) -> dict:
     if "heldout/original_loss" not in final:
         return {}
     return {"heldout_loss": {"original": final["heldout/original_loss"], "adapted": final["heldout/adapted_loss"]}}
+
+
+def _training_perf(final: Mapping) -> dict:
+    """The training run's mean model TFLOP/s, MFU (where the device's peak was known) and the teacher's share of the
+    FLOPs (``train.flops``), from its last logged row."""
+    keys = {"tflops": "perf/tflops_mean", "mfu": "perf/mfu_mean", "teacher_flops_share": "perf/teacher_flops_share"}
+    perf = {name: final[key] for name, key in keys.items() if key in final}
+    return {"training_perf": perf} if perf else {}
 
 
 def _target_lines(results: Sequence[Mapping]) -> list[str]:

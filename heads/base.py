@@ -49,20 +49,30 @@ class TargetDims:
 @dataclass
 class DraftTerm:
     """One draft position's loss: the configured divergence between ``head(student_ND)`` (the drafter's logits)
-    and the teacher's rows, computed in chunks (``distill.chunked``): the [N, V] logits never exist all at once."""
+    and the teacher's rows, computed in chunks (``distill.chunked``): the [N, V] logits never exist all at once.
 
-    student_ND: Tensor  # the drafter's features at the trained positions (what its vocabulary projection reads)
+    The rows are a static slice of the batch (every position a term could train), ``weight_N`` saying which count:
+    selecting them instead (``x[mask]``) has a size only the device knows, and reading it back stalls a GPU."""
+
+    student_ND: Tensor  # the drafter's features at the term's positions (what its vocabulary projection reads)
     head: Callable[[Tensor], Tensor]  # [n, D] -> [n, V'] logits (an nn.Module: its trainable weights get gradients)
     teacher: TeacherRows | None  # the teacher's rows for the same future tokens (None once released)
     weight: float = 1.0
     loss_sum: Tensor | None = None  # set by ``evaluate``
     pred_N: Tensor | None = None  # the drafter's argmax per row, set by ``evaluate``
+    weight_N: Tensor | None = None  # float 0/1 per row: the rows trained (None: every row)
 
     def evaluate(self, loss_fn: LossFn) -> Tensor:
-        """The divergence summed over the rows (once; later calls return it)."""
+        """The divergence summed over the rows of weight 1 (once; later calls return it)."""
         if self.loss_sum is None:
-            self.loss_sum, self.pred_N = chunked_divergence(self.student_ND, self.head, self.teacher, loss_fn)
+            self.loss_sum, self.pred_N = chunked_divergence(self.student_ND, self.head, self.teacher, loss_fn,
+                                                            weight_N=self.weight_N)
         return self.loss_sum
+
+    @property
+    def mask_N(self) -> Tensor | None:
+        """[N] bool: the rows trained (None: every row), as the menu losses take a mask."""
+        return None if self.weight_N is None else self.weight_N > 0
 
     def release_teacher(self) -> None:
         """Keep the agreement labels, drop the reference to the teacher's [B, T, V] logits (free before backward)."""
@@ -112,11 +122,16 @@ class DraftOutput:
 
     @torch.no_grad()
     def top1_agreement(self) -> list[tuple[Tensor, Tensor]]:
-        """Per term (correct, count): how often the drafter's argmax equals the teacher's (after ``loss``)."""
+        """Per term (correct, count) over its trained rows: how often the drafter's argmax equals the teacher's (after
+        ``loss``); device tensors, read back by the caller when it logs."""
         out = []
         for t in self.terms:
             pred = t.pred_N if t.pred_N is not None else t.student_NV.argmax(-1)
-            out.append(((pred == t.label_N).sum(), torch.tensor(pred.shape[0], device=pred.device)))
+            hit = pred == t.label_N
+            if t.weight_N is None:
+                out.append((hit.sum(), torch.full((), pred.shape[0], dtype=torch.long, device=pred.device)))
+            else:
+                out.append(((hit & t.mask_N).sum(), t.mask_N.sum()))
         return out
 
 
@@ -144,6 +159,18 @@ class TrainingHooks:
         term 0's rows. The loop sums it over a step's micro-batches and all ranks *before* any forward, so each
         micro-batch's backward already carries the global per-token normalisation (any engine, any split)."""
         return self.train_mask(batch, 0).sum()
+
+    def train_flops(self, target, B: int, T: int):
+        """FLOPs of one training micro-batch of [B, T] tokens (``distill.flops.StepFlops``: teacher and drafter parts)
+        from sizes alone, never a forward or a read of the batch: for the TFLOP/s and MFU the loop logs. ``target``:
+        ``distill.flops.TargetShape``. None: this kind is not counted (no ``perf/tflops``)."""
+        return None
+
+    @property
+    def flops_stage(self) -> tuple:
+        """What, besides [B, T], changes ``train_flops`` from one step to another (a schedule's stage): the loop's
+        cached count is keyed by it."""
+        return ()
 
     # Engines read these two: DDP must look for parameters a step leaves without gradient (Medusa-2's LoRA in its
     # heads-only stage); sharding engines must not shard modules that live inside the target.

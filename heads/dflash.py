@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from distill.chunked import Frozen, LabelRows, TeacherRows, cross_entropy_sum
 from distill.teacher_output import TeacherOutput
+from heads import flops
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads.dflash_rows import DFlashRows
 from heads.dflash_static import DFlashStaticDraft
@@ -266,6 +267,7 @@ class DFlashDrafter(Drafter):
         if draft_vocab_size is not None:  # the drafted ids (``prepare``: the most frequent in the training data)
             self.register_buffer("d2t", torch.arange(draft_vocab_size), persistent=True)
         self._head_rows: tuple | None = None  # (key, the lm_head rows of d2t): built once per head / d2t
+        self._anchors_checked = False  # whether the data was seen to have an anchor (``_check_anchors``)
         self._frozen: dict[str, nn.Module] = {}  # the target's embedding / lm_head: used, never owned or saved
         self.reset()
 
@@ -304,7 +306,10 @@ class DFlashDrafter(Drafter):
         return head(out_ND.to(head.weight.dtype)).to(out_ND.dtype)
 
     def prepare(self, dataset) -> None:
-        """With ``draft_vocab_size``: keep the most frequent tokens of the training data as the drafted ids."""
+        """Check that the training rows have anchors; with ``draft_vocab_size``: keep the most frequent tokens of the
+        training data as the drafted ids."""
+        self._check_anchors(self._candidates({"loss_mask": dataset.loss_mask,
+                                              "attention_mask": dataset.attention_mask}))
         if self.draft_vocab_size is None:
             return
         ids, mask = dataset.input_ids, dataset.loss_mask.bool() & dataset.attention_mask.bool()
@@ -337,6 +342,9 @@ class DFlashDrafter(Drafter):
         return full.index_copy_(1, self.d2t.to(sub.device), sub)
 
     # --- training ------------------------------------------------------------------------------------------
+    def train_flops(self, target, B: int, T: int):
+        return flops.dflash(self, target, B, T)
+
     def _candidates(self, batch: Mapping[str, Tensor]) -> Tensor:
         """[B, T] bool: positions a that may anchor a block (a real token with a real context before it and a
         loss-bearing token after it)."""
@@ -345,6 +353,14 @@ class DFlashDrafter(Drafter):
         cand = torch.zeros_like(valid)
         cand[:, 1:-1] = attn[:, 1:-1] & valid[:, 2:] & attn[:, :1]
         return cand
+
+    def _check_anchors(self, cand_BT: Tensor) -> None:
+        """Rows too short for a block (no anchor in any) are a data setting to fix: raise, naming it. Done once
+        (``prepare``, or the first training forward), never per step: the check reads a value back from the device."""
+        if not cand_BT.any():
+            raise ValueError(f"data.max_length={cand_BT.shape[1]} is too short for {self.name}: no row has an anchor "
+                             f"(a token with context before it and a loss-bearing token after it)")
+        self._anchors_checked = True
 
     def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
         """[B, T]: anchors a whose slot k + 1 (predicting token a + k + 1) is trainable, were a drawn (training draws
@@ -362,9 +378,11 @@ class DFlashDrafter(Drafter):
 
     def _draw_anchors(self, cand_BT: Tensor) -> tuple[Tensor, Tensor]:
         """(anchors [B, N], drawn [B, N]): up to ``num_anchors`` candidates per row, uniformly without replacement
-        (all of them when fewer), in increasing position order."""
+        (all of them when fewer), in increasing position order. N is static: ``num_anchors``, or the most candidates a
+        row of length T can have (T - 2) when fewer; slots beyond a row's candidates are undrawn (the top picks of
+        a larger k are the same candidates, so the draw does not depend on N)."""
         score = torch.rand(cand_BT.shape, device=cand_BT.device).masked_fill(~cand_BT, -1.0)
-        n = int(min(self.num_anchors, int(cand_BT.sum(1).max())))
+        n = min(self.num_anchors, cand_BT.shape[1] - 2)
         top, idx = score.topk(max(n, 1), dim=1)
         drawn = top >= 0
         idx = torch.where(drawn, idx, cand_BT.shape[1])  # undrawn slots sort last
@@ -376,9 +394,8 @@ class DFlashDrafter(Drafter):
         B, T = ids.shape
         S = self.block_size
         cand = self._candidates(batch)
-        if not cand.any():
-            raise ValueError(f"data.max_length={T} is too short for {self.name}: no row has an anchor (a token with "
-                             f"context before it and a loss-bearing token after it)")
+        if not self._anchors_checked:  # once: a check per step would make the host wait for the device
+            self._check_anchors(cand)
         feats = torch.cat([teacher_out.hidden[i] for i in self.teacher_layers], -1)
         dtype = self.fc.weight.dtype if not torch.is_autocast_enabled(feats.device.type) else feats.dtype
         ctx = self._context(feats.to(dtype))  # [B, T, D]
@@ -399,21 +416,24 @@ class DFlashDrafter(Drafter):
         valid = batch["loss_mask"].bool() & attn
         terms = []
         head = Frozen(self._frozen["lm_head"])
+        # Every slot of every block is a row of its term, weighted by whether it trains (an empty term weighs 0):
+        # static shapes, no sync.
+        b_N = torch.arange(B, device=dev)[:, None].expand(B, N).reshape(-1)
         for k in range(1, S):
             target = pos_BNS[..., k]  # [B, N]: the token slot k predicts
             rows = drawn & (target < T)
             rows &= valid.gather(1, target.clamp(max=T - 1))
-            if not rows.any():
-                break
-            b_N, n_N = rows.nonzero(as_tuple=True)
-            t_N = target[b_N, n_N] - 1  # the target's distribution for token a + k sits at position a + k - 1
+            weight_N = rows.reshape(-1).float()
+            t_N = target.clamp(max=T).reshape(-1) - 1  # the target's distribution for token a + k sits at a + k - 1
             weight = math.exp(-(k - 1) / self.loss_gamma)
-            student = out[b_N, n_N, k]
+            student = out[:, :, k].reshape(B * N, -1)
             if self.objective == "ce":
                 labels = teacher_out.argmax_BT()[b_N, t_N]
-                terms.append(TokenTerm(student, head, TargetTokens(labels, self.dims.vocab_size), weight=weight))
+                terms.append(TokenTerm(student, head, TargetTokens(labels, self.dims.vocab_size), weight=weight,
+                                       weight_N=weight_N))
             else:
-                terms.append(DraftTerm(student, head, TeacherRows(teacher_out, b_N, t_N), weight=weight))
+                terms.append(DraftTerm(student, head, TeacherRows(teacher_out, b_N, t_N), weight=weight,
+                                       weight_N=weight_N))
         return DraftOutput(terms=terms, num_valid=drawn.sum()).evaluate(loss_fn)
 
     # --- decoding ------------------------------------------------------------------------------------------

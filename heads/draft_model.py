@@ -29,12 +29,15 @@ from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
+
 from transformers import DynamicCache
 
-from distill.chunked import TeacherRows, positions
+from distill.causal import causal_attention
+from distill.chunked import TeacherRows, slice_positions
 from distill.teacher import DTYPES
 from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
+from heads import flops
 from heads.base import DraftOutput, DraftTerm, Drafter, ForkedRows, TargetDims
 from heads.draft_model_rows import DraftModelRows
 from heads.draft_model_static import DraftModelStaticDraft
@@ -219,11 +222,25 @@ class DraftModel(Drafter):
 
     # --- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
-        mask_BT = self.train_mask(batch, 0)
-        teacher = TeacherRows(teacher_out, *positions(mask_BT))
-        student_ND, head = self._features_and_head(batch)
-        term = DraftTerm(student_ND[:, :-1][mask_BT], head, teacher)
+        # every position t < T - 1 is a row, weighted by whether it is trained: static shapes, no sync
+        weight_N = self.train_mask(batch, 0).reshape(-1).float()
+        student_BTD, head = self._features_and_head(batch)
+        B, n = student_BTD.shape[0], student_BTD.shape[1] - 1
+        teacher = TeacherRows(teacher_out, *slice_positions(B, n, 0, student_BTD.device))
+        term = DraftTerm(student_BTD[:, :-1].reshape(B * n, -1), head, teacher, weight_N=weight_N)
         return DraftOutput(terms=[term], num_valid=self.count_valid(batch)).evaluate(loss_fn)
+
+    @property
+    def projects_in_chunks(self) -> bool:
+        """Whether the loss projects the final states itself (``_features_and_head``): the output embedding is a plain
+        Linear with nothing after it and the forward can skip its logits."""
+        config = self.model.config.get_text_config()
+        return bool(self._logits_to_keep and isinstance(self.model.get_output_embeddings(), nn.Linear)
+                    and not getattr(config, "final_logit_softcapping", None)
+                    and getattr(config, "logit_scale", 1.0) == 1.0)
+
+    def train_flops(self, target, B: int, T: int):
+        return flops.draft_model(self, target, B, T)
 
     def _features_and_head(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Any]:
         """([B, T, D] the final normed hidden states, the output embedding): the loss projects them in chunks, so
@@ -231,13 +248,12 @@ class DraftModel(Drafter):
         more to its logits than its output embedding (soft-capping, a logit scale) or cannot skip them is
         projected whole: ([B, T, V] logits, identity)."""
         out_layer = self.model.get_output_embeddings()
-        config = self.model.config.get_text_config()
-        plain = (self._logits_to_keep and isinstance(out_layer, nn.Linear)
-                 and not getattr(config, "final_logit_softcapping", None) and getattr(config, "logit_scale", 1.0) == 1.0)
+        plain = self.projects_in_chunks
         kwargs = {"logits_to_keep": 1, "output_hidden_states": True} if plain else {}
         # Training rows are right-padded or packed (distill.data): causal attention without a mask is exact at every
         # real position, and HF then builds no [B, 1, T, T] mask (distill.teacher.Teacher.__call__'s right_padded).
-        out = self.model(input_ids=batch["input_ids"], use_cache=False, **kwargs)
+        with causal_attention(self.model):  # no mask built, no host read-back (distill.causal)
+            out = self.model(input_ids=batch["input_ids"], use_cache=False, **kwargs)
         if plain:
             return out.hidden_states[-1], out_layer
         return out.logits, nn.Identity()

@@ -46,9 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distill.chunked import Finished, Frozen, TeacherRows, positions
+from distill.chunked import Finished, Frozen, TeacherRows, slice_positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
+from heads import flops
 from heads.eagle_decode import EagleRows, draft_trees
 from heads.eagle_static import EagleStaticDraft
 from heads.eagle_attention import EXPLICIT_ATTENTION_ELEMENTS, EXPLICIT_MAX_SEQ, explicit_ttt_attention
@@ -313,6 +314,13 @@ class EagleDrafter(Drafter):
         of EAGLE-1's cost), later ones all ``ttt_steps``."""
         self._ttt_now = 1 if step < self.ttt_warmup_steps else self.ttt_steps
 
+    def train_flops(self, target, B: int, T: int):
+        return flops.eagle(self, target, B, T)
+
+    @property
+    def flops_stage(self) -> tuple:
+        return (self._ttt_now,)
+
     @property
     def dynamic_tree(self) -> bool:
         """Whether proposals are EAGLE-2 dynamic trees (whose shape the static cost model cannot predict)."""
@@ -428,22 +436,32 @@ class EagleDrafter(Drafter):
 
     def _step_loss(self, out_BTD: Tensor, teacher_out: TeacherOutput, feats_BTX: Tensor, mask_BT: Tensor,
                    j: int) -> tuple[DraftTerm, Tensor | None]:
-        """Step j at t is compared with the teacher at t+1+j (its logits predict token t+2+j)."""
-        rows = mask_BT[:, : mask_BT.shape[1] - 1 - j]  # mask_BT is False past position T-2-j anyway
-        shifted = lambda x: x[:, 1 + j:][rows]  # position t+1+j's values at position t, without copying x
-        student_ND, head = self._vocab_projection(out_BTD[mask_BT])
-        teacher = TeacherRows(teacher_out, *positions(rows, 1 + j))
+        """Step j at t is compared with the teacher at t+1+j (its logits predict token t+2+j). Every position
+        t < T-2-j is a row (``mask_BT`` is False past it), weighted 0/1 by ``mask_BT``: static shapes, no sync."""
+        B, T = mask_BT.shape
+        n = max(T - 2 - j, 0)
+        weight_N = mask_BT[:, :n].reshape(-1).float()
+        out_ND = out_BTD[:, :n].reshape(B * n, -1)
+        term = self._term(out_ND, teacher_out, *slice_positions(B, n, 1 + j, out_BTD.device), weight_N, j)
+        if not self.feature_loss_weight:
+            return term, None
+        # EAGLE-1's one feature: the target's feature at t+1+j
+        target_ND = feats_BTX[:, 1 + j: 1 + j + n].reshape(B * n, -1).float()
+        feat_N = F.smooth_l1_loss(out_ND.float(), target_ND, reduction="none").mean(-1)
+        feat = torch.where(weight_N > 0, feat_N, 0).sum()
+        return term, self.feature_loss_weight * self.loss_decay ** j * feat
+
+    def _term(self, out_ND: Tensor, teacher_out: TeacherOutput, b_N: Tensor, t_N: Tensor, weight_N: Tensor,
+              j: int) -> DraftTerm:
+        """Step j's distillation term: the outputs ``out_ND`` against the teacher's rows (``b_N``, ``t_N``), each row
+        weighted 0/1 by ``weight_N``."""
+        student_ND, head = self._vocab_projection(out_ND)
+        teacher = TeacherRows(teacher_out, b_N, t_N)
         if self.draft_vocab_size != self.dims.vocab_size:
             # The draft vocabulary's columns only (gathered per loss chunk, no full-row copy); agreement counts the
             # target's top token, -1 (never matched) when it is not drafted.
             teacher.cols, teacher.label_map = self.d2t, self.t2d
-        weight = self.loss_decay ** j
-        term = DraftTerm(student_ND, head, teacher, weight=self.kl_weight * weight)
-        if not self.feature_loss_weight:
-            return term, None
-        target_ND = shifted(feats_BTX).float()  # EAGLE-1's one feature: the target's feature at t+1+j
-        feat = F.smooth_l1_loss(out_BTD[mask_BT].float(), target_ND, reduction="none").mean(-1).sum()
-        return term, self.feature_loss_weight * weight * feat
+        return DraftTerm(student_ND, head, teacher, weight=self.kl_weight * self.loss_decay ** j, weight_N=weight_N)
 
     # --- decoding ------------------------------------------------------------------------------------------
     def reset(self, seed: int = 0) -> None:

@@ -25,8 +25,9 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from distill.chunked import Finished, TeacherRows, chunked_divergence, positions
+from distill.chunked import Finished, TeacherRows, chunked_divergence, slice_positions
 from distill.teacher_output import TeacherOutput
+from heads import flops
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from inference.sampling import GREEDY, SamplingConfig
 from inference.static_draft import DraftBuffers, mark_static
@@ -65,10 +66,11 @@ class MedusaHead(nn.Sequential):
         after its lm_head, e.g. Gemma-2's soft-capping) when there is something to finish."""
         return self[-1] if finish is _raw else Finished(self[-1], finish)
 
-    def forward(self, x: Tensor, teacher: TeacherRows | None = None, loss_fn=None, finish=_raw):
+    def forward(self, x: Tensor, teacher: TeacherRows | None = None, loss_fn=None, finish=_raw,
+                weight_N: Tensor | None = None):
         if teacher is None:
             return self[-1](self.features(x))
-        return chunked_divergence(self.features(x), self.projection(finish), teacher, loss_fn)
+        return chunked_divergence(self.features(x), self.projection(finish), teacher, loss_fn, weight_N=weight_N)
 
 
 
@@ -108,6 +110,9 @@ class MedusaHeads(Drafter):
             for head in self.heads:
                 head[-1].weight.data.copy_(lm_head.to(head[-1].weight.dtype))
 
+    def train_flops(self, target, B: int, T: int):
+        return flops.medusa(self, target, B, T)
+
     def head_logits(self, hidden_BTD: Tensor) -> list[Tensor]:
         return [head(hidden_BTD) for head in self.heads]
 
@@ -119,15 +124,19 @@ class MedusaHeads(Drafter):
             shift = i + 1  # head k = i + 1 at t is compared with teacher logits at t + k (predicting t + k + 1)
             if T <= shift + 1:
                 break
-            mask_BT = self.train_mask(batch, i)
-            hidden_ND = hidden_BTD[:, : T - shift - 1][mask_BT]
-            teacher = TeacherRows(teacher_out, *positions(mask_BT, shift))
+            # every position t < T - shift - 1 is a row, weighted by whether it is trained: static shapes, no sync
+            B, n = hidden_BTD.shape[0], T - shift - 1
+            weight_N = self.train_mask(batch, i).reshape(-1).float()
+            hidden_ND = hidden_BTD[:, :n].reshape(B * n, -1)
+            teacher = TeacherRows(teacher_out, *slice_positions(B, n, shift, hidden_BTD.device))
             weight = self.loss_decay**i
             if loss_fn is None:  # evaluated later by DraftOutput.loss
-                terms.append(DraftTerm(head.features(hidden_ND), head.projection(self._finish), teacher, weight=weight))
+                terms.append(DraftTerm(head.features(hidden_ND), head.projection(self._finish), teacher, weight=weight,
+                                       weight_N=weight_N))
             else:  # through the head's own call (sharding engines gather its weights for it)
-                loss_sum, pred_N = head(hidden_ND, teacher, loss_fn, self._finish)
-                terms.append(DraftTerm(hidden_ND, head, teacher, weight=weight, loss_sum=loss_sum, pred_N=pred_N))
+                loss_sum, pred_N = head(hidden_ND, teacher, loss_fn, self._finish, weight_N)
+                terms.append(DraftTerm(hidden_ND, head, teacher, weight=weight, loss_sum=loss_sum, pred_N=pred_N,
+                                       weight_N=weight_N))
         return DraftOutput(terms=terms, num_valid=self.count_valid(batch)).evaluate(loss_fn)
 
     def compile_regions(self) -> list[tuple[object, str]]:

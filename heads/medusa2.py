@@ -32,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distill.causal import causal_attention
 from distill.chunked import Finished, chunked_cross_entropy
 from distill.prompts import heldout_prompts
 from distill.teacher_output import TeacherOutput
+from heads import flops
 from heads.base import DraftOutput, TargetDims
 from heads.lora import ADAPTER, check_lora_spec, inject_lora, remove_lora
 from heads.medusa import MedusaHeads
@@ -174,6 +176,13 @@ class Medusa2(MedusaHeads):
         return [{"params": [p for p in self.heads.parameters() if p.requires_grad], "lr_scale": 1.0},
                 {"params": list(self.lora.parameters()), "lr_scale": self.lora_lr_scale}]
 
+    def train_flops(self, target, B: int, T: int):
+        return flops.medusa2(self, target, B, T)
+
+    @property
+    def flops_stage(self) -> tuple:
+        return (self._joint,)
+
     def begin_step(self, step: int) -> None:
         joint = step >= self.heads_only_steps
         if joint and not self._joint:
@@ -196,15 +205,19 @@ class Medusa2(MedusaHeads):
         # logits_to_keep=1: the adapted target's [B, T, V] logits are never formed; its LM loss projects in chunks.
         # No mask: training rows are right-padded or packed (distill.data), exact at every real position, as the
         # teacher's forward (distill.teacher.Teacher.__call__'s right_padded).
-        out = model(input_ids=ids_BT, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        with causal_attention(model):  # no mask built, no host read-back (distill.causal)
+            out = model(input_ids=ids_BT, output_hidden_states=True, use_cache=False, logits_to_keep=1)
         hidden_BTD = out.hidden_states[-1]
         # Heads read the adapted target's final normed state, but are still distilled toward the original's logits.
         draft = super().forward(batch, dataclasses.replace(teacher_out, hidden={-1: hidden_BTD}), loss_fn)
         if self.lm_loss_weight:
             # Position t predicts token t+1, trained where that token is loss-bearing (as the loader masks it).
-            mask_BT = (batch["loss_mask"].bool() & attention_BT.bool())[:, 1:]
+            # Every position is a row, weighted by that mask: static shapes, no sync.
+            weight_N = (batch["loss_mask"].bool() & attention_BT.bool())[:, 1:].reshape(-1).float()
             head = Finished(model.get_output_embeddings(), self._finish)  # the target's lm_head, then its soft-cap
-            ce = chunked_cross_entropy(hidden_BTD[:, :-1][mask_BT], head, ids_BT[:, 1:][mask_BT], self.dims.vocab_size)
+            B, n = ids_BT.shape[0], ids_BT.shape[1] - 1
+            ce = chunked_cross_entropy(hidden_BTD[:, :-1].reshape(B * n, -1), head, ids_BT[:, 1:].reshape(-1),
+                                       self.dims.vocab_size, weight_N=weight_N)
             draft.aux_loss_sum = self.lm_loss_weight * ce
         return draft
 

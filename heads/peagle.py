@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from distill.row_seeds import batch_row_seeds, uniform_bits
 from distill.teacher_output import TeacherOutput
+from heads import flops
 from heads.base import DraftOutput, TargetDims
 from heads.eagle import DraftLayer, EagleDrafter, RMSNorm
 from heads.peagle_rows import PEagleRows
@@ -110,20 +111,29 @@ class PEagleDrafter(EagleDrafter):
         return self.draft_vocab_size == self.dims.vocab_size and self.num_depths > 1
 
     # --- training ------------------------------------------------------------------------------------------
+    def train_flops(self, target, B: int, T: int):
+        return flops.peagle(self, target, B, T)
+
+    def _ratios(self) -> list[float]:
+        return [max(self.down_sample_ratio ** d, self.down_sample_ratio_min) for d in range(1, self.num_depths)]
+
     def depth_counts(self, candidates: int) -> list[int]:
         """Chains trained at depths 1..K-1 out of ``candidates`` anchors: non-increasing, so the sets nest."""
-        ratios = [max(self.down_sample_ratio ** d, self.down_sample_ratio_min) for d in range(1, self.num_depths)]
-        return [min(candidates, math.ceil(r * candidates)) for r in ratios]
+        return [min(candidates, math.ceil(r * candidates)) for r in self._ratios()]
 
     def _rank_anchors(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, list[int]]:
         """(anchors [B, N], taken [B, K-1], [N_1, ..., N_{K-1}]): each row's anchors (positions whose depth-1 slot is
         trainable) in one random order, a function of the row's seed (``distill.row_seeds``); row b trains the
-        chains of its first ``taken[b, d-1]`` anchors at depth d (``depth_counts`` of its own anchors); N_d, the
-        most any row takes, sizes the dense queries."""
+        chains of its first ``taken[b, d-1]`` anchors at depth d (``depth_counts`` of its own anchors, computed on
+        the device); N_d, ``depth_counts`` of the most anchors a row of length T can have (T - 3), sizes the dense
+        queries: static shapes, no read-back. A top-k ranking of a larger k has the smaller k's picks as its
+        prefix, so the chains a row trains do not depend on N_d."""
         cand = self.train_mask(batch, 1)
-        per_row = [self.depth_counts(c) for c in cand.sum(1).tolist()]  # shapes: one read-back per batch
-        counts = [max(col) for col in zip(*per_row)] if per_row else []
-        taken = torch.tensor(per_row, dtype=torch.long, device=cand.device).view(cand.shape[0], len(counts))
+        B, T = cand.shape
+        counts = self.depth_counts(max(T - 3, 0))
+        c = cand.sum(1, keepdim=True).double()  # float64: ceil(r * c) as math.ceil computes it
+        taken = (torch.cat([torch.minimum(torch.ceil(c * r), c) for r in self._ratios()], 1).long() if counts
+                 else cand.new_zeros((B, 0), dtype=torch.long))
         if not counts or counts[0] == 0:
             return cand.new_zeros((cand.shape[0], 0), dtype=torch.long), taken, [0] * len(counts)
         score = uniform_bits(batch_row_seeds(batch), cand.shape[1]).masked_fill(~cand, -1)
@@ -164,17 +174,16 @@ class PEagleDrafter(EagleDrafter):
         terms = [self._step_loss(out[:, :T], teacher_out, feats, self.train_mask(batch, 0), 0)[0]]
         start = T
         for d, n in enumerate(counts, start=1):
-            rows = torch.arange(n, device=dev)[None, :] < taken[:, d - 1: d]  # [B, n]: row b's first taken[b]
-            b_N, i_N = rows.nonzero(as_tuple=True)
-            a_N = anchors[b_N, i_N]
-            chosen = torch.zeros(B, T, dtype=torch.bool, device=dev)
-            chosen[b_N, a_N] = True
-            mask_BT = chosen & self.train_mask(batch, d)
-            if not mask_BT.any():
+            if n == 0:
                 break
-            # the chains' outputs at their anchors' positions (anchors of a row are distinct): EAGLE-3's step loss
-            out_BTD = out.new_zeros(B, T, out.shape[-1]).index_put((b_N, a_N), out[b_N, start + i_N])
-            terms.append(self._step_loss(out_BTD, teacher_out, feats, mask_BT, d)[0])
+            # Every chain slot is a row (in its anchor's position order), weighted by whether row b takes it (its
+            # first taken[b] chains) and its token is loss-bearing: EAGLE-3's step term, static shapes, no sync.
+            a_Bn, order = anchors[:, :n].sort(1)
+            rows = (order < taken[:, d - 1: d]) & self.train_mask(batch, d).gather(1, a_Bn)
+            out_Bn = out[:, start: start + n].gather(1, order[..., None].expand(-1, -1, out.shape[-1]))
+            b_N = torch.arange(B, device=dev)[:, None].expand(B, n).reshape(-1)
+            t_N = (a_Bn + 1 + d).clamp(max=T - 1).reshape(-1)  # step d at a is compared with the teacher at a+1+d
+            terms.append(self._term(out_Bn.reshape(B * n, -1), teacher_out, b_N, t_N, rows.reshape(-1).float(), d))
             start += n
         return DraftOutput(terms=terms, num_valid=self.count_valid(batch)).evaluate(loss_fn)
 

@@ -13,8 +13,12 @@ creep in; this counter sees them on any device, so a CPU test can hold the GPU b
   and is not counted again (it was, which put every GPU step's count one over per ``tolist``);
 - ``from_python``: ``aten.lift_fresh`` (a tensor built from Python data: ``torch.tensor``, ``as_tensor`` of a list,
   indexing with a Python list);
-- ``sync_shape``: ops whose output size depends on the data (``nonzero``, ``masked_select``, ``unique``...);
+- ``sync_shape``: ops whose output size depends on the data (``nonzero``, ``masked_select``, ``unique``...), and
+  indexing with a boolean mask (``x[mask]``: its ``nonzero`` runs inside the index kernel, below the dispatcher);
 - ``copy``: a copy between two devices (``.to``, ``.cpu()``, ``copy_``) — none on a CPU-only run.
+
+Ops under ``torch.inference_mode`` do not reach a dispatch mode at all: they are not counted (count such code under
+``torch.no_grad`` to see its syncs).
 
 Usage::
 
@@ -37,6 +41,13 @@ _FROM_PYTHON = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 _SYNC_SHAPE = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
                aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.equal.default}
 _COPIES = {aten._to_copy.default, aten.copy_.default}
+_INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+def _bool_index(args) -> bool:
+    """Whether an indexing op's indices hold a boolean mask (its output shape is the mask's count)."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
 def _devices(args, kwargs) -> set[torch.device]:
@@ -91,7 +102,7 @@ class TransferCounter(TorchDispatchMode):
             self.counts["item"] += 1
         elif func in _FROM_PYTHON:
             self.counts["from_python"] += 1
-        elif func in _SYNC_SHAPE:
+        elif func in _SYNC_SHAPE or func in _INDEX and _bool_index(args):
             self.counts["sync_shape"] += 1
         elif func in _COPIES and not self._in_tolist:
             devices = _devices(args, kwargs)

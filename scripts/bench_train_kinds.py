@@ -116,8 +116,8 @@ def run_one(teacher: Teacher, kind: str, mode: str, micro_batch: int, args, pres
     node = drafter_node(kind, preset)
     steps, log_every = args.steps or preset["steps"], preset["log_every"]
     known = {f.name for f in fields(TrainerConfig)}  # an older checkout (--code) may lack the newer settings
-    extra = {k: v for k, v in (("peak_tflops", args.peak_tflops), ("compile", "on" if mode == "compiled" else "off"))
-             if k in known}
+    extra = {k: v for k, v in (("peak_tflops", args.peak_tflops), ("compile", "on" if mode == "compiled" else "off"),
+                                ("compile_backend", args.compile_backend)) if k in known}
     trainer = TrainerConfig(engine=args.engine, device=str(teacher.device), steps=steps, micro_batch_size=micro_batch,
                             lr=1e-4, warmup_steps=1, log_every=log_every, ckpt_every=10**9, keep_last=1,
                             resume="never", select="last", eval_every=0, bf16=preset["bf16"], **extra)
@@ -201,6 +201,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", default=None, help="sizes to try, largest first (default: the preset's)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak (default: its table)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compile-backend", default=None, help="trainer.compile_backend (default: inductor)")
     ap.add_argument("--engine", default="single", help="trainer.engine (fsdp / ddp: launch under torchrun)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)

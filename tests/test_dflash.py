@@ -176,7 +176,8 @@ def test_anchor_draws_are_bounded_and_counted(teacher):
     assert drawn.sum(1).tolist() == [3, 3] and bool((anchors[1] < 9).all())
     assert anchors[0].tolist() == sorted(anchors[0].tolist())
     out = drafter(batch, teacher.signals(batch, drafter.teacher_layers))
-    assert int(out.num_valid) == int(drafter.count_valid(batch)) == 6 == len(out.terms[0].student_ND)
+    assert int(out.num_valid) == int(drafter.count_valid(batch)) == 6 == int(out.terms[0].mask_N.sum())
+    assert len(out.terms[0].student_ND) == 2 * 3  # static: every anchor slot of every row
 
 
 # --- export ------------------------------------------------------------------------------------------------------

@@ -225,8 +225,10 @@ def test_training_forward_aligns_with_the_teacher_and_trains_only_the_draft(tiny
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
     teacher_out = tiny_teacher(ids, batch["attention_mask"])
     out = drafter(batch, teacher_out)
-    assert len(out.terms) == 1 and int(out.num_valid) == out.terms[0].student_NV.shape[0] == 2 * 4
-    torch.testing.assert_close(out.terms[0].teacher_NV, teacher_out.logits_BTV[:, 7:11].reshape(8, 128))
+    term = out.terms[0]  # every position t < 11 of both rows, those of 7..10 weighing 1
+    assert len(out.terms) == 1 and int(out.num_valid) == int(term.mask_N.sum()) == 2 * 4
+    assert term.mask_N.view(2, 11).nonzero()[:, 1].tolist() == [7, 8, 9, 10] * 2
+    torch.testing.assert_close(term.teacher_NV[term.mask_N], teacher_out.logits_BTV[:, 7:11].reshape(8, 128))
     loss, n = out.loss(functools.partial(forward_kl, temperature=1.0))
     (loss / n).backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())

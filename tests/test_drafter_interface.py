@@ -53,8 +53,9 @@ def test_count_valid_is_what_forward_normalises_by(tiny_teacher, name):
     for k, term in enumerate(out.terms):
         # derived here from the data alone: one row per real, loss-bearing token term k predicts
         expected = int(valid_BT[:, AHEAD[name](k):].sum())
-        assert term.student_ND.shape[0] == int(drafter.train_mask(batch, k).sum()) == expected, f"term {k}"
-    assert int(drafter.count_valid(batch)) == out.terms[0].student_ND.shape[0] == int(out.num_valid) > 0
+        assert int(term.mask_N.sum()) == int(drafter.train_mask(batch, k).sum()) == expected, f"term {k}"
+        assert term.student_ND.shape[0] == term.mask_N.shape[0]  # one weight per row of the term's static slice
+    assert int(drafter.count_valid(batch)) == int(out.terms[0].mask_N.sum()) == int(out.num_valid) > 0
 
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))

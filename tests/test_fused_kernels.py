@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from distill import fused_kernels, losses
-from distill.chunked import Finished, Frozen, TeacherRows, chunked_cross_entropy, chunked_divergence, positions
+from distill.chunked import (Finished, Frozen, TeacherRows, chunked_cross_entropy, chunked_divergence, positions,
+                             slice_positions)
 from distill.fused_kernels import fused_kernel
 from distill.teacher import TargetLogits
 from distill.teacher_output import TeacherOutput
@@ -127,6 +128,24 @@ def test_liger_equals_the_chunked_path(liger, liger_calls, name, frozen):
     for a, b in zip(got[2], want[2]):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert signal.readout.lm_head.weight.grad is None
+
+
+@pytest.mark.parametrize("name", ["fkl", "jsd_0.3"])
+def test_liger_takes_the_rows_of_weight_one(liger, liger_calls, name):
+    """A drafter's static rows with 0/1 weights: liger, which weighs every row alike, is given the rows of weight 1
+    alone; loss, gradients (zero on rows of weight 0) and the argmax of every row equal the chunked path's."""
+    x, head, signal, mask = projected()
+    B, T = mask.shape
+    x_all = torch.randn(B * T, x.shape[1], generator=torch.Generator().manual_seed(7), requires_grad=True)
+    rows = TeacherRows(signal, *slice_positions(B, T))
+    kw = dict(chunk_elements=5 * 300, weight_N=mask.reshape(-1).float())
+    got = run("liger", x_all, head, rows, LIGER[name], **kw)
+    want = run("none", x_all, head, rows, LIGER[name], **kw)
+    assert len(liger_calls) == 1 and liger_calls[0].student_ND.shape[0] == int(mask.sum())
+    torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=ATOL)
+    assert torch.equal(got[1], want[1]) and got[1].shape == (B * T,)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.gpu

@@ -89,7 +89,8 @@ def test_chunked_equals_unchunked_loss_and_gradients(name):
                                      functools.partial(losses.topk_forward_kl, temperature=0.5, k=1)])
 def test_hand_written_gradients_equal_autograd(loss_fn):
     """Forward KL and top-k forward KL skip autograd (``fused_divergence``: T·(q − p), p the teacher or its top k
-    renormalised and scattered): loss and logit gradient equal autograd through the menu function, ties included."""
+    renormalised and scattered): each row's loss and the logit gradient equal autograd through the menu function,
+    ties included."""
     fused, temperature = losses.fused_divergence(loss_fn)
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(7, 40, generator=g) * 2
@@ -99,9 +100,11 @@ def test_hand_written_gradients_equal_autograd(loss_fn):
     want_logits = logits.clone().requires_grad_()
     want = loss_fn(want_logits, teacher, None)[0]
     (want_grad,) = torch.autograd.grad(want, [want_logits])
+    want_rows = torch.stack([loss_fn(logits[i: i + 1], teacher[i: i + 1], None)[0] for i in range(7)])
     for probs in (None, log_p.exp()):  # the teacher's probs computed inside, or handed over with its log-probs
         got, got_grad = fused(logits.clone(), log_p.clone(), None if probs is None else probs.clone())
-        torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got, want_rows, rtol=RTOL, atol=ATOL)  # one value per row
+        torch.testing.assert_close(got.sum(), want.detach(), rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=ATOL)
     assert losses.fused_divergence(MENU["jsd"]) is None  # the others go through autograd on the chunk
 
@@ -210,9 +213,10 @@ def test_every_drafter_kind_matches_the_materialised_loss(tiny_teacher, kind, lo
     lazy = drafter(batch, signals)
     ref = lazy.aux_loss_sum if lazy.aux_loss_sum is not None else 0
     for term in lazy.terms:
-        ref = ref + term.weight * MENU[loss](term.student_NV, term.teacher_NV, None)[0]
+        ref = ref + term.weight * MENU[loss](term.student_NV, term.teacher_NV, term.mask_N)[0]  # the trained rows
     ref_grads = torch.autograd.grad(ref, params)
-    ref_agree = [(int((t.student_NV.argmax(-1) == t.label_N).sum()), t.student_NV.shape[0]) for t in lazy.terms]
+    ref_agree = [(int((t.student_NV.argmax(-1) == t.label_N)[t.mask_N].sum()), int(t.mask_N.sum()))
+                 for t in lazy.terms]
     # After: the loss computed in chunks inside the drafter's call, on the teacher's form the loop asks for.
     after = tiny_teacher.signals(batch, drafter.teacher_layers, dense=drafter.dense_teacher_logits)
     assert after.projected == (kind in PROJECTED) and (after.logits_BTV is None) == (kind in PROJECTED)

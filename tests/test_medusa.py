@@ -49,8 +49,10 @@ def test_loss_mask_selects_positions(tiny_teacher):
     batch = make_batch(T=12, B=1)
     batch["loss_mask"][:, :8] = False  # only tokens 8..11 are learnable
     out = drafter(batch, tiny_teacher(batch["input_ids"], None, drafter.teacher_layers))
-    # head 1 at t predicts t + 2: t in 6..9
-    assert [t.student_NV.shape[0] for t in out.terms] == [4, 4, 4]
+    # head k at t predicts t + k + 1: head 1 trains t in 6..9, head 2 t in 5..8, head 3 t in 4..7; every other
+    # row of the term's slice weighs 0
+    assert [t.mask_N.nonzero().squeeze(1).tolist() for t in out.terms] == [[6, 7, 8, 9], [5, 6, 7, 8], [4, 5, 6, 7]]
+    assert [t.student_NV.shape[0] for t in out.terms] == [10, 9, 8]  # every position t < T - k - 1
 
 
 def test_gradients_reach_heads_but_never_the_target(tiny_teacher):

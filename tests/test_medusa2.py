@@ -158,7 +158,9 @@ def test_joint_stage_lm_loss_is_the_adapted_targets_next_token_loss(tiny_teacher
     torch.testing.assert_close(out.aux_loss_sum, 0.5 * ce)
     # Heads read the adapted target's states but are distilled toward the original's logits.
     original = tiny_teacher(batch["input_ids"]).logits_BTV[0]
-    torch.testing.assert_close(out.terms[0].teacher_NV, original[7:11])  # head 1 at t = 6..9 -> original at t + 1
+    head1 = out.terms[0]  # head 1 at t = 6..9 -> original at t + 1
+    torch.testing.assert_close(head1.teacher_NV[head1.mask_N], original[7:11])
+    assert head1.mask_N.nonzero().squeeze(1).tolist() == [6, 7, 8, 9]
 
 
 def run_loop(teacher, run_dir, cfg, engine=None):

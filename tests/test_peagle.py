@@ -93,8 +93,9 @@ def test_depths_sample_nested_shrinking_shares(teacher):
     assert taken.tolist() == [drafter.depth_counts(13), drafter.depth_counts(7)] and counts == drafter.depth_counts(13)
     assert bool((anchors[1, : taken[1, 0]] < 7).all()) and len(set(anchors[0].tolist())) == counts[0]
     out = drafter(batch, teacher.signals(batch, drafter.teacher_layers))
-    rows = [len(t.student_ND) for t in out.terms]
+    rows = [int(t.mask_N.sum()) for t in out.terms]  # the rows trained (a term's other rows weigh 0)
     assert rows[0] == int(out.num_valid) == 14 + 8 and rows == sorted(rows, reverse=True)
+    assert [len(t.student_ND) for t in out.terms] == [2 * 14, *(2 * n for n in counts)]  # static: B x slots
     assert rows[1] == counts[0] + drafter.depth_counts(7)[0]  # every depth-1 chain drawn is trainable
 
 

@@ -77,6 +77,7 @@ def test_world_size_not_dividing_the_batch_is_refused():
     (["target.shard=tp"], r"target.shard='tp'.*replicate.*fsdp.*zero3"),
     (["trainer=fsdp", "drafter=draft_model", "data.mode=on_policy"], "data.mode=on_policy samples from the draft"),
     (["trainer.global_batch_size=0"], "global_batch_size must be >= 1"),
+    (["trainer.peak_tflops=0"], r"trainer.peak_tflops must be > 0 .*got 0"),
 ])
 def test_bad_trainer_values_fail_validation(overrides, match):
     with pytest.raises(ValueError, match=match):

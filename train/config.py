@@ -142,6 +142,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"trainer.zero_stage={t.zero_stage}; valid: 1, 2, 3")
     if t.global_batch_size is not None and t.global_batch_size < 1:
         raise ValueError(f"trainer.global_batch_size must be >= 1 or null, got {t.global_batch_size}")
+    if t.peak_tflops is not None and not t.peak_tflops > 0:
+        raise ValueError(f"trainer.peak_tflops must be > 0 (one device's dense bf16 TFLOP/s, for perf/mfu) or null "
+                         f"(looked up from the GPU's name), got {t.peak_tflops}")
 
     if cfg.target.shard not in TARGET_SHARDING:
         raise ValueError(f"target.shard={cfg.target.shard!r}; valid: {list(TARGET_SHARDING)}")

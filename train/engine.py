@@ -86,6 +86,9 @@ class TrainerConfig:
     # Refused under DeepSpeed ZeRO-3 (trainer=zero3), whose partitioned parameters a compiled region cannot gather.
     compile: str = "auto"
     compile_backend: Optional[str] = None  # torch.compile backend; null = inductor (aot_eager: tracing only, checks)
+    # Dense bf16 TFLOP/s of one device, for perf/mfu (train.flops); null: looked up from the GPU's name (a table of
+    # common GPUs), none on a CPU. Set it for an unlisted accelerator or another precision's peak.
+    peak_tflops: Optional[float] = None
     # The drafters' structured training attention (heads.train_attention): auto = flex attention on CUDA, the tiled
     # SDPA kernel elsewhere | flex (CUDA only to train) | tiled | dense = one SDPA call under the whole [Q, KV] mask
     # (the reference; memory grows with the square of the sequence).

@@ -53,6 +53,11 @@ class StepFeed:
         self._request(step + 1)
         return [{k: v.to(self.device, non_blocking=self.pin) for k, v in b.items()} for b in host], waited
 
+    def upload(self, tensor: Tensor) -> Tensor:
+        """A host tensor made on the loop's thread (per-row seeds) on the device without a blocking copy: a copy from
+        pageable memory would wait for the device's queue to drain."""
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.pin else tensor.to(self.device)
+
     def close(self) -> None:
         for future in self._pending.values():
             future.cancel()

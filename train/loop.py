@@ -42,6 +42,7 @@ from train.selection import Selection
 from train.preemption import Preempted, StopFlag, stop_on_signals, stopped_line
 from train.config import Config
 from train.engine import TrainerConfig
+from train.flops import FlopMeter, device_peak_tflops
 from inference.stats import simulated_tau
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ def _train(cfg: Config, teacher, drafter, model, optimizer, dataset: Dataset, co
     layers = tuple(drafter.teacher_layers)
     sim_depth = cfg.eval.num_draft if drafter.drafts_autoregressively else None
     accum = t.grad_accum
+    flops = FlopMeter(drafter, teacher, engine.world_size, device_peak_tflops(engine.device, t.peak_tflops))
 
     model.train()
     t_start = t_window = time.perf_counter()
@@ -143,7 +145,7 @@ def _train(cfg: Config, teacher, drafter, model, optimizer, dataset: Dataset, co
             # Per-row seeds (distill.row_seeds) from the row's index in the step's global batch: a drafter that
             # samples training positions draws the same for any world size and across a resume.
             index = (first + micro - step * engine.world_size * accum) * t.micro_batch_size
-            batch[ROW_SEED] = row_seeds(cfg.seed, step, index, batch["input_ids"].shape[0]).to(engine.device)
+            batch[ROW_SEED] = feed.upload(row_seeds(cfg.seed, step, index, batch["input_ids"].shape[0]))
             batches[micro] = batch
         # The step's valid-token count over all micro-batches and ranks, known before any forward (torchtitan's
         # global token count): each backward then carries its final per-token weight.
@@ -152,6 +154,7 @@ def _train(cfg: Config, teacher, drafter, model, optimizer, dataset: Dataset, co
         agree = None
         for micro, batch in enumerate(batches):
             tokens_window += batch["attention_mask"].sum()
+            flops.add(batch)  # from the batch's shape: no sync
             with engine.micro_step(sync=micro == accum - 1):
                 with clock("teacher"):
                     teacher_out = teacher.signals(batch, layers, dense=drafter.dense_teacher_logits)
@@ -184,7 +187,8 @@ def _train(cfg: Config, teacher, drafter, model, optimizer, dataset: Dataset, co
             accs = (agree[:, 0].float() / agree[:, 1].clamp(min=1)).tolist()
             last.update({f"train/acc_head{k + 1}": a for k, a in enumerate(accs)})
             last["train/sim_tau"] = simulated_tau(accs, sim_depth)
-            last.update(throughput(engine, clock, tokens_window, time.perf_counter() - t_window))
+            last.update(throughput(engine, clock, tokens_window, time.perf_counter() - t_window, flops,
+                                   last["train/elapsed_s"]))
             last["perf/data_wait_s"] = wait_window / max(steps_window, 1)
             if report is not None:
                 last.update(report.summary())
@@ -238,13 +242,18 @@ class PhaseClock:
             self.seconds[phase] += time.perf_counter() - t0
 
 
-def throughput(engine, clock: PhaseClock, tokens: Tensor, seconds: float) -> dict:
+def throughput(engine, clock: PhaseClock, tokens: Tensor, seconds: float, flops: FlopMeter | None = None,
+               run_seconds: float = 0.0) -> dict:
     """``perf/*``: all-ranks tokens/s (rows' real tokens) since the previous logging step, this rank's teacher vs
-    drafter seconds within the logged step, and its peak memory."""
+    drafter seconds within the logged step, and its peak memory; with ``flops``, the achieved model TFLOP/s and MFU
+    over the same window and their means over the ``run_seconds`` so far (``train.flops``)."""
     total = int(engine.all_reduce_sum(tokens))
     if engine.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(engine.device) / 2**30
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-    return {"perf/tokens_per_s": total / max(seconds, 1e-9), "perf/teacher_s": clock.seconds["teacher"],
-            "perf/drafter_s": clock.seconds["drafter"], "perf/peak_mem_gb": peak}
+    out = {"perf/tokens_per_s": total / max(seconds, 1e-9), "perf/teacher_s": clock.seconds["teacher"],
+           "perf/drafter_s": clock.seconds["drafter"], "perf/peak_mem_gb": peak}
+    if flops is not None:
+        out.update(flops.metrics(seconds, run_seconds, engine.all_reduce_sum, engine.device))
+    return out

@@ -36,9 +36,10 @@ def locate(model, teacher, batches: Sequence[dict], layers: Sequence[int], loss_
         with engine.micro_step(sync=False):
             out = model(batch, teacher.signals(batch, layers))
             for k, term in enumerate(out.terms, start=1):
-                value = loss_fn(term.student_NV, term.teacher_NV, None)[0]
+                value = loss_fn(term.student_NV, term.teacher_NV, term.mask_N)[0]
                 if not torch.isfinite(value):
-                    what = "drafter logits" if not torch.isfinite(term.student_NV).all() else "divergence"
+                    logits = term.student_NV if term.mask_N is None else term.student_NV[term.mask_N]
+                    what = "drafter logits" if not torch.isfinite(logits).all() else "divergence"
                     return f"micro-batch {m}, loss term {k} (the term behind train/acc_head{k}; its {what} is non-finite)"
             if out.aux_loss_sum is not None and not torch.isfinite(out.aux_loss_sum):
                 return f"micro-batch {m}, the drafter's auxiliary loss (e.g. EAGLE's feature loss)"
