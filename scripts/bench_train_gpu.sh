@@ -4,7 +4,7 @@
 # the JSON is rewritten after every (kind, mode) run, so a cut phase keeps what it finished.
 #
 #   OUT=<dir> DEADLINE_S=560 bash scripts/bench_train_gpu.sh
-#   PRESET=tiny OUT=/tmp/bench DEADLINE_S=400 bash scripts/bench_train_gpu.sh     # end to end on a CPU
+#   PRESET=tiny COMPILE_BACKEND=aot_eager OUT=/tmp/bench bash scripts/bench_train_gpu.sh   # end to end on a CPU
 #
 # A randomly initialised target at Llama-3.1-8B's shape (vocabulary 128,256, bf16, sequence 2048; no download),
 # random packed rows, the real training loop (scripts/bench_train_kinds.py):
@@ -26,6 +26,8 @@ export PYTHONPATH="$PWD:$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFE
 export SPECDRAFT_CACHE=${SPECDRAFT_CACHE:-/tmp/specdraft-cache}
 PY=${PYTHON:-python3}
 BENCH="scripts/bench_train_kinds.py --preset $PRESET --steps $STEPS"
+# aot_eager: compiled runs traced without code generation (a quick CPU check of the script; inductor otherwise)
+[[ -n "${COMPILE_BACKEND:-}" ]] && BENCH="$BENCH --compile-backend $COMPILE_BACKEND"
 start=$(date +%s)
 left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
 phase() {  # phase NAME MAX_SECONDS COMMAND...: run under the smaller of MAX_SECONDS and the time left, log in NAME.log
