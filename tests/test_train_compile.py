@@ -143,3 +143,24 @@ def test_auto_compiles_on_cuda_only_and_zero3_is_refused_or_skipped():
     assert not resolve_compile("auto", cuda, "deepspeed", 3)
     with pytest.raises(ValueError, match="trainer.compile=on cannot run under DeepSpeed ZeRO-3"):
         resolve_compile("on", cuda, "deepspeed", 3)
+
+
+class _Doubling:
+    def step(self, x):
+        return x * 2
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_under_auto_a_region_that_fails_to_compile_runs_eagerly_and_under_on_it_stops():
+    torch._dynamo.reset()
+    owner = _Doubling()
+    with compiled_regions([(owner, "step")], True, backend=_failing_backend, strict=False):
+        assert torch.equal(owner.step(torch.ones(2)), torch.full((2,), 2.0))
+    torch._dynamo.reset()
+    with compiled_regions([(owner, "step")], True, backend=_failing_backend, strict=True):
+        with pytest.raises(Exception, match="cannot compile anything"):
+            owner.step(torch.ones(2))
+    assert not torch._dynamo.config.suppress_errors  # restored

@@ -95,12 +95,13 @@ class CompileReport:
 
 
 @contextlib.contextmanager
-def compiled_regions(regions: Sequence[tuple[object, str]], enabled: bool,
-                     backend: str | None = None) -> Iterator[CompileReport | None]:
+def compiled_regions(regions: Sequence[tuple[object, str]], enabled: bool, backend: str | None = None,
+                     strict: bool = True) -> Iterator[CompileReport | None]:
     """Inside this block each ``(owner, name)`` region's ``owner.name`` is its ``torch.compile``d version (set on
     the instance, so it shadows the class's method for this object only); restored on exit. ``backend``: inductor
-    when None (tests pass ``aot_eager``: dynamo and AOT autograd without code generation). Yields the report, or
-    None when ``enabled`` is false."""
+    when None (tests pass ``aot_eager``: dynamo and AOT autograd without code generation). ``strict=False``
+    (``trainer.compile=auto``): a region that fails to compile runs eagerly, with dynamo's warning, instead of
+    stopping the run. Yields the report, or None when ``enabled`` is false."""
     if not enabled:
         yield None
         return
@@ -113,8 +114,9 @@ def compiled_regions(regions: Sequence[tuple[object, str]], enabled: bool,
     kw = {"backend": backend} if backend else {}
     patched = []
     config = torch._dynamo.config
-    limit = config.recompile_limit
+    limit, suppress = config.recompile_limit, config.suppress_errors
     config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+    config.suppress_errors = suppress or not strict
     try:
         for owner, name in regions:
             if name in vars(owner):  # compiled already (a region named twice): once is enough
@@ -126,7 +128,7 @@ def compiled_regions(regions: Sequence[tuple[object, str]], enabled: bool,
     finally:
         for owner, name in patched:
             vars(owner).pop(name, None)
-        config.recompile_limit = limit
+        config.recompile_limit, config.suppress_errors = limit, suppress
 
 
 class FirstStepTimer:

@@ -36,7 +36,7 @@ from distill.fused_kernels import fused_kernel
 from heads.train_attention import train_attention
 from distill.schedule import warmup_cosine
 from train import checkpoint, nonfinite
-from train.compile import FirstStepTimer, compiled_regions, resolve_compile
+from train.compile import FirstStepTimer, compile_setting, compiled_regions, resolve_compile
 from train.feed import StepFeed
 from train.selection import Selection
 from train.preemption import Preempted, StopFlag, stop_on_signals, stopped_line
@@ -93,7 +93,8 @@ def train(cfg: Config, teacher, drafter, dataset: Dataset, collate: Callable, lo
     compiled = resolve_compile(t.compile, engine.device, engine.name, t.zero_stage)
     with contextlib.ExitStack() as stack, chunk_budget(t.loss_chunk_elements or default_chunk_elements(engine.device)), \
             fused_kernel(t.fused_kernel), train_attention(t.attention), stop_on_signals() as stop, \
-            compiled_regions(drafter.compile_regions() if compiled else (), compiled, t.compile_backend) as report:
+            compiled_regions(drafter.compile_regions() if compiled else (), compiled, t.compile_backend,
+                             strict=compile_setting(t.compile) == "on") as report:
         return _train(cfg, teacher, drafter, model, optimizer, dataset, collate, loss_fn, engine, run_dir, logger,
                       batch_source, stop, selection, report, stack)
 
