@@ -40,6 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)  # two workers sharing 2 cores collapse badly with more
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test module's ``SLOW_CASES`` (test names with their ids, e.g. ``test_x[llama-medusa]``) are marked slow: the
+    cases of a matrix whose one axis is a parametrized fixture, which ``pytest.param(..., marks=...)`` cannot reach.
+    (Runs before ``-m`` deselects: conftest hooks come ahead of pytest's own.)"""
+    for item in items:
+        if item.name in getattr(getattr(item, "module", None), "SLOW_CASES", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
 

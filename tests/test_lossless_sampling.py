@@ -131,7 +131,10 @@ def setup():
     ("chain", "chain-sampled"),  # Leviathan/Chen with a real draft distribution
     ("chain", "chain-argmax"),  # deterministic drafts (Medusa top-1, n-gram): point-mass q
     ("tree", "tree-sampled"),  # recursive rejection, siblings drawn without replacement
-    ("tree", "tree-topk"),  # recursive rejection over top-k candidates (Medusa / EAGLE-2 trees)
+    # Recursive rejection over top-k candidates (Medusa / EAGLE-2 trees). Slow: tree-sampled walks the same tree loop,
+    # chain-argmax the same point-mass residual, and the decoder's own point-mass tree rule is
+    # test_decoder_output_distribution[medusa_tree-exact-4k] in the fast suite.
+    pytest.param("tree", "tree-topk", marks=pytest.mark.slow),
     pytest.param("tree", "tree-dup", marks=pytest.mark.slow),  # a repeated sibling token
     # rejection_verdict: the same rules decided for the whole tree at once (the decoder's; test_decoder_output_distribution
     # runs it through the decoder in the fast suite). Slow: one small device step per draw, 20k draws.
@@ -161,7 +164,8 @@ def test_device_verdict_never_accepts_a_repeated_sibling():
     assert set(firsts) == {0, 2} and 70 < firsts.count(0) < 130
 
 
-@pytest.mark.parametrize("kind", ["tree-topk", "chain-argmax"])
+# The lossy rule caught once is the teeth: the chain case (slow) repeats the tree case's typical_accept walk.
+@pytest.mark.parametrize("kind", ["tree-topk", pytest.param("chain-argmax", marks=pytest.mark.slow)])
 def test_typical_acceptance_fails_the_same_test(setup, kind):
     P, Q, exact = setup
     assert tv(run("typical", kind, P, Q), exact) > 3 * TOL  # the test has teeth: the lossy rule is caught
@@ -229,8 +233,13 @@ def _decoder_setup(kind):
     return teacher, medusa.eval()
 
 
+# draft_model (slow): a sampled chain through Decoder.speculative is tests/test_dflash.py's
+# test_sampled_output_distribution_is_the_targets[1] (the same verify step and draw_chain), the draft model's sampled
+# static draws are tests/test_static_draft.py::test_sampled_draft_model_chain_draws_from_its_warped_distributions and
+# its sampled decode at batch 4 is tests/test_batched.py::test_sampling_distribution_at_batch_4[draft_model-700].
 @pytest.mark.parametrize("samples", [pytest.param(4_000, id="4k"), pytest.param(20_000, id="20k", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind,acceptance", [("draft_model", "exact"), ("medusa_tree", "exact"), ("medusa_tree", "typical")])
+@pytest.mark.parametrize("kind,acceptance", [pytest.param("draft_model", "exact", marks=pytest.mark.slow),
+                                             ("medusa_tree", "exact"), ("medusa_tree", "typical")])
 def test_decoder_output_distribution(kind, acceptance, samples):
     from inference.decoder import Decoder, DecoderConfig
 

@@ -426,7 +426,10 @@ def test_export_refuses_unsupported_engines_and_uncaptured_layers(tmp_path):
 
 # --- the sampled output distribution through the real decode loop ------------------------------------------------
 
-@pytest.mark.parametrize("batch", [1, 4])
+# Batch 1 (slow) repeats tests/test_dflash.py's [1]: the same Decoder verify step and the same sampled static chain
+# (heads.draft_model_static.draw_chain); P-EAGLE's own sampled-step distributions are checked against propose's in
+# test_static_draft_drafts_what_propose_drafts, and its sampled chain decodes losslessly at batch 4 here.
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_sampled_output_distribution_is_the_targets(batch):
     """Temperature-1 sampling through the decode loop (batch 1 and the batched loop, one prompt per row) draws each
     3-token continuation with the target's own probability."""

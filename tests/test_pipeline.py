@@ -71,11 +71,17 @@ def test_missing_data_file_is_a_clear_error(smoke_run, env, tmp_path):
     assert "/no/such/file.jsonl" in proc.stderr and "data.path" in proc.stderr
 
 
+@pytest.mark.slow  # tests/test_config.py refuses trainer.lrr in-process; a CLI error's exit and stderr: the test above
 def test_unknown_key_is_a_clear_error(env, tmp_path):
     proc = run_module("train", ["experiment=smoke", "trainer.lrr=1", f"hydra.run.dir={tmp_path}"], env, check=False)
     assert proc.returncode != 0 and "lrr" in proc.stderr
 
 
+# Slow: the smoke run above is the fast end-to-end pipeline; the parts are fast elsewhere: the regenerate CLI
+# (test_regenerate.py::test_cli_writes_answers_of_the_configured_target), training on regenerated answers
+# (test_regenerate_ranks.py::test_train_regenerates_first_then_reuses_the_answers), mixed / on-policy batches and the
+# refusal of a drafter that cannot sample (test_onpolicy.py), the draft model trained and decoded (test_families.py).
+@pytest.mark.slow
 def test_draft_model_on_regenerated_and_mixed_data(env, tmp_path):
     """DistillSpec end to end: the target answers the data's prompts, then a draft model built from the target's config
     trains on those answers with half its micro-batches written by the draft itself, and decodes losslessly."""

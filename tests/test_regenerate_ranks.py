@@ -4,6 +4,7 @@ rank killed with SIGKILL mid-run is resumed by rerunning the command to the same
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -93,6 +94,10 @@ def test_train_regenerates_first_then_reuses_the_answers(tmp_path, tiny_toy_targ
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = load_config(compose(config_name="config", overrides=overrides))
     assert cfg.data.mode == "regenerate" and cfg.data.regenerated is None
+    # The session's tiny target, copied into this run's own cache (whose regenerated/ the test inspects): the runs
+    # load it instead of building it again, as a user's second run would.
+    for built in Path(os.environ["SPECDRAFT_CACHE"]).glob("toy-*"):
+        shutil.copytree(built, tmp_path / "c" / built.name)
     run_training(cfg, tmp_path / "run1")
     files = sorted((tmp_path / "c" / "regenerated").glob("*.jsonl"))
     assert len(files) == 1 and len(files[0].read_text().splitlines()) == 6

@@ -65,13 +65,23 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 # --- signals ------------------------------------------------------------------------------------------------------
 
 
+SIGNAL_RUN = ("trainer.steps=6", "trainer.ckpt_every=4")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache):
+    """The signal test's reference: the same run never signalled, trained once for every signal (read only)."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    run_training(compose_cfg(cache, *SIGNAL_RUN), run_dir)
+    return run_dir
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
-def test_a_signal_checkpoints_the_finished_step_and_the_rerun_resumes_exactly(cache, tmp_path, monkeypatch, caplog,
-                                                                             sig):
+def test_a_signal_checkpoints_the_finished_step_and_the_rerun_resumes_exactly(cache, uninterrupted, tmp_path,
+                                                                             monkeypatch, caplog, sig):
     import train.loop
 
-    overrides = ("trainer.steps=6", "trainer.ckpt_every=4")
-    run_training(compose_cfg(cache, *overrides), tmp_path / "whole")
+    overrides = SIGNAL_RUN
     lr_at = train.loop.lr_at
 
     def signalled(step, trainer_cfg):  # the signal lands during step 2, as a pre-emption would
@@ -92,8 +102,8 @@ def test_a_signal_checkpoints_the_finished_step_and_the_rerun_resumes_exactly(ca
     assert len(lines) == 1 and signal.Signals(sig).name in lines[0] and "step_0000003" in lines[0]
     monkeypatch.setattr(train.loop, "lr_at", lr_at)
     run_training(compose_cfg(cache, *overrides), cut)  # the same command again
-    assert curve(cut) == curve(tmp_path / "whole")  # bit for bit: loss and gradient norm of every step
-    for name, value in weights(tmp_path / "whole").items():
+    assert curve(cut) == curve(uninterrupted)  # bit for bit: loss and gradient norm of every step
+    for name, value in weights(uninterrupted).items():
         assert torch.equal(weights(cut)[name], value), name
 
 

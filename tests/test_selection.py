@@ -2,6 +2,7 @@
 
 import functools
 import json
+import os
 from dataclasses import asdict
 
 import pytest
@@ -106,11 +107,12 @@ def test_heldout_tau_is_a_tau_and_leaves_training_state_alone(tiny_teacher):
     assert again == pytest.approx(tau)  # the batch size does not change the figure
 
 
-def test_python_m_train_writes_drafter_from_the_best_heldout_tau(tmp_path):
+def test_python_m_train_writes_drafter_from_the_best_heldout_tau(tmp_path, tiny_toy_target):
     from tests.test_reliability_run import compose_cfg
     from train.run import run_training
 
-    cfg = compose_cfg(tmp_path / "cache", "trainer.eval_every=2", "trainer.eval_rows=2")
+    # The session's cache, where tiny_toy_target built the target once (a cache of its own would build it again).
+    cfg = compose_cfg(os.environ["SPECDRAFT_CACHE"], "trainer.eval_every=2", "trainer.eval_rows=2")
     run_training(cfg, tmp_path / "run")
     best = json.loads((tmp_path / "run" / BEST_DIR / "config.json").read_text())
     final = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())["training"]["final"]

@@ -484,7 +484,9 @@ def test_decoder_drafts_eagle_over_growing_buckets_as_plain_greedy(long_target, 
     assert {b for _, b in used} == {256, 512}
 
 
-@pytest.mark.parametrize("kind", [*EAGLE_KINDS, "peagle"])
+# eagle3-chain (slow) repeats eagle1-chain's chain step and eagle3-dynamic's EAGLE-3 features and draft vocabulary.
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "eagle3-chain" else k
+                                  for k in [*EAGLE_KINDS, "peagle"]])
 def test_eagle_draft_steps_compile_one_graph_per_bucket(long_target, kind):
     """Compiled (``fullgraph=True, dynamic=False``) through the step decoder: one draft graph per bucket used, none
     recompiled after a warm-up decode across the boundary, and plain greedy decoding's tokens."""
