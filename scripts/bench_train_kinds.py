@@ -183,7 +183,10 @@ def side_by_side(args) -> None:
                     cmd += ["--threads", str(args.threads)] if args.threads else []
                     cmd += ["--steps", str(args.steps)] if args.steps else []
                     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    runs[name].append(json.loads(Path(tmp.name).read_text())["runs"][kind]["eager"].get("tokens_per_s"))
+                    run = json.loads(Path(tmp.name).read_text())["runs"][kind]["eager"]
+                    if run.get("tokens_per_s") is None:
+                        raise SystemExit(f"{kind} on {code}: no tokens/s ({run.get('error', 'no logged window')})")
+                    runs[name].append(run["tokens_per_s"])
         med = {k: statistics.median(v) for k, v in runs.items()}
         result["kinds"][kind] = {"base_tokens_per_s": runs["base"], "this_tokens_per_s": runs["this"],
                                  "base_median": med["base"], "this_median": med["this"],
