@@ -185,6 +185,106 @@ def test_a_second_job_in_a_running_run_dir_is_refused_naming_the_holder(run_dir,
     assert steps_logged(run_dir) == [0, 1, 2, 3, 4, 5]
 
 
+TINY_RUN = ["experiment=smoke", "drafter=medusa", "drafter.num_heads=1", "trainer.device=cpu", "trainer.steps=2",
+            "trainer.micro_batch_size=1", "trainer.ckpt_every=1000", "trainer.num_threads=1", "data.max_length=32",
+            "data.corpus_max_bytes=20000", "eval.enabled=false"]
+
+
+def _train_cli(run_dir: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "train", *TINY_RUN, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_four_jobs_of_one_array_train_in_the_run_dirs_hydra_resolves(tmp_path, tiny_toy_target, holder):
+    """``hydra.run.dir=<dir>/task_${oc.env:TASK}``: four jobs started together (a job array) lock four dirs, not the
+    one unresolved string, and all train; a job whose dir resolves to one another job holds is refused in one line,
+    having written nothing there."""
+    jobs = [_train_cli(f"{tmp_path}/task_${{oc.env:TASK}}", {"TASK": str(task)}) for task in range(4)]
+    for task, job in enumerate(jobs):
+        _, err = job.communicate(timeout=600)
+        assert job.returncode == 0, err[-2000:]
+        assert (tmp_path / f"task_{task}" / "drafter" / "model.safetensors").is_file()
+    busy = tmp_path / "busy"
+    held = holder(busy)
+    job = _train_cli(f"'{tmp_path}/bu${{oc.env:PART}}'", {"PART": "sy"})  # quoted, as a shell passes it on
+    _, err = job.communicate(timeout=600)
+    assert job.returncode == 1 and err.count("\n") == 1, err[-2000:]
+    assert f"hydra.run.dir={busy} is being written by another process" in err and f"pid {held.pid}" in err
+    assert not busy.exists()
+
+
+def test_the_run_dir_lock_is_taken_on_the_dir_hydra_resolves(tmp_path, monkeypatch, holder):
+    from distill.environment import check_run_dir_override
+
+    for task in range(4):  # a job array's tasks: one dir each, not one lock on the unresolved string
+        monkeypatch.setenv("TASK", str(task))
+        check_run_dir_override(["experiment=smoke", f"hydra.run.dir={tmp_path}/task_${{oc.env:TASK}}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".task_{task}.lock" for task in range(4)]
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    check_run_dir_override(["hydra.run.dir='~/runs/a'"])  # quotes stripped, ~ expanded: never a literal ./~
+    assert (tmp_path / "home" / "runs" / ".a.lock").is_file() and not (ROOT / "~").exists()
+    held = holder(tmp_path / "busy")
+    monkeypatch.setenv("PART", "sy")
+    with pytest.raises(SystemExit, match=rf"^error: hydra.run.dir={tmp_path / 'busy'} is being written .*pid "
+                                         rf"{held.pid}[^\n]*$"):
+        check_run_dir_override([f"hydra.run.dir='{tmp_path}/bu${{oc.env:PART}}'"])
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this user cannot write holding ``run``, one it can: by permissions, or for root (whom permissions
+    do not stop) by a read-only tmpfs mount with a writable one inside; skipped where root may not mount."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        (ro / "run").mkdir()
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    mounted = []
+
+    def mount(where: Path, options: str) -> None:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                          capture_output=True).returncode:
+            pytest.skip("needs a read-only directory: root ignores permissions, and mount is not allowed here")
+        mounted.append(where)
+
+    try:
+        mount(ro, "size=1m")
+        (ro / "run").mkdir()
+        mount(ro, "remount,ro,size=1m")
+        mount(ro / "run", "size=1m")
+        yield ro
+    finally:
+        for where in sorted(set(mounted), key=lambda p: -len(p.parts)):
+            subprocess.run(["umount", str(where)], check=True)
+
+
+def test_an_unwritable_run_dir_is_one_line_before_hydra_starts(read_only_dir, monkeypatch):
+    import fcntl
+
+    from distill.environment import check_run_dir_override
+    from distill.lock import lock_file_for
+
+    for run_dir in (read_only_dir / "new", read_only_dir / "new" / "deeper"):
+        with pytest.raises(SystemExit, match=rf"^error: hydra.run.dir={run_dir} cannot be created: {read_only_dir} "
+                                             rf"is not writable .*choose a hydra.run.dir"):
+            check_run_dir_override([f"hydra.run.dir={run_dir}"])
+    with pytest.raises(SystemExit, match=rf"^error: hydra.run.dir={read_only_dir} is not writable"):
+        check_run_dir_override([f"hydra.run.dir={read_only_dir}"])
+    run_dir = read_only_dir / "run"  # writable, in a parent that is not: the lock goes to this user's lock dir
+    check_run_dir_override([f"hydra.run.dir={run_dir}"])
+    lock = lock_file_for(run_dir)
+    assert list(run_dir.iterdir()) == [] and lock.parent == Path(os.environ["SPECDRAFT_CACHE"]) / "locks"
+    fd = os.open(lock, os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # held
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+
+
 def test_a_second_regeneration_or_cache_writer_is_refused(tmp_path, holder, tiny_teacher):
     from distill.cache import write_cache
     from distill.data import DataConfig
