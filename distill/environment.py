@@ -18,11 +18,14 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import re
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from distill.atomic import space_note
 from distill.lock import WriterLockedError, claim_run_dir
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -32,6 +35,8 @@ _NO_PERMISSION = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 def explain(e: OSError) -> str:
     """One line for an OS error: what happened to which file, and what to do."""
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        e = _first_copy_error(e.args[0])  # copytree gathers every file's error into one list
     where = e.filename if e.filename is not None else "?"
     if e.errno in _NO_SPACE:
         return (f"no space left writing {where} ({e.strerror}); free space (or raise the quota) on that filesystem, "
@@ -46,6 +51,18 @@ def explain(e: OSError) -> str:
     if e.errno is None:  # raised by this project with its own message (which names the key and the fix)
         return str(e)
     return f"{e.strerror or e}: {where}"
+
+
+def _first_copy_error(errors: list) -> OSError:
+    """The first of ``shutil.copytree``'s gathered ``(source, destination, reason)`` as an OSError on the destination
+    (its errno read back from the reason's ``[Errno N]``)."""
+    source, destination, reason = errors[0]
+    found = re.search(r"\[Errno (\d+)\]", str(reason))
+    if found is None:
+        return OSError(f"copying {source} to {destination} failed: {reason}")
+    code = int(found.group(1))
+    size = os.path.getsize(source) if os.path.isfile(source) else 0
+    return OSError(code, f"{os.strerror(code)}; {space_note(destination, size)}", destination)
 
 
 def one_line_errors(task: Callable) -> Callable:

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
-from distill.atomic import write_dir_atomically
+from distill.atomic import save_tensors, write_dir_atomically
 from distill.fingerprint import file_digest
 from heads.base import Drafter, TargetDims, instantiate_drafter
 
@@ -53,7 +53,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping
 
     def write(tmp: Path) -> None:
         if tensors:
-            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
+            save_tensors(tensors, tmp / WEIGHTS, metadata={"format": FORMAT})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
 
     return write_dir_atomically(path, write)

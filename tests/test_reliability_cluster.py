@@ -432,6 +432,76 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial(cache
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000002", "step_0000004"]
 
 
+@pytest.fixture
+def small_disk():
+    """``mount(dir, bytes)``: a tmpfs of that size at ``dir``, for the libraries' own writes to fill (torch's zip
+    writer, safetensors); it returns ``resize(bytes)``, which keeps the files. Skipped where this user may not
+    mount."""
+    mounted = []
+
+    def mount(where: Path, size: int):
+        where.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True).returncode:
+            pytest.skip("needs a small filesystem to fill: mounting a tmpfs is not allowed here")
+        mounted.append(where)
+        return lambda bigger: subprocess.run(["mount", "-o", f"remount,size={bigger}", str(where)], check=True)
+
+    yield mount
+    for where in reversed(mounted):  # lazily: a failed torch.save may leave its file open until collected
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _bytes_under(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("free_share, failing", [(4, "SafetensorError"), (2, "RuntimeError")],
+                         ids=["safetensors", "torch.save"])
+def test_a_disk_filled_by_torch_and_safetensors_writes_is_one_line_and_keeps_the_last_checkpoint(
+        finished, cache, tmp_path, small_disk, free_share, failing):
+    """The real libraries fail (torch.save raises RuntimeError, safetensors SafetensorError, neither an OSError): the
+    run still stops in one line naming the file and the space it needs, removes the unfinished checkpoint, keeps the
+    previous one whole, and resumes from it once there is space. A quarter of a checkpoint free: its drafter's
+    safetensors file fills the disk; half: the optimizer state torch.save writes after it."""
+    from distill.environment import one_line_errors
+
+    one = _bytes_under(finished / "checkpoints" / "step_0000002")
+    run = tmp_path / "run"
+    resize = small_disk(run / "checkpoints", one + one // free_share)  # room for one checkpoint, not two
+    overrides = ("trainer.eval_every=0", "trainer.select=last")  # no best_tau/ copy to fill the disk first
+    with pytest.raises(SystemExit) as err:
+        one_line_errors(run_training)(compose_cfg(cache, *overrides), run)
+    assert type(err.value.__context__.__cause__).__name__ == failing  # the library's own error, translated
+    message = str(err.value.code)
+    assert "\n" not in message and "no space left writing" in message and "step_0000004" in message, message
+    assert "the file needs about" in message and "MiB free there" in message
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000002"]  # no partial, the last one kept
+    assert (root / "latest").read_text() == "step_0000002"
+    assert snapshot(root / "step_0000002").keys() == snapshot(finished / "checkpoints" / "step_0000002").keys()
+    resize(64 << 20)  # space is back
+    run_training(compose_cfg(cache, *overrides), run)
+    assert (root / "latest").read_text() == "step_0000004" and steps_logged(run) == [0, 1, 2, 3]
+
+
+def test_a_full_disk_during_an_export_is_one_line_and_keeps_the_earlier_export(finished, tmp_path, small_disk):
+    from distill.environment import explain
+    from serve.export import export_drafter
+
+    out = tmp_path / "disk" / "export"
+    resize = small_disk(out.parent, 64 << 20)
+    export_drafter(finished / "drafter", "vllm", out)
+    resize(shutil.disk_usage(out.parent).used + _bytes_under(out) // 2)  # one export fits, not two
+    before = snapshot(out.parent)
+    with pytest.raises(OSError) as err:
+        export_drafter(finished / "drafter", "vllm", out, overwrite=True)
+    line = explain(err.value)
+    assert err.value.errno == errno.ENOSPC and "\n" not in line and "model.safetensors" in line, line
+    assert "the file needs about" in line
+    assert snapshot(out.parent) == before  # the earlier export whole, nothing of the failed one left
+
+
 def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path, tiny_toy_target, tiny_teacher):
     from distill.environment import check_run_dir_override
     from distill.teacher import TargetConfig, load_teacher

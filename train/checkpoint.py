@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file
 
-from distill.atomic import write_text_atomically
+from distill.atomic import save_torch, write_text_atomically
 from distill.fingerprint import tree_digests
 from distill.toy import default_cache_dir
 from heads.saved import WEIGHTS, read_drafter_config, save_drafter
@@ -87,9 +87,9 @@ def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping,
                 selection.copy_into(tmp)
             if (tmp / "deepspeed").is_dir():  # pickled by DeepSpeed: sign what we wrote (verify_shards)
                 state["shards"] = sign_shards(tmp / "deepspeed")
-            torch.save(state, tmp / STATE)
+            save_torch(state, tmp / STATE)  # a failed write (full disk) raises OSError naming the file
             if optim is not None:
-                torch.save(optim, tmp / OPTIMIZER)
+                save_torch(optim, tmp / OPTIMIZER)
             # Not distill.atomic.write_dir_atomically: every rank writes into ``tmp`` (save_shards), so it needs a name
             # all ranks know before the main rank renames it; a killed save leaves it hidden, the next save clears it.
             if final.exists():  # a rerun reaching the same step
