@@ -29,6 +29,7 @@ import logging
 from pathlib import Path
 
 from distill.atomic import write_dir_atomically
+from distill.fingerprint import check_digest, write_digest
 from heads.base import TargetDims
 from heads.saved import load_saved_drafter, weights_digest
 from serve.adapter import ENGINES, SIDECAR, ExportAdapter, refusal, serve_name
@@ -151,6 +152,8 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
 
     def write(tmp: Path) -> None:
         adapter.write(tmp, drafter, engine, config, output_dir)
+        for tensors in tensor_files(tmp):
+            write_digest(tensors)  # checked by load_export; `sha256sum -c` reads them too
         sidecar = {"engine": engine, "kind": kind, "target": target, "source": str(drafter_path.resolve()),
                    "training": config.get("training"), "drafter": config.get("drafter"), **adapter.sidecar(drafter)}
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str))
@@ -160,6 +163,11 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
             raise RuntimeError("export failed its own conformance check:\n- " + "\n- ".join(problems))
 
     return write_dir_atomically(output_dir, write)
+
+
+def tensor_files(path: Path) -> list[Path]:
+    """The weight files of an export (safetensors, and FasterDecoding's ``.pt``), at any depth."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".pt", ".bin"))
 
 
 def check_export(path: str | Path, engine: str, kind: str, target: dict | None = None) -> list[str]:
@@ -175,6 +183,8 @@ def load_export(path: str | Path, teacher):
     """A specdraft drafter rebuilt from an export's engine-facing files only (not from the sidecar's weights). For
     medusa2 these are the heads, to be decoded with the exported ``merged_target/`` as ``teacher``."""
     path = Path(path)
+    for tensors in tensor_files(path):
+        check_digest(tensors)
     sidecar = json.loads((path / SIDECAR).read_text())
     engine, kind = sidecar["engine"], sidecar["kind"]
     dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)

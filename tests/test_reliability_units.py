@@ -298,6 +298,69 @@ def test_damaged_checkpoint_files_are_one_clear_error(tiny_teacher, tmp_path):
         run(tiny_teacher, tmp_path, cfg)
 
 
+def _flip_last_byte(path: Path) -> bytes:
+    """Damage ``path`` in place, same size, still parseable (the last byte of tensor data); returns the original."""
+    intact = path.read_bytes()
+    path.write_bytes(intact[:-1] + bytes([intact[-1] ^ 1]))
+    return intact
+
+
+def test_tensor_files_are_checked_against_the_digest_written_beside_them(tiny_teacher, tmp_path, monkeypatch, caplog):
+    import distill.fingerprint
+    from distill.fingerprint import file_digest
+
+    path = saved_medusa(tiny_teacher, tmp_path / "d")
+    recorded = path / f"{WEIGHTS}.sha256"
+    assert recorded.read_text() == f"{file_digest(path / WEIGHTS)}  {WEIGHTS}\n"  # sha256sum -c reads it too
+    intact = _flip_last_byte(path / WEIGHTS)
+    with pytest.raises(ValueError, match=rf"^\S+/{WEIGHTS} is damaged: its sha256 .*copy it again[^\n]*$"):
+        load_saved_drafter(path)
+    (path / WEIGHTS).write_bytes(intact)
+    load_saved_drafter(path)
+    recorded.unlink()  # a drafter saved before digests were recorded: loaded, one warning per process
+    monkeypatch.setattr(distill.fingerprint, "_unchecked_warned", [])
+    load_saved_drafter(path)
+    load_saved_drafter(path)
+    assert sum("no model.safetensors.sha256" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_damaged_checkpoint_files_are_refused_by_their_digests(tiny_teacher, tmp_path):
+    cfg = make_cfg()
+    with pytest.raises(Killed):
+        run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg.trainer, die_at=4))
+    step = tmp_path / "checkpoints" / "step_0000003"
+    for name in ("trainer_state.pt", "optimizer.pt", f"drafter/{WEIGHTS}"):
+        assert (step / f"{name}.sha256").is_file(), name
+    _flip_last_byte(step / "optimizer.pt")  # the zip's end record: torch still reads it
+    with pytest.raises(ValueError, match=r"optimizer.pt is damaged: its sha256 "):
+        run(tiny_teacher, tmp_path, cfg)
+
+
+def test_non_finite_drafter_weights_are_refused_at_eval_and_export(tiny_teacher, tmp_path):
+    from distill.atomic import save_tensors
+    from distill.fingerprint import write_digest
+
+    path = saved_medusa(tiny_teacher, tmp_path / "d")
+    state = load_file_as_dict(path / WEIGHTS)
+    name = next(iter(state))
+    state[name][0] = float("nan")  # as a copy from a diverged run's file would hold
+    save_tensors(state, path / WEIGHTS, metadata={"format": "specdraft-drafter"})
+    write_digest(path / WEIGHTS)
+    with pytest.raises(ValueError, match=rf"{WEIGHTS} holds NaN or inf in 1 tensor\(s\) \(first: {name}\)"):
+        load_drafter(path, tiny_teacher)  # what python -m eval loads
+    from serve.export import export_drafter
+
+    with pytest.raises(ValueError, match="holds NaN or inf"):
+        export_drafter(path, "vllm", tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+
+def load_file_as_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return dict(load_file(str(path)))
+
+
 def test_context_overflow_advice_includes_num_draft():
     from inference.generation import check_prompt
 
