@@ -78,7 +78,10 @@ def one_line_errors(task: Callable) -> Callable:
             print("interrupted (Ctrl-C); rerun the same command to continue (a training run resumes from its last "
                   "checkpoint)", file=sys.stderr)
             raise SystemExit(128 + signal.SIGINT) from None
-        except (WriterLockedError, ValueError, FloatingPointError) as e:  # this project's refusals: key, value, fix
+        except (WriterLockedError, ValueError, FileExistsError) as e:  # refusals: key, value, fix
+            put_back_startup_files()  # a refused command leaves the run dir as it found it
+            raise SystemExit(f"error: {explain(e) if isinstance(e, OSError) else e}") from None
+        except FloatingPointError as e:  # a diverged run
             raise SystemExit(f"error: {e}") from None
         except OSError as e:
             raise SystemExit(f"error: {explain(e)}") from None
@@ -150,7 +153,53 @@ def check_run_dir_override(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
         raise SystemExit(f"error: {explain(e)}") from None
+    if pin:
+        _remember_startup_files(run_dir)
     override = _override(run_dir)
     if pin and override is not None:
         kept = [t for t in argv if t.lstrip("+").partition("=")[0] != "hydra.run.dir"]
         sys.argv[1:] = [*kept, override]
+
+
+# What Hydra writes into the run dir before any of our code runs: ``.hydra/`` and the job log (``<job>.log``).
+_HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+_startup: dict = {}
+
+
+def _startup_files(run_dir: Path) -> list[Path]:
+    return [*(run_dir / name for name in _HYDRA_FILES), *sorted(run_dir.glob("*.log"))]
+
+
+def _remember_startup_files(run_dir: Path) -> None:
+    """Record the files Hydra is about to write, as they are (bytes of ``.hydra/``, a log's length; their times),
+    so that ``put_back_startup_files`` can undo Hydra's writes when the command is refused."""
+    files = {}
+    for path in _startup_files(run_dir):
+        if path.is_file():
+            st = path.stat()
+            kept = path.read_bytes() if path.parent.name == ".hydra" else st.st_size
+            files[path] = (kept, st.st_atime_ns, st.st_mtime_ns)
+    _startup.update(run_dir=run_dir, existed=run_dir.is_dir(), hydra_existed=(run_dir / ".hydra").is_dir(),
+                    files=files)
+
+
+def put_back_startup_files() -> None:
+    """A command refused for a run dir (another seed on resume, ``trainer.resume=never`` over an earlier run, an
+    evaluation into another run's dir) leaves it as it found it: Hydra's rewrite of ``.hydra/`` and its job log lines
+    are undone (bytes and modification times), and what it created for this command is removed."""
+    if not _startup:
+        return
+    run_dir, files = _startup["run_dir"], _startup["files"]
+    for path in _startup_files(run_dir):
+        if path not in files:
+            path.unlink(missing_ok=True)
+            continue
+        kept, atime, mtime = files[path]
+        if isinstance(kept, bytes):
+            path.write_bytes(kept)
+        else:
+            os.truncate(path, kept)
+        os.utime(path, ns=(atime, mtime))
+    for directory, existed in ((run_dir / ".hydra", _startup["hydra_existed"]), (run_dir, _startup["existed"])):
+        if not existed and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()

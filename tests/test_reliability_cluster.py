@@ -335,6 +335,21 @@ def test_export_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path):
     assert snapshot(out).keys() == first.keys()
 
 
+def test_export_overwrite_refuses_an_earlier_export_holding_files_it_did_not_write(run_dir, tmp_path):
+    from serve.export import export_drafter
+
+    out = export_drafter(run_dir / "drafter", "vllm", tmp_path / "export")
+    manifest = json.loads((out / "specdraft_export.json").read_text())["files"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == manifest
+    (out / "notes.txt").write_text("mine")  # a user's file, added beside the export
+    before = snapshot(out)
+    with pytest.raises(FileExistsError, match=r"files it did not write \(notes.txt\); .*move those files out"):
+        export_drafter(run_dir / "drafter", "vllm", out, overwrite=True)
+    assert snapshot(out) == before
+    (out / "notes.txt").unlink()
+    export_drafter(run_dir / "drafter", "vllm", out, overwrite=True)  # the export's own files only: replaced
+
+
 def test_eval_never_writes_over_another_runs_report(run_dir, tmp_path):
     lookup = ["drafter=lookup", "experiment=smoke", "eval.num_prompts=1", "eval.hf_baselines=false",
               "eval.plots=false", "eval.warmup_prompts=0", "eval.baselines=[]", "trainer.device=cpu"]
@@ -349,6 +364,55 @@ def test_eval_never_writes_over_another_runs_report(run_dir, tmp_path):
     run_eval_cli(lookup, tmp_path / "fresh")
     with pytest.raises(FileExistsError, match="report.json"):  # an eval dir holding another drafter's report
         run_eval_cli(eval_overrides(run_dir / "drafter"), tmp_path / "fresh")
+
+
+def test_a_refusal_puts_back_what_hydra_wrote_at_start_up(tmp_path, monkeypatch):
+    """In-process: the run dir as Hydra found it, then Hydra's start-up writes (``.hydra/`` rewritten, a log line
+    appended, a file created), then a refusal: the run dir is as it was, times included."""
+    import distill.environment as environment
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (run / "__main__.log").write_text("[the run's own log]\n")
+    before = snapshot(run)
+    monkeypatch.setattr(environment, "_startup", {})
+    monkeypatch.setattr(sys, "argv", ["train", f"hydra.run.dir={run}", "seed=1"])
+    environment.check_run_dir_override()
+    (run / ".hydra" / "config.yaml").write_text("seed: 1\n")  # what Hydra does before the task function runs
+    (run / ".hydra" / "overrides.yaml").write_text("- seed=1\n")
+    with (run / "__main__.log").open("a") as log:
+        log.write("[loading the target]\n")
+
+    def refused():
+        raise ValueError("checkpoint ... was written with data seed=0, this run has 1")
+
+    with pytest.raises(SystemExit, match="seed=0"):
+        environment.one_line_errors(refused)()
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_a_refused_command_writes_nothing_into_the_run_dir_it_refuses(run_dir, cache):
+    """What Hydra writes before any of our code runs (``.hydra/``, the job log) is put back when the command is then
+    refused: another seed on resume, ``trainer.resume=never`` over an earlier run, an evaluation into another run."""
+    hydra = run_dir / ".hydra"
+    hydra.mkdir()
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (hydra / name).write_text(f"# the run's own {name}\n")
+    (run_dir / "__main__.log").write_text("[the run's own log]\n")
+    same = ["experiment=smoke", "drafter=medusa", "drafter.num_heads=2", f"target.cache_dir={cache}",
+            "data.corpus_max_bytes=60000", "trainer.steps=4", "trainer.ckpt_every=2", "trainer.log_every=1",
+            "trainer.micro_batch_size=2", "trainer.device=cpu", "eval.enabled=false", f"hydra.run.dir={run_dir}"]
+    lookup = ["drafter=lookup", "experiment=smoke", "eval.num_prompts=1", "trainer.device=cpu",
+              f"hydra.run.dir={run_dir}"]
+    before = snapshot(run_dir)
+    for module, args, refusal in (("train", [*same, "seed=1"], "seed"), ("train", [*same, "trainer.resume=never"],
+                                  "fresh hydra.run.dir"), ("eval", lookup, "another run's outputs")):
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 1 and refusal in proc.stderr, proc.stderr[-2000:]
+        assert snapshot(run_dir) == before, (module, args[-1])
 
 
 def test_an_extended_run_never_exports_its_old_report(run_dir, cache, tmp_path):
