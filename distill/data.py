@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,10 +105,25 @@ def load_records(data_cfg: DataConfig) -> list[dict]:
     return records
 
 
+def regular_path(key: str, value: str | os.PathLike, directory_ok: bool = False) -> Path:
+    """``value`` with ``~`` expanded (as every path setting is), refused unless it is missing (the caller says so), a
+    regular file or, with ``directory_ok``, a directory: a named pipe blocks a read forever and a character device
+    (``/dev/zero``, ``/dev/urandom``) never ends, growing memory until the process is killed."""
+    p = Path(value).expanduser()
+    if not p.exists() or p.is_file() or (directory_ok and p.is_dir()):
+        return p
+    mode = p.stat().st_mode
+    kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a directory" if p.is_dir() else "not a regular file")
+    raise ValueError(f"{key}={value}: {p} is {kind}, whose reading may never end; point {key} at a regular file"
+                     f"{' or a directory of them' if directory_ok else ''}")
+
+
 def _load_file(path: str | None, text_field: str) -> list[dict]:
     if not path:
         raise ValueError("data.path: is null but data.source=file; set data.path=<jsonl|json|txt file or dir>")
-    p = Path(path).expanduser()
+    p = regular_path("data.path", path, directory_ok=True)
     if not p.exists():
         raise ValueError(
             f"data.path: file {p} does not exist; set data.path=<jsonl|json|txt file> or data.source=stdlib"

@@ -4,6 +4,7 @@ test_reliability_run.py)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -359,6 +360,61 @@ def load_file_as_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return dict(load_file(str(path)))
+
+
+def _end_a_blocked_read(fifo: Path) -> None:
+    """Give a reader stuck on ``fifo`` an end of file within seconds, so a read that should never start fails the
+    test instead of hanging it."""
+    import os
+    import threading
+
+    def writer():
+        for _ in range(300):
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # succeeds once a reader has it open
+                return
+            except OSError:
+                time.sleep(0.01)
+
+    threading.Thread(target=writer, daemon=True).start()
+
+
+def test_data_paths_that_never_end_are_refused_naming_the_key(tmp_path):
+    import os
+
+    from distill.data import load_records
+    from distill.prompts import prompts_from_file
+    from distill.regenerate import load_regenerated
+
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    for value in (fifo, "/dev/zero"):
+        _end_a_blocked_read(fifo)
+        with pytest.raises(ValueError, match=rf"^data.path={value}: \S+ is a (named pipe|character device).* "
+                                             rf"point data.path at a regular file"):
+            load_records(DataConfig(source="file", path=str(value)))
+    with pytest.raises(ValueError, match=rf"^data.regenerated={fifo}: .* named pipe"):
+        load_regenerated(fifo, None, DataConfig())
+    with pytest.raises(ValueError, match=r"^eval.prompts=/dev/zero: .* character device"):
+        prompts_from_file("/dev/zero", None, 1)
+
+
+def test_tilde_paths_are_expanded_once_for_every_path_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = load_config(compose(config_name="config", overrides=[
+            "data.path='~/d.jsonl'", "regenerate.out='~/r.jsonl'", "cache.dir='~/c'", "eval.prompts='~/q.jsonl'",
+            "drafter_path='~/run/drafter'", "data.mode=regenerated", "data.regenerated='~/r.jsonl'",
+            "target.cache_dir='~/toy'"]))  # quoted:
+    # Hydra's grammar takes no bare ~
+    assert cfg.data.path == f"{tmp_path}/d.jsonl" and cfg.regenerate.out == f"{tmp_path}/r.jsonl"
+    assert cfg.cache.dir == f"{tmp_path}/c" and cfg.eval.prompts == f"{tmp_path}/q.jsonl"
+    assert cfg.drafter_path == f"{tmp_path}/run/drafter" and cfg.target.cache_dir == f"{tmp_path}/toy"
+    from scripts.export import parse
+
+    args = parse(["drafter_path='~/run/drafter'", "format=vllm", "output_dir='~/exports/a'"])
+    assert (args.drafter_path, args.output_dir) == (f"{tmp_path}/run/drafter", f"{tmp_path}/exports/a")
 
 
 def test_context_overflow_advice_includes_num_draft():

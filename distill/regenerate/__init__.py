@@ -54,6 +54,7 @@ from distill.data import (
     _pad_id,
     build_train_dataset,
     pack_examples,
+    regular_path,
     pad_examples,
 )
 from distill.fingerprint import differences, json_digest, vocab_digest
@@ -448,7 +449,7 @@ def load_regenerated(path: str | os.PathLike | None, tokenizer, data_cfg: DataCo
     token. Checked against the sidecar (tokenizer; with ``teacher``, the target's weights) when there is one."""
     if not path:
         raise ValueError(f"data.regenerated is null; set it to a jsonl written by `{WRITE_CMD} regenerate.out=<file>`")
-    path = Path(path)
+    path = regular_path("data.regenerated", path)
     if not path.is_file():
         raise FileNotFoundError(f"data.regenerated={path} does not exist; write it with `{WRITE_CMD} "
                                 f"regenerate.out={path}` (with this run's target/data overrides)")
