@@ -53,8 +53,11 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], object
     A crash mid-write leaves the previous directory (or nothing) at ``path``, never a half-written one. The result
     gets the modes a plain mkdir / open would give (``usual_permissions``). ``replace=False``: an existing ``path``
     wins (two processes building the same cache entry: the first to finish is kept, the second's copy dropped).
+    A ``path`` that is a symlink (``exports/latest -> v3``) is filled where it points, so the link stays and now names
+    the new directory; returns ``path`` as given.
     """
-    path = Path(path)
+    given = Path(path)
+    path = given.resolve() if given.is_symlink() else given
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
@@ -77,7 +80,7 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], object
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return path
+    return given
 
 
 def usual_permissions(root: Path) -> None:

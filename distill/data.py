@@ -285,7 +285,7 @@ def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, 
     kinds = [record_kind(r, i, fmt, text_field) for i, r in enumerate(records)]
     prefix = default_prefix_ids(tokenizer)
     text_ids = _encode_texts(records, kinds, tokenizer, text_field)
-    render = chat_renderer(tokenizer, data_cfg.chat_template)
+    render = chat_renderer(tokenizer, data_cfg.chat_template, chat_rows="chat" in kinds)
     assistant_only = bool(data_cfg.assistant_only_loss)
     eos_ids = [] if eos is None else [eos]
     examples = []
@@ -373,6 +373,10 @@ def _no_rows_message(data_cfg: DataConfig, examples: Sequence[Example], num_toke
     """Why no training row is left, with the fix that applies: too little data for one packed block, or rows cut at
     ``max_length`` before their first loss token (then the limit must go *up*, not down)."""
     where = f"data: {_describe_source(data_cfg)} gave {num_tokens} tokens but no row with loss tokens"
+    if examples and not any(any(mask) for _, mask in examples):  # nothing to cut: no loss token anywhere
+        return (f"{where}: the data has no assistant turn (chat rows carry loss on assistant replies only, and none "
+                f"of its conversations has one); add the assistant replies, or train on plain text "
+                f"(data.format=text, or data.assistant_only_loss=false)")
     if packing and num_tokens < max_length:
         return f"{where}: fewer than one block of data.max_length={max_length}; add data or lower data.max_length"
     first_loss = [next((i for i, m in enumerate(mask) if m), len(mask)) for _, mask in examples]

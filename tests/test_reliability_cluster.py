@@ -350,6 +350,20 @@ def test_export_overwrite_refuses_an_earlier_export_holding_files_it_did_not_wri
     export_drafter(run_dir / "drafter", "vllm", out, overwrite=True)  # the export's own files only: replaced
 
 
+def test_export_overwrite_through_a_symlink_replaces_the_export_it_names(run_dir, tmp_path):
+    from serve.export import export_drafter
+
+    exports = tmp_path / "exports"
+    real = export_drafter(run_dir / "drafter", "vllm", exports / "v1")
+    link = exports / "latest"
+    link.symlink_to(real)
+    first = snapshot(real)
+    assert export_drafter(run_dir / "drafter", "vllm", link, overwrite=True) == link  # reported as done
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert snapshot(real).keys() == first.keys()
+    assert sorted(p.name for p in exports.iterdir()) == ["latest", "v1"]  # no swapped-out copy left behind
+
+
 def test_eval_never_writes_over_another_runs_report(run_dir, tmp_path):
     lookup = ["drafter=lookup", "experiment=smoke", "eval.num_prompts=1", "eval.hf_baselines=false",
               "eval.plots=false", "eval.warmup_prompts=0", "eval.baselines=[]", "trainer.device=cpu"]

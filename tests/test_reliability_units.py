@@ -417,6 +417,39 @@ def test_tilde_paths_are_expanded_once_for_every_path_setting(tmp_path, monkeypa
     assert (args.drafter_path, args.output_dir) == (f"{tmp_path}/run/drafter", f"{tmp_path}/exports/a")
 
 
+def _chat_file(path: Path, turns) -> str:
+    path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in t]}) + "\n" for t in turns))
+    return str(path)
+
+
+def test_chat_data_on_a_tokenizer_without_a_chat_template_warns_once(tmp_path, monkeypatch, caplog):
+    import distill.chat
+    from distill.data import build_train_dataset
+    from tests.test_regenerate import make_tokenizer
+
+    monkeypatch.setattr(distill.chat, "_warned_plain", [])
+    chat = _chat_file(tmp_path / "chat.jsonl", [[("user", "w1 w2"), ("assistant", "w3 w4 w5")]] * 4)
+    cfg = DataConfig(source="file", path=chat, max_length=16, packing=False)
+    for _ in range(2):
+        build_train_dataset(cfg, make_tokenizer())
+    warned = [r.getMessage() for r in caplog.records if "has no chat template" in r.getMessage()]
+    assert len(warned) == 1 and "data.chat_template=none" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(distill.chat, "_warned_plain", [])
+    build_train_dataset(replace(cfg, chat_template="none"), make_tokenizer())  # chosen: nothing to warn about
+    assert not [r for r in caplog.records if "has no chat template" in r.getMessage()]
+
+
+def test_chat_data_without_an_assistant_turn_says_so(tmp_path):
+    from distill.data import build_train_dataset
+    from tests.test_regenerate import make_tokenizer
+
+    chat = _chat_file(tmp_path / "chat.jsonl", [[("user", "w1 w2 w3")], [("system", "w4"), ("user", "w5")]])
+    with pytest.raises(ValueError, match="the data has no assistant turn") as err:
+        build_train_dataset(DataConfig(source="file", path=chat, max_length=16, packing=False), make_tokenizer())
+    assert "raise data.max_length" not in str(err.value)
+
+
 def test_context_overflow_advice_includes_num_draft():
     from inference.generation import check_prompt
 
