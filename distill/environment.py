@@ -189,7 +189,9 @@ def put_back_startup_files() -> None:
     are undone (bytes and modification times), and what it created for this command is removed."""
     if not _startup:
         return
-    run_dir, files = _startup["run_dir"], _startup["files"]
+    recorded = dict(_startup)
+    _startup.clear()  # once: what was recorded is this command's run dir only
+    run_dir, files = recorded["run_dir"], recorded["files"]
     for path in _startup_files(run_dir):
         if path not in files:
             path.unlink(missing_ok=True)
@@ -200,6 +202,6 @@ def put_back_startup_files() -> None:
         else:
             os.truncate(path, kept)
         os.utime(path, ns=(atime, mtime))
-    for directory, existed in ((run_dir / ".hydra", _startup["hydra_existed"]), (run_dir, _startup["existed"])):
+    for directory, existed in ((run_dir / ".hydra", recorded["hydra_existed"]), (run_dir, recorded["existed"])):
         if not existed and directory.is_dir() and not any(directory.iterdir()):
             directory.rmdir()
