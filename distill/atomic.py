@@ -8,12 +8,17 @@ every other writer (heads, train, eval, scripts) sits above it in the layer orde
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +53,11 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], object
     A crash mid-write leaves the previous directory (or nothing) at ``path``, never a half-written one. The result
     gets the modes a plain mkdir / open would give (``usual_permissions``). ``replace=False``: an existing ``path``
     wins (two processes building the same cache entry: the first to finish is kept, the second's copy dropped).
+    A ``path`` that is a symlink (``exports/latest -> v3``) is filled where it points, so the link stays and now names
+    the new directory; returns ``path`` as given.
     """
-    path = Path(path)
+    given = Path(path)
+    path = given.resolve() if given.is_symlink() else given
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
@@ -72,7 +80,7 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], object
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return path
+    return given
 
 
 def usual_permissions(root: Path) -> None:
@@ -83,3 +91,70 @@ def usual_permissions(root: Path) -> None:
     os.umask(umask)
     for p in [root, *root.rglob("*")]:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+# --------------------------------------------------------------------------- tensor files
+
+# How the libraries report a failed write: torch's zip writer raises RuntimeError from its C++ stream ("unexpected
+# pos", "file write failed"), safetensors a SafetensorError ("I/O error: ... (os error 28)"); neither is an OSError,
+# so neither names the file nor reaches the one-line environment errors without this translation.
+_TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed", "unexpected pos")
+_OS_ERROR = re.compile(r"os error (\d+)")
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
+                 metadata: Mapping[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with a failed write (a full disk, a quota) raised as an ``OSError`` naming
+    ``path`` and the space it needs."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(dict(tensors), str(path), metadata=dict(metadata) if metadata is not None else None)
+    except SafetensorError as e:
+        if "I/O error" not in str(e) and not _OS_ERROR.search(str(e)):
+            raise
+        raise write_failure(path, e, tensor_bytes(tensors)) from e
+
+
+def save_torch(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)``, with a failed write raised as an ``OSError`` naming ``path`` and the space it
+    needs (``save_tensors``)."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as e:
+        if not any(mark in str(e) for mark in _TORCH_WRITE_FAILURES):
+            raise
+        raise write_failure(path, e, tensor_bytes(obj)) from e
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in ``obj`` (nested dicts, lists and tuples): about what a file of them needs."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def write_failure(path: str | os.PathLike, error: Exception, needed: int) -> OSError:
+    """An ``OSError`` for a library's failed write of ``path``: its errno when the library gave one, else "no space"
+    when the filesystem has less free space than the file needs, else an I/O error."""
+    found = _OS_ERROR.search(str(error))
+    code = int(found.group(1)) if found else errno.ENOSPC if _free(path) < needed + (1 << 20) else errno.EIO
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = os.strerror(code) if found or code == errno.ENOSPC else f"{os.strerror(code)}: {first_line}"
+    return OSError(code, f"{reason}; {space_note(path, needed)}", str(path))
+
+
+def space_note(path: str | os.PathLike, needed: int) -> str:
+    """``the file needs about N MiB, M MiB free there``: what a failed write of ``path`` asks of its filesystem."""
+    return f"the file needs about {needed / (1 << 20):.1f} MiB, {_free(path) / (1 << 20):.1f} MiB free there"
+
+
+def _free(path: str | os.PathLike) -> int:
+    parent = Path(path).parent
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), Path("/"))
+    return shutil.disk_usage(existing).free

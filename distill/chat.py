@@ -20,7 +20,10 @@ zero-width offsets are widened to one character so they are not lost.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
+
+log = logging.getLogger(__name__)
 
 VALID_CHAT_TEMPLATES = ("auto", "none")
 
@@ -84,8 +87,12 @@ def render_plain(messages: Messages, add_generation_prompt: bool = False) -> str
     return text + PLAIN_GENERATION_PROMPT if add_generation_prompt else text
 
 
-def chat_renderer(tokenizer, chat_template: str) -> Callable[[Messages, bool], str]:
-    """The function turning messages into text: the tokenizer's template, or the plain one."""
+_warned_plain: list[bool] = []  # the fallback to the plain template is said once per process
+
+
+def chat_renderer(tokenizer, chat_template: str, chat_rows: bool = True) -> Callable[[Messages, bool], str]:
+    """The function turning messages into text: the tokenizer's template, or the plain one. ``chat_rows``: chat
+    records will be rendered (a plain fallback under ``auto`` is then warned about, once)."""
     if chat_template not in VALID_CHAT_TEMPLATES:
         raise ValueError(f"data.chat_template: {chat_template!r} is not one of {VALID_CHAT_TEMPLATES}")
     if chat_template == "auto" and getattr(tokenizer, "chat_template", None):
@@ -96,6 +103,12 @@ def chat_renderer(tokenizer, chat_template: str) -> Callable[[Messages, bool], s
             )
 
         return render
+    if chat_template == "auto" and chat_rows and not _warned_plain:
+        _warned_plain.append(True)
+        log.warning("data.chat_template=auto: the tokenizer has no chat template, so conversations are rendered as "
+                    "plain 'role: content' lines, a format the target was not trained on; use a tokenizer with a chat "
+                    "template (the target's instruct variant), or set data.chat_template=none to choose the plain "
+                    "format and silence this warning")
     return render_plain
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,10 +106,25 @@ def load_records(data_cfg: DataConfig) -> list[dict]:
     return records
 
 
+def regular_path(key: str, value: str | os.PathLike, directory_ok: bool = False) -> Path:
+    """``value`` with ``~`` expanded (as every path setting is), refused unless it is missing (the caller says so), a
+    regular file or, with ``directory_ok``, a directory: a named pipe blocks a read forever and a character device
+    (``/dev/zero``, ``/dev/urandom``) never ends, growing memory until the process is killed."""
+    p = Path(value).expanduser()
+    if not p.exists() or p.is_file() or (directory_ok and p.is_dir()):
+        return p
+    mode = p.stat().st_mode
+    kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a directory" if p.is_dir() else "not a regular file")
+    raise ValueError(f"{key}={value}: {p} is {kind}, whose reading may never end; point {key} at a regular file"
+                     f"{' or a directory of them' if directory_ok else ''}")
+
+
 def _load_file(path: str | None, text_field: str) -> list[dict]:
     if not path:
         raise ValueError("data.path: is null but data.source=file; set data.path=<jsonl|json|txt file or dir>")
-    p = Path(path).expanduser()
+    p = regular_path("data.path", path, directory_ok=True)
     if not p.exists():
         raise ValueError(
             f"data.path: file {p} does not exist; set data.path=<jsonl|json|txt file> or data.source=stdlib"
@@ -277,7 +294,7 @@ def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, 
     kinds = [record_kind(r, i, fmt, text_field) for i, r in enumerate(records)]
     prefix = default_prefix_ids(tokenizer)
     text_ids = _encode_texts(records, kinds, tokenizer, text_field)
-    render = chat_renderer(tokenizer, data_cfg.chat_template)
+    render = chat_renderer(tokenizer, data_cfg.chat_template, chat_rows="chat" in kinds)
     assistant_only = bool(data_cfg.assistant_only_loss)
     eos_ids = [] if eos is None else [eos]
     examples = []
@@ -365,6 +382,10 @@ def _no_rows_message(data_cfg: DataConfig, examples: Sequence[Example], num_toke
     """Why no training row is left, with the fix that applies: too little data for one packed block, or rows cut at
     ``max_length`` before their first loss token (then the limit must go *up*, not down)."""
     where = f"data: {_describe_source(data_cfg)} gave {num_tokens} tokens but no row with loss tokens"
+    if examples and not any(any(mask) for _, mask in examples):  # nothing to cut: no loss token anywhere
+        return (f"{where}: the data has no assistant turn (chat rows carry loss on assistant replies only, and none "
+                f"of its conversations has one); add the assistant replies, or train on plain text "
+                f"(data.format=text, or data.assistant_only_loss=false)")
     if packing and num_tokens < max_length:
         return f"{where}: fewer than one block of data.max_length={max_length}; add data or lower data.max_length"
     first_loss = [next((i for i, m in enumerate(mask) if m), len(mask)) for _, mask in examples]

@@ -6,8 +6,9 @@ thing to act on; so is a refusal of a setting, which names the key, the value an
 an entry point's task function: an ``OSError``, a ``WriterLockedError``, a ``ValueError`` (this project's refusals)
 or a ``FloatingPointError`` (a diverged run) leaves as ``SystemExit`` with one line, exit status 1, and a Ctrl-C
 outside the training steps as one line, exit status 130 (Hydra passes ``SystemExit`` through; its own error printing
-handles only ``Exception``). ``check_run_dir_override`` catches the one such error Hydra meets before any of our code
-runs: ``hydra.run.dir`` naming a file. ``SPECDRAFT_TRACEBACK=1`` keeps the traceback, for a bug report.
+handles only ``Exception``). ``check_run_dir_override`` catches the errors Hydra would meet before any of our code runs
+(a run dir that is a file or not writable) and takes the run dir's lock there, on the dir Hydra resolves.
+``SPECDRAFT_TRACEBACK=1`` keeps the traceback, for a bug report.
 
 It lives in ``distill``, the lowest layer with entry points (``python -m distill.cache``, ``distill.regenerate``).
 """
@@ -17,11 +18,14 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import re
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from distill.atomic import space_note
 from distill.lock import WriterLockedError, claim_run_dir
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -31,6 +35,8 @@ _NO_PERMISSION = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 def explain(e: OSError) -> str:
     """One line for an OS error: what happened to which file, and what to do."""
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        e = _first_copy_error(e.args[0])  # copytree gathers every file's error into one list
     where = e.filename if e.filename is not None else "?"
     if e.errno in _NO_SPACE:
         return (f"no space left writing {where} ({e.strerror}); free space (or raise the quota) on that filesystem, "
@@ -47,6 +53,18 @@ def explain(e: OSError) -> str:
     return f"{e.strerror or e}: {where}"
 
 
+def _first_copy_error(errors: list) -> OSError:
+    """The first of ``shutil.copytree``'s gathered ``(source, destination, reason)`` as an OSError on the destination
+    (its errno read back from the reason's ``[Errno N]``)."""
+    source, destination, reason = errors[0]
+    found = re.search(r"\[Errno (\d+)\]", str(reason))
+    if found is None:
+        return OSError(f"copying {source} to {destination} failed: {reason}")
+    code = int(found.group(1))
+    size = os.path.getsize(source) if os.path.isfile(source) else 0
+    return OSError(code, f"{os.strerror(code)}; {space_note(destination, size)}", destination)
+
+
 def one_line_errors(task: Callable) -> Callable:
     """Wrap an entry point's task function (module docstring)."""
 
@@ -60,7 +78,10 @@ def one_line_errors(task: Callable) -> Callable:
             print("interrupted (Ctrl-C); rerun the same command to continue (a training run resumes from its last "
                   "checkpoint)", file=sys.stderr)
             raise SystemExit(128 + signal.SIGINT) from None
-        except (WriterLockedError, ValueError, FloatingPointError) as e:  # this project's refusals: key, value, fix
+        except (WriterLockedError, ValueError, FileExistsError) as e:  # refusals: key, value, fix
+            put_back_startup_files()  # a refused command leaves the run dir as it found it
+            raise SystemExit(f"error: {explain(e) if isinstance(e, OSError) else e}") from None
+        except FloatingPointError as e:  # a diverged run
             raise SystemExit(f"error: {e}") from None
         except OSError as e:
             raise SystemExit(f"error: {explain(e)}") from None
@@ -68,21 +89,119 @@ def one_line_errors(task: Callable) -> Callable:
     return wrapped
 
 
-def check_run_dir_override(argv: Sequence[str] | None = None) -> None:
-    """Before Hydra starts: refuse ``hydra.run.dir=<path>`` whose path, or a parent of it, is a file (Hydra would fail
-    creating it with a traceback before any of our code runs), then take the run dir's writer lock
-    (``distill.lock.claim_run_dir``), refusing in one line a run dir another job is writing."""
-    argv = sys.argv[1:] if argv is None else argv
-    for token in argv:
-        key, _, value = token.lstrip("+").partition("=")
-        if key != "hydra.run.dir" or not value:
-            continue
-        path = Path(value).expanduser()
-        for p in (path, *path.parents):
-            if p.exists() and not p.is_dir():
-                raise SystemExit(f"error: hydra.run.dir={value}: {p} is a file, not a directory; choose another "
-                                 f"hydra.run.dir (or move that file aside)")
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # every entry point's Hydra config
+
+
+def resolved_run_dir(argv: Sequence[str]) -> Path | None:
+    """The run dir Hydra will use for this command line: ``hydra.run.dir`` composed as Hydra composes it (its
+    interpolations, ``${oc.env:...}`` and ``${now:...}`` included, resolved; quotes stripped; ``~`` expanded).
+    None when Hydra itself should speak first: a flag (``--cfg``, ``--multirun``, ``-cn`` ...) or an override it
+    cannot parse or compose, which it then reports in its own words."""
+    if any(token.startswith("-") for token in argv):
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
-        claim_run_dir(argv)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(argv), return_hydra_config=True)
+            value = OmegaConf.select(cfg, "hydra.run.dir")
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return None
+    return Path(str(value)).expanduser().absolute() if value else None
+
+
+def _check_writable(run_dir: Path) -> None:
+    """One line, before Hydra tries: a run dir (or a parent) that is a file, or that this user may not write."""
+    for p in (run_dir, *run_dir.parents):
+        if p.exists() and not p.is_dir():
+            raise SystemExit(f"error: hydra.run.dir={run_dir}: {p} is a file, not a directory; choose another "
+                             f"hydra.run.dir (or move that file aside)")
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == run_dir else f"cannot be created: {existing} is not writable"
+        raise SystemExit(f"error: hydra.run.dir={run_dir} {what} by this user; choose a hydra.run.dir this user may "
+                         f"write (or fix its permissions)")
+
+
+def _override(run_dir: Path) -> str | None:
+    """``hydra.run.dir=<run_dir>`` as a Hydra override (quoted), or None for a path the quoting cannot carry."""
+    text = str(run_dir)
+    return None if any(c in text for c in "'\\$") else f"hydra.run.dir='{text}'"
+
+
+def check_run_dir_override(argv: Sequence[str] | None = None) -> None:
+    """Before Hydra starts: resolve the run dir as Hydra will (``resolved_run_dir``), refuse in one line a run dir
+    Hydra could not write (a file in the way, no write permission), then take its writer lock
+    (``distill.lock.claim_run_dir``), refusing in one line a run dir another job is writing. Called with the process's
+    own command line (``argv`` None), the resolved dir is passed on to Hydra in place of the given one, so that a
+    ``${now:...}`` read a second later cannot name another dir than the one locked. Only the main rank of a
+    multi-process launch (``RANK`` unset or 0) locks; the others follow it (``train.run``)."""
+    pin = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    run_dir = resolved_run_dir(argv)
+    if run_dir is None:
+        return
+    _check_writable(run_dir)
+    try:
+        claim_run_dir(run_dir)
     except WriterLockedError as e:
         raise SystemExit(f"error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"error: {explain(e)}") from None
+    if pin:
+        _remember_startup_files(run_dir)
+    override = _override(run_dir)
+    if pin and override is not None:
+        kept = [t for t in argv if t.lstrip("+").partition("=")[0] != "hydra.run.dir"]
+        sys.argv[1:] = [*kept, override]
+
+
+# What Hydra writes into the run dir before any of our code runs: ``.hydra/`` and the job log (``<job>.log``).
+_HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+_startup: dict = {}
+
+
+def _startup_files(run_dir: Path) -> list[Path]:
+    return [*(run_dir / name for name in _HYDRA_FILES), *sorted(run_dir.glob("*.log"))]
+
+
+def _remember_startup_files(run_dir: Path) -> None:
+    """Record the files Hydra is about to write, as they are (bytes of ``.hydra/``, a log's length; their times),
+    so that ``put_back_startup_files`` can undo Hydra's writes when the command is refused."""
+    files = {}
+    for path in _startup_files(run_dir):
+        if path.is_file():
+            st = path.stat()
+            kept = path.read_bytes() if path.parent.name == ".hydra" else st.st_size
+            files[path] = (kept, st.st_atime_ns, st.st_mtime_ns)
+    _startup.update(run_dir=run_dir, existed=run_dir.is_dir(), hydra_existed=(run_dir / ".hydra").is_dir(),
+                    files=files)
+
+
+def put_back_startup_files() -> None:
+    """A command refused for a run dir (another seed on resume, ``trainer.resume=never`` over an earlier run, an
+    evaluation into another run's dir) leaves it as it found it: Hydra's rewrite of ``.hydra/`` and its job log lines
+    are undone (bytes and modification times), and what it created for this command is removed."""
+    if not _startup:
+        return
+    recorded = dict(_startup)
+    _startup.clear()  # once: what was recorded is this command's run dir only
+    run_dir, files = recorded["run_dir"], recorded["files"]
+    for path in _startup_files(run_dir):
+        if path not in files:
+            path.unlink(missing_ok=True)
+            continue
+        kept, atime, mtime = files[path]
+        if isinstance(kept, bytes):
+            path.write_bytes(kept)
+        else:
+            os.truncate(path, kept)
+        os.utime(path, ns=(atime, mtime))
+    for directory, existed in ((run_dir / ".hydra", recorded["hydra_existed"]), (run_dir, recorded["existed"])):
+        if not existed and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()

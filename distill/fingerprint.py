@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _BLOCK = 1 << 20  # read files in 1 MiB blocks: shards and checkpoints can be gigabytes
 
@@ -84,3 +87,43 @@ def grouped(diffs: Sequence[Difference]) -> dict[str, list[Difference]]:
     for d in diffs:
         out.setdefault(d.name, []).append(d)
     return out
+
+
+# --------------------------------------------------------------------------- digests beside tensor files
+
+DIGEST_SUFFIX = ".sha256"
+_unchecked_warned: list[bool] = []  # one warning per process for files written before digests were recorded
+
+
+def digest_path(path: str | Path) -> Path:
+    """``<file>.sha256``, beside the file: ``sha256sum -c`` reads it too."""
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def write_digest(path: str | Path) -> Path:
+    """Record the sha256 of ``path`` (streamed) beside it, in ``sha256sum``'s format."""
+    path = Path(path)
+    out = digest_path(path)
+    out.write_text(f"{file_digest(path)}  {path.name}\n", encoding="utf-8")
+    return out
+
+
+def check_digest(path: str | Path) -> None:
+    """Refuse ``path`` when its bytes no longer match the digest written with it (a bit flip, a copy cut short that
+    still parses); a file without a digest (written before digests were recorded) is loaded unchecked, with one
+    warning per process."""
+    path = Path(path)
+    recorded = digest_path(path)
+    if not recorded.is_file():
+        if not _unchecked_warned:
+            _unchecked_warned.append(True)
+            log.warning(
+                "%s has no %s beside it (written before digests were recorded): loaded without an integrity check; "
+                "files saved from now on are checked", path, recorded.name)
+        return
+    expected = (recorded.read_text(encoding="utf-8").split() or [""])[0]
+    actual = file_digest(path)
+    if actual != expected:
+        raise ValueError(f"{path} is damaged: its sha256 {actual[:16]}... differs from the one written with it "
+                         f"({recorded.name}: {expected[:16] or 'empty'}...); copy it again, or use another checkpoint")

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,26 @@ class WriterLockedError(RuntimeError):
 
 
 def lock_file_for(path: str | os.PathLike) -> Path:
-    """Where the lock of ``path`` lives: beside it, ``.<name>.lock`` in the same parent (of the path with symlinks
-    resolved, so two spellings of one output share one lock). Outside the output itself: taking the lock never
-    changes a file of a run dir, and a copied run dir carries no lock."""
-    path = Path(path).resolve()
-    return path.with_name(f".{path.name}.lock")
+    """Where the lock of ``path`` lives: beside it, ``.<name>.lock`` in the same parent (of the path with ``~``
+    expanded and symlinks resolved, so two spellings of one output share one lock). Outside the output itself: taking
+    the lock never changes a file of a run dir, and a copied run dir carries no lock. A parent this user may not write
+    (a run dir made for them in a shared read-only tree) gets the lock in this user's lock dir instead
+    (``$SPECDRAFT_CACHE/locks``, else ``~/.cache/specdraft/locks``), named by the path's digest: it then guards
+    against this user's other jobs on machines that share that dir."""
+    path = Path(path).expanduser().resolve()
+    if _may_create_in(path.parent):
+        return path.with_name(f".{path.name}.lock")
+    from distill.fingerprint import text_digest
+    from distill.toy.cache import default_cache_dir
+
+    return default_cache_dir() / "locks" / f"{path.name}-{text_digest(str(path))[:16]}.lock"
+
+
+def _may_create_in(directory: Path) -> bool:
+    """Whether this user may create a file in ``directory``, or could make it (its nearest existing ancestor)."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
 
 
 @contextlib.contextmanager
@@ -97,15 +112,8 @@ def read_holder(fd: int) -> str:
 _process_locks = contextlib.ExitStack()  # locks held until this process ends (closed with it)
 
 
-def claim_run_dir(argv: Sequence[str], what: str = "hydra.run.dir") -> None:
+def claim_run_dir(run_dir: Path, what: str = "hydra.run.dir") -> None:
     """Take the run dir's writer lock for the rest of the process, before Hydra writes ``.hydra/`` and its log there:
-    a second job refused later would already have rewritten the first one's ``.hydra/config.yaml``. The dir is the
-    command line's ``hydra.run.dir=``, else ``$SPECDRAFT_RUN_DIR`` (``scripts/train.sh``); with neither, Hydra picks a
-    fresh timestamped one and the run takes its lock later (``train.run``, ``eval.run``). Only the main rank of a
-    multi-process launch (``RANK`` unset or 0) locks."""
-    if os.environ.get("RANK", "0") != "0":
-        return
-    given = [token.partition("=")[2] for token in argv if token.lstrip("+").partition("=")[0] == "hydra.run.dir"]
-    run_dir = given[-1] if given else os.environ.get("SPECDRAFT_RUN_DIR")
-    if run_dir:
-        _process_locks.enter_context(writer_lock(Path(run_dir).expanduser(), what))
+    a second job refused later would already have rewritten the first one's ``.hydra/config.yaml``. ``run_dir`` is
+    the dir Hydra will use, resolved (``distill.environment.check_run_dir_override``)."""
+    _process_locks.enter_context(writer_lock(run_dir, what))

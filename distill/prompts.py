@@ -16,7 +16,7 @@ from pathlib import Path
 
 from distill.chat import chat_renderer, render_plain
 from distill.corpus import stdlib_sources
-from distill.data import read_jsonl, default_prefix_ids, encode_text
+from distill.data import read_jsonl, default_prefix_ids, encode_text, regular_path
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def prompt_records_from_file(
     ``category`` field (Spec-Bench / MT-bench: "writing", "coding", ...) or None,
     so the eval can report acceptance per kind of prompt, where drafters differ most.
     """
-    p = Path(path).expanduser()
+    p = regular_path("eval.prompts", path)
     if not p.is_file():
         raise ValueError(f"eval.prompts: file {p} does not exist; set eval.prompts=<question.jsonl> or null")
     records = read_jsonl(p, key="eval.prompts")

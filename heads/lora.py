@@ -130,7 +130,7 @@ def save_peft_adapter(path, spec: Mapping[str, Any], key: str, weights: Mapping[
     ``model.layers.0.self_attn.q_proj``) -> (A [r, in], B [out, r])."""
     from pathlib import Path
 
-    from safetensors.torch import save_file
+    from distill.atomic import save_tensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -143,4 +143,4 @@ def save_peft_adapter(path, spec: Mapping[str, Any], key: str, weights: Mapping[
     for module, (a, b) in weights.items():
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().contiguous().cpu()
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().contiguous().cpu()
-    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_tensors(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -1,7 +1,9 @@
 """A trained drafter on disk: ``save_drafter`` / ``load_drafter`` write and read a directory of ``model.safetensors``
 + ``config.json`` (the drafter's Hydra node, the target dims it was built for, the target identity and its weights
-digest), refusing non-specdraft directories, missing or unexpected tensors, non-finite weights, remote code unless
-asked for, and a target whose weights differ from the one the drafter was trained against.
+digest), refusing non-specdraft directories, missing or unexpected tensors, non-finite weights (at save and at
+load, so neither evaluation nor export takes them), weights whose bytes differ from the sha256 written beside them
+(``model.safetensors.sha256``), remote code unless asked for, and a target whose weights differ from the one the
+drafter was trained against.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
-from distill.atomic import write_dir_atomically
-from distill.fingerprint import file_digest
+from distill.atomic import save_tensors, write_dir_atomically
+from distill.fingerprint import check_digest, file_digest, write_digest
 from heads.base import Drafter, TargetDims, instantiate_drafter
 
 FORMAT = "specdraft-drafter"
@@ -53,7 +55,8 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping
 
     def write(tmp: Path) -> None:
         if tensors:
-            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
+            save_tensors(tensors, tmp / WEIGHTS, metadata={"format": FORMAT})
+            write_digest(tmp / WEIGHTS)  # checked on every load (load_saved_drafter)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
 
     return write_dir_atomically(path, write)
@@ -147,6 +150,12 @@ def load_saved_drafter(path: str | os.PathLike, overrides: Mapping[str, Any] | N
         unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(f"{weights} does not match {config['drafter'].get('_target_')}: missing {missing}, unexpected {unexpected}")
+        check_digest(weights)
+        nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if nonfinite:
+            raise ValueError(f"{weights} holds NaN or inf in {len(nonfinite)} tensor(s) (first: {nonfinite[0]}); "
+                             f"a drafter with non-finite weights is never evaluated or exported: use another "
+                             f"checkpoint (checkpoints/step_*/drafter) or retrain with a lower trainer.lr")
         drafter.load_state_dict(state, strict=True)
     return drafter.eval(), config
 

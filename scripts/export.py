@@ -16,6 +16,7 @@ the model card.
 """
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,9 @@ def parse(argv: list[str]) -> ExportConfig:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise SystemExit(f"missing {', '.join(missing)}; usage: {USAGE}")
-    return OmegaConf.to_object(cfg)
+    args = OmegaConf.to_object(cfg)
+    args.drafter_path, args.output_dir = (os.path.expanduser(str(v)) for v in (args.drafter_path, args.output_dir))
+    return args
 
 
 def main(argv: list[str] | None = None) -> Path:

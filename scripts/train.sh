@@ -33,8 +33,9 @@ case " $* " in
 esac
 
 # A signal to the launcher reaches every rank, which finishes its step, checkpoints and exits 128+signal
-# (train/preemption.py): torchrun passes on SIGUSR1 too (Slurm's warning before a time limit), and waits for the
-# checkpoint (TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds) before it kills anything.
+# (train/preemption.py): torchrun passes on SIGUSR1 (Slurm's warning before a time limit) and SIGHUP (the ssh session
+# that started it closed) too, and waits for the checkpoint (TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds) before it kills
+# anything.
 export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from distill.atomic import save_tensors
 from heads.base import TargetDims
 from heads.dflash import DFlashDrafter
 from serve.adapter import read_weights, serve_name, target_dtype, target_facts, vocab_problem
@@ -312,7 +312,7 @@ class DFlashAdapter:
                              f"would feed it other inputs. Evaluate it with `python -m eval` instead")
         # d2t (drafter.draft_vocab_size) only narrows specdraft's own decoding; the engine drafts over every id
         state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items() if k != "d2t"}
-        save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+        save_tensors(state, out / WEIGHTS, metadata={"format": "pt"})
         name = str(dtype).removeprefix("torch.")
         if engine == "speculators":
             cfg = speculators_config(drafter, name, facts, serve_name(config))

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from distill.atomic import save_tensors
 from heads.base import TargetDims
 from heads.eagle import EagleDrafter
 from serve.adapter import serve_name, target_dtype, target_facts, vocab_problem
@@ -380,7 +381,7 @@ class EagleAdapter:
         target = {**config.get("target", {}), **facts, "serve_name": serve_name(config)}
         num_tokens = drafter.depth or 4
         config_out = engine_config(drafter, engine, target, str(dtype).removeprefix("torch."), num_tokens)
-        save_file(engine_state(drafter, engine, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(engine_state(drafter, engine, dtype), out / "model.safetensors", metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(config_out, indent=2))
 
     def sidecar(self, drafter) -> dict[str, Any]:

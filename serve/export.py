@@ -29,6 +29,7 @@ import logging
 from pathlib import Path
 
 from distill.atomic import write_dir_atomically
+from distill.fingerprint import check_digest, write_digest
 from heads.base import TargetDims
 from heads.saved import load_saved_drafter, weights_digest
 from serve.adapter import ENGINES, SIDECAR, ExportAdapter, refusal, serve_name
@@ -101,8 +102,9 @@ def check_output_outside_run(drafter_path: Path, output_dir: Path) -> None:
 
 def check_replaceable(output_dir: Path, overwrite: bool) -> None:
     """An export fills ``output_dir`` whole, so it may replace only what an earlier export wrote, recognised by its
-    own ``SIDECAR`` marker: with ``overwrite`` an earlier export is replaced; any other non-empty directory (another
-    run, a dataset, a home directory) is refused, overwrite or not, and so is a file."""
+    own ``SIDECAR`` marker: with ``overwrite`` an earlier export is replaced, unless files it did not write (not in
+    the sidecar's ``files``) were added since; any other non-empty directory (another run, a dataset, a home
+    directory) is refused, overwrite or not, and so is a file."""
     if output_dir.exists() and not output_dir.is_dir():
         raise FileExistsError(f"output_dir={str(output_dir)!r} is a file, not a directory; choose a directory path, "
                               f"e.g. exports/<name>")
@@ -115,6 +117,26 @@ def check_replaceable(output_dir: Path, overwrite: bool) -> None:
     if not overwrite:
         raise FileExistsError(f"output_dir={str(output_dir)!r} holds an earlier export; pass overwrite=true to "
                               f"replace it, or choose another output_dir")
+    manifest = _manifest(output_dir / SIDECAR)
+    if manifest is None:
+        log.warning("%s lists no files (an export older than its manifest): replacing all of %s", SIDECAR, output_dir)
+        return
+    added = sorted(p.relative_to(output_dir).as_posix() for p in output_dir.rglob("*")
+                   if p.is_file() and p.relative_to(output_dir).as_posix() not in manifest)
+    if added:
+        shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        raise FileExistsError(f"output_dir={str(output_dir)!r} holds an earlier export plus files it did not write "
+                              f"({shown}); overwrite=true replaces only an export's own files (listed in its "
+                              f"{SIDECAR}): move those files out, or choose another output_dir")
+
+
+def _manifest(sidecar: Path) -> set[str] | None:
+    """The files an earlier export wrote, from its sidecar; None when it predates the list (or is unreadable)."""
+    try:
+        files = json.loads(sidecar.read_text(encoding="utf-8")).get("files")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return set(files) if isinstance(files, list) else None
 
 
 def report_for(drafter_path: Path, report: dict | None) -> dict | None:
@@ -151,15 +173,24 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
 
     def write(tmp: Path) -> None:
         adapter.write(tmp, drafter, engine, config, output_dir)
-        sidecar = {"engine": engine, "kind": kind, "target": target, "source": str(drafter_path.resolve()),
-                   "training": config.get("training"), "drafter": config.get("drafter"), **adapter.sidecar(drafter)}
-        (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str))
+        for tensors in tensor_files(tmp):
+            write_digest(tensors)  # checked by load_export; `sha256sum -c` reads them too
         (tmp / "README.md").write_text(adapter.card(engine, kind, config, output_dir, report, serve_name(config)))
+        written = sorted([*(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()), SIDECAR])
+        sidecar = {"engine": engine, "kind": kind, "target": target, "source": str(drafter_path.resolve()),
+                   "training": config.get("training"), "drafter": config.get("drafter"), **adapter.sidecar(drafter),
+                   "files": written}  # the manifest: all that overwrite=true may replace later
+        (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str))
         problems = check_export(tmp, engine, kind, target)
         if problems:
             raise RuntimeError("export failed its own conformance check:\n- " + "\n- ".join(problems))
 
     return write_dir_atomically(output_dir, write)
+
+
+def tensor_files(path: Path) -> list[Path]:
+    """The weight files of an export (safetensors, and FasterDecoding's ``.pt``), at any depth."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".pt", ".bin"))
 
 
 def check_export(path: str | Path, engine: str, kind: str, target: dict | None = None) -> list[str]:
@@ -175,6 +206,8 @@ def load_export(path: str | Path, teacher):
     """A specdraft drafter rebuilt from an export's engine-facing files only (not from the sidecar's weights). For
     medusa2 these are the heads, to be decoded with the exported ``merged_target/`` as ``teacher``."""
     path = Path(path)
+    for tensors in tensor_files(path):
+        check_digest(tensors)
     sidecar = json.loads((path / SIDECAR).read_text())
     engine, kind = sidecar["engine"], sidecar["kind"]
     dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)

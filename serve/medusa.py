@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
 
+from distill.atomic import save_tensors, save_torch
 from distill.teacher import load_teacher, target_config
 from heads.base import TargetDims
 from heads.lora import save_peft_adapter
@@ -35,11 +35,11 @@ FASTERDECODING_HEADS = 5  # MedusaModelABC.from_pretrained sets medusa_num_heads
 
 
 def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(state, str(path), metadata={"format": "pt"})
+    save_tensors(state, path, metadata={"format": "pt"})
 
 
 def _save_torch(state: dict[str, torch.Tensor], path: Path) -> None:
-    torch.save(state, path)  # FasterDecoding's loader reads this file name only, with torch.load
+    save_torch(state, path)  # FasterDecoding's loader reads this file name only, with torch.load
 
 
 def _vllm_name(k: str, j: str, rest: list[str], L: int) -> str:

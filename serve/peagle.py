@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from distill.atomic import save_tensors
 from heads.base import TargetDims
 from heads.peagle import PEagleDrafter
 from serve.adapter import serve_name, target_dtype, target_facts, vocab_problem
@@ -183,7 +184,7 @@ class PEagleAdapter:
         for i, upper in enumerate(drafter.upper, start=1):
             state.update({f"layers.{i}.{name}": t.detach().to(dtype).contiguous()
                           for name, t in upper_state(upper).items()})
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(state, out / "model.safetensors", metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
     def sidecar(self, drafter) -> dict[str, Any]:

@@ -232,6 +232,37 @@ def test_another_config_is_refused_naming_what_differs(text_file, teacher, tmp_p
         regenerate(compose(text_data(text_file), out, num_prompts=3))
 
 
+def test_resuming_after_the_data_file_changed_is_refused_naming_it(text_file, teacher, tmp_path, monkeypatch):
+    out = tmp_path / "regen.jsonl"
+    calls = count_decodes(monkeypatch, fail_on=2)
+    with pytest.raises(Interrupted):
+        regenerate(compose(text_data(text_file), out))
+    written = out.read_bytes()
+    text_file.write_text(_words(random.Random(5), 300))  # edited in place: same path, same size class
+    with pytest.raises(ValueError, match=rf"answers other prompts than data.path={text_file} .*regenerate.out=<new"):
+        regenerate(compose(text_data(text_file), out))
+    assert out.read_bytes() == written and len(calls) == 2  # nothing decoded, nothing appended
+
+
+def test_data_mode_regenerate_answers_an_edited_data_file_anew(text_file, teacher, tmp_path):
+    """``data.mode=regenerate`` keeps its answers under a key of the prompts' content: the same data reuses them, a
+    data file edited at the same path gets answers of its own, never the stale ones."""
+    from train.run import regenerate_first
+
+    def regenerated() -> tuple[Path, list[list[int]]]:
+        cfg = compose([*text_data(text_file), "data.mode=regenerate", f"target.cache_dir={tmp_path / 'c'}"], None)
+        path = regenerate_first(cfg, teacher)
+        expected = [p.ids for p in prompts_from_data(cfg.data, teacher.tokenizer, PROMPT_TOKENS, 7)]
+        assert [r["prompt_ids"] for r in read(path)] == expected  # answers to this data's prompts
+        return path, path.stat().st_mtime_ns
+
+    first, written = regenerated()
+    assert regenerated() == (first, written)  # reused, not rewritten
+    text_file.write_text(_words(random.Random(5), 300))
+    edited, _ = regenerated()
+    assert edited != first and first.stat().st_mtime_ns == written
+
+
 def test_sampled_answers_are_reproducible_from_the_seed(text_file, teacher, tmp_path):
     def run(name, seed):
         return regenerate(compose(text_data(text_file), tmp_path / name, temperature=1.0, top_p=0.9, seed=seed))

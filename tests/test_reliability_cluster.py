@@ -1,10 +1,12 @@
 """Safe on a shared cluster: signals, two jobs meeting in one output, flags that delete, keys, environment errors.
 
-Each test is one case a job on a shared cluster meets (docs/reliability.md lists them): a SIGTERM / Ctrl-C mid-run,
-a second job writing the same run dir, regeneration file or teacher cache, ``overwrite=true`` aimed at something an
-export did not write, ``python -m eval`` aimed at another run, an extended run exporting its old report, a weak
-signing key, ``+key=value`` outside the schema, a full disk, a path that is a file, a damaged or unreachable target.
-Smoke-sized runs (the tiny toy target, a few steps) in-process; the 2-rank launcher case is marked slow.
+Each test is one case a job on a shared cluster meets (docs/reliability.md lists them): a SIGTERM / Ctrl-C / SIGHUP
+mid-run, a second job writing the same run dir, regeneration file or teacher cache, ``overwrite=true`` aimed at
+something an export did not write, ``python -m eval`` aimed at another run, an extended run exporting its old report,
+a weak signing key, ``+key=value`` outside the schema, a full disk, a path that is a file, a damaged or unreachable
+target. Smoke-sized runs (the tiny toy target, a few steps) in-process; the 2-rank launcher case is marked slow. Run
+dirs and files on a shared filesystem (locks as Hydra resolves them, read-only dirs, disks the libraries fill,
+refused commands) are in ``test_reliability_storage.py``.
 """
 
 from __future__ import annotations
@@ -76,11 +78,25 @@ def uninterrupted(tmp_path_factory, cache):
     return run_dir
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+@pytest.fixture
+def survivable(request):
+    """Outside the training steps a signal keeps the process's own handler: a no-op one for the test's duration, so
+    a signal the run failed to catch fails the test instead of ending the test session (SIGHUP's default kills)."""
+    sig = request.param
+    previous = signal.signal(sig, lambda *_: None)
+    yield sig
+    signal.signal(sig, previous)
+
+
+# SIGINT and SIGUSR1 go through the same handler and loop as SIGTERM: slow, as they only repeat it.
+@pytest.mark.parametrize("survivable", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+                                        pytest.param(signal.SIGUSR1, marks=pytest.mark.slow), signal.SIGHUP],
+                         indirect=True, ids=lambda s: s.name)
 def test_a_signal_checkpoints_the_finished_step_and_the_rerun_resumes_exactly(cache, uninterrupted, tmp_path,
-                                                                             monkeypatch, caplog, sig):
+                                                                             monkeypatch, caplog, survivable):
     import train.loop
 
+    sig = survivable
     overrides = SIGNAL_RUN
     lr_at = train.loop.lr_at
 
@@ -105,9 +121,12 @@ def test_a_signal_checkpoints_the_finished_step_and_the_rerun_resumes_exactly(ca
     assert curve(cut) == curve(uninterrupted)  # bit for bit: loss and gradient norm of every step
     for name, value in weights(uninterrupted).items():
         assert torch.equal(weights(cut)[name], value), name
+    drafter_file = Path("drafter") / "model.safetensors"
+    assert (cut / drafter_file).read_bytes() == (uninterrupted / drafter_file).read_bytes()
 
 
-def _launch_two_ranks(run_dir: Path, steps: int, stop_at: int | None = None) -> subprocess.CompletedProcess | int:
+def _launch_two_ranks(run_dir: Path, steps: int, stop_at: int | None = None,
+                      sig: signal.Signals = signal.SIGTERM) -> tuple[int, str]:
     cmd = [str(ROOT / "scripts" / "train.sh"), "experiment=smoke", "trainer.device=cpu", f"trainer.steps={steps}",
            "trainer.log_every=1", "trainer.ckpt_every=1000", "trainer.num_threads=1", "eval.enabled=false",
            "data.corpus_max_bytes=60000"]
@@ -118,19 +137,20 @@ def _launch_two_ranks(run_dir: Path, steps: int, stop_at: int | None = None) -> 
         metrics = run_dir / "metrics.jsonl"
         while proc.poll() is None and (not metrics.is_file() or len(metrics.read_text().splitlines()) < stop_at):
             time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)  # to the launcher, as Slurm or `kill` would
+        proc.send_signal(sig)  # to the launcher, as Slurm, `kill` or a closed ssh session would
     out, _ = proc.communicate(timeout=300)
     return proc.returncode, out
 
 
 @pytest.mark.slow
-def test_two_ranks_sigtermed_through_the_launcher_resume_to_the_uninterrupted_curve(tmp_path, tiny_toy_target):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_two_ranks_sigtermed_through_the_launcher_resume_to_the_uninterrupted_curve(tmp_path, tiny_toy_target, sig):
     steps = 120
     rc, out = _launch_two_ranks(tmp_path / "whole", steps)
     assert rc == 0, out[-3000:]
-    rc, out = _launch_two_ranks(tmp_path / "cut", steps, stop_at=5)
-    assert rc == 143, out[-3000:]
-    assert out.count("received SIGTERM: stopped after step") == 1  # rank 0 says it, once
+    rc, out = _launch_two_ranks(tmp_path / "cut", steps, stop_at=5, sig=sig)
+    assert rc == 128 + sig, out[-3000:]
+    assert out.count(f"received {sig.name}: stopped after step") == 1  # rank 0 says it, once
     stopped = checkpoint.step_of(checkpoint.latest_checkpoint(tmp_path / "cut"))
     assert 5 <= stopped < steps and not (tmp_path / "cut" / "drafter").exists()
     rc, out = _launch_two_ranks(tmp_path / "cut", steps)
@@ -227,6 +247,35 @@ def test_export_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path):
     first = snapshot(out)
     export_drafter(run_dir / "drafter", "vllm", out, overwrite=True)  # an earlier export: replaced
     assert snapshot(out).keys() == first.keys()
+
+
+def test_export_overwrite_refuses_an_earlier_export_holding_files_it_did_not_write(run_dir, tmp_path):
+    from serve.export import export_drafter
+
+    out = export_drafter(run_dir / "drafter", "vllm", tmp_path / "export")
+    manifest = json.loads((out / "specdraft_export.json").read_text())["files"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == manifest
+    (out / "notes.txt").write_text("mine")  # a user's file, added beside the export
+    before = snapshot(out)
+    with pytest.raises(FileExistsError, match=r"files it did not write \(notes.txt\); .*move those files out"):
+        export_drafter(run_dir / "drafter", "vllm", out, overwrite=True)
+    assert snapshot(out) == before
+    (out / "notes.txt").unlink()
+    export_drafter(run_dir / "drafter", "vllm", out, overwrite=True)  # the export's own files only: replaced
+
+
+def test_export_overwrite_through_a_symlink_replaces_the_export_it_names(run_dir, tmp_path):
+    from serve.export import export_drafter
+
+    exports = tmp_path / "exports"
+    real = export_drafter(run_dir / "drafter", "vllm", exports / "v1")
+    link = exports / "latest"
+    link.symlink_to(real)
+    first = snapshot(real)
+    assert export_drafter(run_dir / "drafter", "vllm", link, overwrite=True) == link  # reported as done
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert snapshot(real).keys() == first.keys()
+    assert sorted(p.name for p in exports.iterdir()) == ["latest", "v1"]  # no swapped-out copy left behind
 
 
 def test_eval_never_writes_over_another_runs_report(run_dir, tmp_path):

@@ -4,6 +4,7 @@ test_reliability_run.py)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -296,6 +297,157 @@ def test_damaged_checkpoint_files_are_one_clear_error(tiny_teacher, tmp_path):
     (tmp_path / "checkpoints" / "latest").write_bytes(b"\x00\xffnot a step")
     with pytest.raises(ValueError, match="latest holds .*not a checkpoint name"):
         run(tiny_teacher, tmp_path, cfg)
+
+
+def _flip_last_byte(path: Path) -> bytes:
+    """Damage ``path`` in place, same size, still parseable (the last byte of tensor data); returns the original."""
+    intact = path.read_bytes()
+    path.write_bytes(intact[:-1] + bytes([intact[-1] ^ 1]))
+    return intact
+
+
+def test_tensor_files_are_checked_against_the_digest_written_beside_them(tiny_teacher, tmp_path, monkeypatch, caplog):
+    import distill.fingerprint
+    from distill.fingerprint import file_digest
+
+    path = saved_medusa(tiny_teacher, tmp_path / "d")
+    recorded = path / f"{WEIGHTS}.sha256"
+    assert recorded.read_text() == f"{file_digest(path / WEIGHTS)}  {WEIGHTS}\n"  # sha256sum -c reads it too
+    intact = _flip_last_byte(path / WEIGHTS)
+    with pytest.raises(ValueError, match=rf"^\S+/{WEIGHTS} is damaged: its sha256 .*copy it again[^\n]*$"):
+        load_saved_drafter(path)
+    (path / WEIGHTS).write_bytes(intact)
+    load_saved_drafter(path)
+    recorded.unlink()  # a drafter saved before digests were recorded: loaded, one warning per process
+    monkeypatch.setattr(distill.fingerprint, "_unchecked_warned", [])
+    load_saved_drafter(path)
+    load_saved_drafter(path)
+    assert sum("no model.safetensors.sha256" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_damaged_checkpoint_files_are_refused_by_their_digests(tiny_teacher, tmp_path):
+    cfg = make_cfg()
+    with pytest.raises(Killed):
+        run(tiny_teacher, tmp_path, cfg, DyingEngine(cfg.trainer, die_at=4))
+    step = tmp_path / "checkpoints" / "step_0000003"
+    for name in ("trainer_state.pt", "optimizer.pt", f"drafter/{WEIGHTS}"):
+        assert (step / f"{name}.sha256").is_file(), name
+    _flip_last_byte(step / "optimizer.pt")  # the zip's end record: torch still reads it
+    with pytest.raises(ValueError, match=r"optimizer.pt is damaged: its sha256 "):
+        run(tiny_teacher, tmp_path, cfg)
+
+
+def test_non_finite_drafter_weights_are_refused_at_eval_and_export(tiny_teacher, tmp_path):
+    from distill.atomic import save_tensors
+    from distill.fingerprint import write_digest
+
+    path = saved_medusa(tiny_teacher, tmp_path / "d")
+    state = load_file_as_dict(path / WEIGHTS)
+    name = next(iter(state))
+    state[name][0] = float("nan")  # as a copy from a diverged run's file would hold
+    save_tensors(state, path / WEIGHTS, metadata={"format": "specdraft-drafter"})
+    write_digest(path / WEIGHTS)
+    with pytest.raises(ValueError, match=rf"{WEIGHTS} holds NaN or inf in 1 tensor\(s\) \(first: {name}\)"):
+        load_drafter(path, tiny_teacher)  # what python -m eval loads
+    from serve.export import export_drafter
+
+    with pytest.raises(ValueError, match="holds NaN or inf"):
+        export_drafter(path, "vllm", tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+
+def load_file_as_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return dict(load_file(str(path)))
+
+
+def _end_a_blocked_read(fifo: Path) -> None:
+    """Give a reader stuck on ``fifo`` an end of file within seconds, so a read that should never start fails the
+    test instead of hanging it."""
+    import os
+    import threading
+
+    def writer():
+        for _ in range(300):
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # succeeds once a reader has it open
+                return
+            except OSError:
+                time.sleep(0.01)
+
+    threading.Thread(target=writer, daemon=True).start()
+
+
+def test_data_paths_that_never_end_are_refused_naming_the_key(tmp_path):
+    import os
+
+    from distill.data import load_records
+    from distill.prompts import prompts_from_file
+    from distill.regenerate import load_regenerated
+
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    for value in (fifo, "/dev/zero"):
+        _end_a_blocked_read(fifo)
+        with pytest.raises(ValueError, match=rf"^data.path={value}: \S+ is a (named pipe|character device).* "
+                                             rf"point data.path at a regular file"):
+            load_records(DataConfig(source="file", path=str(value)))
+    with pytest.raises(ValueError, match=rf"^data.regenerated={fifo}: .* named pipe"):
+        load_regenerated(fifo, None, DataConfig())
+    with pytest.raises(ValueError, match=r"^eval.prompts=/dev/zero: .* character device"):
+        prompts_from_file("/dev/zero", None, 1)
+
+
+def test_tilde_paths_are_expanded_once_for_every_path_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = load_config(compose(config_name="config", overrides=[
+            "data.path='~/d.jsonl'", "regenerate.out='~/r.jsonl'", "cache.dir='~/c'", "eval.prompts='~/q.jsonl'",
+            "drafter_path='~/run/drafter'", "data.mode=regenerated", "data.regenerated='~/r.jsonl'",
+            "target.cache_dir='~/toy'"]))  # quoted:
+    # Hydra's grammar takes no bare ~
+    assert cfg.data.path == f"{tmp_path}/d.jsonl" and cfg.regenerate.out == f"{tmp_path}/r.jsonl"
+    assert cfg.cache.dir == f"{tmp_path}/c" and cfg.eval.prompts == f"{tmp_path}/q.jsonl"
+    assert cfg.drafter_path == f"{tmp_path}/run/drafter" and cfg.target.cache_dir == f"{tmp_path}/toy"
+    from scripts.export import parse
+
+    args = parse(["drafter_path='~/run/drafter'", "format=vllm", "output_dir='~/exports/a'"])
+    assert (args.drafter_path, args.output_dir) == (f"{tmp_path}/run/drafter", f"{tmp_path}/exports/a")
+
+
+def _chat_file(path: Path, turns) -> str:
+    path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in t]}) + "\n" for t in turns))
+    return str(path)
+
+
+def test_chat_data_on_a_tokenizer_without_a_chat_template_warns_once(tmp_path, monkeypatch, caplog):
+    import distill.chat
+    from distill.data import build_train_dataset
+    from tests.test_regenerate import make_tokenizer
+
+    monkeypatch.setattr(distill.chat, "_warned_plain", [])
+    chat = _chat_file(tmp_path / "chat.jsonl", [[("user", "w1 w2"), ("assistant", "w3 w4 w5")]] * 4)
+    cfg = DataConfig(source="file", path=chat, max_length=16, packing=False)
+    for _ in range(2):
+        build_train_dataset(cfg, make_tokenizer())
+    warned = [r.getMessage() for r in caplog.records if "has no chat template" in r.getMessage()]
+    assert len(warned) == 1 and "data.chat_template=none" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(distill.chat, "_warned_plain", [])
+    build_train_dataset(replace(cfg, chat_template="none"), make_tokenizer())  # chosen: nothing to warn about
+    assert not [r for r in caplog.records if "has no chat template" in r.getMessage()]
+
+
+def test_chat_data_without_an_assistant_turn_says_so(tmp_path):
+    from distill.data import build_train_dataset
+    from tests.test_regenerate import make_tokenizer
+
+    chat = _chat_file(tmp_path / "chat.jsonl", [[("user", "w1 w2 w3")], [("system", "w4"), ("user", "w5")]])
+    with pytest.raises(ValueError, match="the data has no assistant turn") as err:
+        build_train_dataset(DataConfig(source="file", path=chat, max_length=16, packing=False), make_tokenizer())
+    assert "raise data.max_length" not in str(err.value)
 
 
 def test_context_overflow_advice_includes_num_draft():

@@ -30,8 +30,8 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file
 
-from distill.atomic import write_text_atomically
-from distill.fingerprint import tree_digests
+from distill.atomic import save_torch, write_text_atomically
+from distill.fingerprint import check_digest, tree_digests, write_digest
 from distill.toy import default_cache_dir
 from heads.saved import WEIGHTS, read_drafter_config, save_drafter
 from train.engine import TrainerConfig
@@ -87,9 +87,11 @@ def save_checkpoint(run_dir, step: int, engine, optimizer, drafter_cfg: Mapping,
                 selection.copy_into(tmp)
             if (tmp / "deepspeed").is_dir():  # pickled by DeepSpeed: sign what we wrote (verify_shards)
                 state["shards"] = sign_shards(tmp / "deepspeed")
-            torch.save(state, tmp / STATE)
+            save_torch(state, tmp / STATE)  # a failed write (full disk) raises OSError naming the file
+            write_digest(tmp / STATE)  # checked on resume (load_checkpoint)
             if optim is not None:
-                torch.save(optim, tmp / OPTIMIZER)
+                save_torch(optim, tmp / OPTIMIZER)
+                write_digest(tmp / OPTIMIZER)
             # Not distill.atomic.write_dir_atomically: every rank writes into ``tmp`` (save_shards), so it needs a name
             # all ranks know before the main rank renames it; a killed save leaves it hidden, the next save clears it.
             if final.exists():  # a rerun reaching the same step
@@ -233,6 +235,9 @@ def load_checkpoint(path: Path, engine, optimizer, drafter_cfg: Mapping, target_
     except Exception as e:  # a truncated or corrupt file: say which, never silently restart from scratch
         raise RuntimeError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); delete that step_* directory "
                            f"(and checkpoints/latest) to resume from an older one, or {FRESH_DIR}") from e
+    for written in (path / STATE, path / "drafter" / WEIGHTS, path / OPTIMIZER):
+        if written.is_file():
+            check_digest(written)
     _check_compatible(path, state, engine, target_identity, layout, recipe or {})
     if optim is None and engine.name != "deepspeed":  # DeepSpeed keeps its optimizer in deepspeed/
         raise RuntimeError(f"checkpoint {path} has no {OPTIMIZER}; it is incomplete: delete that step_* directory "

@@ -16,9 +16,11 @@ then ``validate``) and passes them down: code below reads ``cfg.trainer.lr``, ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
+import os
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional
@@ -87,8 +89,26 @@ def load_config(cfg: DictConfig) -> Config:
     passes down."""
     _refuse_unknown_keys(cfg, Config)
     config = OmegaConf.to_object(cfg)
+    _expand_user_paths(config)
     validate(config)
     return config
+
+
+# Every path setting, read or written: ``~`` expanded once, here, so that no reader or writer meets a literal ``~``
+# (a writer would create a directory named ``~`` in the working directory).
+PATH_KEYS = ("data.path", "data.regenerated", "data.teacher_cache", "regenerate.out", "cache.dir", "target.cache_dir",
+             "eval.prompts", "drafter_path")
+
+
+def _expand_user_paths(config: Config) -> None:
+    for key in PATH_KEYS:
+        *parents, name = key.split(".")
+        node = functools.reduce(getattr, parents, config)
+        value = getattr(node, name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(node, name, os.path.expanduser(value))
+    if config.target.source == "hf" and config.target.name.startswith("~"):  # a local directory, not a hub id
+        config.target.name = os.path.expanduser(config.target.name)
 
 
 def _refuse_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:

@@ -1,11 +1,12 @@
 """Stopping on a signal without losing steps: SIGTERM (Slurm pre-emption, ``kill``, torchrun passing its own on),
-SIGINT (Ctrl-C) and SIGUSR1 (what ``#SBATCH --signal=USR1@...`` sends ahead of a time limit).
+SIGINT (Ctrl-C), SIGUSR1 (what ``#SBATCH --signal=USR1@...`` sends ahead of a time limit) and SIGHUP (the terminal or
+ssh session the run was started from went away; its default action would kill the run mid-step).
 
 A signal only raises a flag (a Python handler runs between bytecodes of the main thread, so it must not write files
 or enter a collective). The loop reads the flag once per step, after the optimizer step, agreed over all ranks (one
 rank signalled is enough: every rank stops at the same step); it then writes a checkpoint, logs one line and raises
 ``Preempted``, a ``SystemExit`` whose code is the shell's convention for death by that signal (128 + its number:
-143 for SIGTERM, 130 for SIGINT), so launchers and Slurm read the exit as they would a kill. Rerunning the same
+143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP), so launchers and Slurm read the exit as they would a kill. Rerunning the same
 command resumes from that checkpoint exactly. A second Ctrl-C stops at once, without saving.
 """
 
@@ -20,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
 class Preempted(SystemExit):

@@ -63,10 +63,11 @@ def regenerate_first(cfg: Config, teacher, engine=None) -> Path:
     every rank together before training; the jsonl's path."""
     settings = dataclasses.asdict(cfg.regenerate)
     check_settings(settings)
-    out = Path(cfg.data.regenerated or regenerated_path(teacher, cfg.data, settings,
+    prompts = prompts_from_data(cfg.data, teacher.tokenizer, cfg.regenerate.prompt_tokens, cfg.regenerate.num_prompts)
+    # Keyed by the prompts' content, not data.path: a data file edited in place gets answers of its own.
+    out = Path(cfg.data.regenerated or regenerated_path(teacher, cfg.data, settings, prompts,
                                                         cfg.target.cache_dir or default_cache_dir()))
     log.info("data.mode=regenerate: the target's answers in %s (written once, then reused)", out)
-    prompts = prompts_from_data(cfg.data, teacher.tokenizer, cfg.regenerate.prompt_tokens, cfg.regenerate.num_prompts)
     ranks = None
     if engine is not None and engine.world_size > 1:
         ranks = Ranks(rank=engine.rank, world=engine.world_size, barrier=engine.barrier)

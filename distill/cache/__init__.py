@@ -49,11 +49,10 @@ from typing import Any, List, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from distill.atomic import write_file_atomically, write_text_atomically
+from distill.atomic import save_tensors, write_file_atomically, write_text_atomically
 from distill.data import DataConfig, collate, source_fingerprint
 from distill.fingerprint import differences, file_digest, grouped, json_digest, vocab_digest
 from distill.lock import writer_lock
@@ -309,7 +308,7 @@ def _write_cache(cache_dir: Path, teacher, dataset, data_cfg: DataConfig, layers
             return None
         tensors = _teacher_rows(teacher, dataset, rows, layers, topk, dtype, batch_size)
         meta = {FORMAT: _shard_metadata(fp, rows)}
-        write_file_atomically(path, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
+        write_file_atomically(path, lambda tmp, t=tensors, m=meta: save_tensors(t, tmp, metadata=m))
         log.info("wrote %s (rows %d..%d)", path.name, rows.start, rows.stop - 1)
         progress.update(len(rows), len(rows) * max_length)
     written = len(todo)

@@ -18,14 +18,16 @@ tokens; null: ``data.max_length`` - the batch's longest prompt, so no regenerate
 ``prompt_loss_mask`` is the prompt tokens' loss mask in the original data; ``completion_ids`` ends with EOS when
 ``finish`` is "eos". ``<out>.meta.json`` is written (atomically) before the first line: the target's identity and
 weights digest (``target``, ``target_weights``), the tokenizer's vocabulary size and hash (``tokenizer_vocab_size``,
-``tokenizer_sha256``), the data config (``data``) and the regenerate settings but ``out`` (``regenerate``).
+``tokenizer_sha256``), the data config (``data``), a digest of the prompts' ids and loss masks (``prompts_sha256``:
+what the rows held, so a data file edited at the same path is told apart) and the regenerate settings but ``out``
+(``regenerate``).
 
 Training rows (``load_regenerated``): record ``prompt_ids + completion_ids`` with the loss mask ``prompt_loss_mask +
 [True] * len(completion_ids)``, packed or padded like the fixed data (``data.packing``, ``data.max_length``). Packing
 puts an EOS after an answer that does not end in one; it carries no loss (the target did not choose to stop there).
 
 Resuming: every batch is appended and fsynced whole. A rerun with the same config checks the sidecar (another target,
-tokenizer, data or setting is refused, naming it), drops a cut-off batch and continues with the next one. Batch ``k``
+tokenizer, data, prompts or setting is refused, naming it), drops a cut-off batch and continues with the next one. Batch ``k``
 is always the same prompts, decoded with the seed ``regenerate.seed + k``, so an interrupted and resumed run writes
 the same bytes as an uninterrupted one.
 """
@@ -52,6 +54,7 @@ from distill.data import (
     _pad_id,
     build_train_dataset,
     pack_examples,
+    regular_path,
     pad_examples,
 )
 from distill.fingerprint import differences, json_digest, vocab_digest
@@ -161,7 +164,13 @@ def _tokenizer_fields(tokenizer) -> dict:
     return {"tokenizer_vocab_size": len(tokenizer), "tokenizer_sha256": vocab_digest(tokenizer)}
 
 
-def build_meta(teacher, data_cfg: DataConfig, settings: Mapping) -> dict:
+def prompts_digest(prompts: Sequence[Prompt]) -> str:
+    """sha256 of the prompts' ids and loss masks: the rows a regenerated file answers, whatever path they came from
+    (an edited data file at the same path gives other prompts, and so another digest)."""
+    return json_digest([[p.ids, p.loss_mask] for p in prompts])
+
+
+def build_meta(teacher, data_cfg: DataConfig, settings: Mapping, prompts: Sequence[Prompt]) -> dict:
     """What a regenerated file depends on (module docstring); ``settings`` are ``cfg.regenerate``'s."""
     data = _plain(asdict(data_cfg))
     for key in NON_PROMPT_DATA_KEYS:
@@ -169,7 +178,7 @@ def build_meta(teacher, data_cfg: DataConfig, settings: Mapping) -> dict:
     regenerate = {k: v for k, v in _plain(settings).items() if k not in PLACEMENT_KEYS}
     return _plain({"format": FORMAT, "format_version": FORMAT_VERSION, "target": teacher.identity(),
                    "target_weights": teacher.weights_digest(), **_tokenizer_fields(teacher.tokenizer),
-                   "data": data, "regenerate": regenerate})
+                   "data": data, "prompts_sha256": prompts_digest(prompts), "regenerate": regenerate})
 
 
 def _differences(stored: Mapping, current: Mapping, names: Sequence[str]) -> list[str]:
@@ -271,6 +280,12 @@ def _check_sidecar(out: Path, meta: Mapping) -> None:
     if stored is None:
         raise ValueError(f"regenerate.out={out} exists without its {meta_path(out).name}, so what wrote it is unknown; "
                          f"delete the file or choose another regenerate.out")
+    if stored.get("prompts_sha256") != meta["prompts_sha256"] and stored.get("data") == meta["data"]:
+        data = meta["data"]
+        source = f"data.path={data['path']}" if data.get("path") else f"data.source={data.get('source')}"
+        raise ValueError(f"regenerate.out={out} answers other prompts than {source} gives now (the data "
+                         f"was edited since, or the file predates prompt digests); regenerate into a new file "
+                         f"(regenerate.out=<new file>), or delete {out} and {meta_path(out).name} to start it again")
     diff = _differences(stored, meta, list(meta))
     if diff:
         raise ValueError(f"regenerate.out={out} was started with another config (differs: {'; '.join(diff)}); delete "
@@ -338,7 +353,7 @@ def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt]
     with writer_lock(out, "regenerate.out"):  # one writer: two jobs appending to one file would write rows twice
         out = Path(out)
         plan = batch_plan(len(prompts), int(settings["batch_size"]))
-        done = _prepare_out(out, build_meta(teacher, data_cfg, settings), plan)
+        done = _prepare_out(out, build_meta(teacher, data_cfg, settings, prompts), plan)
         decode_batches(out, teacher, prompts, data_cfg, settings, plan, done)
         return out
 
@@ -375,10 +390,13 @@ def decode_batches(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: Data
     log.info("regenerate: wrote %s", out)
 
 
-def regenerated_path(teacher, data_cfg: DataConfig, settings: Mapping, cache_root: str | os.PathLike) -> Path:
-    """Where ``data.mode=regenerate`` keeps the answers for this target, data and settings: named by the digest of
-    the sidecar (``build_meta``), so a run with the same three reuses the file and any change writes another."""
-    return Path(cache_root) / "regenerated" / f"{json_digest(build_meta(teacher, data_cfg, settings))[:16]}.jsonl"
+def regenerated_path(teacher, data_cfg: DataConfig, settings: Mapping, prompts: Sequence[Prompt],
+                     cache_root: str | os.PathLike) -> Path:
+    """Where ``data.mode=regenerate`` keeps the answers for this target, data settings, prompts (the rows' content)
+    and regenerate settings: named by the digest of the sidecar (``build_meta``), so a run with the same reuses the
+    file and any change, an edit of the data file in place included, writes another."""
+    meta = build_meta(teacher, data_cfg, settings, prompts)
+    return Path(cache_root) / "regenerated" / f"{json_digest(meta)[:16]}.jsonl"
 
 
 # --------------------------------------------------------------------------- reading
@@ -431,7 +449,7 @@ def load_regenerated(path: str | os.PathLike | None, tokenizer, data_cfg: DataCo
     token. Checked against the sidecar (tokenizer; with ``teacher``, the target's weights) when there is one."""
     if not path:
         raise ValueError(f"data.regenerated is null; set it to a jsonl written by `{WRITE_CMD} regenerate.out=<file>`")
-    path = Path(path)
+    path = regular_path("data.regenerated", path)
     if not path.is_file():
         raise FileNotFoundError(f"data.regenerated={path} does not exist; write it with `{WRITE_CMD} "
                                 f"regenerate.out={path}` (with this run's target/data overrides)")

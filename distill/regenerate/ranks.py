@@ -59,7 +59,7 @@ def _complete(out: Path, meta: Mapping, plan: Sequence[range]) -> bool:
 def write_sharded(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping,
                   ranks: Ranks) -> Path:
     check_settings(settings)
-    meta = build_meta(teacher, data_cfg, settings)
+    meta = build_meta(teacher, data_cfg, settings, prompts)
     total, batch_size = len(prompts), int(settings["batch_size"])
     full_plan = batch_plan(total, batch_size)
     if _complete(out, meta, full_plan):
@@ -85,7 +85,7 @@ def write_one_group(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: Dat
     """``regenerate.shard=tensor``: the target is split over every rank, so the ranks form one generation group
     that decodes every batch together (each forward is collective), and only the main rank writes ``out``, resuming
     it as one process does. The other ranks learn from it how many batches are already there."""
-    meta = build_meta(teacher, data_cfg, settings)  # every rank: the weights digest gathers the split embeddings
+    meta = build_meta(teacher, data_cfg, settings, prompts)  # every rank: the weights digest gathers the split embeddings
     plan = batch_plan(len(prompts), int(settings["batch_size"]))
     with contextlib.ExitStack() as stack:
         done, problem = 0, None
