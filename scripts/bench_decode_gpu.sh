@@ -30,24 +30,7 @@ mkdir -p "$OUT" "$RUNS"
 export PYTHONPATH="$PWD:$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export SPECDRAFT_CACHE=${SPECDRAFT_CACHE:-/tmp/specdraft-cache}
 PY=${PYTHON:-python3}
-start=$(date +%s)
-left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
-phase() {  # phase DIR NAME MAX_SECONDS COMMAND...: run under the smaller of MAX_SECONDS and the time left, log
-  local dir=$1 name=$2 max=$3 budget  # in DIR/NAME.log
-  shift 3
-  budget=$(left)
-  (( budget > max )) && budget=$max
-  if (( budget < 20 )); then
-    echo "== $name: skipped, ${budget}s left" | tee -a "$OUT/phases.txt"
-    return 124
-  fi
-  echo "== $name: up to ${budget}s (at $(( $(date +%s) - start ))s)" | tee -a "$OUT/phases.txt"
-  timeout --signal=INT --kill-after=15 "$budget" "$@" > "$dir/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc after $(( $(date +%s) - start ))s" | tee -a "$OUT/phases.txt"
-  tr '\r' '\n' < "$dir/$name.log" | grep -v 'it/s\]$' | tail -n 25 | tee -a "$OUT/phases.txt"
-  return $rc
-}
+source "$(dirname "$0")/gpu_phases.sh"  # phase DIR NAME MAX_SECONDS COMMAND...
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv

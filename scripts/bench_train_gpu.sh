@@ -28,24 +28,7 @@ PY=${PYTHON:-python3}
 BENCH="scripts/bench_train_kinds.py --preset $PRESET --steps $STEPS"
 # aot_eager: compiled runs traced without code generation (a quick CPU check of the script; inductor otherwise)
 [[ -n "${COMPILE_BACKEND:-}" ]] && BENCH="$BENCH --compile-backend $COMPILE_BACKEND"
-start=$(date +%s)
-left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
-phase() {  # phase NAME MAX_SECONDS COMMAND...: run under the smaller of MAX_SECONDS and the time left, log in NAME.log
-  local name=$1 max=$2 budget
-  shift 2
-  budget=$(left)
-  (( budget > max )) && budget=$max
-  if (( budget < 30 )); then
-    echo "== $name: skipped, ${budget}s left" | tee -a "$OUT/phases.txt"
-    return 124
-  fi
-  echo "== $name: up to ${budget}s (at $(( $(date +%s) - start ))s)" | tee -a "$OUT/phases.txt"
-  timeout --signal=INT --kill-after=15 "$budget" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc after $(( $(date +%s) - start ))s" | tee -a "$OUT/phases.txt"
-  tr '\r' '\n' < "$OUT/$name.log" | grep -v 'it/s\]$' | grep -v '^train:' | tail -n 20 | tee -a "$OUT/phases.txt"
-  return $rc
-}
+source "$(dirname "$0")/gpu_phases.sh"  # phase DIR NAME MAX_SECONDS COMMAND...
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null
@@ -54,10 +37,10 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
 } > "$OUT/phases.txt" 2>&1
 cat "$OUT/phases.txt"
 
-phase eagle3 240 $PY $BENCH --kinds eagle3 --modes eager,compiled --out "$OUT/train_eagle3.json"
-phase dflash 150 $PY $BENCH --kinds dflash --modes compiled,eager --out "$OUT/train_dflash.json"
-phase kinds 200 $PY $BENCH --kinds eagle1,peagle,medusa,draft_model --modes compiled --out "$OUT/train_kinds.json"
-phase fsdp 120 $PY -m torch.distributed.run --standalone --nproc_per_node 1 $BENCH --kinds eagle3 --modes compiled \
+phase "$OUT" eagle3 240 $PY $BENCH --kinds eagle3 --modes eager,compiled --out "$OUT/train_eagle3.json"
+phase "$OUT" dflash 150 $PY $BENCH --kinds dflash --modes compiled,eager --out "$OUT/train_dflash.json"
+phase "$OUT" kinds 200 $PY $BENCH --kinds eagle1,peagle,medusa,draft_model --modes compiled --out "$OUT/train_kinds.json"
+phase "$OUT" fsdp 120 $PY -m torch.distributed.run --standalone --nproc_per_node 1 $BENCH --kinds eagle3 --modes compiled \
   --engine fsdp --out "$OUT/train_fsdp.json"
 $PY - "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/phases.txt"
 import json, sys
