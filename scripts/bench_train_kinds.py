@@ -85,12 +85,16 @@ def build_target(spec: dict, dtype: torch.dtype, device: torch.device) -> Teache
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
-        for module in model.modules():  # rotary tables are buffers computed at init: recompute them on the device
-            if hasattr(module, "inv_freq") and hasattr(module, "rope_init_fn"):
-                inv_freq, _ = module.rope_init_fn(module.config, device)
-                module.inv_freq.copy_(inv_freq)
-                if hasattr(module, "original_inv_freq"):
-                    module.original_inv_freq = inv_freq
+        # buffers are left uninitialised by to_empty: the rotary tables are computed at init, so each rotary module is
+        # made again (on the CPU: cheap) and its buffers copied over
+        for module in model.modules():
+            if hasattr(module, "inv_freq"):
+                fresh = type(module)(config)
+                for name, buf in fresh.named_buffers():
+                    module.get_buffer(name).copy_(buf)
+        bad = [n for n, b in model.named_buffers() if b.is_floating_point() and not torch.isfinite(b).all()]
+        if bad:
+            raise RuntimeError(f"buffers left uninitialised after building the target on {device}: {bad}")
     model.eval().requires_grad_(False)
     return Teacher(model, tokenizer=None, name=f"random-llama-{spec['hidden_size']}")
 
