@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
+from distill.fingerprint import write_digest
 from distill.teacher import Teacher
 from heads.base import build_drafter
 from tests.conftest import make_tiny_llama
@@ -140,6 +141,7 @@ def test_deepspeed_checkpoint_is_not_resumed_by_another_engine(tiny_teacher, tmp
     state_file = tmp_path / "checkpoints" / "step_0000003" / checkpoint.STATE
     state = torch.load(state_file, weights_only=True)
     torch.save({**state, "engine": "deepspeed"}, state_file)  # as a trainer=zero2 run would have written it
+    write_digest(state_file)  # with its digest, as every checkpoint file is written
     with pytest.raises(ValueError, match="written by trainer engine deepspeed on 1 ranks.*same engine"):
         run(tiny_teacher, tmp_path, cfg)
 
