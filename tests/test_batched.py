@@ -377,6 +377,8 @@ def test_batch_sweep_report(teacher, prompts, tmp_path):
     assert "batch sweep (4 prompts" in (tmp_path / "summary.txt").read_text()
 
 
+# Slow: a check of the bench script; the batched decoder it drives is covered by the tests above.
+@pytest.mark.slow
 def test_bench_batch_tiny_writes_every_figure(tmp_path, tiny_toy_target):
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_batch.py"
     spec = importlib.util.spec_from_file_location("bench_batch", script)

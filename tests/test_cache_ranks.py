@@ -25,6 +25,9 @@ def files(cache_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(cache_dir.iterdir()) if not p.name.startswith(".")}
 
 
+# Slow: the ranks' shard, kill and resume machinery is the regeneration's too, checked fast by
+# test_regenerate_ranks.py::test_a_rank_killed_mid_run_resumes_to_the_same_bytes.
+@pytest.mark.slow
 def test_two_ranks_write_the_files_one_process_writes_and_survive_a_kill(tmp_path, tiny_toy_target):
     one, two = tmp_path / "one" / "cache", tmp_path / "two" / "cache"
     assert "bytes/token" in torchrun.run(command(one, 1)).stdout

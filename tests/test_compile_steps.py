@@ -145,6 +145,8 @@ def test_sampled_static_draft_is_one_graph(teacher, kind):
     assert len(set(drafted)) > len(drafted) // 2  # draws, not one fixed chain
 
 
+# Slow: a check of the kernel-count bench's counter, not of a decode path.
+@pytest.mark.slow
 def test_step_kernel_counter_sees_fusion():
     """``scripts/bench_step_kernels.py``'s counts on a tiny plain step: inductor fuses the eager ops into fewer
     kernels, and emits some."""

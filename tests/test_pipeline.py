@@ -102,6 +102,9 @@ def test_draft_model_on_regenerated_and_mixed_data(env, tmp_path):
     assert proc.returncode != 0 and "drafter=medusa cannot" in proc.stderr
 
 
+# Slow: every kind's export to every engine is checked byte for byte by test_export_digests.py; this
+# repeats it after a smoke run.
+@pytest.mark.slow
 def test_smoke_eagle1_exports_for_every_engine(smoke_run, env, tmp_path, monkeypatch):
     """The README's export command on a trained run: each EAGLE-1 layout passes its engine's loader mapping, and the
     card's serve command names the toy target's local directory (a name vLLM / SGLang can resolve)."""

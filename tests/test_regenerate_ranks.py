@@ -43,6 +43,8 @@ def reference(tmp_path, tiny_toy_target):
     return out
 
 
+# Slow: the killed-rank test below also compares two ranks' bytes with one process's.
+@pytest.mark.slow
 def test_two_ranks_write_the_bytes_one_process_writes(tmp_path, reference):
     out = tmp_path / "two" / "regen.jsonl"
     torchrun.run(command(out, tmp_path / "two", 2, 7, 8))
