@@ -43,6 +43,7 @@ def test_bench_recipe_tiny_rows_are_lossless_and_resume(tmp_path, monkeypatch, c
     assert "| eagle1_ttt2 | 0 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a check of the recipe bench's rows, not of training
 def test_every_row_composes_into_a_valid_config():
     """A row whose override is misspelt (or names a key its drafter / loss lacks) fails here, not after minutes of
     training; a row must also change something, or it measures the baseline twice."""
