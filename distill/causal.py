@@ -28,12 +28,17 @@ def _register() -> bool:
     global _registered
     if _registered is None:
         try:
-            from transformers import AttentionInterface
+            import inspect
+
+            from transformers import AttentionInterface, masking_utils
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+            # the skip this relies on: mask creation returns early for an implementation it has no builder for
+            if "ALL_MASK_ATTENTION_FUNCTIONS" not in inspect.getsource(masking_utils._preprocess_mask_arguments):
+                raise AttributeError("this transformers builds masks for every attention implementation")
             AttentionInterface.register(CAUSAL, sdpa_attention_forward)
             _registered = True
-        except (ImportError, AttributeError) as e:  # an older transformers: its own mask path stays
+        except (ImportError, AttributeError, OSError, TypeError) as e:  # another transformers: its own mask path
             log.info("causal training forwards keep transformers' mask path: %s", e)
             _registered = False
     return _registered
