@@ -419,10 +419,10 @@ SOURCES: dict[str, Source] = {
     "bench_train_side_by_side_toy_cpu.json": Source(
         "Training speed per drafter kind beside the code before the compiled step and the background input pipeline "
         "(CPU, eager)",
-        "python scripts/bench_train_kinds.py --preset toy --threads 1 --base <older checkout> --rounds 3",
+        "python scripts/bench_train_kinds.py --preset toy --threads 1 --base <older checkout> --rounds 2 --steps 15",
         render_train_side_by_side,
         "Alternating subprocesses (before, now, before, now, ...), medians of their tokens/s: a regression check that "
-        "needs no GPU."),
+        "needs no GPU. Measured while the test suite ran on the other core: rounds differ by up to 10%."),
     "bench_train_toy_cpu.json": Source(
         "Training throughput: one process vs DDP (CPU toy, EAGLE-1)",
         "python scripts/bench_train.py", render_train),
