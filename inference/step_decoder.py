@@ -66,12 +66,13 @@ def resolve_graphs(cuda_graphs: str, device: torch.device) -> bool:
     return cuda_graphs != "off" and device.type == "cuda"
 
 
-def compile_setting(compile: str | bool) -> str:
-    """``decoder.compile`` as auto / on / off (true and false, as Hydra or Python pass them, read as on / off)."""
+def compile_setting(compile: str | bool, key: str = "decoder.compile") -> str:
+    """``key`` (``decoder.compile``, ``trainer.compile``) as auto / on / off (true and false, as Hydra or Python pass
+    them, read as on / off)."""
     value = str(compile).lower()
     value = {"true": "on", "false": "off"}.get(value, value)
     if value not in COMPILE:
-        raise ValueError(f"decoder.compile={compile!r}; valid: {list(COMPILE)} (auto: on for a CUDA target; true / "
+        raise ValueError(f"{key}={compile!r}; valid: {list(COMPILE)} (auto: on for a CUDA device; true / "
                          f"false mean on / off)")
     return value
 

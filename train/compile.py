@@ -1,8 +1,8 @@
 """``trainer.compile``: the training step's regions compiled by ``torch.compile`` (regional compilation).
 
-A whole training step does not fit one graph: the trained positions are chosen by data (a boolean mask per draft
-term), the chunked loss is a hand-written autograd function with a Python loop over chunks, and the engines wrap the
-drafter in hooks. What costs time between those pieces is dense and static: each drafter layer (projections, rotary
+A whole training step does not fit one graph: the chunked loss is a hand-written autograd function with a Python
+loop over chunks, the engines wrap the drafter in hooks, and transformers' own forwards carry hooks dynamo cannot
+trace. What costs time between those pieces is dense and static: each drafter layer (projections, rotary
 embedding, norms, the MLP, the attention kernel) and each loss chunk's softmax / divergence / gradient arithmetic.
 Those are compiled, each as its own region (``Drafter.compile_regions``: (object, method name) pairs the drafter
 names; ``distill.chunked``'s loss core), the way torchtitan and HF's regional compilation compile one decoder layer
@@ -24,36 +24,39 @@ from typing import Iterator, Sequence
 
 import torch
 
+from inference.step_decoder import compile_setting as decoder_compile_setting
+
 log = logging.getLogger(__name__)
 
-COMPILE = ("auto", "on", "off")
-# Graphs dynamo may keep per code object during training: a region is compiled once per distinct call signature
-# (EAGLE's TTT step j takes j earlier steps' keys; a loss chunk's row count differs in the last chunk), and the
-# default (8) would silently leave the ninth eager.
+# Graphs dynamo may keep per code object during training: a region is compiled again for another call signature
+# (grad mode in the held-out evaluation, a layer class shared by several regions), and the default (8) would silently
+# leave the ninth eager.
 RECOMPILE_LIMIT = 64
+ZERO3_REFUSAL = ("trainer.compile=on cannot run under DeepSpeed ZeRO-3 (trainer=zero3): its partitioned parameters "
+                 "are gathered by module hooks a compiled region would read around; use trainer.compile=off, or "
+                 "trainer=fsdp / zero2 to train compiled")
 
 
 def compile_setting(value: str | bool) -> str:
-    """``trainer.compile`` as auto / on / off (true and false, as Hydra or Python pass them, read as on / off)."""
-    text = {"true": "on", "false": "off"}.get(str(value).lower(), str(value).lower())
-    if text not in COMPILE:
-        raise ValueError(f"trainer.compile={value!r}; valid: {list(COMPILE)} (auto: on for CUDA; true / false mean "
-                         f"on / off)")
-    return text
+    """``trainer.compile`` as auto / on / off (``inference.step_decoder.compile_setting``'s reading)."""
+    return decoder_compile_setting(value, key="trainer.compile")
+
+
+def check_compile(value: str | bool, engine: str, zero_stage: int) -> None:
+    """The start-up check: a valid setting, and ``on`` never under DeepSpeed ZeRO-3."""
+    if compile_setting(value) == "on" and engine == "deepspeed" and zero_stage == 3:
+        raise ValueError(ZERO3_REFUSAL)
 
 
 def resolve_compile(value: str | bool, device: torch.device, engine: str, zero_stage: int) -> bool:
     """Whether the training step is compiled: ``on``, or ``auto`` on a CUDA device (on a CPU, inductor's compile
     time is more than a short run saves). DeepSpeed ZeRO-3 partitions the parameters a region reads and gathers them
     in module hooks that a compiled method would bypass: refused under ``on``, off under ``auto``."""
+    check_compile(value, engine, zero_stage)
     setting = compile_setting(value)
     if setting == "off":
         return False
     if engine == "deepspeed" and zero_stage == 3:
-        if setting == "on":
-            raise ValueError("trainer.compile=on cannot run under DeepSpeed ZeRO-3 (trainer=zero3): its partitioned "
-                             "parameters are gathered by module hooks a compiled region would read around; use "
-                             "trainer.compile=off, or trainer=fsdp / zero2 to train compiled")
         log.info("trainer.compile=auto: off under DeepSpeed ZeRO-3 (partitioned parameters)")
         return False
     return setting == "on" or device.type == "cuda"

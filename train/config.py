@@ -38,7 +38,7 @@ from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
 from inference.step_decoder import CUDA_GRAPHS, compile_setting
 from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
-from train.compile import compile_setting as train_compile_setting
+from train.compile import check_compile
 from train.engine import ENGINES, TARGET_SHARDING, TrainerConfig
 from train.selection import SELECTIONS
 from train.logger import LoggerConfig
@@ -168,10 +168,7 @@ def validate(cfg: Config) -> None:
 
     if cfg.target.shard not in TARGET_SHARDING:
         raise ValueError(f"target.shard={cfg.target.shard!r}; valid: {list(TARGET_SHARDING)}")
-    if train_compile_setting(t.compile) == "on" and t.engine == "deepspeed" and t.zero_stage == 3:
-        raise ValueError("trainer.compile=on cannot run under DeepSpeed ZeRO-3 (trainer=zero3): its partitioned "
-                         "parameters are gathered by module hooks a compiled region would read around; use "
-                         "trainer.compile=off, or trainer=fsdp / zero2 to train compiled")
+    check_compile(t.compile, t.engine, t.zero_stage)
     if t.resume not in ("auto", "never"):
         raise ValueError(f"trainer.resume={t.resume!r}; valid: 'auto', 'never'")
     if cfg.logger.name not in ("none", "wandb"):
