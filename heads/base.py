@@ -185,7 +185,7 @@ class TrainingHooks:
     def compile_regions(self) -> list[tuple[object, str]]:
         """(object, method name) pairs ``trainer.compile`` compiles for training (``train.compile``): the dense,
         static pieces of the forward, one region per repeated block. Default: the ``forward`` of every block of the
-        drafter's ``nn.ModuleList``s (DFlash's layers, a draft model's decoder layers)."""
+        drafter's ``nn.ModuleList``s (DFlash's layers; a draft model overrides it: its attention and MLP modules)."""
         return [(block, "forward") for m in self.modules() if isinstance(m, nn.ModuleList) for block in m]
 
     def begin_step(self, step: int) -> None:
