@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 
 # One adapter per drafter family; a new kind adds its adapter here.
 ADAPTERS: dict[str, ExportAdapter] = {kind: adapter for adapter in
-                                      (MedusaAdapter(), Medusa2Adapter(), EagleAdapter(), DraftModelAdapter(), LookupAdapter(),
-                                       DFlashAdapter(), PEagleAdapter())
+                                      (MedusaAdapter(), Medusa2Adapter(), EagleAdapter(), DraftModelAdapter(),
+                                       LookupAdapter(), DFlashAdapter(), PEagleAdapter())
                                       for kind in adapter.kinds}
 __all__ = ["ADAPTER_DIR", "ADAPTERS", "ENGINES", "MERGED", "SIDECAR", "adapter_for", "check_export",
            "export_drafter", "load_export", "serve_command"]
