@@ -230,3 +230,14 @@ def test_flagged_peagle_exports_round_trip(tmp_path, engine):
     reloaded = load_export(out, teacher)
     assert reloaded.fc_norm_on and reloaded.norm_output and reloaded.sliding_window == 6
     assert_reloaded_alike(drafter, reloaded, teacher)
+
+
+def test_flagged_static_draft_compiles_to_one_graph(monkeypatch):
+    """The flags and the window keep EAGLE-3's static step one capture-safe graph (fullgraph, no recompile over two
+    prompts and varying accepted lengths) drafting what ``propose`` drafts."""
+    from tests import test_static_draft as static
+
+    target = static.Teacher(static.make_tiny_llama(initializer_range=0.2), tokenizer=None, name="tiny-llama-varied")
+    kw = {"draft_vocab_size": 96, "fc_norm": True, "norm_output": True, "sliding_window": 6}
+    monkeypatch.setitem(static.KINDS, "eagle31", lambda t: static.eagle(t, "eagle3", "dynamic", **kw))
+    static.test_compiled_draft_is_one_graph_and_drafts_what_propose_does(target, "eagle31")
