@@ -7,7 +7,8 @@ batched decoder keeps one ``EagleRows`` per batch (``EagleDrafter.rows``).
 The ragged context cache. Row b has processed ``lengths[b]`` context pairs (target feature at t, token t + 1); their
 keys and values sit in columns 0 .. lengths[b] - 1 of a preallocated [B, h, capacity, hd] buffer, and ``valid``
 [B, capacity] marks them. New pairs are appended in place (one slice copy per row); a draft node sees its row's
-valid columns and, among the step's nodes, its ancestors and itself. Nothing is concatenated per step but the
+valid columns (those within the drafter's sliding window of its own position, when it has one) and, among the
+step's nodes, its ancestors and itself. Nothing is concatenated per step but the
 step's own nodes, and nothing is read back: positions come from ``valid.sum(1)`` on the device.
 
 Shapes: B rows, F frontier nodes of one level, S nodes scored so far, C context columns, h heads, hd head size,

@@ -14,13 +14,16 @@ Shape legend:  B batch, T sequence, D target hidden size, V target vocabulary, V
     x = [input_layernorm(emb) ; hidden_norm(hid)] (2D) -> EAGLE-3's decoder layer (residual hid) -> out_D
     -> norm -> lm_head (D -> Vd) -> logits over the draft vocabulary; ``d2t`` maps them to target ids.
 Every piece except ``mask_hidden`` is EAGLE-3's (``heads.eagle.EagleDrafter``, whose layer, fusion, draft vocabulary,
-target binding and context cache this class reuses), so the export is EAGLE-3's layout plus ``mask_hidden``.
+target binding and context cache this class reuses), so the export is EAGLE-3's layout plus ``mask_hidden``. So are
+EAGLE-3.1's flags: ``mask_hidden`` goes through fc's norms as the features do (vLLM and speculators feed it through
+``combine_hidden_states`` / the same norms); ``norm_output`` changes no output here, since nothing is fed back.
 
 Attention (training, one forward over all Q queries, as SpecForge's P-EAGLE mask, run by ``heads.train_attention``
 without a [Q, Q] tensor): a depth-0 query at t sees the
 depth-0 keys <= t; a depth-d query of the chain anchored at a sees the depth-0 keys <= a and the keys of depths
 1..d of its own chain. That is exactly what the slot sees when decoding (the committed context, then the earlier
-slots of the same step).
+slots of the same step). With ``sliding_window`` W, a query at position p (t at depth 0, a + d at depth d) sees only
+the depth-0 keys at positions > p - W.
 
 Training data per row (SpecForge's "COD" sampling, nested): depth 0 trains every position; depth d trains the chains
 of the first n_d anchors of one random ranking of the row's anchors, n_d = ceil(max(r^d, r_min) x the row's

@@ -8,7 +8,8 @@ DFlash against EAGLE-1).
     python scripts/bench_recipe.py --rows eagle1 dflash_eqcpu --seeds 0 --out scripts/results/bench_recipe_dflash_toy_cpu.json
     python scripts/bench_recipe.py --rows eagle3_ttt3_vocab1024 eagle3_ttt3_vocab1024_fc_norm \
         eagle3_ttt3_vocab1024_norm_output eagle3_ttt3_vocab1024_fc_norm_norm_output --seeds 0 \
-        --out scripts/results/bench_recipe_eagle31_toy_cpu.json
+        --out scripts/results/bench_recipe_eagle31_tiny_cpu.json target=tiny data.max_length=128 \
+        eval.prompt_tokens=48 eval.max_new_tokens=64
 
 Every row is ``python -m train`` (same windows: ``trainer.steps`` x 8 rows x 256 tokens from the stdlib data; only
 the row's overrides and ``seed=`` differ) in a subprocess, one after another, with ``OMP_NUM_THREADS=1`` so the
