@@ -446,8 +446,14 @@ class EagleDrafter(Drafter):
     def compile_regions(self) -> list[tuple[object, str]]:
         """The fused input, the layer's projections and its MLP half: the same shapes at every TTT step, so one
         graph each serves all steps. The attention between them takes one more step's keys at each step (its kernel
-        is compiled on its own where it is flex attention)."""
-        return [(self, "_layer_input"), (self.layer, "qkv"), (self.layer, "finish")]
+        is compiled on its own where it is flex attention). EAGLE-3.1's norms are regions of their own: fc's
+        (``_first_hidden``, once per forward) and the output norm (``_output``, once per step)."""
+        regions = [(self, "_layer_input"), (self.layer, "qkv"), (self.layer, "finish")]
+        if self.fc_norm_on or self.norm_before_fc:
+            regions.append((self, "_first_hidden"))
+        if self.norm_output:
+            regions.append((self, "_output"))
+        return regions
 
     def train_mask(self, batch: Mapping[str, Tensor], k: int) -> Tensor:
         """[B, T]: step k at position t (fed token t + 1 + k, predicting t + 2 + k) is trained when that token is
