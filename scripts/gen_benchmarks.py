@@ -411,7 +411,7 @@ SOURCES: dict[str, Source] = {
         "Every row: `drafter=eagle3 drafter.ttt_steps=3` (its 1,024-id draft vocabulary is the tiny target's whole "
         "512), the same data, steps and seed; `fc_norm` / `norm_output` = `drafter.fc_norm=true` / "
         "`drafter.norm_output=true`. The tiny target (`target=tiny`: 2 layers, hidden 64) stands in for the 4M toy, "
-        "which this shared machine could not build in the time at hand. Greedy, 20 held-out prompts of 48 tokens, 64 "
+        "which the machine that ran it had not built. Greedy, 20 held-out prompts of 48 tokens, 64 "
         "new tokens, every output checked token-identical to plain decoding. CPU s is the training process's, one "
         "thread on a shared machine."),
     "bench_distill_toy_cpu.json": Source(
