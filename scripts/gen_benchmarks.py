@@ -402,6 +402,18 @@ SOURCES: dict[str, Source] = {
         "EAGLE-3 recipes, trained and decoded on a GPU (τ only)",
         "python scripts/bench_recipe.py --device cuda --rows ROW --seeds SEED", render_recipe,
         "Step counts are the CPU budget's; the CPU column is not a budget here."),
+    "bench_recipe_eagle31_tiny_cpu.json": Source(
+        "EAGLE-3.1 flags beside plain EAGLE-3 at equal steps (CPU, tiny target)",
+        "python scripts/bench_recipe.py --rows eagle3_ttt3_vocab1024 eagle3_ttt3_vocab1024_fc_norm "
+        "eagle3_ttt3_vocab1024_norm_output eagle3_ttt3_vocab1024_fc_norm_norm_output --seeds 0 "
+        "--out scripts/results/bench_recipe_eagle31_tiny_cpu.json target=tiny data.max_length=128 "
+        "eval.prompt_tokens=48 eval.max_new_tokens=64", render_recipe,
+        "Every row: `drafter=eagle3 drafter.ttt_steps=3` (its 1,024-id draft vocabulary is the tiny target's whole "
+        "512), the same data, steps and seed; `fc_norm` / `norm_output` = `drafter.fc_norm=true` / "
+        "`drafter.norm_output=true`. The tiny target (`target=tiny`: 2 layers, hidden 64) stands in for the 4M toy, "
+        "which the machine that ran it had not built. Greedy, 20 held-out prompts of 48 tokens, 64 "
+        "new tokens, every output checked token-identical to plain decoding. CPU s is the training process's, one "
+        "thread on a shared machine."),
     "bench_distill_toy_cpu.json": Source(
         "Distilled draft models and Medusa heads (CPU toy)",
         "python scripts/bench_distill.py", render_distill),

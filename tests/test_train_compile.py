@@ -87,6 +87,15 @@ def test_compiled_eagle3_trains_to_eager_losses_without_graph_breaks(tmp_path):
     assert "_layer_input" not in vars(drafter) and "qkv" not in vars(drafter.layer)  # restored after training
 
 
+def test_compiled_eagle31_norms_train_to_eager_losses_without_graph_breaks(tmp_path):
+    node = {**KINDS["eagle3"], "fc_norm": True, "norm_output": True, "sliding_window": 6}
+    eager, _, _ = train_losses(tmp_path / "eager", node, compile="off")
+    compiled, last, drafter = train_losses(tmp_path / "compiled", node, compile="on", compile_backend="aot_eager")
+    _assert_same_losses(eager, compiled)
+    assert last["compile/regions"] == 5 and last["compile/graph_breaks"] == 0
+    assert "_first_hidden" not in vars(drafter) and "_output" not in vars(drafter)  # restored after training
+
+
 def test_eager_runs_report_no_compilation(tmp_path):
     _, last, _ = train_losses(tmp_path, KINDS["medusa"], steps=3, compile="off")
     assert not any(k.startswith("compile/") for k in last)
