@@ -42,7 +42,7 @@ demo: $(STAMP)
 # tests marked slow (minutes each; `make test-all` runs those too), listing the 25 slowest so the next trim starts there.
 # Both run on two pytest-xdist workers (CI has 2 cores; tests/conftest.py gives every process one thread), a test file
 # at a time (--dist loadfile), so a file's module fixtures are built once; the workers share one toy-target cache.
-# A single file while you work: `.venv/bin/python -m pytest tests/test_x.py` (no -n: one process).
+# `make test XDIST=` runs them in one process; a file while you work: `.venv/bin/python -m pytest tests/test_x.py`.
 XDIST ?= -n 2 --dist loadfile
 PYTEST_ARGS ?= $(XDIST) -m "not slow" --durations=25
 test: $(STAMP)
