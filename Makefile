@@ -40,14 +40,18 @@ demo: $(STAMP)
 
 # CI runs `make test`: the import layers (.importlinter: imports only point down, no cycles), then everything but the
 # tests marked slow (minutes each; `make test-all` runs those too), listing the 25 slowest so the next trim starts there.
-PYTEST_ARGS ?= -m "not slow" --durations=25
+# Both run on two pytest-xdist workers (CI has 2 cores; tests/conftest.py gives every process one thread), a test file
+# at a time (--dist loadfile), so a file's module fixtures are built once; the workers share one toy-target cache.
+# `make test XDIST=` runs them in one process; a file while you work: `.venv/bin/python -m pytest tests/test_x.py`.
+XDIST ?= -n 2 --dist loadfile
+PYTEST_ARGS ?= $(XDIST) -m "not slow" --durations=25
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache

@@ -11,6 +11,7 @@ the unreachable hub before falling back: 11 such tests made a quarter of the sui
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -26,6 +27,9 @@ for _var, _sub in {"SPECDRAFT_CACHE": "specdraft-cache", "HF_HOME": "hf", "TORCH
                    "WANDB_CACHE_DIR": "wandb-cache", "WANDB_CONFIG_DIR": "wandb-config", "WANDB_DATA_DIR": "wandb-data",
                    "XDG_CONFIG_HOME": "xdg-config", "XDG_DATA_HOME": "xdg-data"}.items():
     os.environ[_var] = str(_SESSION_ROOT / _sub)
+# One thread per process, subprocesses included: pytest-xdist runs two workers on two cores, each of which may start
+# ranks of its own; more threads only oversubscribe the cores.
+os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 os.environ.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                   HF_HUB_DISABLE_TELEMETRY="1", WANDB_SILENT="true")
 
@@ -37,7 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from distill.teacher import Teacher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(1)  # two workers sharing 2 cores collapse badly with more
+torch.set_num_threads(1)  # OMP_NUM_THREADS above
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -50,7 +54,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_unconfigure(config) -> None:
-    shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
+    if not hasattr(config, "workerinput"):  # a pytest-xdist worker leaves the shared root to the controller
+        shutil.rmtree(_SESSION_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -58,10 +63,14 @@ def tiny_toy_target():
     """``(model, tokenizer)`` of ``conf/target/tiny.yaml``'s toy target, built once per session into the session's
     ``SPECDRAFT_CACHE``, where CLI subprocesses started by tests (``target=tiny``) find it instead of building their
     own. Treat the model as read-only: it is shared."""
-    from distill.toy import load_or_build_toy_target
+    from distill.toy import default_cache_dir, load_or_build_toy_target
 
     toy = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "target" / "tiny.yaml"))["toy"]
-    return load_or_build_toy_target(toy)
+    lock = default_cache_dir() / ".tiny-toy-build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as held:  # pytest-xdist workers share the cache: one builds, the others wait and load
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return load_or_build_toy_target(toy)
 
 
 def make_tiny_llama(seed: int = 0, vocab_size: int = 128, **overrides) -> LlamaForCausalLM:

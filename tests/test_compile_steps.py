@@ -2,8 +2,8 @@
 
 - ``compiled_steps`` (also used by the slow inductor test, tests/test_decoder_compile.py) counts the step functions a
   decoder ran compiled and names those that fell back; a step with a graph break is caught;
-- a decoder making more step functions than dynamo's per-code-object recompile limit (8) still compiles every one
-  (each compiled step gets its own code object);
+- a decoder making more step functions than dynamo's per-code-object recompile limit (lowered to 3) still compiles
+  every one (each compiled step gets its own code object);
 - DFlash's static draft step compiles to one graph, no break, no recompile over two prompts and varying accepted
   lengths, and drafts what ``propose`` drafts; sampled, DFlash's and P-EAGLE's are one graph too (EAGLE's greedy
   static steps: tests/test_static_draft.py; P-EAGLE's: tests/test_peagle.py);
@@ -93,19 +93,21 @@ def test_a_step_with_a_graph_break_is_caught(teacher, monkeypatch):
     assert done["verify"] == 1 and done["plain"] == 1 and not done["draft"]
 
 
+# The limit lowered to 3: the same failure as at the default 8, with a third of the step functions to compile.
+@torch._dynamo.config.patch(recompile_limit=3)
 def test_more_steps_than_the_recompile_limit_all_compile(teacher):
     """Every step function (plain, verify buckets, prefill buckets, each drafter's draft step) used to share one code
-    object with dynamo, whose recompile limit (8 per code object) then made the ninth step run uncompiled."""
+    object with dynamo, whose recompile limit (8 per code object by default) then made the ninth step run
+    uncompiled."""
     torch._dynamo.reset()
     dec = eager_compiled(teacher)
-    for n in (9, 23):
-        want = dec.plain(prompt(n, n), 16).new_tokens
-        for kind in ("medusa_chain", "medusa_tree", "eagle1_chain", "draft_model", "lookup"):
-            assert dec.speculative(make(kind, teacher), prompt(n, n), 16, 3).new_tokens == want, kind
+    want = dec.plain(prompt(9, 9), 16).new_tokens
+    for kind in ("medusa_chain", "medusa_tree", "draft_model"):
+        assert dec.speculative(make(kind, teacher), prompt(9, 9), 16, 3).new_tokens == want, kind
     done, failed = compiled_steps(dec)
     assert not failed and dec.fallback_reason is None
-    assert sum(done.values()) > torch._dynamo.config.recompile_limit, done
-    assert done["draft"] >= 4 and done["verify"] >= 2, done
+    assert torch._dynamo.config.recompile_limit == 3 and sum(done.values()) > 3, done
+    assert done["draft"] == 3 and done["verify"] >= 2 and done["prefill"] >= 2, done
 
 
 @pytest.mark.parametrize("window,vocab", [(None, None), (8, 24)], ids=["full", "window-vocab"])

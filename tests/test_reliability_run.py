@@ -1,14 +1,16 @@
 """Nothing lost: the data-loss cases on a real run dir, each comparing its contents before and after.
 
-One smoke-sized run (tiny toy target, Medusa, 4 steps, a checkpoint every 2) trains in-process; each test copies it
-and does what a careless user would. ``snapshot`` keeps every file's bytes *and* modification time, so "unchanged"
-means not rewritten at all, not merely rewritten with the same bytes (a deterministic rerun would do that).
+One smoke-sized run (the session's tiny toy target, Medusa, 4 steps, a checkpoint every 2) trains in-process; each
+test copies it and does what a careless user would. ``snapshot`` keeps every file's bytes *and* modification time,
+so "unchanged" means not rewritten at all, not merely rewritten with the same bytes (a deterministic rerun would do
+that).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -42,24 +44,33 @@ def steps_logged(run_dir: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("toy-cache")
+def cache(tiny_toy_target):
+    """The session's toy-target cache, the tiny target already built there."""
+    return Path(os.environ["SPECDRAFT_CACHE"])
 
 
 EAGLE = ("drafter=eagle1",)  # random initial weights: a build that moved the seed would show in its loss curve
+# The first run's target: the tiny one on a pretraining budget a tenth of its own (the build is what is tested here,
+# not what it yields), kept apart from the session's target in a cache of its own.
+SMALL_TOY = ("target.toy.steps=15", "target.toy.warmup_steps=3", "target.toy.corpus_max_bytes=100000")
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory, cache):
-    """The first run on this "machine": the tiny target is not cached yet, so this run builds it."""
-    assert not any(cache.iterdir())
+def first_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("toy-cache")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, first_cache):
+    """The first run on this "machine": its target is not cached yet, so this run builds it."""
+    assert not any(first_cache.iterdir())
     run_dir = tmp_path_factory.mktemp("first")
-    run_training(compose_cfg(cache, drafter=EAGLE), run_dir)
+    run_training(compose_cfg(first_cache, *SMALL_TOY, drafter=EAGLE), run_dir)
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, cache, first_run):
+def finished(tmp_path_factory, cache):
     run_dir = tmp_path_factory.mktemp("finished")
     run_training(compose_cfg(cache), run_dir)
     return run_dir
@@ -171,9 +182,9 @@ def test_metrics_hold_each_step_once_after_a_resume(run_dir, cache):
     assert after[:2] == before[:2]  # rows before the checkpoint are kept as they were
 
 
-def test_first_run_on_a_machine_trains_like_every_later_one(first_run, cache, tmp_path):
-    """``first_run`` built the tiny target into the empty cache; this run loads it: the same loss curve."""
-    run_training(compose_cfg(cache, drafter=EAGLE), tmp_path)
+def test_first_run_on_a_machine_trains_like_every_later_one(first_run, first_cache, tmp_path):
+    """``first_run`` built its target into the empty cache; this run loads it: the same loss curve."""
+    run_training(compose_cfg(first_cache, *SMALL_TOY, drafter=EAGLE), tmp_path)
     losses = [[json.loads(x)["train/loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
               for d in (first_run, tmp_path)]
     assert losses[0] == losses[1]
