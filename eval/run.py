@@ -22,8 +22,8 @@ from eval.baselines import hf_assisted, hf_generate, hf_generate_static
 from eval.batch_sweep import batch_sweep
 from eval.context_lengths import attach, context_length_sweep, context_prompt_sizes
 from eval.mismatch import logit_gap
-from eval.side_by_side import Tally, decode_side_by_side, warm_up
 from eval.report import DEFINITIONS, check_report_dir, machine_info, summary_table, write_report
+from eval.side_by_side import Tally, decode_side_by_side, warm_up
 from heads.base import build_drafter
 from heads.saved import decode_overrides, load_drafter, read_drafter_config, weights_digest
 from inference.cost import auto_tune, measure, overhead_ratio, predict
