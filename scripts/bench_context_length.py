@@ -36,10 +36,10 @@ DF = ["drafter=dflash", "drafter.block_size=8", "drafter.num_layers=1", "drafter
       "drafter.num_anchors=32", "drafter.draft_vocab_size=1024"]
 # name -> (overrides, steps)
 ROWS = {
-    "dflash": (DF, 600),
-    f"dflash_window{WINDOW}": ([*DF, f"drafter.sliding_window={WINDOW}"], 600),
-    "eagle3": (E3, 400),
-    f"eagle3_window{WINDOW}": ([*E3, f"drafter.sliding_window={WINDOW}"], 400),
+    "dflash": (DF, 1000),
+    f"dflash_window{WINDOW}": ([*DF, f"drafter.sliding_window={WINDOW}"], 1000),
+    "eagle3": (E3, 600),
+    f"eagle3_window{WINDOW}": ([*E3, f"drafter.sliding_window={WINDOW}"], 600),
 }
 TOY_TARGET = ["target.toy.steps=300", "target.toy.autocast_bf16=false"]
 PRESETS = {
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="JSON path (default scripts/results/"
                         "bench_context_length_<preset>_cpu.json)")
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
-    parser.add_argument("--train-only", action="store_true", help="train the --rows not yet trained; measure nothing")
+    parser.add_argument("--train-only", action="store_true", help="train the --rows not yet trained, measure nothing "
+                        "(several such processes may share one --out)")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     out = Path(args.out or ROOT / "scripts" / "results" / f"bench_context_length_{args.preset}_cpu.json")
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         cost = train_row([*overrides, *preset["common"], *TRAIN, f"trainer.steps={steps}"], run_dir,
                          work / f"{name}.log")
         saved = json.loads((run_dir / "drafter" / "config.json").read_text())
+        # read again before writing: rows may train in parallel (one --train-only process per row, one --out)
+        results = json.loads(out.read_text()) if out.exists() else {"rows": {}}
         results["rows"][name] = {"overrides": overrides, "steps": steps, **cost,
                                  "sliding_window": saved["drafter"].get("sliding_window"),
                                  "final": saved.get("training", {}).get("final", {})}
