@@ -13,6 +13,14 @@ reduced vocabulary; = V for EAGLE-1), F number of feature layers (EAGLE-1: 1; EA
     EAGLE-3:  hid = fc([low ; mid ; high])  (3D -> D)  or step j-1's out
               x = [norm(emb) ; norm(hid)]   (2D)                    -> layer(x, residual hid) -> out_BTD
               -> norm -> own lm_head (D -> Vd) -> logits over the draft vocabulary; ``d2t`` maps them to target ids
+    EAGLE-3.1 (flags, off by default; the names vLLM, speculators, SpecForge and NeMo use):
+              ``fc_norm``         fc([norm_low(low) ; norm_mid(mid) ; norm_high(high)]): one RMSNorm per feature layer
+              ``norm_before_fc``  fc(norm([low ; mid ; high])): one RMSNorm over the concatenation (not with fc_norm)
+              ``norm_output``     out = norm(layer(...)): the post-norm state is both the next step's hid and the
+                                  lm_head's input (plain EAGLE-3 feeds the pre-norm state back and norms only for
+                                  the lm_head)
+    ``sliding_window`` W: a query at position p sees the context pairs at positions p - W + 1 .. p only (training
+    and every decoding path alike; a draft node always sees its own ancestors, as engines do while depth < W).
 
 Feature layers use ``distill.teacher``'s hidden-state index: index i is HF ``hidden_states[i]``, the output of
 decoder layer i (1-based) = the *input* of 0-based layer i, which is also the number vLLM's
@@ -185,7 +193,8 @@ class EagleDrafter(Drafter):
                  ttt_steps: int | None = None, loss_decay: float = 0.8, feature_loss_weight: float | None = None,
                  kl_weight: float | None = None, feature_noise: float = 0.0, draft_vocab_size: int | None = None,
                  tree: str = "dynamic", top_k: int = 4, depth: int | None = None, total_tokens: int = 16,
-                 checkpoint_layer: bool = False, ttt_warmup_steps: int = 0):
+                 checkpoint_layer: bool = False, ttt_warmup_steps: int = 0, fc_norm: bool = False,
+                 norm_before_fc: bool = False, norm_output: bool = False, sliding_window: int | None = None):
         super().__init__(dims)
         self.checkpoint_layer = bool(checkpoint_layer)  # recompute each TTT step's layer in backward (less memory)
         D, V, L = self.dims.hidden_size, self.dims.vocab_size, self.dims.num_layers
@@ -227,6 +236,9 @@ class EagleDrafter(Drafter):
         if not eagle3 and Vd != V:
             raise ValueError("drafter.draft_vocab_size is an EAGLE-3 feature; eagle1 drafts over the target's lm_head")
         self.loss_decay, self.feature_noise, self.draft_vocab_size = loss_decay, feature_noise, Vd
+        check_eagle31(variant, fc_norm, norm_before_fc, norm_output, sliding_window)
+        self.fc_norm_on, self.norm_before_fc, self.norm_output = bool(fc_norm), bool(norm_before_fc), bool(norm_output)
+        self.sliding_window = sliding_window
         heads = num_heads or max(1, D // 64)
         inter = intermediate_size or 64 * math.ceil(8 * D / 3 / 64)
         # Bias-free fc for both variants: the engines' EAGLE-1 and EAGLE-3 fc has no bias in vLLM (SGLang's EAGLE-1
@@ -238,6 +250,10 @@ class EagleDrafter(Drafter):
             self.hidden_norm = RMSNorm(D, eps=1e-6)
             self.norm = RMSNorm(D, eps=1e-6)
             self.lm_head = nn.Linear(D, Vd, bias=False)
+            if fc_norm:  # state keys fc_norm.{i}.weight: the engines' names (vLLM: model.fc_norm.{i}.weight)
+                self.fc_norm = nn.ModuleList([RMSNorm(D, eps=1e-6) for _ in layers])
+            if norm_before_fc:  # input_norm.weight: vLLM's and speculators' name for it
+                self.input_norm = RMSNorm(len(layers) * D, eps=1e-6)
         # Vocabulary maps are buffers: they are part of the trained drafter and saved with it.
         self.register_buffer("d2t", torch.arange(Vd), persistent=True)
         self.register_buffer("t2d", torch.arange(V) if Vd == V else torch.full((V,), -1), persistent=True)
@@ -335,7 +351,7 @@ class EagleDrafter(Drafter):
         """Logits over the draft vocabulary (EAGLE-1: the target's lm_head, frozen)."""
         target = self._frozen.get("lm_head")  # distill.teacher.TargetLogits: lm_head + what the forward does after it
         if self.variant == "eagle3":
-            raw = self.lm_head(self.norm(out_BTD))
+            raw = self.lm_head(out_BTD if self.norm_output else self.norm(out_BTD))  # norm_output: normed already
             return raw if target is None else target.finish(raw)
         return target(out_BTD.to(target.weight.dtype)).to(out_BTD.dtype)
 
@@ -344,7 +360,8 @@ class EagleDrafter(Drafter):
         target = self._frozen.get("lm_head")  # distill.teacher.TargetLogits (soft-capping included)
         if self.variant == "eagle3":
             capped = target is not None and target.softcap is not None
-            return self.norm(out_ND), Finished(self.lm_head, target.finish) if capped else self.lm_head
+            features = out_ND if self.norm_output else self.norm(out_ND)
+            return features, Finished(self.lm_head, target.finish) if capped else self.lm_head
         return out_ND, Frozen(target)  # no gradient for the target's lm_head
 
     def _layer_input(self, emb_BTD: Tensor, hid_BTD: Tensor) -> tuple[Tensor, Tensor]:
@@ -355,8 +372,31 @@ class EagleDrafter(Drafter):
         return x, x
 
     def _first_hidden(self, feats_BTX: Tensor) -> Tensor:
-        """Step 0's hidden input from the concatenated target features (EAGLE-3: fc; EAGLE-1: the feature itself)."""
-        return self.fc(feats_BTX) if self.variant == "eagle3" else feats_BTX
+        """Step 0's hidden input from the concatenated target features (EAGLE-3: fc, after ``fc_norm`` or
+        ``norm_before_fc`` when set; EAGLE-1: the feature itself)."""
+        if self.variant != "eagle3":
+            return feats_BTX
+        if self.fc_norm_on:
+            chunks = feats_BTX.chunk(len(self.fc_norm), -1)
+            feats_BTX = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], -1)
+        elif self.norm_before_fc:
+            feats_BTX = self.input_norm(feats_BTX)
+        return self.fc(feats_BTX)
+
+    def _output(self, out_BTD: Tensor) -> Tensor:
+        """A step's output as the next step and the lm_head read it: ``norm_output`` makes it the post-norm state."""
+        return self.norm(out_BTD) if self.norm_output else out_BTD
+
+    def _finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
+        """The layer's MLP half after attention, then ``_output``."""
+        return self._output(self.layer.finish(attn_BhTd, residual_BTD))
+
+    def window_mask(self, query_pos: Tensor, key_pos: Tensor) -> Tensor | None:
+        """Broadcast bool ``query_pos - key_pos < sliding_window`` (the context keys a query may see), or None
+        without a window."""
+        if self.sliding_window is None:
+            return None
+        return (query_pos - key_pos) < self.sliding_window
 
     # --- training ------------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
@@ -378,7 +418,8 @@ class EagleDrafter(Drafter):
                 break
             emb = self._embed(torch.roll(ids_BT, -(1 + j), dims=1), hid)  # token t+1+j at position t
             # Training rows are right-padded (distill.data): step 0 is plain causal attention at every real query.
-            step = (emb, hid, pos + j, ttt_step_mask(attn_BT, j), *(t for kv in keys for t in kv))
+            mask = ttt_step_mask(attn_BT, j, window=self.sliding_window)
+            step = (emb, hid, pos + j, mask, *(t for kv in keys for t in kv))
             if self.checkpoint_layer and torch.is_grad_enabled():
                 out, k, v = torch.utils.checkpoint.checkpoint(self._ttt_step, *step, use_reentrant=False)
             else:
@@ -400,7 +441,7 @@ class EagleDrafter(Drafter):
         x, residual = self._layer_input(emb, hid)
         q, k, v = self.layer.qkv(x, pos_T)
         keys = [(prev[i], prev[i + 1]) for i in range(0, len(prev), 2)] + [(k, v)]
-        return self.layer.finish(self._ttt_attention(q, keys, mask), residual), k, v
+        return self._finish(self._ttt_attention(q, keys, mask), residual), k, v
 
     def compile_regions(self) -> list[tuple[object, str]]:
         """The fused input, the layer's projections and its MLP half: the same shapes at every TTT step, so one
@@ -426,6 +467,7 @@ class EagleDrafter(Drafter):
         ``heads.eagle_attention``); step 0 is SDPA's causal kernel, which it cannot beat."""
         B, h, T, _ = q.shape
         if (len(keys) > 1 and q.device.type == "cpu" and chosen() == "auto" and mask.right_padded
+                and self.sliding_window is None  # it computes the plain TTT mask only
                 and T <= EXPLICIT_MAX_SEQ and B * h * T * (T + len(keys)) <= EXPLICIT_ATTENTION_ELEMENTS):
             return explicit_ttt_attention(q, keys)
         if len(keys) == 1:
@@ -543,7 +585,9 @@ class EagleDrafter(Drafter):
                 v = torch.cat([self._ctx_kv[1][:, :, :keep], v], 2)
             new = need - keep
             mask = torch.ones(new, need, dtype=torch.bool, device=dev).tril(keep)  # row r sees keys <= keep + r
-            out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)[0]
+            window = self.window_mask(torch.arange(keep, need, device=dev)[:, None], torch.arange(need, device=dev))
+            mask = mask if window is None else mask & window
+            out = self._finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)[0]
             self._ctx_kv = (k, v)
             self._ctx_ids = seq[1: need + 1].clone()
             prev = self._ctx_out[:keep] if self._ctx_out is not None else out[:0]
@@ -561,6 +605,24 @@ class EagleDrafter(Drafter):
             self._ctx_kv = (self._ctx_kv[0][:, :, :keep], self._ctx_kv[1][:, :, :keep])
             self._ctx_ids, self._ctx_out = self._ctx_ids[:keep], self._ctx_out[:keep]
         return keep
+
+
+def check_eagle31(variant: str, fc_norm: bool, norm_before_fc: bool, norm_output: bool,
+                  sliding_window: int | None) -> None:
+    """The EAGLE-3.1 flags and the sliding window: EAGLE-3's (and P-EAGLE's), ``fc_norm`` or ``norm_before_fc``."""
+    if fc_norm and norm_before_fc:
+        raise ValueError("drafter.fc_norm=true and drafter.norm_before_fc=true: they are two ways to normalise fc's "
+                         "input (one RMSNorm per feature layer, or one over their concatenation) and engines refuse "
+                         "both at once; set one of them to false")
+    on = [k for k, v in (("fc_norm", fc_norm), ("norm_before_fc", norm_before_fc), ("norm_output", norm_output),
+                         ("sliding_window", sliding_window is not None)) if v]
+    if variant != "eagle3" and on:
+        raise ValueError(f"drafter.{on[0]} is an EAGLE-3 setting (EAGLE-3.1's norms, the draft attention window); "
+                         f"drafter.variant={variant!r} has no fc over target layers nor own norm: use variant=eagle3 "
+                         f"or unset it")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"drafter.sliding_window={sliding_window!r} must be an integer >= 1 (the context positions a "
+                         f"draft query sees) or null for all of them")
 
 
 def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:

@@ -65,11 +65,15 @@ def score_level(drafter, level: int, parent_slot_BF: Tensor, tokens_BF: Tensor, 
     parent_out = nodes.outputs(parent_slot_BF)
     emb = drafter._embed(drafter.d2t[tokens_BF], parent_out)
     x, residual = drafter._layer_input(emb, parent_out)
-    q, k, v = drafter.layer.qkv(x, (ctx_len_B - 1 + level)[:, None].expand(B, Fn))
+    pos_B = ctx_len_B - 1 + level
+    q, k, v = drafter.layer.qkv(x, pos_B[:, None].expand(B, Fn))
     anc = nodes.add(parent_slot_BF, k, v)  # each node sees the whole context and its ancestors and itself
     keys, values = torch.cat([ctx_k, nodes.k], 2), torch.cat([ctx_v, nodes.v], 2)
-    mask = torch.cat([ctx_mask_BC[:, None, :].expand(B, Fn, ctx_mask_BC.shape[1]), anc], 2)[:, None]
-    out = drafter.layer.finish(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask), residual)
+    C = ctx_mask_BC.shape[1]
+    window = drafter.window_mask(pos_B[:, None], torch.arange(C, device=pos_B.device)[None, :])  # [B, C]
+    ctx_mask_BC = ctx_mask_BC if window is None else ctx_mask_BC & window
+    mask = torch.cat([ctx_mask_BC[:, None, :].expand(B, Fn, C), anc], 2)[:, None]
+    out = drafter._finish(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask), residual)
     nodes.add_outputs(out)
     return drafter._logits(out)
 
@@ -190,7 +194,9 @@ class EagleRows:
         # [B, M, C]: a row's columns below its position are its own pairs (contiguous from 0); the columns a padding
         # query (m <= i < M) may see past them hold stale keys, and its output is never used.
         mask = cols[None, None, :] <= pos[:, :, None]
-        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k[:, :, :C], self.v[:, :, :C],
+        window = d.window_mask(pos[:, :, None], cols[None, None, :])
+        mask = mask if window is None else mask & window
+        out = d._finish(F.scaled_dot_product_attention(q, self.k[:, :, :C], self.v[:, :, :C],
                                                             attn_mask=mask[:, None]), residual)
         last = torch.stack([out[b, max(m - 1, 0)] for b, m in enumerate(new)])
         if self.root is not None:

@@ -105,8 +105,8 @@ class EagleStaticDraft:
         q, k, v = d.layer.qkv_rotated(x, self.cos[:P], self.sin[:P])
         self.k[:, :, :P] = k
         self.v[:, :, :P] = v
-        mask = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        out = d.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)[0]
+        mask = self.context_mask(torch.arange(P, device=dev), P)
+        out = d._finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)[0]
         self.node_out[0] = out[P - 1]
         self.length.fill_(P)
         self.fresh.fill_(True)
@@ -150,13 +150,21 @@ class EagleStaticDraft:
         self.k.index_copy_(2, pos, k)
         self.v.index_copy_(2, pos, v)
         B = self.bucket  # a real row's pairs lie below the new length, inside the bucket's context columns
-        mask = self.cols_C[None, :B] <= pos[:, None]  # [M, B]: its own and earlier pairs (never a node slot)
-        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k[:, :, :B], self.v[:, :, :B],
-                                                            attn_mask=mask[None, None]), residual)[0]
+        mask = self.context_mask(pos, B)  # [M, B]: its own and earlier pairs (never a node slot)
+        out = d._finish(F.scaled_dot_product_attention(q, self.k[:, :, :B], self.v[:, :, :B],
+                                                       attn_mask=mask[None, None]), residual)[0]
         last = out.index_select(0, (c.count - 1).reshape(1))[0]
         self.node_out[0].copy_(torch.where(self.fresh, self.node_out[0], last))
         self.length.add_(torch.where(self.fresh, 0, c.count))
         self.fresh.fill_(False)
+
+    def context_mask(self, pos: Tensor, columns: int) -> Tensor:
+        """[len(pos), columns] bool: the context pairs a query at each of ``pos`` sees: those at or before it (within
+        the drafter's sliding window)."""
+        cols = self.cols_C[:columns]
+        mask = cols[None, :] <= pos[:, None]
+        window = self.drafter.window_mask(pos[:, None], cols[None, :])
+        return mask if window is None else mask & window
 
     def _score(self, ctx_mask_FX: Tensor, level: int, parent_slot_BF: Tensor | None, tokens_BF: Tensor | None
                ) -> Tensor:
@@ -174,13 +182,15 @@ class EagleStaticDraft:
         pos = (self.length - 1 + level).reshape(1)
         q, k, v = d.layer.qkv_rotated(x, self.cos[pos], self.sin[pos])
         X = ctx_mask_FX.shape[1]  # the bucket's node slots start here (Python constants per bucket)
+        window = d.window_mask(pos, self.cols_C[:X])
+        ctx_mask_FX = ctx_mask_FX if window is None else ctx_mask_FX & window
         self.k[:, :, X + lo: X + hi].copy_(k)
         self.v[:, :, X + lo: X + hi].copy_(v)
         rows = self.ancestry.index_select(0, parent) + self.eye_SS[lo:hi]  # [F, S]: the parent's, and itself
         self.ancestry[1 + lo: 1 + hi].copy_(rows)
         mask = torch.cat([ctx_mask_FX, rows.bool()], 1)  # [F, B]: the valid context, its ancestors and itself
         B = self.bucket
-        out = d.layer.finish(F.scaled_dot_product_attention(q, self.k[:, :, :B], self.v[:, :, :B],
-                                                            attn_mask=mask[None, None]), residual)[0]
+        out = d._finish(F.scaled_dot_product_attention(q, self.k[:, :, :B], self.v[:, :, :B],
+                                                       attn_mask=mask[None, None]), residual)[0]
         self.node_out[1 + lo: 1 + hi].copy_(out)
         return d._logits(out)[None]

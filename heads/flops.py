@@ -28,7 +28,8 @@ def _teacher_term_rows(target: TargetShape, B: int, T: int, dense: bool, term_ro
 def eagle(d, target: TargetShape, B: int, T: int) -> StepFlops:
     """EAGLE-1 / EAGLE-3 (``heads.eagle``): per TTT step j the decoder layer over all T positions, attending to step
     0's causal keys and its own earlier steps' keys (dense: the (j+1)T columns the fused kernel is given), then the
-    vocabulary projection of its T - 2 - j trained rows."""
+    vocabulary projection of its T - 2 - j trained rows. With a sliding window W, step j's queries (at positions t + j)
+    see the step-0 keys of the last W - j positions."""
     D, V, Vd = d.dims.hidden_size, d.dims.vocab_size, d.draft_vocab_size
     layer, eagle3 = d.layer, d.variant == "eagle3"
     h, hd, inter, width_in = layer.num_heads, layer.head_dim, layer.gate_proj.out_features, layer.q_proj.in_features
@@ -42,7 +43,7 @@ def eagle(d, target: TargetShape, B: int, T: int) -> StepFlops:
         if not eagle3:  # fc([emb ; hid]): hid is step j-1's output (needs a gradient) from step 1 on
             parts.append(matmul(rows, 2 * D, D, grad_input=j > 0, grad_weight=True))
         parts += [matmul(rows, width_in, D, True, True) * 3, matmul(rows, D, D, True, True), _mlp(rows, D, inter),
-                  attention(B, h, T, (j + 1) * T, hd, causal_pairs(T) + j * T)]
+                  attention(B, h, T, (j + 1) * T, hd, _step_pairs(T, d.sliding_window, j) + j * T)]
         # the trained rows' projection: EAGLE-3's own lm_head (trains), EAGLE-1's the target's (frozen)
         parts.append(matmul(B * n, D, Vd if eagle3 else V, grad_input=True, grad_weight=eagle3))
         term_rows.append(B * n)
@@ -60,8 +61,12 @@ def peagle(d, target: TargetShape, B: int, T: int) -> StepFlops:
     candidates = max(T - 3, 0)
     counts = d.depth_counts(candidates)
     Q = T + sum(counts)
-    mean_anchor_keys = (candidates + 1) / 2  # anchors uniform over 0 .. T-4: a + 1 context keys
-    pairs = causal_pairs(T) + sum(n * (mean_anchor_keys + depth) for depth, n in enumerate(counts, start=1))
+    window = d.sliding_window
+    # anchors uniform over 0 .. T-4: a + 1 context keys (within the window of the slot's position a + depth)
+    mean_keys = [sum(min(a + 1, _seen(window, depth)) for a in range(candidates)) / max(candidates, 1)
+                 for depth in range(1, len(counts) + 1)]
+    pairs = causal_pairs(T, window) + sum(n * (keys + depth) for n, keys, depth in
+                                          zip(counts, mean_keys, range(1, len(counts) + 1)))
     parts = [matmul(B * T, d.fc.in_features, D, grad_weight=True),
              matmul(B * Q, layer.q_proj.in_features, D, True, True) * 3, matmul(B * Q, D, D, True, True),
              _mlp(B * Q, D, inter), attention(B, h, Q, Q, hd, pairs)]
@@ -76,6 +81,18 @@ def peagle(d, target: TargetShape, B: int, T: int) -> StepFlops:
     parts += [matmul(r, D, Vd, True, True) for r in term_rows]
     teacher = _teacher_term_rows(target, B, T, d.dense_teacher_logits, term_rows, term_rows[0], Vd != V)
     return StepFlops(teacher, total(parts))
+
+
+def _seen(window: int | None, offset: int) -> float:
+    """Context keys a query ``offset`` positions past its last context position may see: all, or the window's."""
+    return float("inf") if window is None else max(0, window - offset)
+
+
+def _step_pairs(T: int, window: int | None, step: int) -> float:
+    """(query, step-0 key) pairs of TTT step ``step``: query t sees keys <= t, those within the window of t + step."""
+    if window is None:
+        return causal_pairs(T)
+    return sum(min(t + 1, _seen(window, step)) for t in range(T))
 
 
 def dflash(d, target: TargetShape, B: int, T: int) -> StepFlops:

@@ -62,10 +62,14 @@ class PEagleDrafter(EagleDrafter):
                  num_heads: int | None = None, intermediate_size: int | None = None, rope_theta: float = 10000.0,
                  num_depths: int = 8, down_sample_ratio: float = 0.7, down_sample_ratio_min: float = 0.2,
                  loss_decay: float = 1.0, kl_weight: float = 1.0, draft_vocab_size: int | None = None,
-                 mask_token_id: int | None = None, depth: int | None = None, num_layers: int = 1):
+                 mask_token_id: int | None = None, depth: int | None = None, num_layers: int = 1,
+                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
+                 sliding_window: int | None = None):
         super().__init__(dims, variant="eagle3", layers=layers, num_heads=num_heads,
                          intermediate_size=intermediate_size, rope_theta=rope_theta, ttt_steps=1,
-                         loss_decay=loss_decay, kl_weight=kl_weight, draft_vocab_size=draft_vocab_size, tree="chain")
+                         loss_decay=loss_decay, kl_weight=kl_weight, draft_vocab_size=draft_vocab_size, tree="chain",
+                         fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output,
+                         sliding_window=sliding_window)
         self.name = "peagle"
         V = self.dims.vocab_size
         if num_depths < 1:
@@ -158,7 +162,7 @@ class PEagleDrafter(EagleDrafter):
         hid0 = self._first_hidden(feats)
         emb0 = self._embed(torch.roll(ids, -1, dims=1), hid0)
         slots = sum(counts)
-        hid_m = self.fc(self.mask_hidden.to(dtype)).expand(B, slots, -1)
+        hid_m = self._first_hidden(self.mask_hidden.to(dtype)).expand(B, slots, -1)  # as vLLM: through fc's norms
         emb_m = self._embed(torch.full((B, slots), self.mask_token_id, dtype=torch.long, device=dev), hid0)
         x, residual = self._layer_input(torch.cat([emb0, emb_m], 1), torch.cat([hid0, hid_m], 1))
         slot_anchor = torch.cat([anchors[:, :n] for n in counts], 1) if slots else anchors[:, :0]  # [B, slots]
@@ -167,10 +171,11 @@ class PEagleDrafter(EagleDrafter):
         pos = torch.cat([torch.arange(T, device=dev).expand(B, T), slot_anchor + slot_depth], 1)
         q, k, v = self.layer.qkv(x, pos)
         # Training rows are right-padded (distill.data): depth 0 is plain causal attention at every real query.
-        mask = parallel_chain_mask(attn, anchors, counts)
+        mask = parallel_chain_mask(attn, anchors, counts, window=self.sliding_window)
         out = self.layer.finish(attend(q, k, v, mask), residual)
         for upper in self.upper:
             out = upper(out, pos, mask)
+        out = self._output(out)
         terms = [self._step_loss(out[:, :T], teacher_out, feats, self.train_mask(batch, 0), 0)[0]]
         start = T
         for d, n in enumerate(counts, start=1):
@@ -253,7 +258,7 @@ class PEagleDrafter(EagleDrafter):
         dev, dtype = self.fc.weight.device, self.fc.weight.dtype
         hid = [self._first_hidden(self._feats[keep:need].to(dev, dtype)[None])] if new else []
         emb = [self._embed(seq[keep + 1: need + 1][None], hid[0])] if new else []
-        hid.append(self.fc(self.mask_hidden.to(dtype)).expand(1, S, -1))
+        hid.append(self._first_hidden(self.mask_hidden.to(dtype)).expand(1, S, -1))
         emb.append(self._embed(torch.full((1, S), self.mask_token_id, dtype=torch.long, device=dev), hid[-1]))
         x, residual = self._layer_input(torch.cat(emb, 1), torch.cat(hid, 1))
         q, k, v = self.layer.qkv(x, torch.arange(keep, need + S, device=dev))  # slot d sits at position need - 1 + d
@@ -262,8 +267,13 @@ class PEagleDrafter(EagleDrafter):
             v = torch.cat([self._ctx_kv[1][:, :, :keep], v], 2)
         rows = torch.arange(keep, need + S, device=dev)[:, None]
         cols = torch.arange(need + S, device=dev)[None, :]
-        # a pair sees the pairs <= itself; a slot every pair and the slots <= itself (the same causal rule)
-        mask = (cols <= rows)[None, None]
+        # a pair sees the pairs <= itself; a slot every pair and the slots <= itself (the same causal rule); with a
+        # window, pairs within it of the query's position (the slots' positions are need - 1 + d: their rows)
+        mask = cols <= rows
+        window = self.window_mask(rows, cols)
+        if window is not None:
+            mask = mask & (window | (cols >= need))
+        mask = mask[None, None]
         out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
         upper_kv = []
         pos = torch.arange(keep, need + S, device=dev)
@@ -274,7 +284,7 @@ class PEagleDrafter(EagleDrafter):
                 uv = torch.cat([self._upper_kv[i][1][:, :, :keep], uv], 2)
             upper_kv.append((uk[:, :, :need], uv[:, :, :need]))
             out = upper.finish(F.scaled_dot_product_attention(uq, uk, uv, attn_mask=mask), out)
-        out = out[0]
+        out = self._output(out)[0]
         if new:
             self._ctx_kv = (k[:, :, :need], v[:, :, :need])
             self._upper_kv = upper_kv

@@ -71,7 +71,7 @@ class PEagleRows(EagleRows):
         self._reserve(max(n + m for n, m in zip(self.lengths, new)), dev)
         hid = [d._first_hidden(feats)] if M else []
         emb = [d._embed(ids, hid[0])] if M else []
-        hid.append(d.fc(d.mask_hidden.to(dtype)).expand(B, S, -1))
+        hid.append(d._first_hidden(d.mask_hidden.to(dtype)).expand(B, S, -1))
         emb.append(d._embed(torch.full((B, S), d.mask_token_id, dtype=torch.long, device=dev), hid[-1]))
         x, residual = d._layer_input(torch.cat(emb, 1), torch.cat(hid, 1))
         slot = torch.arange(1, S + 1, device=dev)
@@ -80,7 +80,10 @@ class PEagleRows(EagleRows):
         # context columns a query sees: a pair those <= its position (a padding pair's output is never used), a slot
         # its row's pairs; among the slots, slot d sees slots 1..d
         sees = torch.cat([pos[:, :M], (total[:, None] - 1).expand(B, S)], 1)
-        ctx = torch.arange(C, device=dev)[None, None, :] <= sees[:, :, None]  # [B, M + S, C]
+        cols = torch.arange(C, device=dev)[None, None, :]
+        ctx = cols <= sees[:, :, None]  # [B, M + S, C]
+        window = d.window_mask(pos[:, :, None], cols)  # within the window of the query's own position
+        ctx = ctx if window is None else ctx & window
         among = torch.zeros(M + S, S, dtype=torch.bool, device=dev)
         among[M:] = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
         mask = torch.cat([ctx, among.expand(B, -1, -1)], 2)[:, None]
@@ -89,6 +92,7 @@ class PEagleRows(EagleRows):
         for upper, cache in zip(d.upper, self.upper):
             uq, uk, uv = upper.qkv(out, pos)
             out = upper.finish(self._attend(uq, uk, uv, cache, new, C, mask), out)
+        out = d._output(out)
         self.valid[:, :C] = torch.arange(C, device=dev)[None, :] < total[:, None]
         if M:
             last = torch.stack([out[b, max(m - 1, 0)] for b, m in enumerate(new)])

@@ -65,7 +65,7 @@ class PEagleStaticDraft(EagleStaticDraft):
             hid = d._first_hidden(feats[None])
             x, residual = d._layer_input(d._embed(nxt[None], hid), hid)
             cos, sin = self.cos[:P], self.sin[:P]
-            mask = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+            mask = self.context_mask(torch.arange(P, device=dev), P)
             q, k, v = d.layer.qkv_rotated(x, cos, sin)
             out = d.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
             for upper, (kbuf, vbuf) in zip(d.upper, self.upper_kv):
@@ -73,7 +73,7 @@ class PEagleStaticDraft(EagleStaticDraft):
                 kbuf[:, :, :P] = k
                 vbuf[:, :, :P] = v
                 out = upper.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), out)
-            self.node_out[0] = out[0, P - 1]
+            self.node_out[0] = d._output(out)[0, P - 1]
         if not self.sampling.greedy:
             reseed_draws(self.seed, self.counter, self.generator)
 
@@ -88,19 +88,22 @@ class PEagleStaticDraft(EagleStaticDraft):
         length = self.length + torch.where(self.fresh, 0, c.count)  # after prefill the catch-up is discarded
         slot_pos = length - 1 + self.steps_S
         hid = d._first_hidden(feats[None])
-        hid_m = d.fc(d.mask_hidden.to(dtype)).expand(1, S, -1)
+        hid_m = d._first_hidden(d.mask_hidden.to(dtype)).expand(1, S, -1)
         emb = d._embed(torch.cat([nxt, self.slot_ids])[None], hid)
         x, residual = d._layer_input(emb, torch.cat([hid, hid_m], 1))
         all_pos = torch.cat([pos, slot_pos])
         cos, sin = self.cos[all_pos], self.sin[all_pos]
         ctx = self.cols_C[: self.bucket - S]  # the bucket's context columns; its slot columns follow
-        pairs = torch.cat([ctx[None, :] <= pos[:, None], self.no_slots_MS], 1)  # [M, B]: pairs up to itself
-        slots = torch.cat([(ctx < length)[None].expand(S, -1), self.own_SS], 1)  # [S, B]: context, slots <= itself
+        pairs = torch.cat([self.context_mask(pos, ctx.shape[0]), self.no_slots_MS], 1)  # [M, B]: pairs up to itself
+        seen = (ctx < length)[None].expand(S, -1)
+        window = d.window_mask(slot_pos[:, None], ctx[None, :])  # within the window of the slot's position
+        seen = seen if window is None else seen & window
+        slots = torch.cat([seen, self.own_SS], 1)  # [S, B]: context, slots <= itself
         mask = torch.cat([pairs, slots])[None, None]
         out = self._attend(d.layer, x, residual, cos, sin, pos, self.k, self.v, mask)
         for upper, (kbuf, vbuf) in zip(d.upper, self.upper_kv):
             out = self._attend(upper, out, out, cos, sin, pos, kbuf, vbuf, mask)
-        out = out[0]
+        out = d._output(out)[0]
         root = torch.where(self.fresh, self.node_out[0], out.index_select(0, (c.count - 1).reshape(1))[0])
         self.node_out[0].copy_(root)
         self.length.copy_(length)

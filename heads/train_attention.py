@@ -220,22 +220,29 @@ def _padded(t: Tensor, dim: int) -> Tensor:
     return torch.cat([t, t.new_zeros((*t.shape[:dim], extra, *t.shape[dim + 1:]))], dim)
 
 
-def ttt_step_mask(attn_BT: Tensor, step: int, right_padded: bool = True) -> StructuredMask:
+def ttt_step_mask(attn_BT: Tensor, step: int, right_padded: bool = True, window: int | None = None
+                  ) -> StructuredMask:
     """EAGLE training-time-test step ``step``'s mask over keys [step 0's T | step 1's T | ... | step ``step``'s T]:
     query t sees step 0's keys <= t that are real tokens (and always its own, so a padded query is never left with no
-    key), and step i's key at t itself for i = 1..step."""
+    key), and step i's key at t itself for i = 1..step. With ``window``: of step 0's keys only those less than
+    ``window`` positions before the query's own position, t + step."""
     B, T = attn_BT.shape
     attn_BT = attn_BT.bool()
 
     def mask_mod(b, h, q_idx, kv_idx):
         i = kv_idx // T
         c = kv_idx - i * T  # the key's position
-        return torch.where(i == 0, (c <= q_idx) & (attn_BT[b, c] | (c == q_idx)), c == q_idx)
+        ctx = (c <= q_idx) & (attn_BT[b, c] | (c == q_idx))
+        if window is not None:
+            ctx = ctx & (q_idx + step - c < window)
+        return torch.where(i == 0, ctx, c == q_idx)
 
     def spans(q0, q1):  # step 0's keys up to the tile's last query, then each later step's keys at the tile itself
-        return [(0, q1)] + [(i * T + q0, i * T + q1) for i in range(1, step + 1)]
+        first = 0 if window is None else max(0, q0 + step - window + 1)
+        return [(first, q1)] + [(i * T + q0, i * T + q1) for i in range(1, step + 1)]
 
-    return StructuredMask(mask_mod, B, T, (step + 1) * T, spans, right_padded, T if right_padded and step == 0 else 0)
+    plain = right_padded and step == 0 and window is None
+    return StructuredMask(mask_mod, B, T, (step + 1) * T, spans, right_padded, T if plain else 0)
 
 
 def dflash_block_mask(anchors_BN: Tensor, attn_BT: Tensor, block_size: int, window: int | None = None
@@ -262,12 +269,13 @@ def dflash_block_mask(anchors_BN: Tensor, attn_BT: Tensor, block_size: int, wind
     return StructuredMask(mask_mod, B, N * S, T + N * S, spans)
 
 
-def parallel_chain_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: Sequence[int], right_padded: bool = True
-                        ) -> StructuredMask:
+def parallel_chain_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: Sequence[int], right_padded: bool = True,
+                        window: int | None = None) -> StructuredMask:
     """P-EAGLE's mask over the queries (and keys) [depth 0 at 0..T-1 | depth 1's n_1 chains | depth 2's n_2 | ...]
     (chain i of every depth is anchored at ``anchors_BN[:, i]``; ``counts`` = n_1, n_2, ...): depth 0 is causal over
     real tokens (a query always sees itself); a depth-d query of chain i sees the depth-0 keys <= its anchor that are
-    real tokens and the depth 1..d keys of chain i."""
+    real tokens and the depth 1..d keys of chain i. With ``window``: of the depth-0 keys only those less than
+    ``window`` positions before the query's own (t at depth 0, anchor + d at depth d)."""
     B, T = attn_BT.shape
     attn_BT = attn_BT.bool()
     slots = sum(counts)
@@ -281,10 +289,15 @@ def parallel_chain_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: Sequence[in
     def mask_mod(b, h, q_idx, kv_idx):
         real = attn_BT[b, kv_idx.clamp(max=T - 1)]
         zero = (kv_idx <= q_idx) & (real | (kv_idx == q_idx))
+        if window is not None:
+            zero = zero & (q_idx - kv_idx < window)
         if not has_slots:
             return zero
         s_q, s_k = (q_idx - T).clamp(min=0), (kv_idx - T).clamp(min=0)
-        to_ctx = (kv_idx <= anchors_BN[b, chain[s_q]]) & real
+        anchor = anchors_BN[b, chain[s_q]]
+        to_ctx = (kv_idx <= anchor) & real
+        if window is not None:
+            to_ctx = to_ctx & (anchor + depth[s_q] - kv_idx < window)
         to_slot = (chain[s_k] == chain[s_q]) & (depth[s_k] <= depth[s_q])
         return torch.where(q_idx < T, zero, torch.where(kv_idx < T, to_ctx, to_slot))
 
@@ -294,4 +307,5 @@ def parallel_chain_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: Sequence[in
         deepest = next(d for d, end in enumerate(ends) if q1 <= end)
         return [(0, ends[deepest] if deepest else q1)]
 
-    return StructuredMask(mask_mod, B, T + slots, T + slots, spans, right_padded, T if right_padded else 0)
+    plain = right_padded and window is None
+    return StructuredMask(mask_mod, B, T + slots, T + slots, spans, right_padded, T if plain else 0)

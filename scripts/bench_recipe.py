@@ -6,6 +6,9 @@ DFlash against EAGLE-1).
     python scripts/bench_recipe.py --table                           # print the recipe table from the JSON
     python scripts/bench_recipe.py --preset tiny --out /tmp/r.json   # seconds: checks the script end to end
     python scripts/bench_recipe.py --rows eagle1 dflash_eqcpu --seeds 0 --out scripts/results/bench_recipe_dflash_toy_cpu.json
+    python scripts/bench_recipe.py --rows eagle3_ttt3_vocab1024 eagle3_ttt3_vocab1024_fc_norm \
+        eagle3_ttt3_vocab1024_norm_output eagle3_ttt3_vocab1024_fc_norm_norm_output --seeds 0 \
+        --out scripts/results/bench_recipe_eagle31_toy_cpu.json
 
 Every row is ``python -m train`` (same windows: ``trainer.steps`` x 8 rows x 256 tokens from the stdlib data; only
 the row's overrides and ``seed=`` differ) in a subprocess, one after another, with ``OMP_NUM_THREADS=1`` so the
@@ -39,6 +42,7 @@ from train.checkpoint import fresh_scratch_run
 ROOT = Path(__file__).resolve().parents[1]
 
 E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
+E31 = [*E3, "drafter.ttt_steps=3", "drafter.draft_vocab_size=1024"]  # the base of the EAGLE-3.1 rows
 # DFlash as experiment=dflash_toy builds it (its data aside: each row says which): 1 draft layer on layers 1-3, blocks
 # of 8, 32 anchors per row (~0.5 CPU s per step of 8 x 256 tokens on the toy, as EAGLE-1's)
 DF = ["drafter=dflash", "drafter.block_size=8", "drafter.num_layers=1", "drafter.layers=[1,2,3]",
@@ -133,6 +137,12 @@ ROWS = {
     # regenerated answers; DFlash's own loss is already cross-entropy on the target's tokens)
     "dflash_eqcpu": (DF, 350),
     "dflash_regen0_eqcpu": ([*DF, "data.mode=regenerated", f"data.regenerated={REGEN_T0}"], 350),
+    # EAGLE-3.1's flags beside plain EAGLE-3 at equal steps (TTT 3, 1,024-id draft vocabulary: ~0.8 CPU s per step)
+    "eagle3_ttt3_vocab1024": (E31, 200),
+    "eagle3_ttt3_vocab1024_fc_norm": ([*E31, "drafter.fc_norm=true"], 200),
+    "eagle3_ttt3_vocab1024_norm_output": ([*E31, "drafter.norm_output=true"], 200),
+    "eagle3_ttt3_vocab1024_fc_norm_norm_output": ([*E31, "drafter.fc_norm=true", "drafter.norm_output=true"], 200),
+    "eagle3_ttt3_vocab1024_norm_before_fc": ([*E31, "drafter.norm_before_fc=true"], 200),
 }
 # Tree budgets: (tree mode, top_k, total_tokens, depth). depth is also γ, the decoder's bound on proposal depth.
 TREES = {

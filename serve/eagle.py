@@ -16,6 +16,14 @@ Our drafter (heads/eagle.py) -> the engines' ``LlamaForCausalLM{Eagle,Eagle3}``:
 ``layers.0.`` for EAGLE-1 and the speculators format. Embeddings (and EAGLE-1's lm_head) are the target's: no engine
 needs them in the export, so they are not written (both engines share the target's when absent).
 
+EAGLE-3.1 and the draft attention window (EAGLE-3 and P-EAGLE; written only when set, so a plain export is unchanged):
+    fc_norm.{i}, input_norm       -> fc_norm.{i}, input_norm   (vLLM: model.fc_norm.{i} / model.input_norm on load)
+    fc_norm, norm_before_fc,      -> top-level config keys, where vLLM's Eagle3 model (and ``update_eagle3`` for the
+    norm_output                      speculators format) and speculators' Eagle3SpeculatorConfig read them
+    sliding_window W              -> the Llama config's ``layer_types: [sliding_attention, ...]`` and ``sliding_window``
+                                     (vLLM's LlamaAttention per draft layer; speculators' transformer_layer_config)
+A row lists the ones its engine carries (``eagle31``); another set on the drafter is refused with the reason.
+
 Layer ids (EAGLE-3's ``eagle_aux_hidden_state_layer_ids``): our index i is HF ``hidden_states[i]``, the input of
 0-based decoder layer i. vLLM and speculators capture "the input of layer i" for id i: the same number. SGLang's
 ``set_eagle3_layers_to_capture`` adds 1 to each id before capturing the input of that layer: it is written as i - 1.
@@ -93,6 +101,12 @@ class EagleEngine:
     speculators_config: bool = False  # the speculators format: the Llama config nested, a verifier block
     eagle3_target_whitelist: bool = False  # refuses EAGLE-3 targets outside VLLM_EAGLE3_TARGETS
     strict: bool = False  # rejects an unknown tensor (else skips it silently)
+    eagle31: tuple[str, ...] = ()  # the EAGLE-3.1 flags and the window its EAGLE-3 model reads (``EAGLE31``)
+    eagle31_refused: str = ""  # why it cannot carry the others
+
+
+# The drafter's settings an export must carry for the engine to build the trained architecture.
+EAGLE31 = ("fc_norm", "norm_before_fc", "norm_output", "sliding_window")
 
 
 ENGINES = {
@@ -105,13 +119,20 @@ ENGINES = {
                  "eagle3": "vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights, "
                            "LlamaModel.load_weights); vllm/transformers_utils/configs/eagle.py; "
                            "vllm/config/speculative.py"},
-        serve=_vllm_serve, midlayer=True, eagle1_fc_bias=False, eagle3_target_whitelist=True),
+        serve=_vllm_serve, midlayer=True, eagle1_fc_bias=False, eagle3_target_whitelist=True,
+        # llama_eagle3.py (fc_norm, input_norm, norm_output via getattr on its config), llama.py (LlamaAttention:
+        # per-layer sliding window from layer_types, draft layers indexed past the target's)
+        eagle31=EAGLE31),
     "sglang": EagleEngine(  # SGLang picks the class named in architectures
         architectures={"eagle1": ["LlamaForCausalLMEagle"], "eagle3": ["LlamaForCausalLMEagle3"]},
         loaders={"eagle1": "python/sglang/srt/models/llama_eagle.py (LlamaForCausalLMEagle)",
                  "eagle3": "python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3.load_weights); "
                            "model_runner.py (eagle_config.eagle_aux_hidden_state_layer_ids)"},
-        serve=_sglang_serve, midlayer=True, keeps_midlayer=True, layer_id_offset=1, nested_layer_ids=True),
+        serve=_sglang_serve, midlayer=True, keeps_midlayer=True, layer_id_offset=1, nested_layer_ids=True,
+        eagle31_refused="the SGLang LlamaForCausalLMEagle3 this export follows builds no fc_norm / input_norm (its "
+                        "loader would skip their weights without a word), feeds the pre-norm state to the next draft "
+                        "step and gives its attention no sliding window: it would serve plain EAGLE-3 with the wrong "
+                        "inputs"),
     "hf": EagleEngine(
         architectures={"eagle1": ["LlamaForCausalLM"]},
         loaders={"eagle1": "SafeAILab/EAGLE eagle/model/cnets1.py (Model: fc with bias, layer 0 without "
@@ -130,7 +151,9 @@ ENGINES = {
                            "Eagle3SpeculatorConfig) - loaded for real by tests/test_export_eagle.py"},
         refused={"eagle1": "speculators 0.9.0 has no EAGLE-1 model class (its eagle3 config requires auxiliary "
                            "layers and its own lm_head); use format=vllm, sglang or hf"},
-        serve=_speculators_serve, packed=False, speculators_config=True, eagle3_target_whitelist=True, strict=True),
+        serve=_speculators_serve, packed=False, speculators_config=True, eagle3_target_whitelist=True, strict=True,
+        # Eagle3SpeculatorConfig's fields, Eagle3DraftModel's fc_norm / input_norm and its sliding_attention layers
+        eagle31=EAGLE31),
 }
 
 
@@ -185,6 +208,30 @@ def check_target_family(engine: str, kind: str, model_type: str | None) -> None:
                              f"{list(VLLM_EAGLE3_TARGETS)} (vllm/config/speculative.py); this target is {model_type!r}")
 
 
+def eagle31_of(drafter) -> dict[str, Any]:
+    """The EAGLE-3.1 flags and the window set on ``drafter`` (none: a plain EAGLE-3 / EAGLE-1)."""
+    values = {k: getattr(drafter, "fc_norm_on" if k == "fc_norm" else k, None) for k in EAGLE31}
+    return {k: v for k, v in values.items() if v not in (None, False)}
+
+
+def check_eagle31(engine: str, drafter) -> None:
+    """Refuse an export to an engine that cannot build what the drafter was trained with."""
+    row = ENGINES[engine]
+    for key, value in eagle31_of(drafter).items():
+        if key not in row.eagle31:
+            carried = [name for name, r in ENGINES.items() if key in r.eagle31]
+            raise ValueError(f"drafter.{key}={value!r}: {engine} cannot carry it: {row.eagle31_refused}. Export "
+                             f"with format={' or format='.join(carried)}, or retrain without drafter.{key}")
+
+
+def eagle31_settings(config: dict) -> dict[str, Any]:
+    """The drafter settings an export's config gives the engine (``EAGLE31``), for rebuilding it."""
+    c = config.get("transformer_layer_config", config)
+    sliding = "sliding_attention" in (c.get("layer_types") or [])
+    return {"fc_norm": bool(config.get("fc_norm")), "norm_before_fc": bool(config.get("norm_before_fc")),
+            "norm_output": bool(config.get("norm_output")), "sliding_window": c["sliding_window"] if sliding else None}
+
+
 def sizes(drafter) -> dict[str, Any]:
     layer = drafter.layer
     return {"D": drafter.dims.hidden_size, "V": drafter.dims.vocab_size, "Vd": drafter.draft_vocab_size,
@@ -205,6 +252,7 @@ def engine_state(drafter, engine: str, dtype: torch.dtype) -> dict[str, torch.Te
         out[prefix + "input_layernorm.weight"] = ours["input_layernorm.weight"]
         out[prefix + "hidden_norm.weight"] = ours["hidden_norm.weight"]
         out["norm.weight"], out["lm_head.weight"] = ours["norm.weight"], ours["lm_head.weight"]
+        out.update({k: v for k, v in ours.items() if k.startswith(("fc_norm.", "input_norm."))})  # EAGLE-3.1's
     out = {k: v.to(dtype).contiguous() for k, v in out.items()}
     if kind == "eagle3" and drafter.draft_vocab_size != drafter.dims.vocab_size:
         d2t = ours["d2t"].long()
@@ -216,11 +264,16 @@ def engine_state(drafter, engine: str, dtype: torch.dtype) -> dict[str, torch.Te
 def llama_config(drafter, dtype: str, max_positions: int) -> dict[str, Any]:
     """The one-layer Llama the engines build the drafter from."""
     s = sizes(drafter)
-    return {"model_type": "llama", "hidden_size": s["D"], "num_hidden_layers": 1, "num_attention_heads": s["h"],
-            "num_key_value_heads": s["h"], "head_dim": s["hd"], "intermediate_size": s["I"], "hidden_act": "silu",
-            "rms_norm_eps": 1e-6, "rope_theta": s["theta"], "rope_scaling": None,
-            "max_position_embeddings": max_positions or 4096, "vocab_size": s["V"], "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype}
+    config = {"model_type": "llama", "hidden_size": s["D"], "num_hidden_layers": 1, "num_attention_heads": s["h"],
+              "num_key_value_heads": s["h"], "head_dim": s["hd"], "intermediate_size": s["I"], "hidden_act": "silu",
+              "rms_norm_eps": 1e-6, "rope_theta": s["theta"], "rope_scaling": None,
+              "max_position_embeddings": max_positions or 4096, "vocab_size": s["V"], "tie_word_embeddings": False,
+              "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype}
+    window = getattr(drafter, "sliding_window", None)
+    if window is not None:  # every draft layer (P-EAGLE's stacked ones too) attends within the window
+        layers = 1 + len(getattr(drafter, "upper", ()))
+        config.update(layer_types=["sliding_attention"] * layers, sliding_window=window, use_sliding_window=True)
+    return config
 
 
 def engine_config(drafter, engine: str, target: dict, dtype: str, num_tokens: int) -> dict[str, Any]:
@@ -230,6 +283,9 @@ def engine_config(drafter, engine: str, target: dict, dtype: str, num_tokens: in
         return {"architectures": row.architectures[kind], **base, "bias": row.eagle1_fc_bias, **row.eagle1_config}
     ids = engine_layer_ids(engine, list(drafter.teacher_layers), target["num_layers"])
     eagle3 = {"draft_vocab_size": s["Vd"], "target_hidden_size": s["D"], "norm_before_residual": False}
+    if eagle31_of(drafter).keys() - {"sliding_window"}:  # all three, explicit, once one is set
+        eagle3.update(fc_norm=drafter.fc_norm_on, norm_before_fc=drafter.norm_before_fc,
+                      norm_output=drafter.norm_output)
     if row.speculators_config:
         verifier = {"name_or_path": target.get("serve_name") or target.get("name"),
                     "architectures": [target.get("architecture") or "LlamaForCausalLM"]}
@@ -277,6 +333,9 @@ def engine_params(engine: str, kind: str, config: dict) -> dict[str, tuple[int, 
         Vd = config["draft_vocab_size"]
         params.update({p + "input_layernorm.weight": (D,), p + "hidden_norm.weight": (D,), top + "norm.weight": (D,),
                        "lm_head.weight": (Vd, D)})
+        params.update({f"{top}fc_norm.{i}.weight": (D,) for i in range(3) if config.get("fc_norm")})
+        if config.get("norm_before_fc"):
+            params[top + "input_norm.weight"] = (3 * D,)
     return params
 
 
@@ -334,9 +393,11 @@ def drafter_from_engine(engine: str, kind: str, params: dict[str, torch.Tensor],
     """A specdraft EagleDrafter holding exactly the engine's parameters (packed ones split back), for decoding."""
     c = config.get("transformer_layer_config", config)
     D, I = c["hidden_size"], c["intermediate_size"]
+    flags = eagle31_settings(config)  # all off for EAGLE-1 (whose config has none of them)
     drafter = EagleDrafter(dims, variant=kind, layers=layers, num_heads=c["num_attention_heads"],
                            intermediate_size=I, rope_theta=c["rope_theta"],
-                           draft_vocab_size=config.get("draft_vocab_size") if kind == "eagle3" else None, **decode)
+                           draft_vocab_size=config.get("draft_vocab_size") if kind == "eagle3" else None, **flags,
+                           **decode)
     get = {k.replace("model.", "", 1).replace("midlayer.", "layers.0."): v for k, v in params.items()}
     p = "layers.0."
     if p + "self_attn.qkv_proj.weight" in get:
@@ -350,6 +411,7 @@ def drafter_from_engine(engine: str, kind: str, params: dict[str, torch.Tensor],
         state.update({"input_layernorm.weight": get[p + "input_layernorm.weight"],
                       "hidden_norm.weight": get[p + "hidden_norm.weight"], "norm.weight": get["norm.weight"],
                       "lm_head.weight": get["lm_head.weight"]})
+        state.update({k: v for k, v in get.items() if k.startswith(("fc_norm.", "input_norm."))})
     own = drafter.state_dict()
     state = {k: v.to(own[k].dtype) for k, v in state.items()}
     if vocab is not None:
@@ -377,6 +439,7 @@ class EagleAdapter:
         kind = drafter.variant
         facts = target_facts(config)
         check_target_family(engine, kind, facts.get("model_type"))
+        check_eagle31(engine, drafter)
         dtype = target_dtype(config)
         target = {**config.get("target", {}), **facts, "serve_name": serve_name(config)}
         num_tokens = drafter.depth or 4

@@ -45,8 +45,8 @@ from distill.atomic import save_tensors
 from heads.base import TargetDims
 from heads.peagle import PEagleDrafter
 from serve.adapter import serve_name, target_dtype, target_facts, vocab_problem
-from serve.eagle import (check_target_family, drafter_from_engine, engine_config, engine_state, load_like_engine,
-                         our_layers, written_layer_ids)
+from serve.eagle import (check_eagle31, check_target_family, drafter_from_engine, eagle31_settings, engine_config,
+                         engine_state, load_like_engine, our_layers, written_layer_ids)
 from serve.model_card import model_card
 
 ARCHITECTURE = "PeagleLlamaForCausalLM"
@@ -166,6 +166,7 @@ class PEagleAdapter:
     def write(self, out: Path, drafter: PEagleDrafter, engine: str, config: dict, output_dir: Path) -> None:
         facts = target_facts(config)
         check_target_family(engine, "eagle3", facts.get("model_type"))
+        check_eagle31(engine, drafter)
         dtype = target_dtype(config)
         target = {**config.get("target", {}), **facts, "serve_name": serve_name(config)}
         cfg = engine_config(drafter, engine, target, str(dtype).removeprefix("torch."), drafter.num_depths)
@@ -266,7 +267,7 @@ class PEagleAdapter:
                                 intermediate_size=c["intermediate_size"], rope_theta=c["rope_theta"],
                                 draft_vocab_size=config["draft_vocab_size"], mask_token_id=token,
                                 num_depths=saved.get("num_depths", 8), depth=saved.get("depth"),
-                                num_layers=c["num_hidden_layers"])
+                                num_layers=c["num_hidden_layers"], **eagle31_settings(config))
         state = {**eagle3.state_dict(), MASK_HIDDEN: mask_hidden.reshape(-1).to(torch.float32)}
         for i in range(1, c["num_hidden_layers"]):
             state.update({f"upper.{i - 1}.{name}": t.to(torch.float32)

@@ -51,7 +51,7 @@ def make_eagle(teacher, variant, **kw):
 def saved(teacher, tmp_path, variant, **kw):
     drafter = make_eagle(teacher, variant, **kw)
     cfg = drafter.saved_config({"_target_": "heads.eagle.EagleDrafter", "variant": variant, "num_heads": 2,
-                                "tree": "dynamic", "top_k": 3, "total_tokens": 10,
+                                "tree": "dynamic", "top_k": 3, "total_tokens": 10, **kw,
                                 **({"draft_vocab_size": drafter.draft_vocab_size} if variant == "eagle3" else {})})
     path = save_drafter(drafter, tmp_path / "run" / "drafter", cfg, {"source": "hf", "name": teacher.name},
                         teacher.identity(), TRAINED)
@@ -159,19 +159,25 @@ def test_vllm_eagle3_target_whitelist(deep_target, tmp_path, monkeypatch):
     export_drafter(path, "sglang", tmp_path / "sg")  # SGLang keeps no such list
 
 
-def test_speculators_loader_agrees_with_our_drafter(deep_target, tmp_path):
-    """The real loader: speculators' own from_pretrained reads our export; its forward gives our draft logits."""
+@pytest.mark.parametrize("kw", [{}, {"fc_norm": True, "norm_output": True, "sliding_window": 5},
+                                {"norm_before_fc": True}], ids=["plain", "fc_norm+norm_output+window", "norm_before_fc"])
+def test_speculators_loader_agrees_with_our_drafter(deep_target, tmp_path, kw):
+    """The real loader: speculators' own from_pretrained reads our export; its forward gives our draft logits
+    (EAGLE-3.1's norms and the attention window included)."""
     pytest.importorskip(
         "speculators", reason="speculators is an optional extra (pip install --no-deps speculators==0.9.0 and its "
                               "import deps; .ci/run installs it)")
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    drafter, path = saved(deep_target, tmp_path, "eagle3")
+    drafter, path = saved(deep_target, tmp_path, "eagle3", **kw)
     out = export_drafter(path, "speculators", tmp_path / "spec")
     config = Eagle3SpeculatorConfig.from_pretrained(out)
+    assert {k: getattr(config, k) for k in ("fc_norm", "norm_before_fc", "norm_output")} == \
+        {k: bool(kw.get(k)) for k in ("fc_norm", "norm_before_fc", "norm_output")}
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs a compiler on CPU
     theirs = Eagle3DraftModel.from_pretrained(out, config=config).eval()
     assert theirs.target_layer_ids == [1, 2, 3]
+    assert theirs.sliding_window == kw.get("sliding_window") and theirs.uses_sliding_window_attn == ("sliding_window" in kw)
     # The export carries no embedding: speculators takes the verifier's (config verifier.name_or_path, here the
     # target's local dir). Its from_pretrained does so only where the embedding is still NaN, which transformers
     # 5.2x's meta-device init does not guarantee (uninitialised memory instead), so ask its loader explicitly.
@@ -195,8 +201,54 @@ def test_speculators_loader_agrees_with_our_drafter(deep_target, tmp_path):
             hid = drafter._first_hidden(feats)
             x, residual = drafter._layer_input(drafter._embed(nxt, hid), hid)
             q, k, v = drafter.layer.qkv(x, torch.arange(T))
-            out_ = drafter.layer.finish(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                        residual)
+            pos = torch.arange(T)
+            mask = pos[None, :] <= pos[:, None]
+            window = drafter.window_mask(pos[:, None], pos[None, :])
+            mask = mask if window is None else mask & window
+            out_ = drafter._finish(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                                   residual)
             ours = drafter._logits(out_)
         torch.testing.assert_close(captured[0], ours, rtol=1e-4, atol=1e-4)
         assert torch.equal(captured[0].argmax(-1), ours.argmax(-1))
+
+
+FLAGS = [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True, "sliding_window": 4}]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "speculators"])
+@pytest.mark.parametrize("kw", FLAGS, ids=["fc_norm+norm_output", "norm_before_fc+window"])
+def test_eagle31_exports_carry_the_flags_and_round_trip(deep_target, tmp_path, engine, kw):
+    """The flags land where the engine reads them (top-level config keys, the Llama config's layer_types and
+    sliding_window), the norms' tensors under the loader's names; the drafter rebuilt from the export alone decodes
+    as the checkpoint does."""
+    drafter, path = saved(deep_target, tmp_path, "eagle3", **kw)
+    out = export_drafter(path, engine, tmp_path / engine)
+    assert check_export(out, engine, "eagle3", deep_target.identity()) == []
+    config = json.loads((out / "config.json").read_text())
+    state = load_file(str(out / "model.safetensors"))
+    assert {k: config[k] for k in ("fc_norm", "norm_before_fc", "norm_output")} == \
+        {k: bool(kw.get(k)) for k in ("fc_norm", "norm_before_fc", "norm_output")}
+    llama = config.get("transformer_layer_config", config)
+    if "sliding_window" in kw:
+        assert llama["layer_types"] == ["sliding_attention"] and llama["sliding_window"] == kw["sliding_window"]
+    else:
+        assert "layer_types" not in llama and "sliding_window" not in llama
+    norms = {f"fc_norm.{i}.weight" for i in range(3)} if kw.get("fc_norm") else {"input_norm.weight"}
+    assert norms <= set(state)
+    reloaded = load_export(out, deep_target)
+    assert (reloaded.fc_norm_on, reloaded.norm_before_fc, reloaded.norm_output, reloaded.sliding_window) == \
+        (drafter.fc_norm_on, drafter.norm_before_fc, drafter.norm_output, drafter.sliding_window)
+    assert decode_all(deep_target, reloaded) == decode_all(deep_target, drafter)
+    del state[sorted(norms)[0]]  # a norm's tensor gone: the loader transcription names the unset parameter
+    save_file(state, str(out / "model.safetensors"))
+    assert any("never set" in p for p in check_export(out, engine, "eagle3", deep_target.identity()))
+
+
+@pytest.mark.parametrize("kw", [{"fc_norm": True}, {"norm_before_fc": True}, {"norm_output": True},
+                                {"sliding_window": 8}])
+def test_sglang_refuses_what_it_cannot_build(deep_target, tmp_path, kw):
+    _, path = saved(deep_target, tmp_path, "eagle3", **kw)
+    key = next(iter(kw))
+    with pytest.raises(ValueError, match=rf"drafter.{key}=.*sglang cannot carry it: .*format=vllm or "
+                                         rf"format=speculators, or retrain without drafter.{key}"):
+        export_drafter(path, "sglang", tmp_path / "sg")

@@ -71,13 +71,13 @@ def _teacher() -> Teacher:
     return Teacher(tiny_llama(initializer_range=0.2, **SIZES), tokenizer=None, name="tiny")
 
 
-def _drafter(kind: str, teacher: Teacher):
+def _drafter(kind: str, teacher: Teacher, **node):
     if kind == "draft_model":
         drafter = DraftModel(DIMS, model=tiny_llama(seed=1, **{**SIZES, "num_hidden_layers": 1}))
         drafter.bind_target(teacher, initialize=False)
         return drafter.train()
     torch.manual_seed(0)
-    drafter = build_drafter(KINDS[kind], teacher)
+    drafter = build_drafter({**KINDS[kind], **node}, teacher)
     drafter.bind_target(teacher, initialize=True)
     return drafter.train()
 
@@ -124,14 +124,16 @@ def _per_pair(drafter_heads: int, head_dim: int) -> float:
     return drafter_heads * 4 * head_dim * 3
 
 
-def test_eagle_model_attention_counts_the_ttt_mask_pairs():
-    from heads.eagle import ttt_mask
+@pytest.mark.parametrize("window", [None, 2, 4])
+def test_eagle_model_attention_counts_the_ttt_mask_pairs(window):
+    from heads.train_attention import ttt_step_mask
 
     teacher = _teacher()
-    drafter = _drafter("eagle3", teacher)  # 3 TTT steps
+    drafter = _drafter("eagle3", teacher, sliding_window=window)  # 3 TTT steps
     B, T = 2, 10
-    mask = ttt_mask(torch.ones(B, T, dtype=torch.bool), drafter.ttt_steps)
-    allowed = sum(int(mask[..., : (j + 1) * T].sum()) for j in range(drafter.ttt_steps))
+    attn = torch.ones(B, T, dtype=torch.bool)
+    allowed = sum(int(ttt_step_mask(attn, j, right_padded=False, window=window).dense(attn.device).sum())
+                  for j in range(drafter.ttt_steps))
     got = drafter.train_flops(TargetShape.of(teacher), B, T).drafter.attn_model
     assert got == allowed * _per_pair(drafter.layer.num_heads, drafter.layer.head_dim)
 
@@ -155,18 +157,20 @@ def test_dflash_model_attention_counts_the_block_mask_pairs(anchors, window):
     assert got == pytest.approx(want, rel=0 if draws == 1 else 0.02)
 
 
-def test_peagle_model_attention_counts_the_parallel_mask_pairs():
-    from heads.peagle import parallel_mask
+@pytest.mark.parametrize("window", [None, 3])
+def test_peagle_model_attention_counts_the_parallel_mask_pairs(window):
+    from heads.train_attention import parallel_chain_mask
 
     teacher = _teacher()
-    drafter = _drafter("peagle", teacher)
+    drafter = _drafter("peagle", teacher, sliding_window=window)
     B, T = 2, 12
     counts = drafter.depth_counts(T - 3)  # a full row's anchors: positions 0 .. T-4
     attn = torch.ones(B, T, dtype=torch.bool)
     g = torch.Generator().manual_seed(0)
     draws = 400
-    allowed = sum(int(parallel_mask(attn, torch.stack([torch.randperm(T - 3, generator=g)[: counts[0]]
-                                                       for _ in range(B)]), counts).sum())
+    allowed = sum(int(parallel_chain_mask(attn, torch.stack([torch.randperm(T - 3, generator=g)[: counts[0]]
+                                                             for _ in range(B)]), counts, right_padded=False,
+                                          window=window).dense(attn.device).sum())
                   for _ in range(draws)) / draws
     got = drafter.train_flops(TargetShape.of(teacher), B, T).drafter.attn_model
     layers = 1 + len(drafter.upper)

@@ -206,6 +206,8 @@ CASES = {
     "dflash-window": {**DFLASH_NODE, "sliding_window": 7},
     "peagle-depth2": {**PEAGLE_NODE, **LAYERS, "num_depths": 2},
     "peagle-depth4-upper2": {**PEAGLE_NODE, **LAYERS, "num_depths": 4, "num_layers": 3},
+    "eagle3-ttt4-window": {**EAGLE3_NODE, **LAYERS, "ttt_steps": 4, "sliding_window": 6},
+    "peagle-depth4-window": {**PEAGLE_NODE, **LAYERS, "num_depths": 4, "num_layers": 2, "sliding_window": 5},
 }
 
 
