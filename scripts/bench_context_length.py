@@ -9,7 +9,7 @@ window (``drafter.sliding_window``), for EAGLE-3 and DFlash.
 Every row is ``python -m train`` on ``data.max_length=64`` (64-token training windows of the stdlib data) in a
 subprocess at ``OMP_NUM_THREADS=1``, one after another; rows differ only in their overrides. Then this process reloads
 the saved drafters and measures them side by side with ``eval.context_lengths`` (``eval.context_lengths``: each
-bucket decodes the same 20 held-out passages cut to length - 32 new tokens - γ, up to the bucket's length; greedy,
+bucket decodes the same 10 held-out passages cut to length - 32 new tokens - γ, up to the bucket's length; greedy,
 γ = 4, proposals in float32), plain decoding timed on the same prompts. The toy preset's target is the toy
 pretrained 300 steps in float32 (``target.toy.steps=300 target.toy.autocast_bf16=false``), which builds in minutes
 on a CPU. Trained rows are kept in ``--out`` and not trained again; the measurement runs over every trained row.
@@ -36,14 +36,14 @@ DF = ["drafter=dflash", "drafter.block_size=8", "drafter.num_layers=1", "drafter
       "drafter.num_anchors=32", "drafter.draft_vocab_size=1024"]
 # name -> (overrides, steps)
 ROWS = {
-    "dflash": (DF, 600),
-    f"dflash_window{WINDOW}": ([*DF, f"drafter.sliding_window={WINDOW}"], 600),
+    "dflash": (DF, 300),
+    f"dflash_window{WINDOW}": ([*DF, f"drafter.sliding_window={WINDOW}"], 300),
     "eagle3": (E3, 400),
     f"eagle3_window{WINDOW}": ([*E3, f"drafter.sliding_window={WINDOW}"], 400),
 }
 TOY_TARGET = ["target.toy.steps=300", "target.toy.autocast_bf16=false"]
 PRESETS = {
-    "toy": {"common": TOY_TARGET, "steps_scale": 1.0, "lengths": [64, 128, 256], "num_prompts": 20},
+    "toy": {"common": TOY_TARGET, "steps_scale": 1.0, "lengths": [64, 128, 256], "num_prompts": 10},
     # the tiny target's 2 layers and 512 ids: each drafter's default layers, the whole vocabulary
     "tiny": {"common": ["target=tiny", "drafter.layers=null", "drafter.draft_vocab_size=null"], "steps_scale": 0.02,
              "lengths": [48, 96, 128], "num_prompts": 2},

@@ -42,7 +42,7 @@ def test_bench_context_length_tiny_rows_measure_every_length_and_resume(tmp_path
     bench.main([*argv, "--train-only"])
     assert "dflash: trained already" in capsys.readouterr().out
     bench.main([*argv, "--table"])
-    assert "| `dflash_window32` | window 32 | 12 |" in capsys.readouterr().out
+    assert "| `dflash_window32` | window 32 | 6 |" in capsys.readouterr().out
 
 
 def test_every_row_composes_into_a_valid_config():
