@@ -21,8 +21,8 @@ from tests.drafters import noisy_medusa
 from tests.test_config import load
 from train.config import EvalConfig, load_config
 
-EVAL = EvalConfig(num_prompts=3, prompt_tokens=24, max_new_tokens=12, num_draft=3, warmup_prompts=1,
-                  drafter_dtype="float32", hf_baselines=False, plots=True, context_lengths=[32, 64, 96])
+EVAL = EvalConfig(num_prompts=2, prompt_tokens=24, max_new_tokens=8, num_draft=3, warmup_prompts=1,
+                  drafter_dtype="float32", hf_baselines=False, plots=True, context_lengths=[24, 48, 96])
 
 
 @pytest.fixture
@@ -77,24 +77,24 @@ def test_report_has_tau_and_speedup_per_context_length(byte_teacher, tmp_path):
 
     drafters = {"medusa": noisy_medusa(byte_teacher, scale=0.2),
                 "lookup": build_drafter({"_target_": "heads.lookup.PromptLookup"}, byte_teacher)}
-    report = evaluate(byte_teacher, drafters, [[1, 2, 3, 4]] * 2, EVAL, DecoderConfig())
+    report = evaluate(byte_teacher, drafters, [[1, 2, 3, 4]], EVAL, DecoderConfig())
     setup = report["context_lengths"]
-    assert setup["lengths"] == [32, 64, 96] and setup["prompt_tokens"] == {"32": 17, "64": 49, "96": 81}
-    assert set(setup["plain_tokens_per_s"]) == {"32", "64", "96"}
+    assert setup["lengths"] == [24, 48, 96] and setup["prompt_tokens"] == {"24": 13, "48": 37, "96": 85}
+    assert set(setup["plain_tokens_per_s"]) == {"24", "48", "96"}
     for result in report["results"]:
         block = result["context_lengths"]
-        assert list(block) == ["32", "64", "96"]
+        assert list(block) == ["24", "48", "96"]
         for length, row in block.items():
-            assert row["identical_to_greedy"] and row["num_prompts"] == 3 and row["tau"] >= 1.0 and row["speedup"] > 0
+            assert row["identical_to_greedy"] and row["num_prompts"] == 2 and row["tau"] >= 1.0 and row["speedup"] > 0
             # decoding ran between the prompt's end and the bucket's length
             assert row["prompt_tokens"] <= row["mean_context"] <= int(length)
-        assert result["tau"] >= 1.0 and result["num_prompts"] == 2  # the main measurement as before
+        assert result["tau"] >= 1.0 and result["num_prompts"] == 1  # the main measurement as before
     write_report(report, tmp_path)
     assert CONTEXT_PNG in report["plots"] and (tmp_path / CONTEXT_PNG).stat().st_size > 0
     markdown = (tmp_path / "summary.md").read_text()
-    assert "## By context length" in markdown and "| medusa | 96 | 81 |" in markdown
-    assert "medusa: tau (speedup) by context length: 32: " in (tmp_path / "summary.txt").read_text()
-    assert json.loads((tmp_path / "report.json").read_text())["results"][0]["context_lengths"]["64"]["tau"] >= 1.0
+    assert "## By context length" in markdown and "| medusa | 96 | 85 |" in markdown
+    assert "medusa: tau (speedup) by context length: 24: " in (tmp_path / "summary.txt").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["results"][0]["context_lengths"]["48"]["tau"] >= 1.0
 
 
 def test_a_length_beyond_the_target_fails_before_decoding(byte_teacher):
