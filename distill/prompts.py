@@ -4,6 +4,8 @@
 (``distill.corpus``); ``prompts_from_file`` reads MT-bench / Spec-Bench style
 jsonl files, rendering chat turns as chat training data is (``distill.chat``),
 and ``prompt_records_from_file`` adds each record's category.
+``context_length_prompts`` cuts the same held-out passages to one prompt length per
+context length (``eval.context_lengths``).
 """
 
 from __future__ import annotations
@@ -100,6 +102,50 @@ def _tokens_from(tokenizer, text: str, start: int, needed: int) -> list[int] | N
         if start + window >= len(text):
             return list(ids) if len(ids) == needed else None
         window *= 2
+
+
+def cut_prompt(ids: list[int], prompt_tokens: int, tokenizer) -> list[int]:
+    """A prompt cut to ``prompt_tokens``: its leading special tokens (BOS) and its last tokens, so the text's end (a
+    question's end and the assistant header it continues from) stays."""
+    if len(ids) <= prompt_tokens:
+        return ids
+    prefix = default_prefix_ids(tokenizer) if tokenizer is not None else []
+    prefix = prefix if ids[: len(prefix)] == prefix and len(prefix) < prompt_tokens else []
+    return prefix + ids[len(ids) - (prompt_tokens - len(prefix)):]
+
+
+def context_prompt_tokens(lengths, max_new_tokens: int, lookahead: int, max_positions: int = 0,
+                          min_tokens: int = 1) -> dict[int, int]:
+    """Prompt length per context length (``eval.context_lengths``): a bucket of length L decodes prompts of
+    L - max_new_tokens - lookahead tokens, so its last verification reaches position L. Refuses lengths that are not
+    distinct positive integers, longer than ``max_positions`` (0: unknown), or too short to leave ``min_tokens``
+    prompt tokens (the tokenizer's BOS and one token of text)."""
+    lengths = list(lengths)
+    if len(set(lengths)) != len(lengths) or any(not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"eval.context_lengths={lengths} must be distinct positive integers (context lengths in "
+                         f"tokens, e.g. [64,128,256]), or null to measure one bucket only")
+    if max_positions and max(lengths) > max_positions:
+        raise ValueError(f"eval.context_lengths has {max(lengths)}, longer than the target's {max_positions} "
+                         f"positions (max_position_embeddings); drop it or use lengths up to {max_positions}")
+    sizes = {}
+    for n in sorted(lengths):
+        prompt = n - max_new_tokens - lookahead
+        if prompt < min_tokens:
+            raise ValueError(f"eval.context_lengths has {n}: its prompts would hold {n} - eval.max_new_tokens="
+                             f"{max_new_tokens} - {lookahead} draft tokens = {prompt} tokens, fewer than the "
+                             f"{min_tokens} a prompt needs; use lengths of at least "
+                             f"{max_new_tokens + lookahead + min_tokens} or lower eval.max_new_tokens")
+        sizes[n] = prompt
+    return sizes
+
+
+def context_length_prompts(tokenizer, num_prompts: int, sizes: Mapping[int, int]) -> dict[int, list[list[int]]]:
+    """Per context length, ``num_prompts`` held-out prompts of ``sizes[length]`` tokens, all cut from the same
+    passages: the longest bucket's prompts (``heldout_prompts``), each kept whole there and cut to its last tokens
+    (BOS kept) for a shorter bucket. Every bucket continues the same text from the same point; only how much of the
+    passage precedes it changes."""
+    longest = heldout_prompts(tokenizer, num_prompts, max(sizes.values()))
+    return {n: [cut_prompt(p, size, tokenizer) for p in longest] for n, size in sizes.items()}
 
 
 def prompts_from_file(path: str, tokenizer, num_prompts: int | None, chat_template: str = "auto") -> list[list[int]]:

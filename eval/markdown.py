@@ -30,6 +30,7 @@ def summary_markdown(report: Mapping) -> str:
         "## Drafters\n\n" + _table(RESULT_COLUMNS, [_result_row(r, report.get("num_prompts")) for r in results]),
         _baselines_section(report.get("baselines")),
         *(_category_section(r) for r in results),
+        _context_length_section(report.get("context_lengths"), results),
         _batch_sweep_section(report.get("batch_sweep")),
         _definitions_section(report.get("definitions")),
         _plots_section(report.get("plots")),
@@ -120,6 +121,25 @@ def _category_section(result: Mapping) -> str:
     ]
     columns = ["category", "prompts", "τ", "α", "tokens/s", "speedup"]
     return f"## Per category: {result_label(result)}\n\n" + _table(columns, rows)
+
+
+def _context_length_section(setup: Mapping | None, results: Sequence[Mapping]) -> str:
+    """τ and speedup per context length (``eval.context_lengths``): one row per drafter and length; empty when off."""
+    if not setup:
+        return ""
+    intro = (
+        f"The same {setup['num_prompts']} held-out passages cut to each length: prompts of length − "
+        f"{setup['max_new_tokens']} new tokens − {setup['lookahead']} draft tokens, decoded up to that position; "
+        f"speedup over plain decoding of the same prompts."
+    )
+    rows = []
+    for r in results:
+        for length, c in (r.get("context_lengths") or {}).items():
+            rows.append([result_label(r), length, fmt(c.get("prompt_tokens"), ""), fmt(c.get("tau")),
+                         fmt(c.get("alpha")), fmt(c.get("tokens_per_s"), ".1f"), fmt(c.get("speedup"), ".2f", "×"),
+                         _yes_no(c.get("identical_to_greedy"))])
+    columns = ["drafter", "context length", "prompt tokens", "τ", "α", "tokens/s", "speedup", "identical to plain"]
+    return "## By context length\n\n" + intro + "\n\n" + _table(columns, rows)
 
 
 def _batch_sweep_section(sweep: Mapping | None) -> str:

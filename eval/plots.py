@@ -1,4 +1,5 @@
-"""Figures of an evaluation report: acceptance per draft position, accepted lengths, speedup.
+"""Figures of an evaluation report: acceptance per draft position, accepted lengths, speedup (and, when measured, the
+batch sweep and τ / speedup by context length).
 
 Everything is drawn from the report dict alone (the content of ``report.json``),
 so a finished run's figures can be redrawn, or several reports compared,
@@ -16,11 +17,12 @@ ACCEPTANCE_PNG = "acceptance_per_position.png"
 HISTOGRAM_PNG = "accepted_length_histogram.png"
 SPEEDUP_PNG = "speedup.png"
 SWEEP_PNG = "batch_sweep.png"
+CONTEXT_PNG = "context_length.png"
 
 
 def write_plots(report: Mapping, out_dir) -> list[Path]:
-    """Write the three report figures as PNGs under ``out_dir`` (created if missing), and the batch sweep's when the
-    report has one; return their paths."""
+    """Write the three report figures as PNGs under ``out_dir`` (created if missing), and the batch sweep's and the
+    context lengths' when the report has them; return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training / eval machines
@@ -41,6 +43,11 @@ def write_plots(report: Mapping, out_dir) -> list[Path]:
         draw_sweep(fig, report["batch_sweep"])
         fig.savefig(out / SWEEP_PNG, dpi=100)
         paths.append(out / SWEEP_PNG)
+    if report.get("context_lengths"):  # τ and speedup per context length (eval.context_lengths)
+        fig = Figure(figsize=(11, 4), layout="constrained")
+        draw_context_lengths(fig, report["results"])
+        fig.savefig(out / CONTEXT_PNG, dpi=100)
+        paths.append(out / CONTEXT_PNG)
     return paths
 
 
@@ -110,6 +117,32 @@ def _draw_speedup(ax, report: Mapping) -> None:
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1)  # plain decoding
     ax.set_xlabel("speedup over plain decoding (×)")
     ax.set_title("Speedup")
+
+
+def context_series(result: Mapping, key: str) -> tuple[list[int], list[float]]:
+    """(lengths, values of ``key``) of one result's per-context-length block, by increasing length."""
+    block = result.get("context_lengths") or {}
+    lengths = sorted(block, key=int)
+    return [int(n) for n in lengths], [block[n][key] for n in lengths]
+
+
+def draw_context_lengths(fig, results: Sequence[Mapping]) -> None:
+    """τ and speedup vs context length (log2 axis), one line per drafter."""
+    ax_tau, ax_speed = fig.subplots(1, 2)
+    for ax, key in ((ax_tau, "tau"), (ax_speed, "speedup")):
+        for result in results:
+            xs, ys = context_series(result, key)
+            ax.plot(xs, ys, marker="o", label=result_label(result))
+        lengths = sorted({x for r in results for x in context_series(r, key)[0]})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("context length (tokens)")
+    ax_speed.axhline(1.0, color="black", linestyle="--", linewidth=1)  # plain decoding
+    ax_tau.set_ylabel("τ (tokens per verification)")
+    ax_tau.set_title("τ by context length")
+    ax_speed.set_ylabel("speedup over plain decoding (×)")
+    ax_speed.set_title("Speedup by context length")
+    ax_tau.legend(fontsize="small")
 
 
 def draw_sweep(fig, sweep: Mapping) -> None:

@@ -40,6 +40,9 @@ DEFINITIONS = {
                   "differing position and the target's logit gap there, logit[plain's token] - logit[committed "
                   "token], from one uncached forward; a near-tie (relative gap near the dtype's rounding, e.g. bf16 "
                   "kernels of different shapes) is numerical noise, a gap of whole logits is a decoder bug",
+    "context_lengths": "per context length L (eval.context_lengths): the same held-out passages cut to prompts of L - "
+                       "max_new_tokens - lookahead tokens (lookahead: the deepest draft of the run), so decoding runs "
+                       "up to position L; tau and speedup over plain decoding of the same prompts, side by side",
     "crossover_batch_size": "batch sweep: the first measured batch size at which speculative decoding (fixed gamma) "
                             "is no faster than plain batched decoding",
 }
@@ -76,6 +79,7 @@ def summary_table(report: Mapping) -> str:
             f"  {r['identical_to_greedy']}"
         )
     lines += [_sim_tau_line(r) for r in report["results"] if r.get("sim_tau") is not None]
+    lines += [_context_line(r) for r in report["results"] if r.get("context_lengths")]
     for name, b in (report.get("baselines") or {}).items():
         lines.append(f"baseline {name:<15} {b['tokens_per_s']:>8.1f} tok/s  speedup {_fmt(b.get('speedup'), '.2f')}x"
                      + (f"  ({b['note']})" if b.get("note") else ""))
@@ -92,6 +96,12 @@ def _sim_tau_line(r: Mapping) -> str:
                 f"one draft step, so no training-time tau estimate; measured tau {r['tau']:.2f})")
     return (f"{r['drafter']}: training-time sim tau {r['sim_tau']:.2f} (chain estimate over {r['sim_tau_steps']} "
             f"steps) vs measured tau {r['tau']:.2f}")
+
+
+def _context_line(r: Mapping) -> str:
+    """τ and speedup per context length (``eval.context_lengths``) of one drafter, on one line."""
+    cells = ", ".join(f"{n}: {c['tau']:.2f} ({c['speedup']:.2f}x)" for n, c in r["context_lengths"].items())
+    return f"{r['drafter']}: tau (speedup) by context length: {cells}"
 
 
 RUN_OUTPUTS = ("drafter", "checkpoints", "metrics.jsonl")  # what python -m train leaves in its run dir

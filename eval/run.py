@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
 
-from distill.data import default_prefix_ids
 from distill.lock import writer_lock
-from distill.prompts import heldout_prompts, prompt_records_from_file
+from distill.prompts import cut_prompt, heldout_prompts, prompt_records_from_file
 from distill.teacher import load_teacher, target_config
 from eval import saved as saved_settings
 from eval.baselines import hf_assisted, hf_generate, hf_generate_static
 from eval.batch_sweep import batch_sweep
-from eval.mismatch import MAX_KEPT, Mismatch, logit_gap, mismatch
+from eval.context_lengths import attach, context_length_sweep, context_prompt_sizes
+from eval.mismatch import logit_gap
 from eval.report import DEFINITIONS, check_report_dir, machine_info, summary_table, write_report
+from eval.side_by_side import Tally, decode_side_by_side, warm_up
 from heads.base import build_drafter
 from heads.saved import decode_overrides, load_drafter, read_drafter_config, weights_digest
 from inference.cost import auto_tune, measure, overhead_ratio, predict
@@ -46,16 +45,6 @@ def eval_prompts(eval_cfg: EvalConfig, tokenizer) -> tuple[list[list[int]], list
     return prompts, [None] * len(prompts)
 
 
-def cut_prompt(ids: list[int], prompt_tokens: int, tokenizer) -> list[int]:
-    """A file prompt cut to ``eval.prompt_tokens``: its leading special tokens (BOS) and its last tokens, so the
-    question's end and the assistant header it continues from stay."""
-    if len(ids) <= prompt_tokens:
-        return ids
-    prefix = default_prefix_ids(tokenizer) if tokenizer is not None else []
-    prefix = prefix if ids[: len(prefix)] == prefix and len(prefix) < prompt_tokens else []
-    return prefix + ids[len(ids) - (prompt_tokens - len(prefix)):]
-
-
 def proposal_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype drafters run in while proposing. Verification stays in the target's dtype, so the decoded output
     does not depend on this; only speed and acceptance do. bf16 halves the memory a draft step reads, which is
@@ -74,39 +63,6 @@ def _cpu_has_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # private op: absent from some builds
         return False
-
-
-@dataclass
-class Tally:
-    """One decoding method over a set of prompts: the sum of its ``Generation``s, and how many matched plain greedy
-    decoding (the reference)."""
-
-    total: Generation = field(default_factory=lambda: Generation(new_tokens=[], seconds=0.0))
-    prompts: int = 0
-    identical: int = 0
-    mismatches: list[Mismatch] = field(default_factory=list)  # the first MAX_KEPT, for the logit gaps
-
-    def add(self, gen: Generation, ref: Generation | None, index: int) -> None:
-        self.total.merge(gen)
-        self.prompts += 1
-        if ref is not None:
-            if gen.new_tokens == ref.new_tokens:
-                self.identical += 1
-                return
-            if len(self.mismatches) < MAX_KEPT:
-                self.mismatches.append(mismatch(index, ref.new_tokens, gen.new_tokens))
-
-    @property
-    def first_mismatch(self) -> int | None:
-        return self.mismatches[0].prompt if self.mismatches else None
-
-    @property
-    def tokens(self) -> int:
-        return len(self.total.new_tokens)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.total.seconds if self.total.seconds else 0.0
 
 
 def build_decoder(teacher, dcfg: DecoderConfig) -> Decoder:
@@ -140,6 +96,8 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
     bad = {name: d for name, d in depth.items() if d < 1}
     if bad:
         raise ValueError(f"num_draft must be >= 1 per drafter, got {bad}")
+    if eval_cfg.context_lengths:  # refused before anything is decoded
+        context_prompt_sizes(eval_cfg, teacher.tokenizer, decoder.max_positions, max([k, *depth.values()]))
     dtypes = {name: _cast(decoder, d, dtype, policy == "auto", as_tensor[0], depth[name])
               for name, d in drafters.items()}
     categories = list(categories) if categories is not None else [None] * len(prompts)
@@ -151,34 +109,10 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
             depth[name] = tuning[name]["chosen"]["num_draft"]
             log.info("auto_tune %s: %s", name, tuning[name]["chosen"])
     hf = _hf_baselines(teacher, drafters, eval_cfg, decoder)
-    for p in as_tensor[: eval_cfg.warmup_prompts]:  # first calls pay one-off allocation costs
-        decoder.plain(p, max_new)
-        for name, drafter in drafters.items():
-            decoder.speculative(drafter, p, max_new, depth[name])
-        for run in hf.values():
-            run(p, 0)
-
-    plain = Tally()
-    per = {name: Tally() for name in drafters}
-    hf_tally = {name: Tally() for name in hf}
-    by_cat: dict = defaultdict(Tally)
-    for idx, (p, cat) in enumerate(zip(as_tensor, categories)):
-        decoder.reseed(dcfg.seed + idx)  # the same random stream for every method on this prompt
-        ref = decoder.plain(p, max_new)
-        if idx == 0:
-            first_text = torch.cat([p, torch.tensor([ref.new_tokens], dtype=torch.long)], dim=1)
-        plain.add(ref, None, idx)
-        by_cat[(None, cat)].add(ref, None, idx)
-        for name, drafter in drafters.items():
-            decoder.reseed(dcfg.seed + idx)
-            gen = decoder.speculative(drafter, p, max_new, depth[name])
-            per[name].add(gen, ref if greedy else None, idx)
-            by_cat[(name, cat)].add(gen, None, idx)
-            if greedy and gen.new_tokens != ref.new_tokens and per[name].first_mismatch == idx:
-                log.warning("drafter %s: prompt %d differs from plain greedy decoding", name, idx)
-        for name, run in hf.items():
-            hf_tally[name].add(run(p, dcfg.seed + idx), ref if greedy else None, idx)
-
+    warm_up(decoder, drafters, as_tensor[: eval_cfg.warmup_prompts], max_new, depth, hf)
+    run = decode_side_by_side(decoder, drafters, as_tensor, max_new, depth, dcfg.seed, categories, hf)
+    plain, per, hf_tally, by_cat = run.plain, run.drafters, run.baselines, run.by_category
+    first_text = torch.cat([as_tensor[0], torch.tensor([run.first_ref.new_tokens], dtype=torch.long)], dim=1)
     plain_tps = plain.tokens_per_s
     results = []
     for name, drafter in drafters.items():
@@ -199,7 +133,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
                         "difference, largest of the first %d: %s", name, len(prompts) - per[name].identical,
                         len(prompts), len(row["mismatches"]), row["max_abs_mismatch_logit_gap"])
         results.append(row)
-    return {
+    report = {
         "target": teacher.identity(),
         "num_prompts": len(prompts),
         "max_new_tokens": max_new,
@@ -216,6 +150,9 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         "machine": machine_info(),
         "definitions": DEFINITIONS,
     }
+    if eval_cfg.context_lengths:  # τ and speedup per context length, each drafter at its depth above
+        attach(report, context_length_sweep(decoder, drafters, depth, teacher.tokenizer, eval_cfg, dcfg.seed))
+    return report
 
 
 def _cast(decoder: Decoder, drafter, dtype: torch.dtype, auto: bool, prompt, depth: int) -> torch.dtype:

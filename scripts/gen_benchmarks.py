@@ -200,6 +200,27 @@ def render_recipe(d: dict) -> str:
     return _table(header, rows)
 
 
+def render_context_length(d: dict) -> str:
+    """τ and speedup per context length of drafters trained on short windows (scripts/bench_context_length.py)."""
+    sweep = d["sweep"]
+    lengths = [str(n) for n in sweep["lengths"]]
+    header = ["row", "attention", "steps", "CPU s", *(f"τ @{n}" for n in lengths), *(f"speedup @{n}" for n in lengths),
+              "identical"]
+    rows = []
+    for name, r in d["rows"].items():
+        per = sweep["drafters"].get(name)
+        if per is None:  # trained after the last measurement
+            continue
+        window = r.get("sliding_window")
+        same = sum(per[n]["identical_prompts"] for n in lengths)
+        rows.append([f"`{name}`", f"window {window}" if window else "full", _f(r["steps"]), _f(r["cpu_s"], 0),
+                     *(_f(per[n]["tau"]) for n in lengths), *(_x(per[n]["speedup"]) for n in lengths),
+                     f"{same}/{sweep['num_prompts'] * len(lengths)}"])
+    prompts = ", ".join(f"{n}: {sweep['prompt_tokens'][n]}" for n in lengths)
+    return (f"Prompt tokens per context length ({prompts}): the same {sweep['num_prompts']} held-out passages, "
+            f"{sweep['max_new_tokens']} new tokens, γ = {sweep['lookahead']}.\n\n" + _table(header, rows))
+
+
 def _no_dirs(override: str) -> str:
     """``key=/some/dir/file.jsonl`` as ``key=file.jsonl``: where a file lay on the measuring machine is no figure."""
     key, sep, value = override.partition("=")
@@ -398,6 +419,13 @@ SOURCES: dict[str, Source] = {
         "`regen0` = trained on the target's greedy answers (the DFlash recipe's, 1,400 prompts). EAGLE-1's tree "
         "columns were decoded again from the same weights (`--redecode`) after a step-decoder fix (docs/dflash.md). "
         "CPU s is the training process's, one thread."),
+    "bench_context_length_toy_cpu.json": Source(
+        "τ by context length: full attention against a sliding window (CPU toy)",
+        "python scripts/bench_context_length.py", render_context_length,
+        "Drafters trained on 64-token windows (`data.max_length=64`), decoded at contexts up to 64, 128 and 256 "
+        "tokens (`eval.context_lengths`); `window 32` = `drafter.sliding_window=32`. The target is the toy pretrained "
+        "300 steps in float32. CPU s is the training process's, one thread on a shared machine; the speedups of the "
+        "4M toy on a CPU stay near 1 ([evaluation guide](evaluation.md#long-context))."),
     "bench_recipe_toy_gpu.json": Source(
         "EAGLE-3 recipes, trained and decoded on a GPU (τ only)",
         "python scripts/bench_recipe.py --device cuda --rows ROW --seeds SEED", render_recipe,

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.cache import CacheConfig
 from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
+from distill.prompts import context_prompt_tokens
 from distill.regenerate import RegenerateConfig
 from distill.fused_kernels import check_kernel
 from heads.train_attention import check_attention
@@ -62,6 +63,9 @@ class EvalConfig:
     allow_other_target: bool = False
     hf_baselines: bool = True  # also time HF generate() and, for a draft model, HF assisted generation
     plots: bool = True  # PNG figures beside report.json
+    # τ and speedup per context length, e.g. [64,128,256] (tokens): each bucket decodes the same held-out passages cut
+    # to length - max_new_tokens - γ tokens, so decoding runs up to that position (eval.context_lengths); null: off
+    context_lengths: Optional[List[int]] = None
 
 
 @dataclass
@@ -175,6 +179,7 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"logger.name={cfg.logger.name!r}; valid: 'none', 'wandb'")
     if cfg.eval.num_draft < 1:
         raise ValueError(f"eval.num_draft must be >= 1, got {cfg.eval.num_draft}")
+    _check_context_lengths(cfg.eval, cfg.target)
     cfg.decoder.sampling()  # temperature / top_p / top_k ranges
     if cfg.decoder.acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"decoder.acceptance={cfg.decoder.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
@@ -206,6 +211,18 @@ def validate(cfg: Config) -> None:
             f"data.max_length={cfg.data.max_length} exceeds the toy target's context "
             f"target.toy.max_seq_len={cfg.target.toy.max_seq_len}; lower data.max_length"
         )
+
+
+def _check_context_lengths(ev: EvalConfig, target: TargetConfig) -> None:
+    """``eval.context_lengths`` as far as the config tells (the target's positions and BOS are checked again once it
+    is loaded: ``eval.context_lengths``)."""
+    if not ev.context_lengths:
+        return
+    if ev.prompts:
+        raise ValueError(f"eval.context_lengths builds its prompts from held-out text, but eval.prompts={ev.prompts} "
+                         f"names a prompt file; set eval.prompts=null, or eval.context_lengths=null")
+    context_prompt_tokens(ev.context_lengths, ev.max_new_tokens, ev.num_draft,
+                          target.toy.max_seq_len if target.source == "toy" else 0)
 
 
 def _check_schedule(t: TrainerConfig) -> None:
