@@ -137,13 +137,22 @@ def render_batch(d: dict) -> str:
             f"round(s); auto = `decoder.policy=auto`.\n\n" + _table(header, rows))
 
 
+REGEN_NAMES = {"auto": "auto", "hf": "HF generate()", "batched": "batched decoder"}
+
+
 def render_regenerate(d: dict) -> str:
-    header = ["batch", "batched decoder tokens/s", "HF generate() tokens/s", "batched ÷ HF", "identical answers"]
-    rows = [[_f(r["batch_size"]), _f(r["batched_tokens_per_s"], 0), _f(r["hf_tokens_per_s"], 0),
-             _x(r["batched_over_hf"]), f"{r['identical_answers']}/{r['answers']}"] for r in d["results"]]
+    """``auto`` first (the default; the figures of the engine it resolved to), then the engines that ran."""
+    names = [n for n in REGEN_NAMES if f"{n}_tokens_per_s" in d["results"][0]]
+    others = [n for n in names if n != "hf"]
+    header = ["batch", *(f"{REGEN_NAMES[n]} tokens/s" for n in names), *(f"{REGEN_NAMES[n]} ÷ HF" for n in others),
+              *(f"{REGEN_NAMES[n]} = HF answers" for n in others)]
+    rows = [[_f(r["batch_size"]), *(_f(r[f"{n}_tokens_per_s"], 0) for n in names),
+             *(_x(r[f"{n}_over_hf"]) for n in others),
+             *(f"{r[f'{n}_identical_answers']}/{r['answers']}" for n in others)] for r in d["results"]]
     s = d["settings"]
     return (_table(header, rows) + f"\n\nTarget `{d['target']}` on {d['device']} ({d['threads']} threads), greedy, "
-            f"{s['prompt_tokens']}-token prompts, up to {s['max_new_tokens']} new tokens, {s['batches']} timed batches.")
+            f"{s['prompt_tokens']}-token prompts, up to {s['max_new_tokens']} new tokens, {s['batches']} timed batches "
+            f"per engine (answered in turn); `auto` resolved to `{d['auto_engine']}` here and shows its figures.")
 
 
 def render_cache_dtype(d: dict) -> str:
