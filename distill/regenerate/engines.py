@@ -29,8 +29,8 @@ from inference.batched import BatchedDecoder
 from inference.sampling import SamplingConfig
 
 ENGINES = ("auto", "batched", "hf", "vllm")
-# ``auto`` without vLLM: the engine with the most new tokens/s per device type (scripts/bench_regenerate.py). CPU, toy
-# and tiny targets: hf 1.4x to 2.5x batched at batch 8 and 32 (scripts/results/bench_regenerate_toy_cpu.json). CUDA:
+# ``auto`` without vLLM: the engine with the most new tokens/s per device type (scripts/bench_regenerate.py). CPU, tiny
+# toy target: hf 1.4x to 2.2x batched at batch 8 and 32 (scripts/results/bench_regenerate_toy_cpu.json). CUDA:
 # hf, whose static cache transformers compiles, against batched's eager loop. Any other device: hf, the maintained path.
 FASTEST = {"cpu": "hf", "cuda": "hf"}
 
