@@ -516,10 +516,10 @@ SOURCES: dict[str, Source] = {
     "bench_regenerate_toy_cpu.json": Source(
         "Regeneration throughput: regenerate.engine=auto vs HF generate() and our batched decoder (CPU, tiny toy "
         "target)",
-        "OMP_NUM_THREADS=1 python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 6",
+        "python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 6",
         render_regenerate,
         "The same prompts and batch for every engine, each batch answered by the engines in turn on a shared 2-core "
-        "machine. `auto` resolves to HF generate() on a CPU (the faster engine here) and reports its figures. On a "
+        "machine (OMP_NUM_THREADS=1). `auto` resolves to HF generate() on a CPU (the faster engine here) and reports its figures. On a "
         "CPU neither engine uses a static cache or compilation; the GPU comparison is still to be measured."),
     "bench_cache_dtype_tiny_cpu.json": Source(
         "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, tiny toy target)",
