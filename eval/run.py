@@ -23,7 +23,7 @@ from distill.teacher import load_teacher, target_config
 from eval import saved as saved_settings
 from eval.baselines import hf_assisted, hf_generate, hf_generate_static
 from eval.batch_sweep import batch_sweep
-from eval.mismatch import MAX_KEPT, Mismatch, logit_gap, mismatch
+from eval.mismatch import MAX_KEPT, Mismatch, against_reference, logit_gap, mismatch
 from eval.report import DEFINITIONS, check_report_dir, machine_info, summary_table, write_report
 from heads.base import build_drafter
 from heads.saved import decode_overrides, load_drafter, read_drafter_config, weights_digest
@@ -158,6 +158,8 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         for run in hf.values():
             run(p, 0)
 
+    # Compiled steps: the first prompts' outputs of every method, checked against eager plain decoding after the run.
+    checked = {"plain": [], **{name: [] for name in drafters}} if greedy and decoder.steps.compile else None
     plain = Tally()
     per = {name: Tally() for name in drafters}
     hf_tally = {name: Tally() for name in hf}
@@ -168,11 +170,15 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         if idx == 0:
             first_text = torch.cat([p, torch.tensor([ref.new_tokens], dtype=torch.long)], dim=1)
         plain.add(ref, None, idx)
+        if checked is not None and idx < MAX_KEPT:
+            checked["plain"].append(ref.new_tokens)
         by_cat[(None, cat)].add(ref, None, idx)
         for name, drafter in drafters.items():
             decoder.reseed(dcfg.seed + idx)
             gen = decoder.speculative(drafter, p, max_new, depth[name])
             per[name].add(gen, ref if greedy else None, idx)
+            if checked is not None and idx < MAX_KEPT:
+                checked[name].append(gen.new_tokens)
             by_cat[(name, cat)].add(gen, None, idx)
             if greedy and gen.new_tokens != ref.new_tokens and per[name].first_mismatch == idx:
                 log.warning("drafter %s: prompt %d differs from plain greedy decoding", name, idx)
@@ -199,7 +205,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
                         "difference, largest of the first %d: %s", name, len(prompts) - per[name].identical,
                         len(prompts), len(row["mismatches"]), row["max_abs_mismatch_logit_gap"])
         results.append(row)
-    return {
+    report = {
         "target": teacher.identity(),
         "num_prompts": len(prompts),
         "max_new_tokens": max_new,
@@ -216,6 +222,23 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         "machine": machine_info(),
         "definitions": DEFINITIONS,
     }
+    if checked is not None:
+        report["compiled_vs_eager"] = compiled_vs_eager(teacher, dcfg, as_tensor, max_new, checked)
+    return report
+
+
+def compiled_vs_eager(teacher, dcfg: DecoderConfig, prompts: Sequence[torch.Tensor], max_new: int,
+                      outputs: Mapping[str, list[list[int]]]) -> dict:
+    """Every method's outputs through compiled steps against plain decoding through eager steps (no compile, no CUDA
+    graphs) on the same first prompts, with the target's logit gap where they part (``eval.mismatch``)."""
+    eager = build_decoder(teacher, dataclasses.replace(dcfg, compile="off", cuda_graphs="off"))
+    n = len(outputs["plain"])
+    reference = [eager.plain(p, max_new).new_tokens for p in prompts[:n]]
+    check = against_reference(teacher.model, list(prompts[:n]), reference, dict(outputs))
+    for name, row in check.items():
+        log.info("compiled %s vs eager plain decoding: %d/%d prompts identical, largest logit gap at a first "
+                 "difference %s", name, row["identical"], row["prompts"], row["max_abs_logit_gap"])
+    return check
 
 
 def _cast(decoder: Decoder, drafter, dtype: torch.dtype, auto: bool, prompt, depth: int) -> torch.dtype:

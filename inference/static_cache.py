@@ -115,14 +115,31 @@ class StaticKV(Cache):
         super().__init__(layers=layers)
         self.length = torch.zeros((), dtype=torch.long, device=self.device)  # committed columns, on the device
         self.host_length = 0  # its host mirror (updated from the step's read-back)
-        self.bucket = self.capacity  # key columns attention reads
         self._arange = torch.arange(self.capacity, device=self.device)
+        self._columns: dict[int, Tensor] = {}
+        self.bucket = self.capacity  # key columns attention reads
         self._positions: dict[int, Tensor] = {}
         self._scratch: Tensor | None = None
         for n in widths:
             self.declare(n)
         for t in (self.length, self._arange, *(x for layer in layers for x in (layer.keys, layer.values))):
             _mark_static(t)
+
+    # --- the key columns attention reads ----------------------------------------------------------------------------
+    @property
+    def bucket(self) -> int:
+        """Key columns attention reads: the length of ``columns``, a view of ``arange(capacity)`` per bucket. A step
+        reads the bucket as that view's size, which a compiled step takes as a symbolic size (the view is marked
+        dynamic), so one compilation serves every capacity bucket; a CUDA graph still records one per bucket."""
+        return self.columns.shape[0]
+
+    @bucket.setter
+    def bucket(self, columns: int) -> None:
+        view = self._columns.get(columns)
+        if view is None:
+            view = self._columns[columns] = self._arange[:columns]
+            torch._dynamo.maybe_mark_dynamic(view, 0)
+        self.columns = view
 
     # --- positions and lengths -------------------------------------------------------------------------------------
     def declare(self, n: int) -> Tensor:

@@ -99,24 +99,34 @@ def render_decode(d: dict) -> str:
 
 def render_modes(d: dict) -> str:
     header = ["run", "mode", "plain tokens/s", "plain ÷ HF static", "EAGLE-1 tokens/s", "EAGLE-1 ÷ plain", "EAGLE-1 τ",
-              "EAGLE-1 identical", "warm-up s", "fallback"]
+              "EAGLE-1 identical", "plain = eager", "EAGLE-1 = eager", "largest gap vs eager", "warm-up s", "fallback"]
     label = {"eager": "eager steps", "graphs": "CUDA graphs", "compiled": "compiled steps + CUDA graphs",
              "hf_static": "HF `generate(cache_implementation=\"static\")`"}
     rows = []
     for run, body in d["runs"].items():
         for mode, m in body["modes"].items():
             if "error" in m:
-                rows.append([f"`{run}`", label.get(mode, mode), "error: " + m["error"][:80], *["–"] * 7])
+                rows.append([f"`{run}`", label.get(mode, mode), "error: " + m["error"][:80], *["–"] * 10])
                 continue
             timed = m.get("timed_prompts")
             same = m.get("eagle1_identical_prompts")
             rows.append([f"`{run}`", label.get(mode, mode), _f(m["plain_tokens_per_s"], 1),
                          _x(m.get("plain_over_hf_static")), _f(m.get("eagle1_tokens_per_s"), 1),
                          _x(m.get("eagle1_speedup")), _f(m.get("eagle1_tau")),
-                         "–" if same is None else f"{same}/{timed}", _f(m.get("warmup_seconds"), 1),
+                         "–" if same is None else f"{same}/{timed}", *_vs_eager(m.get("vs_eager")),
+                         _f(m.get("warmup_seconds"), 1),
                          "–" if "steps" not in m else (m["steps"]["fallback_reason"] or "none")])
     return (f"The first prompt warms every bucket up (compiles, then records); the rest are timed, "
             f"{d['max_new_tokens']} new tokens each, greedy. {d['machine'].get('note', '')}\n\n" + _table(header, rows))
+
+
+def _vs_eager(check: dict | None) -> list[str]:
+    """A mode's plain and EAGLE-1 outputs against eager plain decoding: identical counts, the largest logit gap."""
+    if not check:
+        return ["–"] * 3
+    same = [f"{check[k]['identical']}/{check[k]['prompts']}" if k in check else "–" for k in ("plain", "eagle1")]
+    gaps = [c["max_abs_logit_gap"] for c in check.values() if c.get("max_abs_logit_gap") is not None]
+    return [*same, _f(max(gaps), 4) if gaps else "–"]
 
 
 def render_batch(d: dict) -> str:
