@@ -7,8 +7,9 @@ compiled, else eagerly); then per step the host
    ``DraftBuffers`` the verify step reads; any other drafter proposes eagerly (lookup's n-gram search on the host,
    a drafter without a static step) and its tree is copied into the step's fixed buffers, padded with token -1;
 2. fills the sampling draws (one ``torch.rand`` into a static buffer: a replayed step draws nothing itself);
-3. runs the step of the bucket (width, chain or tree, capacity bucket): eager, ``torch.compile(fullgraph=True,
-   dynamic=False)``, or a CUDA graph replay;
+3. runs the step of the bucket (width, chain or tree, capacity bucket): eager, compiled (``torch.compile`` with
+   ``fullgraph=True``, once per step kind: its capacity buckets share the compilation, the key columns a dynamic
+   size, everything else static), or a CUDA graph replay (one recording per bucket);
 4. reads the packed verdict back once, and does the host's bookkeeping (committed tokens, EOS, statistics, an eager
    drafter's ``observe`` / ``accepted``).
 
@@ -576,8 +577,9 @@ class _Compiled:
         owner = self.owner
         if not owner._told:
             owner._told = True
-            log.info("decoder.compile: each step shape compiles on its first use (about 20 s on an H200 for a 1B "
-                     "target); decoder.compile=off skips it (docs/gpu-decoding.md)")
+            log.info("decoder.compile: each step kind compiles on its first use (about 20 s on an H200 for a 1B "
+                     "target; inductor's cache: %s); decoder.compile=off skips it (docs/gpu-decoding.md)",
+                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
         start = time.perf_counter()
         try:
             self.compiled()

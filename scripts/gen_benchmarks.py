@@ -108,9 +108,12 @@ def render_modes(d: dict) -> str:
             if "error" in m:
                 rows.append([f"`{run}`", label.get(mode, mode), "error: " + m["error"][:80], *["–"] * 10])
                 continue
+            name = label.get(mode, mode)
+            if mode == "compiled" and not m.get("steps", {}).get("cuda_graphs", True):
+                name = "compiled steps"  # a CPU: no CUDA graphs
             timed = m.get("timed_prompts")
             same = m.get("eagle1_identical_prompts")
-            rows.append([f"`{run}`", label.get(mode, mode), _f(m["plain_tokens_per_s"], 1),
+            rows.append([f"`{run}`", name, _f(m["plain_tokens_per_s"], 1),
                          _x(m.get("plain_over_hf_static")), _f(m.get("eagle1_tokens_per_s"), 1),
                          _x(m.get("eagle1_speedup")), _f(m.get("eagle1_tau")),
                          "–" if same is None else f"{same}/{timed}", *_vs_eager(m.get("vs_eager")),
@@ -118,6 +121,11 @@ def render_modes(d: dict) -> str:
                          "–" if "steps" not in m else (m["steps"]["fallback_reason"] or "none")])
     return (f"The first prompt warms every bucket up (compiles, then records); the rest are timed, "
             f"{d['max_new_tokens']} new tokens each, greedy. {d['machine'].get('note', '')}\n\n" + _table(header, rows))
+
+
+def render_modes_one(d: dict) -> str:
+    """One run of ``bench_decode_modes.py`` (its JSON as the script writes it)."""
+    return render_modes({**d, "runs": {f"{d['preset']}, {d['dtype']}": d}})
 
 
 def _vs_eager(check: dict | None) -> list[str]:
@@ -369,6 +377,14 @@ SOURCES: dict[str, Source] = {
         "python scripts/bench_decode_modes.py --preset gpu --target-steps 150 [--plain-only] --modes "
         "graphs,hf_static,compiled", render_modes,
         "No cost model or dtype timing, so a compiled run fits a short lease; the drafter is cast to bf16."),
+    "bench_decode_modes_tiny_cpu.json": Source(
+        "The step decoder's modes on a CPU, bf16 under inductor: compiled steps against eager decoding (tiny preset)",
+        "python scripts/bench_decode_modes.py --preset tiny --modes eager,compiled --prompts 6 --eagle1-dir RUN "
+        "target.dtype=bfloat16 eval.num_prompts=6", render_modes_one,
+        "The check, not the speed: every output of plain and EAGLE-1 decoding (EAGLE-1 trained 20 steps, so τ is "
+        "near 1) compared with plain decoding through eager steps, token for token. Inductor compiled 5 step "
+        "functions in 764 s on a 2-core machine shared by about eight jobs (load average 10-13); decoder.compile=auto "
+        "does not compile on a CPU."),
     "bench_decode_gpu.json": Source(
         "Decoding on a GPU before the step decoder (the eager loop; H100): a 1.14B Llama-shaped target, bf16",
         f"{DECODE} --preset gpu --eagle1-dir R1 --eagle3-dir R3", render_decode,
