@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
@@ -183,3 +184,16 @@ def test_one_compilation_per_step_kind_across_capacity_buckets():
     assert counters["stats"]["unique_graphs"] == 2 and dec.describe()["compiled_steps"] == 2  # prefill, plain
     with torch.compiler.set_stance("fail_on_recompile"):
         assert dec.plain(prompt(250), 20).new_tokens == want
+
+
+def test_inductor_cache_lives_under_the_project_cache_unless_set(monkeypatch, tmp_path):
+    from inference.step_decoder import inductor_cache_dir, use_inductor_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    assert inductor_cache_dir() == str(tmp_path / "cache" / "inductor")
+    use_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_inductor_cache()  # a directory the user chose is kept
+    assert inductor_cache_dir() == str(tmp_path / "mine") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
