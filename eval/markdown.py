@@ -32,6 +32,7 @@ def summary_markdown(report: Mapping) -> str:
         *(_category_section(r) for r in results),
         _context_length_section(report.get("context_lengths"), results),
         _batch_sweep_section(report.get("batch_sweep")),
+        _steps_section(report.get("decoder_steps"), report.get("compiled_vs_eager")),
         _definitions_section(report.get("definitions")),
         _plots_section(report.get("plots")),
     ]
@@ -173,6 +174,46 @@ def _batch_sweep_section(sweep: Mapping | None) -> str:
                      f"{'met' if entry['policy_goal_met'] else 'NOT met'})")
         parts.append(f"### {name}\n\n{note}.\n\n" + _table(columns, body))
     return "\n\n".join(parts)
+
+
+def steps_text(steps: Mapping | None) -> str:
+    """How the decode steps ran, one line: compiled / CUDA graphs, and the compilation time (left out of tokens/s)."""
+    if not steps:
+        return ""
+    how = " and ".join(w for w, on in (("compiled", steps.get("compile")), ("CUDA graphs", steps.get("cuda_graphs")))
+                       if on) or "eager"
+    text = f"decode steps: {how}, {steps.get('step_functions', 0)} step functions"
+    if steps.get("compile"):
+        text += (f", {steps.get('compiled_steps', 0)} compiled in {fmt(steps.get('compile_seconds'), '.1f')} s "
+                 f"(left out of tokens/s)")
+    if steps.get("fallback_reason"):
+        text += f"; fell back: {steps['fallback_reason'][:200]}"
+    return text
+
+
+def check_rows(check: Mapping) -> list[list[str]]:
+    """Per method of ``compiled_vs_eager``: identical prompts, then the first difference's prompt, position and
+    logit gaps (the largest of the kept ones first)."""
+    rows = []
+    for name, c in check.items():
+        first = max(c["mismatches"], key=lambda m: abs(m.get("logit_gap", 0.0)), default={})
+        rows.append([name, f"{c['identical']}/{c['prompts']}",
+                     MISSING if not first else f"prompt {first['prompt']}, token {first['position']}",
+                     fmt(c.get("max_abs_logit_gap"), ".4f"), fmt(first.get("top2_gap"), ".4f")])
+    return rows
+
+
+def _steps_section(steps: Mapping | None, check: Mapping | None) -> str:
+    """How the steps ran and, where they were compiled, every method against eager plain decoding."""
+    if not steps:
+        return ""
+    text = "## Decode steps\n\n" + steps_text(steps) + "."
+    if check:
+        text += ("\n\nCompiled against eager plain decoding (no compile, no CUDA graphs), the first prompts; where "
+                 "they part, the target's logit gap there (eager's token minus the compiled one; top-1 minus top-2):"
+                 "\n\n" + _table(["method", "identical", "largest gap at", "logit gap", "top-1 − top-2"],
+                                 check_rows(check)))
+    return text
 
 
 def _definitions_section(definitions: Mapping | None) -> str:

@@ -67,3 +67,18 @@ def logit_gap(model, prompt_ids: torch.Tensor, m: Mismatch) -> dict:
         out["logit_gap"] = float(a - b)
         out["relative_gap"] = float((a - b) / torch.maximum(a.abs(), b.abs()).clamp_min(1e-6))
     return out
+
+
+def against_reference(model, prompts: list[torch.Tensor], reference: list[list[int]],
+                      runs: dict[str, list[list[int]]]) -> dict:
+    """Each run's outputs (``{method: [new tokens per prompt]}``, the first ``len(reference)`` prompts) against the
+    reference outputs of the same prompts: per method how many are identical, and for each that is not, the first
+    differing position and the target's logit gap there (``logit_gap``: ``logit_gap`` is the reference token's logit
+    minus the method's, ``top2_gap`` the target's own top-1 minus top-2), with the largest absolute gap."""
+    out = {}
+    for name, outputs in runs.items():
+        found = [m for i, (ref, got) in enumerate(zip(reference, outputs)) if (m := mismatch(i, ref, got)) is not None]
+        gaps = [logit_gap(model, prompts[m.prompt], m) for m in found]
+        out[name] = {"prompts": len(outputs), "identical": len(outputs) - len(found), "mismatches": gaps,
+                     "max_abs_logit_gap": max((abs(g["logit_gap"]) for g in gaps if "logit_gap" in g), default=None)}
+    return out

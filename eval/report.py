@@ -13,7 +13,7 @@ import torch
 
 from distill.atomic import write_text_atomically
 from eval.batch_sweep import sweep_lines
-from eval.markdown import summary_markdown
+from eval.markdown import MISSING, check_rows, steps_text, summary_markdown
 from eval.plots import write_plots
 from heads.saved import weights_digest
 
@@ -43,6 +43,10 @@ DEFINITIONS = {
     "context_lengths": "per context length L (eval.context_lengths): the same held-out passages cut to prompts of L - "
                        "max_new_tokens - lookahead tokens (lookahead: the deepest draft of the run), so decoding runs "
                        "up to position L; tau and speedup over plain decoding of the same prompts, side by side",
+    "compiled_vs_eager": "with compiled decode steps, greedy: each method's output on the first 5 prompts against "
+                         "plain decoding through eager steps (no compile, no CUDA graphs); where they part, the first "
+                         "differing position and the target's logit gap there, as for mismatches (eager's token minus "
+                         "the compiled one's, and the target's top-1 minus top-2)",
     "crossover_batch_size": "batch sweep: the first measured batch size at which speculative decoding (fixed gamma) "
                             "is no faster than plain batched decoding",
 }
@@ -85,6 +89,11 @@ def summary_table(report: Mapping) -> str:
                      + (f"  ({b['note']})" if b.get("note") else ""))
     if report.get("batch_sweep"):
         lines += sweep_lines(report["batch_sweep"])
+    if report.get("decoder_steps"):
+        lines.append(steps_text(report["decoder_steps"]))
+    for name, same, where, gap, top2 in check_rows(report.get("compiled_vs_eager") or {}):
+        lines.append(f"compiled {name} vs eager plain: {same} identical" + (
+            f"; largest logit gap {gap} at {where} (top-1 - top-2 {top2})" if where != MISSING else ""))
     return "\n".join(lines)
 
 

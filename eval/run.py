@@ -21,7 +21,7 @@ from eval import saved as saved_settings
 from eval.baselines import hf_assisted, hf_generate, hf_generate_static
 from eval.batch_sweep import batch_sweep
 from eval.context_lengths import attach, context_length_sweep, context_prompt_sizes
-from eval.mismatch import logit_gap
+from eval.mismatch import MAX_KEPT, against_reference, logit_gap
 from eval.report import DEFINITIONS, check_report_dir, machine_info, summary_table, write_report
 from eval.side_by_side import Tally, decode_side_by_side, warm_up
 from heads.base import build_drafter
@@ -110,7 +110,9 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
             log.info("auto_tune %s: %s", name, tuning[name]["chosen"])
     hf = _hf_baselines(teacher, drafters, eval_cfg, decoder)
     warm_up(decoder, drafters, as_tensor[: eval_cfg.warmup_prompts], max_new, depth, hf)
-    run = decode_side_by_side(decoder, drafters, as_tensor, max_new, depth, dcfg.seed, categories, hf)
+    # Compiled steps: the first prompts' outputs of every method, checked against eager plain decoding after the run.
+    keep = MAX_KEPT if greedy and decoder.steps.compile else 0
+    run = decode_side_by_side(decoder, drafters, as_tensor, max_new, depth, dcfg.seed, categories, hf, keep=keep)
     plain, per, hf_tally, by_cat = run.plain, run.drafters, run.baselines, run.by_category
     first_text = torch.cat([as_tensor[0], torch.tensor([run.first_ref.new_tokens], dtype=torch.long)], dim=1)
     plain_tps = plain.tokens_per_s
@@ -152,7 +154,23 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
     }
     if eval_cfg.context_lengths:  # τ and speedup per context length, each drafter at its depth above
         attach(report, context_length_sweep(decoder, drafters, depth, teacher.tokenizer, eval_cfg, dcfg.seed))
+    if keep:
+        report["compiled_vs_eager"] = compiled_vs_eager(teacher, dcfg, as_tensor, max_new, run.outputs)
     return report
+
+
+def compiled_vs_eager(teacher, dcfg: DecoderConfig, prompts: Sequence[torch.Tensor], max_new: int,
+                      outputs: Mapping[str, list[list[int]]]) -> dict:
+    """Every method's outputs through compiled steps against plain decoding through eager steps (no compile, no CUDA
+    graphs) on the same first prompts, with the target's logit gap where they part (``eval.mismatch``)."""
+    eager = build_decoder(teacher, dataclasses.replace(dcfg, compile="off", cuda_graphs="off"))
+    n = len(outputs["plain"])
+    reference = [eager.plain(p, max_new).new_tokens for p in prompts[:n]]
+    check = against_reference(teacher.model, list(prompts[:n]), reference, dict(outputs))
+    for name, row in check.items():
+        log.info("compiled %s vs eager plain decoding: %d/%d prompts identical, largest logit gap at a first "
+                 "difference %s", name, row["identical"], row["prompts"], row["max_abs_logit_gap"])
+    return check
 
 
 def _cast(decoder: Decoder, drafter, dtype: torch.dtype, auto: bool, prompt, depth: int) -> torch.dtype:

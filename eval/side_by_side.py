@@ -64,6 +64,7 @@ class SideBySide:
     baselines: dict[str, Tally]
     by_category: dict
     first_ref: Generation
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict)  # first ``keep`` prompts per method
 
 
 # a baseline: (prompt [1, n], seed) -> its Generation
@@ -83,10 +84,10 @@ def warm_up(decoder: Decoder, drafters: Mapping, prompts: Sequence[Tensor], max_
 
 def decode_side_by_side(decoder: Decoder, drafters: Mapping, prompts: Sequence[Tensor], max_new: int,
                         depth: Mapping[str, int], seed: int, categories: Sequence[str | None] | None = None,
-                        baselines: Mapping[str, Baseline] | None = None) -> SideBySide:
+                        baselines: Mapping[str, Baseline] | None = None, keep: int = 0) -> SideBySide:
     """Every prompt decoded plainly, by each drafter (``depth[name]`` draft tokens deep) and by each baseline, back to
     back, each from the seed ``seed + prompt index``. Under greedy decoding every output is checked against plain
-    decoding's."""
+    decoding's. The outputs of the first ``keep`` prompts are kept per method (``SideBySide.outputs``)."""
     greedy, baselines = decoder.sampling.greedy, baselines or {}
     categories = list(categories) if categories is not None else [None] * len(prompts)
     run = SideBySide(plain=Tally(), drafters={name: Tally() for name in drafters},
@@ -97,11 +98,15 @@ def decode_side_by_side(decoder: Decoder, drafters: Mapping, prompts: Sequence[T
         if idx == 0:
             run.first_ref = ref
         run.plain.add(ref, None, idx)
+        if idx < keep:
+            run.outputs.setdefault("plain", []).append(ref.new_tokens)
         run.by_category[(None, cat)].add(ref, None, idx)
         for name, drafter in drafters.items():
             decoder.reseed(seed + idx)
             gen = decoder.speculative(drafter, p, max_new, depth[name])
             run.drafters[name].add(gen, ref if greedy else None, idx)
+            if idx < keep:
+                run.outputs.setdefault(name, []).append(gen.new_tokens)
             run.by_category[(name, cat)].add(gen, None, idx)
             if greedy and gen.new_tokens != ref.new_tokens and run.drafters[name].first_mismatch == idx:
                 log.warning("drafter %s: prompt %d differs from plain greedy decoding", name, idx)

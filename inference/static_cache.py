@@ -1,18 +1,19 @@
 """A static-address KV cache for the step decoder: any Hugging Face causal LM fills it through its own forward, and
-a decode step over it can be recorded once (a CUDA graph, ``torch.compile(fullgraph=True, dynamic=False)``) and
-replayed at every later context length.
+a decode step over it can be recorded once (a CUDA graph, ``torch.compile(fullgraph=True)``) and replayed at every
+later context length.
 
 Everything a step touches stays where it was allocated, with the same shape:
-- per attention layer one key and one value buffer ``[1, h, C, hd]``, allocated when the cache is built (from the
-  shapes one probe forward reports, ``kv_shapes``), never inside a forward or a capture, and marked static;
+- per attention layer one key and one value buffer ``[1, h, C + 1, hd]`` (a spare column, see ``StaticKV``),
+  allocated when the cache is built (from the shapes one probe forward reports, ``kv_shapes``), never inside a
+  forward or a capture, and marked static;
 - the committed length ``length``, a 0-dim long on the device (a host mirror, ``host_length``, serves bucket choice
   and termination only);
 - the write positions of each forward width n (``positions(n)``, a preallocated ``[n]`` long the step fills with
   ``length + arange(n)``): ``update`` writes the new keys and values there with ``index_copy_``.
-Attention always reads the first ``bucket`` columns (a capacity bucket: a Python constant per recorded step, so one
-recording per bucket) under the step's own 4D mask; columns at or past ``length`` hold stale but finite values (the
-buffers start zeroed) that the mask hides. Dropping rejected nodes needs nothing (``length`` does not cover them);
-keeping a tree's accepted path is one fixed-size gather per layer (``keep_path``).
+Attention always reads the first ``bucket`` columns (a capacity bucket: one recording per bucket, one compilation
+for all of them, ``StaticKV.bucket``) under the step's own 4D mask; columns at or past ``length`` hold stale but
+finite values (the buffers start zeroed) that the mask hides. Dropping rejected nodes needs nothing (``length`` does
+not cover them); keeping a tree's accepted path is one fixed-size gather per layer (``keep_path``).
 
 Every layer is kept whole, sliding-window layers included: their window lives in the mask (``inference.masks``),
 where a column's position is its index (batch 1: the accepted path is compacted right behind the committed past).
@@ -87,7 +88,7 @@ class StaticKVLayer(CacheLayerMixin):
         return self._owner.host_length
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return self._owner.capacity
 
     def reset(self) -> None:
         self._owner.reset()
@@ -108,21 +109,41 @@ class StaticKV(Cache):
         self.capacity = int(capacity)
         self.device = torch.device(device)
         layers = []
+        # One spare column past the capacity, never read: a bucket's view of the keys is then never contiguous, the
+        # last bucket's included, so the compiled step every bucket shares does not branch (and recompile) on it.
+        columns = capacity + 1
         for k_shape, v_shape, dtype in shapes:
-            keys = torch.zeros(1, k_shape[1], capacity, k_shape[3], dtype=dtype, device=self.device)
-            values = torch.zeros(1, v_shape[1], capacity, v_shape[3], dtype=dtype, device=self.device)
+            keys = torch.zeros(1, k_shape[1], columns, k_shape[3], dtype=dtype, device=self.device)
+            values = torch.zeros(1, v_shape[1], columns, v_shape[3], dtype=dtype, device=self.device)
             layers.append(StaticKVLayer(self, keys, values))
         super().__init__(layers=layers)
         self.length = torch.zeros((), dtype=torch.long, device=self.device)  # committed columns, on the device
         self.host_length = 0  # its host mirror (updated from the step's read-back)
-        self.bucket = self.capacity  # key columns attention reads
         self._arange = torch.arange(self.capacity, device=self.device)
+        self._columns: dict[int, Tensor] = {}
+        self.bucket = self.capacity  # key columns attention reads
         self._positions: dict[int, Tensor] = {}
         self._scratch: Tensor | None = None
         for n in widths:
             self.declare(n)
         for t in (self.length, self._arange, *(x for layer in layers for x in (layer.keys, layer.values))):
             _mark_static(t)
+
+    # --- the key columns attention reads ----------------------------------------------------------------------------
+    @property
+    def bucket(self) -> int:
+        """Key columns attention reads: the length of ``columns``, a view of ``arange(capacity)`` per bucket. A step
+        reads the bucket as that view's size, which a compiled step takes as a symbolic size (the view is marked
+        dynamic), so one compilation serves every capacity bucket; a CUDA graph still records one per bucket."""
+        return self.columns.shape[0]
+
+    @bucket.setter
+    def bucket(self, columns: int) -> None:
+        view = self._columns.get(columns)
+        if view is None:
+            view = self._columns[columns] = self._arange[:columns]
+            torch._dynamo.maybe_mark_dynamic(view, 0)
+        self.columns = view
 
     # --- positions and lengths -------------------------------------------------------------------------------------
     def declare(self, n: int) -> Tensor:

@@ -7,8 +7,9 @@ compiled, else eagerly); then per step the host
    ``DraftBuffers`` the verify step reads; any other drafter proposes eagerly (lookup's n-gram search on the host,
    a drafter without a static step) and its tree is copied into the step's fixed buffers, padded with token -1;
 2. fills the sampling draws (one ``torch.rand`` into a static buffer: a replayed step draws nothing itself);
-3. runs the step of the bucket (width, chain or tree, capacity bucket): eager, ``torch.compile(fullgraph=True,
-   dynamic=False)``, or a CUDA graph replay;
+3. runs the step of the bucket (width, chain or tree, capacity bucket): eager, compiled (``torch.compile`` with
+   ``fullgraph=True``, once per step kind: its capacity buckets share the compilation, the key columns a dynamic
+   size, everything else static), or a CUDA graph replay (one recording per bucket);
 4. reads the packed verdict back once, and does the host's bookkeeping (committed tokens, EOS, statistics, an eager
    drafter's ``observe`` / ``accepted``).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 
 import torch
@@ -111,11 +113,13 @@ class StepDecoder:
         self._shapes = None
         self._states: dict[tuple, Steps] = {}
         self._fns: dict[tuple, object] = {}
+        self._compiled: dict[tuple, _Compiled] = {}  # one per step kind: every capacity bucket of a state shares it
         self._pool = None
         self._static: dict[tuple, tuple] = {}  # (drafter, buffers, sampling) -> (drafter, its StaticDraft or None)
         self.fallback_reason: str | None = None  # why a CUDA graph recording or a compilation fell back
         self.compile_seconds = 0.0  # the first calls of compiled steps (compilation included), all decodes so far
         self._told = False  # the first compilation is announced once
+        self.compiled_count = 0  # step functions compiled so far
         # The prompt through a recorded step padded to its capacity bucket where steps are recorded or compiled; on
         # a CPU eagerly over its own columns (``_prefill``)
         self.static_prefill = self.graphs or self.compile
@@ -125,10 +129,10 @@ class StepDecoder:
         recorded graphs, how many were compiled and the seconds their first calls took (compilation included), and
         why a recording or a compilation fell back (None: none did)."""
         fns = list(self._fns.values())
-        compiled = [compiled_of(f) for f in fns]
+        compiled = {id(c): c for c in map(compiled_of, fns) if c is not None}.values()  # shared by buckets
         return {"cuda_graphs": self.graphs, "compile": self.compile, "step_functions": len(fns),
                 "recorded_graphs": sum(isinstance(f, _Recorded) and f.graph is not None for f in fns),
-                "compiled_steps": sum(c is not None and c.seconds is not None for c in compiled),
+                "compiled_steps": sum(c.seconds is not None for c in compiled),
                 "compile_seconds": round(self.compile_seconds, 3),
                 "fallback_reason": self.fallback_reason}
 
@@ -149,6 +153,7 @@ class StepDecoder:
             self._static = {k: v for k, v in self._static.items() if k[1] in live}
             drafts = {("draft", id(v[1])) for v in self._static.values()}
             self._fns = {k: f for k, f in self._fns.items() if k[0] in live or k[:2] in drafts}
+            self._compiled = {k: c for k, c in self._compiled.items() if k[0] in live}
         return steps
 
     def _step(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig) -> None:
@@ -162,21 +167,41 @@ class StepDecoder:
         fn()
 
     def _make(self, steps: Steps, bucket: Bucket, sampling: SamplingConfig):
-        fn = (functools.partial(steps.plain, sampling) if bucket.nodes == 0
-              else functools.partial(steps.verify, bucket, sampling))
-        return self._wrap(fn)
+        # A step reads its key columns from the cache (``StaticKV.bucket``), never from ``bucket.columns``: the
+        # step of one kind is the same function, compiled once, at every capacity bucket.
+        shape = Bucket(bucket.nodes, bucket.chain, 0)
+        if bucket.nodes == 0:
+            fn, label = functools.partial(steps.plain, sampling), "plain step"
+        else:
+            fn = functools.partial(steps.verify, shape, sampling)
+            label = f"verify step ({bucket.nodes}-node {'chain' if bucket.chain else 'tree'})"
+        return self._wrap(fn, label, (id(steps), shape, sampling, id(steps.draft)))
 
-    def _wrap(self, fn):
-        """``fn`` as this decoder runs a step: compiled, recorded as a CUDA graph, or as it is."""
+    def _wrap(self, fn, label: str, kind: tuple | None = None):
+        """``fn`` as this decoder runs a step: compiled, recorded as a CUDA graph, or as it is. ``kind``: the steps
+        that share one compilation (every capacity bucket of a step; None: this step alone)."""
         if self.compile:
-            kw = {"backend": self.compile_backend} if self.compile_backend else {}
-            compiled = _Compiled(torch.compile(_own_code(fn), fullgraph=True, dynamic=False, **kw), fn, self)
+            compiled = self._compiled.get(kind) if kind is not None else None
+            if compiled is None:
+                compiled = _Compiled(self._compile(fn, shared=kind is not None), fn, self, label)
+                if kind is not None:
+                    self._compiled[kind] = compiled
             # On CUDA the compiled step (inductor's fused kernels) is recorded by this decoder like any other step, as
             # SGLang records its compiled model: compiled on the first, eager call; one graph per bucket after.
             return _Recorded(compiled, self) if self.graphs else compiled
         if self.graphs:
             return _Recorded(fn, self)
         return fn
+
+    def _compile(self, fn, shared: bool):
+        """``torch.compile`` of a step: static shapes, except, for a step shared by the capacity buckets, the key
+        columns (``StaticKV.bucket``, marked dynamic). Under inductor, the casts to the target's dtype between fused
+        operations are kept (``emulate_precision_casts``): a bf16 step then rounds where the eager step rounds, so
+        compiled greedy decoding parts from eager decoding only where kernels of other shapes round a near-tie
+        apart (``eval.mismatch``), not at every prompt."""
+        kw = {"backend": self.compile_backend} if self.compile_backend else {"options": INDUCTOR_OPTIONS}
+        use_inductor_cache()
+        return torch.compile(_own_code(fn), fullgraph=True, dynamic=None if shared else False, **kw)
 
     def _prefill(self, steps: Steps, prompt: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
         """The prompt into the cache: (last logits [V], hidden states {layer: [P, D]}). Recorded or compiled like a
@@ -189,7 +214,8 @@ class StepDecoder:
         key = (id(steps), "prefill", B)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = self._wrap(functools.partial(steps.prefill_bucket, B, self.prefill_kw))
+            fn = self._fns[key] = self._wrap(functools.partial(steps.prefill_bucket, B, self.prefill_kw),
+                                             f"prefill ({B} columns)")
         fn()
         steps.cache.host_length = P
         return steps.first_logits.clone(), {i: h[:P].clone() for i, h in steps.prefill_hidden[B].items()}
@@ -200,7 +226,7 @@ class StepDecoder:
         key = ("draft", id(static), shape)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = self._wrap(static.draft)
+            fn = self._fns[key] = self._wrap(static.draft, f"draft step ({type(static).__name__})")
         return fn
 
     @contextlib.contextmanager
@@ -497,6 +523,24 @@ def clip_tree(buffers, depth: int) -> None:
     buffers.tokens_T.masked_fill_(up >= 0, -1)  # still below a node after ``depth`` levels: deeper than ``depth``
 
 
+# Inductor's settings for decode steps (see ``StepDecoder._compile``).
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps what it compiled (its FX graph and autotuning caches), so a later run on the machine
+    loads kernels instead of compiling them again: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``inductor`` under
+    this project's cache (``$SPECDRAFT_CACHE``, default ``~/.cache/specdraft``), beside the toy targets."""
+    root = os.environ.get("SPECDRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdraft")
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(root, "inductor")
+
+
+def use_inductor_cache() -> None:
+    """Point inductor at ``inductor_cache_dir()`` (once, before the first compilation; a set
+    ``$TORCHINDUCTOR_CACHE_DIR`` is kept)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+
+
 def _own_code(fn):
     """``fn`` called from a function with a code object of its own. Dynamo keeps compiled graphs per code object and
     gives up on one past ``torch._dynamo.config.recompile_limit`` (8) of them; every step (a ``functools.partial`` or
@@ -521,8 +565,8 @@ class _Compiled:
     """A compiled step whose compilation, on its first call, may fail: the step then runs as it is, with the reason
     logged (``StepDecoder.fallback_reason``). A compilation fails before the step runs, so nothing has moved."""
 
-    def __init__(self, compiled, fn, owner: StepDecoder):
-        self.compiled, self.fn, self.owner, self.calls = compiled, fn, owner, 0
+    def __init__(self, compiled, fn, owner: StepDecoder, label: str = "step"):
+        self.compiled, self.fn, self.owner, self.calls, self.label = compiled, fn, owner, 0, label
         self.seconds: float | None = None  # the first call's, compilation included (None: not compiled)
 
     def __call__(self) -> None:
@@ -533,8 +577,9 @@ class _Compiled:
         owner = self.owner
         if not owner._told:
             owner._told = True
-            log.info("decoder.compile: each step shape compiles on its first use (about 20 s on an H200 for a 1B "
-                     "target); decoder.compile=off skips it (docs/gpu-decoding.md)")
+            log.info("decoder.compile: each step kind compiles on its first use (about 20 s on an H200 for a 1B "
+                     "target; inductor's cache: %s); decoder.compile=off skips it (docs/gpu-decoding.md)",
+                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
         start = time.perf_counter()
         try:
             self.compiled()
@@ -547,6 +592,9 @@ class _Compiled:
         sync(owner.device)  # once per compiled step: its first call's time is the compilation's
         self.seconds = time.perf_counter() - start
         owner.compile_seconds += self.seconds
+        owner.compiled_count += 1
+        log.info("decoder.compile: %s compiled in %.1f s (%d steps, %.1f s so far)", self.label, self.seconds,
+                 owner.compiled_count, owner.compile_seconds)
 
 
 class _Recorded:

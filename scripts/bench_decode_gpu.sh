@@ -10,7 +10,8 @@
 #    generate, then compiled steps under graphs, the default on CUDA (scripts/bench_decode_modes.py: each bucket
 #    compiles once, about 20 s): the figures the decoder's targets are read from, first.
 # 2. smoke_tiny: the tiny preset with every drafter kind under the default settings (compiled, graphed): every kind's
-#    steps compile on CUDA (numbers meaningless). A failure stops here.
+#    steps compile on CUDA (numbers meaningless; 3 prompts, no HF baselines, no second eager-steps evaluation and
+#    drafters in bf16 without timing float32 too, so it compiles only the steps a decode uses). A failure stops here.
 # 3. core: the 1.14B preset (--target-steps, default 150) with decoder.compile=off: plain with CUDA graphs and
 #    without, HF generate() eager and static, prompt lookup and EAGLE-1, and the cost model's overhead ratios.
 # 4. parallel: the same target, the target's own greedy answers regenerated once, then EAGLE-1, DFlash and P-EAGLE
@@ -29,6 +30,9 @@ RUNS=${RUNS:-/tmp/specdraft-gpu-runs}
 mkdir -p "$OUT" "$RUNS"
 export PYTHONPATH="$PWD:$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export SPECDRAFT_CACHE=${SPECDRAFT_CACHE:-/tmp/specdraft-cache}
+# Inductor's caches in one place for every phase (a test's own SPECDRAFT_CACHE included): a rerun on the same machine
+# loads the compiled kernels instead of compiling them again.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$SPECDRAFT_CACHE/inductor}
 PY=${PYTHON:-python3}
 source "$(dirname "$0")/gpu_phases.sh"  # phase DIR NAME MAX_SECONDS COMMAND...
 
@@ -45,8 +49,9 @@ phase "$OUT" modes 260 $PY scripts/bench_decode_modes.py --preset "$PRESET" --ta
   --eagle1-dir "$RUNS/eagle1" --modes graphs,hf_static,compiled --prompts 6 --out "$OUT/gpu_modes.json" \
   eval.num_prompts="$PROMPTS"
 
-phase "$RUNS" smoke_tiny 150 $PY scripts/bench_decode.py --preset tiny \
-  --methods lookup,eagle1,dflash,peagle,medusa-chain,draft_model --out "$OUT/smoke_tiny.json" || exit 4
+phase "$RUNS" smoke_tiny 150 $PY scripts/bench_decode.py --preset tiny --no-eager-steps \
+  --methods lookup,eagle1,dflash,peagle,medusa-chain,draft_model --out "$OUT/smoke_tiny.json" eval.num_prompts=3 \
+  eval.hf_baselines=false eval.drafter_dtype=bfloat16 || exit 4
 
 phase "$OUT" core 330 $PY scripts/bench_decode.py --preset "$PRESET" --target-steps "$TARGET_STEPS" \
   --methods lookup,eagle1 --eagle1-dir "$RUNS/eagle1" --out "$OUT/gpu_core.json" eval.num_prompts="$PROMPTS" \

@@ -7,8 +7,10 @@ graphs over compiled steps (``decoder.compile=true``), and HF ``generate()`` wit
 Unlike ``bench_decode.py`` it runs no cost model, no dtype timing and no baseline drafter, so a compiled run pays
 for only the buckets a decode uses (plain, EAGLE-1's tree verification and its draft step): it fits a short GPU
 lease. The first prompt warms every bucket up (compiles, then records); the rest are timed. Per mode: plain and
-EAGLE-1 tokens/s, EAGLE-1's τ and speedup over that mode's plain, and whether each output equals that mode's plain
-decoding (bf16 may differ where two logits tie within rounding). The JSON is written after each mode.
+EAGLE-1 tokens/s, EAGLE-1's τ and speedup over that mode's plain, whether each output equals that mode's plain
+decoding (bf16 may differ where two logits tie within rounding), and ``vs_eager``: each of the mode's outputs against
+plain decoding through eager steps (no compile, no CUDA graphs; decoded once, before the modes), with the first
+differing position and the target's logit gap there (``eval.mismatch``). The JSON is written after each mode.
 """
 
 from __future__ import annotations
@@ -31,7 +33,19 @@ log = logging.getLogger("bench_decode_modes")
 MODES = {"eager": {"cuda_graphs": "off", "compile": "off"}, "graphs": {"compile": "off"}, "compiled": {"compile": "on"}}
 
 
-def decode_mode(teacher, drafter, prompts, max_new: int, num_draft: int, settings: dict) -> dict:
+def eager_reference(teacher, prompts, max_new: int) -> tuple[list[list[int]], float]:
+    """Plain decoding of the timed prompts through eager steps: (new tokens per prompt, seconds)."""
+    from inference.decoder import Decoder, DecoderConfig
+
+    decoder = Decoder(teacher, DecoderConfig(cuda_graphs="off", compile="off"))
+    t0 = time.perf_counter()
+    out = [decoder.plain(p, max_new).new_tokens for p in prompts]
+    return out, time.perf_counter() - t0
+
+
+def decode_mode(teacher, drafter, prompts, max_new: int, num_draft: int, settings: dict,
+                reference: list[list[int]] | None = None) -> dict:
+    from eval.mismatch import against_reference
     from inference.decoder import Decoder, DecoderConfig
 
     decoder = Decoder(teacher, DecoderConfig(**settings))
@@ -44,20 +58,25 @@ def decode_mode(teacher, drafter, prompts, max_new: int, num_draft: int, setting
     warm = time.perf_counter() - t0
     plain_s = spec_s = 0.0
     tokens = spec_tokens = same = forwards = 0
+    outputs = {"plain": [], **({"eagle1": []} if drafter is not None else {})}
     for p in prompts[1:]:
         ref = decoder.plain(p, max_new)
         plain_s, tokens = plain_s + ref.seconds, tokens + len(ref.new_tokens)
+        outputs["plain"].append(ref.new_tokens)
         if drafter is not None:
             gen = decoder.speculative(drafter, p, max_new, num_draft)
             spec_s, spec_tokens = spec_s + gen.seconds, spec_tokens + len(gen.new_tokens)
             forwards += gen.stats.forwards
             same += gen.new_tokens == ref.new_tokens
+            outputs["eagle1"].append(gen.new_tokens)
     out = {"settings": settings, "warmup_seconds": warm, "plain_tokens_per_s": tokens / plain_s,
            "timed_prompts": len(prompts) - 1, "steps": decoder.steps.describe()}
     if drafter is not None:
         spec_tps = spec_tokens / spec_s
         out.update(eagle1_tokens_per_s=spec_tps, eagle1_speedup=spec_tps / out["plain_tokens_per_s"],
                    eagle1_tau=spec_tokens / max(forwards, 1), eagle1_identical_prompts=same)
+    if reference is not None:
+        out["vs_eager"] = against_reference(teacher.model, prompts[1:], reference, outputs)
     return out
 
 
@@ -71,6 +90,7 @@ def main(argv=None) -> None:
                     f"{','.join(MODES)},hf_static")
     ap.add_argument("--prompts", type=int, default=6, help="prompts: the first warms up, the rest are timed")
     ap.add_argument("--out", default="bench_decode_modes.json")
+    ap.add_argument("--no-eager-check", action="store_true", help="skip the eager reference (vs_eager)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -107,7 +127,13 @@ def main(argv=None) -> None:
         tmp.write_text(json.dumps(out, indent=2, default=str))
         os.replace(tmp, path)
 
-    for mode in [m for m in args.modes.split(",") if m]:
+    modes = [m for m in args.modes.split(",") if m]
+    reference = None
+    if not args.no_eager_check and set(modes) - {"hf_static"}:
+        reference, seconds = eager_reference(teacher, prompts[1:], max_new)
+        out["eager_plain"] = {"seconds": seconds, "new_tokens": sum(map(len, reference))}
+        log.info("eager plain decoding of the %d timed prompts (the reference): %.1fs", len(reference), seconds)
+    for mode in modes:
         t0 = time.perf_counter()
         try:
             if mode == "hf_static":
@@ -116,7 +142,8 @@ def main(argv=None) -> None:
                 tps = sum(len(r["new_tokens"]) for r in runs) / sum(r["seconds"] for r in runs)
                 out["modes"][mode] = {"plain_tokens_per_s": tps}
             else:
-                out["modes"][mode] = decode_mode(teacher, drafter, prompts, max_new, num_draft, MODES[mode])
+                out["modes"][mode] = decode_mode(teacher, drafter, prompts, max_new, num_draft, MODES[mode],
+                                                 reference)
         except Exception as exc:  # keep what the other modes measured; the failure is part of the result
             log.exception("mode %s failed", mode)
             out["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -164,7 +164,7 @@ class ProbingDecoder(StepDecoder):
         super().__init__(teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off")
         self.probes: dict[str, Probe] = {}
 
-    def _wrap(self, fn):
+    def _wrap(self, fn, label: str = "step", kind: tuple | None = None):
         if isinstance(fn, functools.partial) and fn.func.__name__ == "verify":
             bucket = fn.args[0]
             name = f"verify_{'chain' if bucket.chain else 'tree'}_{bucket.nodes}"

@@ -99,24 +99,42 @@ def render_decode(d: dict) -> str:
 
 def render_modes(d: dict) -> str:
     header = ["run", "mode", "plain tokens/s", "plain ÷ HF static", "EAGLE-1 tokens/s", "EAGLE-1 ÷ plain", "EAGLE-1 τ",
-              "EAGLE-1 identical", "warm-up s", "fallback"]
+              "EAGLE-1 identical", "plain = eager", "EAGLE-1 = eager", "largest gap vs eager", "warm-up s", "fallback"]
     label = {"eager": "eager steps", "graphs": "CUDA graphs", "compiled": "compiled steps + CUDA graphs",
              "hf_static": "HF `generate(cache_implementation=\"static\")`"}
     rows = []
     for run, body in d["runs"].items():
         for mode, m in body["modes"].items():
             if "error" in m:
-                rows.append([f"`{run}`", label.get(mode, mode), "error: " + m["error"][:80], *["–"] * 7])
+                rows.append([f"`{run}`", label.get(mode, mode), "error: " + m["error"][:80], *["–"] * 10])
                 continue
+            name = label.get(mode, mode)
+            if mode == "compiled" and not m.get("steps", {}).get("cuda_graphs", True):
+                name = "compiled steps"  # a CPU: no CUDA graphs
             timed = m.get("timed_prompts")
             same = m.get("eagle1_identical_prompts")
-            rows.append([f"`{run}`", label.get(mode, mode), _f(m["plain_tokens_per_s"], 1),
+            rows.append([f"`{run}`", name, _f(m["plain_tokens_per_s"], 1),
                          _x(m.get("plain_over_hf_static")), _f(m.get("eagle1_tokens_per_s"), 1),
                          _x(m.get("eagle1_speedup")), _f(m.get("eagle1_tau")),
-                         "–" if same is None else f"{same}/{timed}", _f(m.get("warmup_seconds"), 1),
+                         "–" if same is None else f"{same}/{timed}", *_vs_eager(m.get("vs_eager")),
+                         _f(m.get("warmup_seconds"), 1),
                          "–" if "steps" not in m else (m["steps"]["fallback_reason"] or "none")])
     return (f"The first prompt warms every bucket up (compiles, then records); the rest are timed, "
             f"{d['max_new_tokens']} new tokens each, greedy. {d['machine'].get('note', '')}\n\n" + _table(header, rows))
+
+
+def render_modes_one(d: dict) -> str:
+    """One run of ``bench_decode_modes.py`` (its JSON as the script writes it)."""
+    return render_modes({**d, "runs": {f"{d['preset']}, {d['dtype']}": d}})
+
+
+def _vs_eager(check: dict | None) -> list[str]:
+    """A mode's plain and EAGLE-1 outputs against eager plain decoding: identical counts, the largest logit gap."""
+    if not check:
+        return ["–"] * 3
+    same = [f"{check[k]['identical']}/{check[k]['prompts']}" if k in check else "–" for k in ("plain", "eagle1")]
+    gaps = [c["max_abs_logit_gap"] for c in check.values() if c.get("max_abs_logit_gap") is not None]
+    return [*same, _f(max(gaps), 4) if gaps else "–"]
 
 
 def render_batch(d: dict) -> str:
@@ -137,13 +155,22 @@ def render_batch(d: dict) -> str:
             f"round(s); auto = `decoder.policy=auto`.\n\n" + _table(header, rows))
 
 
+REGEN_NAMES = {"auto": "auto", "hf": "HF generate()", "batched": "batched decoder"}
+
+
 def render_regenerate(d: dict) -> str:
-    header = ["batch", "batched decoder tokens/s", "HF generate() tokens/s", "batched ÷ HF", "identical answers"]
-    rows = [[_f(r["batch_size"]), _f(r["batched_tokens_per_s"], 0), _f(r["hf_tokens_per_s"], 0),
-             _x(r["batched_over_hf"]), f"{r['identical_answers']}/{r['answers']}"] for r in d["results"]]
+    """``auto`` first (the default; the figures of the engine it resolved to), then the engines that ran."""
+    names = [n for n in REGEN_NAMES if f"{n}_tokens_per_s" in d["results"][0]]
+    others = [n for n in names if n != "hf"]
+    header = ["batch", *(f"{REGEN_NAMES[n]} tokens/s" for n in names), *(f"{REGEN_NAMES[n]} ÷ HF" for n in others),
+              *(f"{REGEN_NAMES[n]} = HF answers" for n in others)]
+    rows = [[_f(r["batch_size"]), *(_f(r[f"{n}_tokens_per_s"], 0) for n in names),
+             *(_x(r[f"{n}_over_hf"]) for n in others),
+             *(f"{r[f'{n}_identical_answers']}/{r['answers']}" for n in others)] for r in d["results"]]
     s = d["settings"]
     return (_table(header, rows) + f"\n\nTarget `{d['target']}` on {d['device']} ({d['threads']} threads), greedy, "
-            f"{s['prompt_tokens']}-token prompts, up to {s['max_new_tokens']} new tokens, {s['batches']} timed batches.")
+            f"{s['prompt_tokens']}-token prompts, up to {s['max_new_tokens']} new tokens, {s['batches']} timed batches "
+            f"per engine (answered in turn); `auto` resolved to `{d['auto_engine']}` here and shows its figures.")
 
 
 def render_cache_dtype(d: dict) -> str:
@@ -371,6 +398,14 @@ SOURCES: dict[str, Source] = {
         "python scripts/bench_decode_modes.py --preset gpu --target-steps 150 [--plain-only] --modes "
         "graphs,hf_static,compiled", render_modes,
         "No cost model or dtype timing, so a compiled run fits a short lease; the drafter is cast to bf16."),
+    "bench_decode_modes_tiny_cpu.json": Source(
+        "The step decoder's modes on a CPU, bf16 under inductor: compiled steps against eager decoding (tiny preset)",
+        "python scripts/bench_decode_modes.py --preset tiny --modes eager,compiled --prompts 6 --eagle1-dir RUN "
+        "target.dtype=bfloat16 eval.num_prompts=6", render_modes_one,
+        "The check, not the speed: every output of plain and EAGLE-1 decoding (EAGLE-1 trained 20 steps, so τ is "
+        "near 1) compared with plain decoding through eager steps, token for token. Inductor compiled 5 step "
+        "functions in 764 s on a 2-core machine shared by about eight jobs (load average 10-13); decoder.compile=auto "
+        "does not compile on a CPU."),
     "bench_decode_gpu.json": Source(
         "Decoding on a GPU before the step decoder (the eager loop; H100): a 1.14B Llama-shaped target, bf16",
         f"{DECODE} --preset gpu --eagle1-dir R1 --eagle3-dir R3", render_decode,
@@ -545,10 +580,13 @@ SOURCES: dict[str, Source] = {
     "bench_decode_steps_tiny_cpu_before.json": Source(
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
     "bench_regenerate_toy_cpu.json": Source(
-        "Regeneration throughput: our batched decoder vs HF generate() (CPU, tiny toy target)",
-        "python scripts/bench_regenerate.py --threads 2 --batch-sizes 8 32 --batches 3", render_regenerate,
-        "The same prompts and batch for both engines, run alone on a shared 2-core machine. On a CPU neither uses a "
-        "static cache or compilation; the GPU comparison (HF with a static cache, compiled) is still to be measured."),
+        "Regeneration throughput: regenerate.engine=auto vs HF generate() and our batched decoder (CPU, tiny toy "
+        "target)",
+        "python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 6",
+        render_regenerate,
+        "The same prompts and batch for every engine, each batch answered by the engines in turn on a shared 2-core "
+        "machine (OMP_NUM_THREADS=1). `auto` resolves to HF generate() on a CPU (the faster engine here) and reports its figures. On a "
+        "CPU neither engine uses a static cache or compilation; the GPU comparison is still to be measured."),
     "bench_cache_dtype_tiny_cpu.json": Source(
         "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, tiny toy target)",
         "python scripts/bench_cache_dtype.py", render_cache_dtype,

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
@@ -158,3 +159,43 @@ def test_step_kernel_counter_sees_fusion():
     counts = count_step(target, "plain")
     assert counts["compiled"]["kernels"] > 0 and counts["compiled"]["extern"] > 0
     assert counts["eager"]["kernel_ops"] > counts["compiled"]["total"] > 0, counts
+
+
+def test_one_compilation_per_step_kind_across_capacity_buckets():
+    """A decode that moves from the 256-column bucket to the 512-column one (the cache's whole capacity) runs two
+    plain step functions, one per bucket, but compiles the plain step once: the key columns are a dynamic size, and
+    no guard on them (the last bucket's view of the keys was once contiguous where the others were not) recompiles
+    it. Token-identical to the eager steps; a second such decode compiles nothing."""
+    from distill.teacher import Teacher
+    from inference.decoder import Decoder
+    from tests.conftest import make_tiny_llama
+    from torch._dynamo.utils import counters
+
+    long_teacher = Teacher(make_tiny_llama(initializer_range=0.2, max_position_embeddings=1024), tokenizer=None,
+                           name="tiny-llama-1024")
+    torch._dynamo.reset()
+    counters.clear()
+    # aot_eager: AOTAutograd's checks (contiguity among them) run, as under inductor
+    dec = StepDecoder(long_teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
+                      compile_backend="aot_eager")
+    want = Decoder(long_teacher).plain(prompt(250), 20).new_tokens
+    assert dec.plain(prompt(250), 20).new_tokens == want
+    (steps,) = dec._states.values()
+    plain = [key[1].columns for key in dec._fns if key[1] != "prefill"]
+    assert steps.cache.capacity == 512 and sorted(plain) == [256, 512], plain
+    assert counters["stats"]["unique_graphs"] == 2 and dec.describe()["compiled_steps"] == 2  # prefill, plain
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert dec.plain(prompt(250), 20).new_tokens == want
+
+
+def test_inductor_cache_lives_under_the_project_cache_unless_set(monkeypatch, tmp_path):
+    from inference.step_decoder import inductor_cache_dir, use_inductor_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    assert inductor_cache_dir() == str(tmp_path / "cache" / "inductor")
+    use_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_inductor_cache()  # a directory the user chose is kept
+    assert inductor_cache_dir() == str(tmp_path / "mine") == os.environ["TORCHINDUCTOR_CACHE_DIR"]

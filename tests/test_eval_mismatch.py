@@ -76,3 +76,44 @@ def test_evaluate_reports_the_gap_of_a_diverging_drafter(monkeypatch):
     assert [(m["prompt"], m["position"]) for m in row["mismatches"]] == [(0, 3), (1, 3)]
     assert all(m["logit_gap"] > 0 for m in row["mismatches"])
     assert row["max_abs_mismatch_logit_gap"] == max(m["logit_gap"] for m in row["mismatches"])
+
+
+def test_evaluate_checks_compiled_steps_against_eager_plain_decoding(monkeypatch):
+    """With compiled steps, every method's outputs on the first prompts are compared with plain decoding through
+    eager steps: a compiled plain decode that commits a wrong token is reported (prompt, position, a positive logit
+    gap), a drafter whose output equals eager decoding is not; the summaries show the check and the compile time."""
+    from distill.teacher import Teacher
+    from eval.markdown import summary_markdown
+    from eval.report import summary_table
+    from eval.run import evaluate
+    from heads.base import build_drafter
+    from inference.decoder import DecoderConfig
+    from inference.step_decoder import StepDecoder, _own_code
+    from train.config import EvalConfig
+
+    teacher = Teacher(tiny_llama(1), tokenizer=None, name="tiny")
+    monkeypatch.setattr(StepDecoder, "_compile", lambda self, fn, shared: _own_code(fn))  # no compiler: fast
+    real = StepDecoder.plain
+
+    def corrupt(self, prompt, max_new, sampling=None):
+        gen = real(self, prompt, max_new, sampling)
+        if self.compile:  # the compiled decoder's plain decoding parts from eager decoding at token 3
+            gen.new_tokens = gen.new_tokens[:3] + [(gen.new_tokens[3] + 1) % 64] + gen.new_tokens[4:]
+        return gen
+
+    monkeypatch.setattr(StepDecoder, "plain", corrupt)
+    prompts = [[3, 9, 27, 17, 51, 3, 9, 27], [5, 6, 7, 8, 5, 6, 7, 8]]
+    cfg = EvalConfig(num_prompts=2, max_new_tokens=8, num_draft=3, warmup_prompts=0, hf_baselines=False,
+                     drafter_dtype="float32")
+    lookup = build_drafter({"_target_": "heads.lookup.PromptLookup"}, teacher)
+    report = evaluate(teacher, {"lookup": lookup}, prompts, cfg, DecoderConfig(compile="on"))
+    check = report["compiled_vs_eager"]
+    assert check["lookup"]["identical"] == 2 and not check["lookup"]["mismatches"]
+    plain = check["plain"]
+    assert plain["identical"] == 0 and [(m["prompt"], m["position"]) for m in plain["mismatches"]] == [(0, 3), (1, 3)]
+    assert all(m["logit_gap"] > 0 for m in plain["mismatches"])
+    assert plain["max_abs_logit_gap"] == max(m["logit_gap"] for m in plain["mismatches"])
+    text, markdown = summary_table(report), summary_markdown(report)
+    assert "decode steps: compiled" in text and "compiled plain vs eager plain: 0/2 identical; largest" in text
+    assert "## Decode steps" in markdown and "| lookup | 2/2 |" in markdown
+    assert "compiled_vs_eager" not in evaluate(teacher, {"lookup": lookup}, prompts, cfg)  # eager steps: no check

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from distill.regenerate import load_regenerated, meta_path, prompts_from_data
 from distill.regenerate.__main__ import regenerate
 from distill.teacher import Teacher
-from inference.batched import BatchedDecoder
+from distill.regenerate.engines import BatchedEngine, HFGenerateEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 USER, ASSISTANT = 3, 4  # ids of "user:" and "assistant:", the plain chat rendering's role markers
@@ -103,17 +103,18 @@ class Interrupted(Exception):
 
 
 def count_decodes(monkeypatch, fail_on: int | None = None) -> list[int]:
-    """Record each batch decode's prompt count; with ``fail_on``, raise once, at that decode (1-based)."""
-    calls, plain, failed = [], BatchedDecoder.plain, []
+    """Record each batch decode's prompt count, whichever engine answers it; with ``fail_on``, raise once, at that
+    decode (1-based)."""
+    calls, failed = [], []
+    for engine in (BatchedEngine, HFGenerateEngine):
+        def wrapped(self, prompts, max_new_tokens, seed, generate=engine.generate):
+            calls.append(len(prompts))
+            if len(calls) == fail_on and not failed:
+                failed.append(True)
+                raise Interrupted(f"decode {fail_on}")
+            return generate(self, prompts, max_new_tokens, seed)
 
-    def wrapped(self, prompts, max_new_tokens, sampling=None):
-        calls.append(len(prompts))
-        if len(calls) == fail_on and not failed:
-            failed.append(True)
-            raise Interrupted(f"decode {fail_on}")
-        return plain(self, prompts, max_new_tokens, sampling)
-
-    monkeypatch.setattr(BatchedDecoder, "plain", wrapped)
+        monkeypatch.setattr(engine, "generate", wrapped)
     return calls
 
 
@@ -173,6 +174,27 @@ def test_greedy_answers_are_the_targets_own_continuation(chat_file, teacher, tmp
     assert meta["target"] == teacher.identity() and meta["target_weights"] == teacher.weights_digest()
     assert meta["tokenizer_vocab_size"] == 128 and meta["data"]["packing"] is False
     assert meta["regenerate"]["batch_size"] == 2 and "out" not in meta["regenerate"]
+
+
+def test_auto_engine_resolves_per_device_and_the_sidecar_records_the_engine_that_ran(text_file, teacher, tmp_path,
+                                                                                     monkeypatch):
+    from distill.regenerate import engines
+
+    assert engines.resolve_engine("auto", "cpu") == engines.FASTEST["cpu"] == "hf"
+    assert engines.resolve_engine("batched", "cuda") == "batched"
+    monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)  # no vLLM installed
+    assert engines.resolve_engine("auto", "cuda") == "hf"
+    monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: object())  # vLLM installed
+    assert engines.resolve_engine("auto", "cuda") == "vllm"
+    assert engines.resolve_engine("auto", "cuda", shard="tensor") == "hf"  # vLLM places the model itself
+    assert engines.resolve_engine("auto", "cuda", named=False) == "hf"  # a toy target: nothing vLLM could load
+    assert engines.resolve_engine("auto", "cpu") == "hf"
+    with pytest.raises(ValueError, match=r"regenerate.engine='fast'; valid: \['auto', 'batched', 'hf', 'vllm'\]"):
+        engines.resolve_engine("fast", "cpu")
+    out = regenerate(compose(text_data(text_file), tmp_path / "auto.jsonl", num_prompts=3))
+    assert json.loads(meta_path(out).read_text())["regenerate"]["engine"] == "hf"
+    hf = regenerate(compose(text_data(text_file), tmp_path / "hf.jsonl", num_prompts=3, engine="hf"))
+    assert out.read_bytes() == hf.read_bytes() and meta_path(out).read_bytes() == meta_path(hf).read_bytes()
 
 
 def test_answer_budget_fills_max_length_within_the_targets_context(text_file, teacher, tmp_path):

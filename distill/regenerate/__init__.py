@@ -2,7 +2,7 @@
 
 ``python -m distill.regenerate regenerate.out=<file.jsonl> [hydra overrides]`` (``distill/regenerate/__main__.py``) builds the fixed training rows exactly
 as ``python -m train`` does (``distill.data.build_train_dataset``), cuts a prompt from each row, lets the target
-answer every prompt (``inference.batched.BatchedDecoder``, greedy or sampled) and writes one jsonl line per prompt;
+answer every prompt (``regenerate.engine``: ``distill.regenerate.engines``, greedy or sampled) and writes one jsonl line per prompt;
 ``python -m train data.mode=regenerated data.regenerated=<file.jsonl>`` then trains on ``load_regenerated``'s rows.
 
 The prompt of a row: for chat rows (loss_mask False before its first True: a user turn) the tokens before the first
@@ -62,7 +62,7 @@ from distill.lock import writer_lock
 from distill.progress import Progress
 from distill.ranks import Ranks
 from distill.teacher import PLACEMENTS
-from distill.regenerate.engines import build_engine, check_engine
+from distill.regenerate.engines import build_engine, check_engine, loaded_by_name, resolve_engine
 from inference.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,10 @@ class RegenerateConfig:
     top_p: float = 1.0
     seed: int = 0
     num_prompts: Optional[int] = None  # null: every prompt of the data
-    # How each rank generates (distill.regenerate.engines): batched (this project's batched decoder) | hf
-    # (transformers' generate(), static cache + compile on CUDA) | vllm (vllm.LLM.generate; untested here)
-    engine: str = "batched"
+    # How each rank generates (distill.regenerate.engines): auto (vllm where installed on CUDA, else the engine measured
+    # faster on the device: hf on CPU and CUDA) | batched (this project's batched decoder) | hf (transformers'
+    # generate(), static cache + compile on CUDA) | vllm (vllm.LLM.generate; untested here)
+    engine: str = "auto"
     # Where the target lives when it does not fit one device (distill.teacher.PLACEMENTS): none (a whole copy per
     # rank; the ranks share the prompts) | tensor (split over all the torchrun ranks by transformers' tensor
     # parallelism: one generation group that decodes every prompt) | device_map (one process, its layers spread over
@@ -176,9 +177,16 @@ def build_meta(teacher, data_cfg: DataConfig, settings: Mapping, prompts: Sequen
     for key in NON_PROMPT_DATA_KEYS:
         data.pop(key, None)
     regenerate = {k: v for k, v in _plain(settings).items() if k not in PLACEMENT_KEYS}
+    regenerate["engine"] = engine_of(settings, teacher)  # what ran: auto resolves per device type
     return _plain({"format": FORMAT, "format_version": FORMAT_VERSION, "target": teacher.identity(),
                    "target_weights": teacher.weights_digest(), **_tokenizer_fields(teacher.tokenizer),
                    "data": data, "prompts_sha256": prompts_digest(prompts), "regenerate": regenerate})
+
+
+def engine_of(settings: Mapping, teacher) -> str:
+    """The engine ``regenerate.engine`` runs on this target's device (``auto`` resolved)."""
+    return resolve_engine(settings.get("engine", "auto"), teacher.device, settings.get("shard", "none"),
+                          named=loaded_by_name(teacher))
 
 
 def _differences(stored: Mapping, current: Mapping, names: Sequence[str]) -> list[str]:
@@ -218,14 +226,14 @@ def check_settings(settings: Mapping) -> None:
         raise ValueError(f"regenerate.temperature must be >= 0 (0 = greedy), got {settings['temperature']}")
     if not 0 < float(settings["top_p"]) <= 1:
         raise ValueError(f"regenerate.top_p must lie in (0, 1], got {settings['top_p']}; 1.0 disables it")
-    check_engine(settings.get("engine", "batched"))
+    check_engine(settings.get("engine", "auto"))
     if settings.get("shard", "none") not in PLACEMENTS:
         raise ValueError(f"regenerate.shard={settings['shard']!r}; valid: {list(PLACEMENTS)}")
 
 
 def check_placement(settings: Mapping, world: int) -> None:
     """``regenerate.shard`` against the launch (``world`` ranks) and the engine, refused before the target loads."""
-    shard, engine = settings.get("shard", "none"), settings.get("engine", "batched")
+    shard, engine = settings.get("shard", "none"), settings.get("engine", "auto")
     if shard != "none" and engine == "vllm":
         raise ValueError(f"regenerate.shard={shard} splits the target with transformers, but regenerate.engine=vllm "
                          f"loads it in vLLM, which places it itself; use regenerate.shard=none with vllm, or "
@@ -370,11 +378,12 @@ def decode_batches(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: Data
     tokenizer = teacher.tokenizer
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     sampling = SamplingConfig(temperature=float(settings["temperature"]), top_p=float(settings["top_p"]))
-    engine = build_engine(settings.get("engine", "batched"), teacher, eos, sampling)
+    name = engine_of(settings, teacher)
+    engine = build_engine(name, teacher, eos, sampling)
     batch_size = int(settings["batch_size"])
     progress = Progress("regenerate", sum(len(b) for b in todo), "prompts")
     log.info("regenerate: %d prompts (%s, regenerate.engine=%s) into %s, starting at prompt %d",
-             progress.total, sampling.describe(), settings.get("engine", "batched"), out, todo[0][0])
+             progress.total, sampling.describe(), name, out, todo[0][0])
     with contextlib.ExitStack() as stack:
         f = stack.enter_context(out.open("ab")) if write else None
         for ids in todo:

@@ -5,6 +5,9 @@ prompt, ending with EOS where the target chose to stop. ``seed`` is the batch's 
 a batch gets the same answers whichever rank decodes it, which is what lets shards merge into a single process's
 bytes.
 
+- ``auto`` (the default): ``vllm`` where vLLM is installed, the target is on CUDA, was loaded from ``target.name``
+  (a hub id or a directory vLLM can load too) and one process holds it whole (``regenerate.shard=none``); else the engine measured faster on the target's device type (``FASTEST``), so
+  every rank of a launch picks the same one. The file's sidecar records the engine it resolved to.
 - ``batched``: ``inference.batched.BatchedDecoder``, this project's batched decoder (one target forward per token,
   finished rows dropped).
 - ``hf``: transformers' ``generate()``, left-padded, on CUDA with a static KV cache (which transformers compiles).
@@ -17,6 +20,7 @@ bytes.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +28,11 @@ import torch
 from inference.batched import BatchedDecoder
 from inference.sampling import SamplingConfig
 
-ENGINES = ("batched", "hf", "vllm")
+ENGINES = ("auto", "batched", "hf", "vllm")
+# ``auto`` without vLLM: the engine with the most new tokens/s per device type (scripts/bench_regenerate.py). CPU, tiny
+# toy target: hf 1.4x to 2.2x batched at batch 8 and 32 (scripts/results/bench_regenerate_toy_cpu.json). CUDA:
+# hf, whose static cache transformers compiles, against batched's eager loop. Any other device: hf, the maintained path.
+FASTEST = {"cpu": "hf", "cuda": "hf"}
 
 
 def check_engine(name: str) -> None:
@@ -32,8 +40,25 @@ def check_engine(name: str) -> None:
         raise ValueError(f"regenerate.engine={name!r}; valid: {list(ENGINES)}")
 
 
-def build_engine(name: str, teacher, eos: int | None, sampling: SamplingConfig):
+def resolve_engine(name: str, device: torch.device | str, shard: str = "none", named: bool = True) -> str:
+    """``regenerate.engine`` as the engine that runs: ``auto`` resolved for the target's device (module docstring);
+    ``named``: the target was loaded from its ``target.name``, which vLLM loads."""
     check_engine(name)
+    if name != "auto":
+        return name
+    device_type = torch.device(device).type
+    if device_type == "cuda" and shard == "none" and named and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    return FASTEST.get(device_type, "hf")
+
+
+def loaded_by_name(teacher) -> bool:
+    """Whether the target was loaded from ``target.name`` (a hub id or a directory), not built here (a toy target)."""
+    return getattr(teacher.model.config, "_name_or_path", None) == teacher.name
+
+
+def build_engine(name: str, teacher, eos: int | None, sampling: SamplingConfig):
+    name = resolve_engine(name, teacher.device, named=loaded_by_name(teacher))
     if name == "batched":
         return BatchedEngine(teacher, eos, sampling)
     if name == "hf":
