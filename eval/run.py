@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from distill.lock import writer_lock
+from distill.precision import native_bf16
 from distill.prompts import cut_prompt, heldout_prompts, prompt_records_from_file
 from distill.teacher import load_teacher, target_config
 from eval import saved as saved_settings
@@ -50,19 +51,10 @@ def proposal_dtype(name: str, device: torch.device) -> torch.dtype:
     does not depend on this; only speed and acceptance do. bf16 halves the memory a draft step reads, which is
     what bounds it at batch 1 — but only where the hardware computes bf16 natively."""
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-        return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if device.type in ("cuda", "cpu") and native_bf16(device) else torch.float32
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"eval.drafter_dtype={name!r}; valid: auto, float32, bfloat16")
     return getattr(torch, name)
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # private op: absent from some builds
-        return False
 
 
 def build_decoder(teacher, dcfg: DecoderConfig) -> Decoder:

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from distill.precision import native_bf16
+
 log = logging.getLogger(__name__)
 
 
@@ -53,7 +55,7 @@ class TrainerConfig:
     warmup_steps: int = 30
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    bf16: bool = True  # autocast where the device supports it
+    bf16: bool = True  # autocast where the device computes bf16 natively (elsewhere: float32, with a warning)
     fp16: bool = False  # fp16 autocast with dynamic loss scaling (GPUs without bf16); excludes bf16
     zero_stage: int = 2  # engine=deepspeed: ZeRO stage 1, 2 or 3
     deepspeed: Dict[str, Any] = field(default_factory=dict)  # merged over the generated DeepSpeed JSON
@@ -146,6 +148,9 @@ class SingleEngine:
         if self.world_size > 1:
             init_process_group(self.device)
         self.amp_dtype = torch.bfloat16 if trainer_cfg.bf16 else torch.float16 if trainer_cfg.fp16 else None
+        if self.amp_dtype is torch.bfloat16 and not native_bf16(self.device):
+            log.warning("trainer.bf16=true, but this %s does not compute bf16 natively (emulated, it is many times "
+                        "slower): training in float32; set trainer.bf16=false to say so", self.device.type)
         # fp16 gradients underflow without a loss scale; bf16 keeps fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
         self.model: nn.Module | None = None
@@ -167,7 +172,7 @@ class SingleEngine:
         """Mixed-precision autocast where the device supports it; a no-op in fp32."""
         if self.amp_dtype is None:
             return contextlib.nullcontext()
-        if self.device.type == "cuda" and self.amp_dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        if self.amp_dtype is torch.bfloat16 and not native_bf16(self.device):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 

@@ -7,13 +7,14 @@ import logging
 import pathlib
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from distill.atomic import write_dir_atomically
+from distill.precision import native_bf16
 from distill.toy.cache import (
     BUILD_INFO, FORMAT_VERSION, REQUIRED_FILES, PathArg, Sources, cache_path, is_complete, load, load_corpus,
 )
@@ -34,7 +35,7 @@ def build_into(out_dir: pathlib.Path, cfg: ToyTargetConfig, train: Sources, held
     train_NT = tokenize_blocks(tokenizer, [text for _, text in train], cfg.max_seq_len)
     heldout_NT = tokenize_blocks(tokenizer, [text for _, text in heldout], cfg.max_seq_len)
     logger.info("train split: %d files, %d blocks of %d tokens", len(train), train_NT.shape[0], cfg.max_seq_len)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = _build_device()
     model = make_model(cfg, tokenizer).to(device)
     stats = pretrain(model, train_NT, cfg)
     heldout_loss, heldout_top1 = evaluate(model, heldout_NT)
@@ -63,9 +64,21 @@ def build_into(out_dir: pathlib.Path, cfg: ToyTargetConfig, train: Sources, held
     return info
 
 
+def _build_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _as_built(cfg: ToyTargetConfig) -> ToyTargetConfig:
+    """``autocast_bf16`` only where the build's device computes bf16 natively (``distill.precision``); elsewhere the
+    toy pretrains in float32, many times faster than emulated bf16, and is cached under that setting."""
+    if cfg.autocast_bf16 and not native_bf16(_build_device()):
+        return replace(cfg, autocast_bf16=False)
+    return cfg
+
+
 def toy_cache_path(toy_cfg: Mapping[str, Any] | ToyTargetConfig, cache_dir: PathArg = None) -> pathlib.Path:
     """Directory the toy target for ``toy_cfg`` lives in (whether built yet or not)."""
-    cfg = toy_config(toy_cfg)
+    cfg = _as_built(toy_config(toy_cfg))
     _, _, fingerprint = load_corpus(cfg)
     return cache_path(cfg, fingerprint, cache_dir)
 
@@ -78,7 +91,7 @@ def load_or_build_toy_target(
     ``cache_dir`` defaults to $SPECDRAFT_CACHE, else ~/.cache/specdraft. The model comes back in float32, on the CPU,
     in eval mode.
     """
-    cfg = toy_config(toy_cfg)
+    cfg = _as_built(toy_config(toy_cfg))
     train, heldout, fingerprint = load_corpus(cfg)
     path = cache_path(cfg, fingerprint, cache_dir)
     if path.exists() and not is_complete(path):

@@ -39,7 +39,7 @@ class ToyTargetConfig:
     weight_decay: float = 0.1
     seed: int = 0
     corpus_max_bytes: Optional[int] = None
-    autocast_bf16: bool = True
+    autocast_bf16: bool = True  # only where the build device computes bf16 natively (else float32: distill.precision)
 
     def __post_init__(self) -> None:
         for key, (types, nullable) in _field_types().items():
