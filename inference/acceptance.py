@@ -263,9 +263,10 @@ def rejection_verdict(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator
 
 def sample_uniform(probs_V: Tensor, u_1: Tensor) -> Tensor:
     """[1]: the token whose cumulative probability first exceeds ``u_1 · total`` (inverse CDF; a zero-probability
-    token is never drawn): sampling from a uniform drawn beforehand, so a recorded step draws nothing itself."""
+    token is never drawn): sampling from a uniform drawn beforehand, so a recorded step draws nothing itself. Rows
+    at once: ``probs_RV`` with ``u_R1`` gives [R, 1]."""
     cdf = probs_V.cumsum(-1)
-    return (cdf <= u_1 * cdf[-1:]).sum(-1, keepdim=True).clamp(max=probs_V.shape[-1] - 1)
+    return (cdf <= u_1 * cdf[..., -1:]).sum(-1, keepdim=True).clamp(max=probs_V.shape[-1] - 1)
 
 
 def settle(tree: DraftTree, on_path_N: Tensor, last_1: Tensor, bonus_1: Tensor, vocab_size: int,
