@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers import Cache
 
 from inference.acceptance import TYPICAL_ALPHA, TYPICAL_THRESHOLD
+from inference.batch_decoder import BatchStepDecoder
 from inference.batched import BatchedDecoder
 from inference.generation import (  # noqa: F401  (re-exported: callers import them from here)
     ACCEPTANCE_RULES,
@@ -106,6 +107,9 @@ class Decoder:
         # proposals the steps cannot verify exactly).
         self.steps = StepDecoder(teacher, eos_token_id, sampling, self.generator, cuda_graphs=config.cuda_graphs,
                                  compile=config.compile)
+        # Batches of prompts: the same steps with a batch dimension (inference.batch_decoder), sharing these settings
+        # and this generator.
+        self.batch = BatchStepDecoder(teacher, eos_token_id, sampling, steps=self.steps)
 
     @property
     def typical(self) -> tuple[float, float] | None:

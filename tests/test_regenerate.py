@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from distill.regenerate import load_regenerated, meta_path, prompts_from_data
 from distill.regenerate.__main__ import regenerate
 from distill.teacher import Teacher
-from inference.batched import BatchedDecoder
+from inference.batch_decoder import BatchStepDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
 USER, ASSISTANT = 3, 4  # ids of "user:" and "assistant:", the plain chat rendering's role markers
@@ -104,7 +104,7 @@ class Interrupted(Exception):
 
 def count_decodes(monkeypatch, fail_on: int | None = None) -> list[int]:
     """Record each batch decode's prompt count; with ``fail_on``, raise once, at that decode (1-based)."""
-    calls, plain, failed = [], BatchedDecoder.plain, []
+    calls, plain, failed = [], BatchStepDecoder.plain, []
 
     def wrapped(self, prompts, max_new_tokens, sampling=None):
         calls.append(len(prompts))
@@ -113,7 +113,7 @@ def count_decodes(monkeypatch, fail_on: int | None = None) -> list[int]:
             raise Interrupted(f"decode {fail_on}")
         return plain(self, prompts, max_new_tokens, sampling)
 
-    monkeypatch.setattr(BatchedDecoder, "plain", wrapped)
+    monkeypatch.setattr(BatchStepDecoder, "plain", wrapped)
     return calls
 
 

@@ -2,7 +2,7 @@
 
 ``python -m distill.regenerate regenerate.out=<file.jsonl> [hydra overrides]`` (``distill/regenerate/__main__.py``) builds the fixed training rows exactly
 as ``python -m train`` does (``distill.data.build_train_dataset``), cuts a prompt from each row, lets the target
-answer every prompt (``inference.batched.BatchedDecoder``, greedy or sampled) and writes one jsonl line per prompt;
+answer every prompt (``inference.batch_decoder.BatchStepDecoder``, greedy or sampled) and writes one jsonl line per prompt;
 ``python -m train data.mode=regenerated data.regenerated=<file.jsonl>`` then trains on ``load_regenerated``'s rows.
 
 The prompt of a row: for chat rows (loss_mask False before its first True: a user turn) the tokens before the first

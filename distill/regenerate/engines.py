@@ -5,8 +5,9 @@ prompt, ending with EOS where the target chose to stop. ``seed`` is the batch's 
 a batch gets the same answers whichever rank decodes it, which is what lets shards merge into a single process's
 bytes.
 
-- ``batched``: ``inference.batched.BatchedDecoder``, this project's batched decoder (one target forward per token,
-  finished rows dropped).
+- ``batched``: ``inference.batch_decoder.BatchStepDecoder``, this project's batched decoder (one recorded target
+  step per token for every row of a batch bucket; finished rows masked, the batch moved to smaller buckets as they
+  finish; compiled and recorded as CUDA graphs on CUDA, as ``decoder.compile`` / ``decoder.cuda_graphs=auto`` do).
 - ``hf``: transformers' ``generate()``, left-padded, on CUDA with a static KV cache (which transformers compiles).
   A maintained library path, and the one to compare against (scripts/bench_regenerate.py). Greedy answers can differ
   from ``batched``'s where two logits tie within rounding, since padding changes the kernels' shapes.
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from inference.batched import BatchedDecoder
+from inference.batch_decoder import BatchStepDecoder
 from inference.sampling import SamplingConfig
 
 ENGINES = ("batched", "hf", "vllm")
@@ -50,7 +51,7 @@ def _cut_at_eos(tokens: Sequence[int], eos: int | None) -> list[int]:
 
 class BatchedEngine:
     def __init__(self, teacher, eos: int | None, sampling: SamplingConfig):
-        self.decoder = BatchedDecoder(teacher, eos_token_id=eos, sampling=sampling)
+        self.decoder = BatchStepDecoder(teacher, eos_token_id=eos, sampling=sampling)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
         self.decoder.reseed(seed)
