@@ -135,7 +135,8 @@ class BatchStepDecoder:
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
                  generator: torch.Generator | None = None, cuda_graphs: str = "auto", compile: str | bool = "auto",
-                 compile_backend: str | None = None, steps: StepDecoder | None = None):
+                 compile_backend: str | None = None, steps: StepDecoder | None = None,
+                 typical: tuple[float, float] | None = None):
         self.teacher = teacher
         self.model = teacher.model
         self.device = teacher.device
@@ -147,6 +148,7 @@ class BatchStepDecoder:
             steps = StepDecoder(teacher, eos_token_id, sampling, generator, cuda_graphs=cuda_graphs, compile=compile,
                                 compile_backend=compile_backend)
         self.owner = steps
+        self.typical = typical  # (threshold, alpha) of Medusa's typical acceptance (LOSSY), or None: the exact rule
         self.generator = steps.generator
         self._shapes = None
         self._states: dict[tuple, BatchSteps] = {}
@@ -193,13 +195,13 @@ class BatchStepDecoder:
 
     def _step(self, state: BatchSteps, bucket: Bucket, sampling: SamplingConfig) -> None:
         state.cache.bucket = bucket.columns
-        if not sampling.greedy:
+        if not sampling.greedy or self.typical is not None:
             torch.rand(state.uniforms.shape, generator=self.generator, device=self.device, out=state.uniforms)
-        key = (id(state), bucket, sampling)
+        key = (id(state), bucket, sampling, self.typical)
         fn = self._fns.get(key)
         if fn is None:
             step = (functools.partial(state.plain, sampling) if bucket.nodes == 0
-                    else functools.partial(state.verify, bucket, sampling))
+                    else functools.partial(state.verify, bucket, sampling, self.typical))
             fn = self._fns[key] = self.owner._wrap(step)
         fn()
 

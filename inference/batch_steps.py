@@ -24,7 +24,7 @@ import inspect
 import torch
 from torch import Tensor
 
-from inference.acceptance import greedy_verdict, rejection_verdict, sample_uniform, settle
+from inference.acceptance import greedy_verdict, rejection_verdict, sample_uniform, settle, typical_verdict
 from inference.batch_cache import BatchKV
 from inference.generation import cache_kwarg
 from inference.masks import AttentionLayout
@@ -116,8 +116,9 @@ class BatchSteps:
         self.out[:, :3].zero_()
         self.out[:, 3].copy_(nxt)
 
-    def verify(self, bucket: Bucket, sampling: SamplingConfig) -> None:
-        """Verify every row's first ``bucket.nodes`` nodes (see the module docstring)."""
+    def verify(self, bucket: Bucket, sampling: SamplingConfig, typical: tuple[float, float] | None = None) -> None:
+        """Verify every row's first ``bucket.nodes`` nodes (see the module docstring); ``typical``: Medusa's lossy
+        rule's (threshold, alpha) instead of the exact one."""
         N, W, cache, R = bucket.nodes, bucket.width, self.cache, self.R
         L = cache.length
         tokens = self.tokens_RT[:, :N]
@@ -144,7 +145,7 @@ class BatchSteps:
             pos = L[:, None] + depth
         ids = torch.cat([self.pending[:, None], tokens.clamp(0, self.vocab - 1)], 1)
         logits, hidden = self._forward(ids, pos, allowed, k_pos, W)
-        packed = torch.stack([self._verdict(b, bucket, sampling, tokens[b], parents[b], logits[b], geometry)
+        packed = torch.stack([self._verdict(b, bucket, sampling, tokens[b], parents[b], logits[b], geometry, typical)
                               for b in range(R)])  # [R, 4 + 2N]
         count = packed[:, 0]
         path = packed[:, 3: 3 + N]
@@ -162,7 +163,7 @@ class BatchSteps:
         self.out[:, : bucket.packed].copy_(packed)
 
     def _verdict(self, b: int, bucket: Bucket, sampling: SamplingConfig, tokens_N: Tensor, parents_N: Tensor,
-                 logits_WV: Tensor, geometry) -> Tensor:
+                 logits_WV: Tensor, geometry, typical: tuple[float, float] | None = None) -> Tensor:
         """Row b's packed verdict (``settle``), by the batch-1 step's rule."""
         N = bucket.nodes
         valid = tokens_N >= 0
@@ -173,7 +174,10 @@ class BatchSteps:
         tree.is_chain = bucket.chain  # set on the instance: ``DraftTree`` caches behind a lock a trace must not take
         if geometry is not None:
             tree.geometry = (geometry[0][b], geometry[1][b])
-        if sampling.greedy:
+        if typical is not None:
+            on_path, last, bonus = typical_verdict(tree, warp(logits_WV, sampling), *typical,
+                                                   uniforms=self.uniforms[b, : N + 1], valid_N=valid)
+        elif sampling.greedy:
             on_path, last, bonus = greedy_verdict(tree, logits_WV.argmax(-1))
         else:
             on_path, last, bonus = rejection_verdict(tree, warp(logits_WV, sampling),

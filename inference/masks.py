@@ -22,8 +22,6 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from inference.kv_cache import PreallocatedCache
-
 FULL, SLIDING = "full_attention", "sliding_attention"
 SUPPORTED_LAYER_TYPES = (FULL, SLIDING)
 
@@ -54,11 +52,9 @@ class AttentionLayout:
     def sliding(self) -> bool:
         return self.window is not None
 
-    def new_cache(self, capacity: int | None = None) -> DynamicCache | PreallocatedCache:
-        """A cache that keeps every layer whole, whatever its type (see the module docstring): a
-        ``PreallocatedCache`` of ``capacity`` columns per layer (it grows if a decode needs more), or with
-        ``capacity=None`` a ``DynamicCache``."""
-        return DynamicCache() if capacity is None else PreallocatedCache(capacity)
+    def new_cache(self) -> DynamicCache:
+        """A cache that keeps every layer whole, whatever its type (see the module docstring)."""
+        return DynamicCache()
 
     def additive(self, allowed_BNK: Tensor, q_pos_BN: Tensor, k_pos_BK: Tensor,
                  dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
