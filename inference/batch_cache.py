@@ -10,7 +10,9 @@ Everything a step touches stays where it was allocated, with the same shape:
 - the write positions of each step width n (``positions(n)``, a preallocated ``[R, n]`` long the step fills with
   ``length[b] + offsets``): ``update`` scatters the new keys and values there, row by row in one op.
 Attention reads the first ``bucket`` columns (a Python constant per recorded step) under the step's own 4D mask;
-columns at or past a row's length hold stale but finite values the mask hides.
+columns at or past a row's length hold stale but finite values the mask hides. Buckets double from 256 columns where
+steps are recorded or compiled (one recording per bucket); uncompiled steps (``fine``) read the columns needed,
+rounded up to ``FINE`` (on a CPU attention over a whole bucket costs more than it saves).
 
 Shapes: R rows, h KV heads, C capacity, hd head dim, n tokens fed per row by one forward.
 """
@@ -22,6 +24,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from inference.static_cache import _mark_static, capacity_buckets
+
+FINE = 32  # uncompiled steps read the columns they need, rounded up to a multiple of this
 
 
 class BatchKVLayer(CacheLayerMixin):
@@ -68,12 +72,13 @@ class BatchKV(Cache):
     ``shapes``: ``inference.static_cache.kv_shapes`` (one cached token at batch 1, per layer)."""
 
     def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]], rows: int, capacity: int,
-                 device: torch.device | str):
+                 device: torch.device | str, fine: bool = False):
         if rows < 1 or capacity < 1:
             raise ValueError(f"BatchKV rows={rows}, capacity={capacity}: both must be >= 1")
         if not shapes:
             raise ValueError("BatchKV needs the shapes of at least one attention layer (kv_shapes(model))")
         self.rows, self.capacity, self.device = int(rows), int(capacity), torch.device(device)
+        self.fine = fine
         layers = []
         for k_shape, v_shape, dtype in shapes:
             keys = torch.zeros(rows, k_shape[1], capacity, k_shape[3], dtype=dtype, device=self.device)
@@ -124,7 +129,10 @@ class BatchKV(Cache):
         if columns > self.capacity:
             raise ValueError(f"the decode needs {columns} cache columns, more than the BatchKV capacity "
                              f"{self.capacity}; build the cache for prompt + max_new_tokens + the widest step")
-        self.bucket = next(b for b in capacity_buckets(self.capacity) if b >= columns)
+        if self.fine:
+            self.bucket = min(self.capacity, -(-columns // FINE) * FINE)
+        else:
+            self.bucket = next(b for b in capacity_buckets(self.capacity) if b >= columns)
         return self.bucket
 
     def set_lengths(self, lengths: list[int]) -> None:

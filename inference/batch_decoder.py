@@ -186,7 +186,8 @@ class BatchStepDecoder:
                 self._shapes = kv_shapes(self.model)
             hf = {i: self.teacher.resolve_layer(i) for i in layers}
             state = BatchSteps(self.model, self.owner.layout, rows, _capacity(columns), self.teacher.vocab_size, hf,
-                               max_nodes, committed, self._shapes, probs=probs, max_chain=max_chain)
+                               max_nodes, committed, self._shapes, probs=probs, max_chain=max_chain,
+                               fine=not self.owner.static_prefill)
             old = self._states.get((rows, *key))
             self._states[(rows, *key)] = state
             if old is not None:  # the steps made for the replaced buffers go with them

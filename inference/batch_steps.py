@@ -54,17 +54,19 @@ class BatchSteps:
 
     ``layers``: {hidden-state index a drafter reads: Hugging Face ``hidden_states`` index}; ``max_nodes``: the
     widest draft; ``rows``: M, the committed rows handed to a drafter (1 + the deepest path); ``probs``: room for
-    the draft distributions of sampled chains up to ``max_chain`` deep."""
+    the draft distributions of sampled chains up to ``max_chain`` deep; ``fine``: the steps run uncompiled, so
+    attention reads only the columns needed (``inference.batch_cache``)."""
 
     def __init__(self, model, layout: AttentionLayout, batch: int, capacity: int, vocab_size: int,
-                 layers: dict[int, int], max_nodes: int, rows: int, shapes, probs: bool = False, max_chain: int = 0):
+                 layers: dict[int, int], max_nodes: int, rows: int, shapes, probs: bool = False, max_chain: int = 0,
+                 fine: bool = False):
         self.model, self.layout, self.vocab, self.R = model, layout, vocab_size, batch
         self.layers = dict(layers)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_nodes = max(max_nodes, 0)
         self.max_depth = max(rows - 1, 1)
-        self.cache = BatchKV(shapes, batch, capacity, self.device)
+        self.cache = BatchKV(shapes, batch, capacity, self.device, fine=fine)
         for w in range(1, self.max_nodes + 2):
             self.cache.declare(w)
         self._cache_kw = cache_kwarg(model)
