@@ -5,7 +5,7 @@ step that decoding runs (``measure``): at batch 1 the step decoder's steps on a 
 ``inference.step_decoder``):
     t_plain      one plain decoding step (``Decoder.plain_step``: a 1-token target forward, the token read back)
     t_verify(n)  one verification of n draft nodes (+ the pending token): inputs and mask, forward, acceptance with
-                 its one read-back, holes / compaction, the hand-off to the drafter (t_verify(0): nothing drafted)
+                 its one read-back, a tree's compaction, the hand-off to the drafter (t_verify(0): nothing drafted)
     t_draft(d)   one drafter proposal of depth d, with the catch-up a real step gives the drafter
 and, from decoding, the acceptance it achieved:
     chains:       α_i per position  ->  τ(γ) = 1 + Σ_{i=1..γ} Π_{j<=i} α_j

@@ -54,7 +54,8 @@ STATIC_KEPT = 16  # static drafts (and the steps recorded for them) a decoder ke
 
 class NeedsEagerLoop(Exception):
     """A proposal the step path cannot verify (siblings sampled with draft probabilities, walked on the host; a draft
-    wider than ``MAX_NODES``): the caller decodes this drafter with the eager loop instead."""
+    wider than ``MAX_NODES``): the caller decodes this drafter through the batched steps instead
+    (``inference.batch_decoder``, a batch of one), which verify what they can and refuse the rest."""
 
 
 def resolve_graphs(cuda_graphs: str, device: torch.device) -> bool:
