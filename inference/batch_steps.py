@@ -147,8 +147,7 @@ class BatchSteps:
             pos = L[:, None] + depth
         ids = torch.cat([self.pending[:, None], tokens.clamp(0, self.vocab - 1)], 1)
         logits, hidden = self._forward(ids, pos, allowed, k_pos, W)
-        packed = torch.stack([self._verdict(b, bucket, sampling, tokens[b], parents[b], logits[b], geometry, typical)
-                              for b in range(R)])  # [R, 4 + 2N]
+        packed = self._verdicts(bucket, sampling, typical, tokens, parents, logits, geometry)  # [R, 4 + 2N]
         count = packed[:, 0]
         path = packed[:, 3: 3 + N]
         if not bucket.chain:  # a chain's accepted nodes already sit right behind each row's pending token
@@ -164,27 +163,37 @@ class BatchSteps:
         self.pending.copy_(bonus)
         self.out[:, : bucket.packed].copy_(packed)
 
-    def _verdict(self, b: int, bucket: Bucket, sampling: SamplingConfig, tokens_N: Tensor, parents_N: Tensor,
-                 logits_WV: Tensor, geometry, typical: tuple[float, float] | None = None) -> Tensor:
-        """Row b's packed verdict (``settle``), by the batch-1 step's rule."""
+    def _verdicts(self, bucket: Bucket, sampling: SamplingConfig, typical: tuple[float, float] | None,
+                  tokens_RN: Tensor, parents_RN: Tensor, logits_RWV: Tensor, geometry) -> Tensor:
+        """Every row's packed verdict (``settle``), by the batch-1 step's rule, vectorised over the rows with
+        ``torch.vmap`` (one traced rule whatever the batch bucket: a compiled step traces it once, not per row);
+        uncompiled steps of one or two rows loop instead (vmap's fixed cost per call is larger there)."""
         N = bucket.nodes
-        valid = tokens_N >= 0
-        probs = None
-        if self.probs_RTV is not None and bucket.chain and not sampling.greedy:
-            probs = self.probs_RTV[b, :N]
-        tree = DraftTree(tokens_N, parents_N, probs, chain_hint=bucket.chain, depth_bound=min(N, self.max_depth))
-        tree.is_chain = bucket.chain  # set on the instance: ``DraftTree`` caches behind a lock a trace must not take
+        args = [tokens_RN, parents_RN, logits_RWV, self.uniforms[:, : N + 1]]
+        probs = self.probs_RTV is not None and bucket.chain and not sampling.greedy and typical is None
+        if probs:
+            args.append(self.probs_RTV[:, :N])
         if geometry is not None:
-            tree.geometry = (geometry[0][b], geometry[1][b])
-        if typical is not None:
-            on_path, last, bonus = typical_verdict(tree, warp(logits_WV, sampling), *typical,
-                                                   uniforms=self.uniforms[b, : N + 1], valid_N=valid)
-        elif sampling.greedy:
-            on_path, last, bonus = greedy_verdict(tree, logits_WV.argmax(-1))
-        else:
-            on_path, last, bonus = rejection_verdict(tree, warp(logits_WV, sampling),
-                                                     uniforms=self.uniforms[b, : N + 1], valid_N=valid)
-        return settle(tree, on_path, last, bonus, self.vocab, valid_N=valid)
+            args += list(geometry)
+
+        def row(tokens_N, parents_N, logits_WV, uniforms, *rest):
+            valid = tokens_N >= 0
+            tree = DraftTree(tokens_N, parents_N, rest[0] if probs else None, chain_hint=bucket.chain,
+                             depth_bound=min(N, self.max_depth))
+            tree.is_chain = bucket.chain  # on the instance: ``DraftTree`` caches behind a lock a trace must not take
+            if geometry is not None:
+                tree.geometry = (rest[-2], rest[-1])
+            if typical is not None:
+                verdict = typical_verdict(tree, warp(logits_WV, sampling), *typical, uniforms=uniforms, valid_N=valid)
+            elif sampling.greedy:
+                verdict = greedy_verdict(tree, logits_WV.argmax(-1))
+            else:
+                verdict = rejection_verdict(tree, warp(logits_WV, sampling), uniforms=uniforms, valid_N=valid)
+            return settle(tree, *verdict, self.vocab, valid_N=valid)
+
+        if self.cache.fine and self.R <= 2:
+            return torch.stack([row(*(a[b] for a in args)) for b in range(self.R)])
+        return torch.vmap(row)(*args)
 
     def _forward(self, ids_RW: Tensor, pos_RW: Tensor, allowed_RWC: Tensor, k_pos_RC: Tensor, W: int):
         cache = self.cache
