@@ -506,9 +506,12 @@ SOURCES: dict[str, Source] = {
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
     "bench_regenerate_toy_cpu.json": Source(
         "Regeneration throughput: our batched decoder vs HF generate() (CPU, tiny toy target)",
-        "python scripts/bench_regenerate.py --threads 2 --batch-sizes 8 32 --batches 3", render_regenerate,
-        "The same prompts and batch for both engines, run alone on a shared 2-core machine. On a CPU neither uses a "
-        "static cache or compilation; the GPU comparison (HF with a static cache, compiled) is still to be measured."),
+        "OMP_NUM_THREADS=1 python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 3",
+        render_regenerate,
+        "The same prompts and batch for both engines, one thread, on a shared 2-core machine (with two threads the "
+        "other tenants decide the figures). The batched decoder runs "
+        "its uncompiled steps on a CPU (batch buckets, attention over the columns needed); HF generate() its dynamic "
+        "cache. The GPU comparison (HF with a static cache, compiled) is still to be measured."),
     "bench_cache_dtype_tiny_cpu.json": Source(
         "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, tiny toy target)",
         "python scripts/bench_cache_dtype.py", render_cache_dtype,
