@@ -1,6 +1,6 @@
 """The batch sweep: when does a drafter stop paying? Throughput and latency of batched decoding vs batch size.
 
-For each batch size B in ``decoder.batch_sizes`` the same prompts are decoded in batches of B (``inference.batched``)
+For each batch size B in ``decoder.batch_sizes`` the same prompts are decoded in batches of B (``inference.batch_decoder``)
 three ways, back to back per batch (in an order shuffled from batch to batch, seeded) so a machine that gets busier
 mid-run slows all of them alike:
     off     plain batched decoding (one token per sequence per step)
@@ -30,7 +30,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from inference.batched import BatchedDecoder, BatchGeneration
+from inference.batch_decoder import BatchGeneration, BatchStepDecoder
 from inference.decoder import DecoderConfig
 from inference.policy import calibrate, check_batch_sizes, make_policy
 from inference.stats import AcceptStats
@@ -102,7 +102,8 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
     batch_sizes = check_batch_sizes(dcfg.batch_sizes)
     max_new, gamma = eval_cfg.max_new_tokens, eval_cfg.num_draft
     eos = teacher.tokenizer.eos_token_id if getattr(teacher, "tokenizer", None) is not None else None
-    decoder = BatchedDecoder(teacher, eos_token_id=eos, sampling=dcfg.sampling(), seed=dcfg.seed)
+    decoder = BatchStepDecoder(teacher, eos_token_id=eos, sampling=dcfg.sampling(), seed=dcfg.seed,
+                               cuda_graphs=dcfg.cuda_graphs, compile=dcfg.compile)
     greedy = decoder.sampling.greedy
     pool = sweep_prompts(list(prompts), batch_sizes)
     policies = {name: {"always": None} for name in drafters}

@@ -1,7 +1,7 @@
 """A draft model drafting B sequences at once: one draft-model forward per draft step for the whole batch.
 
 ``heads.draft_model.DraftModel`` holds the model; this module drafts with it for the batched decode loop
-(``inference.batched``; batch 1 is a batch of one). ``DraftModel.rows`` returns a ``DraftModelRows`` unless the draft
+(``inference.batch_decoder``; batch 1 is a batch of one). ``DraftModel.rows`` returns a ``DraftModelRows`` unless the draft
 model has sliding-window or other non-plain attention layers (those keep per-row copies, ``heads.base.ForkedRows``,
 whose ``DynamicCache`` can roll their windows back).
 

@@ -261,11 +261,33 @@ def rejection_verdict(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator
     return on_path, last, sample(residual[None], generator)
 
 
+def typical_verdict(tree: DraftTree, p_N1V: Tensor, threshold: float, alpha: float, uniforms: Tensor,
+                    valid_N: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``typical_accept`` (Medusa's rule, LOSSY) for the whole tree at once: under its parent, the first child whose
+    token passes p(x) > min(threshold, alpha·exp(-H(p))) is chosen; the bonus is drawn from p after the path's last
+    node by inverse CDF on ``uniforms[N]``."""
+    N = tree.size
+    entropy = -(p_N1V * p_N1V.clamp(min=1e-12).log()).sum(-1)
+    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    rows = _parent_rows(tree)
+    passed = p_N1V[rows, tree.tokens.clamp(0, p_N1V.shape[1] - 1)] > bar[rows]
+    if valid_N is not None:
+        passed = passed & valid_N
+    if tree.is_chain:
+        on_path = passed.long().cumprod(0).bool()
+    else:
+        earlier, _ = _siblings_before(tree)
+        on_path = _on_path(tree.geometry[1], passed & ~(earlier & passed[None, :]).any(1))
+    last = _last_row(on_path)
+    return on_path, last, sample_uniform(p_N1V.index_select(0, last)[0], uniforms[N:])
+
+
 def sample_uniform(probs_V: Tensor, u_1: Tensor) -> Tensor:
     """[1]: the token whose cumulative probability first exceeds ``u_1 · total`` (inverse CDF; a zero-probability
-    token is never drawn): sampling from a uniform drawn beforehand, so a recorded step draws nothing itself."""
+    token is never drawn): sampling from a uniform drawn beforehand, so a recorded step draws nothing itself. Rows
+    at once: ``probs_RV`` with ``u_R1`` gives [R, 1]."""
     cdf = probs_V.cumsum(-1)
-    return (cdf <= u_1 * cdf[-1:]).sum(-1, keepdim=True).clamp(max=probs_V.shape[-1] - 1)
+    return (cdf <= u_1 * cdf[..., -1:]).sum(-1, keepdim=True).clamp(max=probs_V.shape[-1] - 1)
 
 
 def settle(tree: DraftTree, on_path_N: Tensor, last_1: Tensor, bonus_1: Tensor, vocab_size: int,

@@ -2,11 +2,10 @@
 
 Parts, each measured in isolation (medians of repeated calls, nothing else running in between), each by calling the
 step that decoding runs (``measure``): at batch 1 the step decoder's steps on a moving context (``measure_steps``,
-``inference.step_decoder``), or for what it does not decode, the eager loop's on a fixed, rewound context
-(``measure_parts``: ``inference.batched``, B = 1):
+``inference.step_decoder``):
     t_plain      one plain decoding step (``Decoder.plain_step``: a 1-token target forward, the token read back)
     t_verify(n)  one verification of n draft nodes (+ the pending token): inputs and mask, forward, acceptance with
-                 its one read-back, holes / compaction, the hand-off to the drafter (t_verify(0): nothing drafted)
+                 its one read-back, a tree's compaction, the hand-off to the drafter (t_verify(0): nothing drafted)
     t_draft(d)   one drafter proposal of depth d, with the catch-up a real step gives the drafter
 and, from decoding, the acceptance it achieved:
     chains:       α_i per position  ->  τ(γ) = 1 + Σ_{i=1..γ} Π_{j<=i} α_j
@@ -21,7 +20,6 @@ and the overhead ratio of a real run = its wall time / (prefill + Σ t_verify + 
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections import Counter
@@ -59,96 +57,11 @@ def _fit_linear(medians: Mapping[int, float]) -> dict[int, float]:
 
 
 @torch.no_grad()
-def measure_parts(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
-                  shapes: Mapping[int, torch.Tensor], repeats: int = 15, catch_up: int = 1,
-                  max_new_tokens: int | None = None) -> dict:
-    """t_prefill, t_plain, t_verify(n) for each tree shape (n -> parents), t_draft(d) for each depth: medians.
-
-    Each part is the decode loop's own step (``decoder.loop``, ``inference.batched`` with one row), not a model of it:
-    t_prefill its ``_prefill`` (the cache it builds: a ``PreallocatedCache`` of prompt + ``max_new_tokens`` +
-    ``TREE_HEADROOM`` columns), t_verify(n) its ``_verify`` (inputs, mask, forward, ``verdicts``, holes),
-    ``_commit`` (the hand-off to the drafter) and ``_maybe_compact`` on random tokens in the shape's tree, t_draft(d)
-    its ``_draft`` (the drafter's batch state, ``rows``), and t_plain ``Decoder.plain_step`` on the same cache.
-    A timed verification is rewound (``_Rows.rewind``) so every repeat sees the same context.
-
-    Every round times each part once, so a machine that gets busier mid-measurement slows all parts alike (the
-    parts are compared with each other). ``catch_up``: tokens the drafter has not seen when a proposal starts (in
-    a real step, the accepted drafts and the bonus: about τ). Each timed proposal follows an untimed one on the
-    context without its last ``catch_up`` tokens, whose first ``catch_up - 1`` drafts are then reported accepted,
-    so a drafter pays for the catch-up a real step gives it (a draft LM feeds the bonus, EAGLE the new features)."""
-    loop, device = decoder.loop, decoder.device
-    tokens = prompt_ids.to(device)
-    context = tokens.shape[1]
-    layers = tuple(drafter.teacher_layers)
-    vocab = decoder.teacher.vocab_size
-    sampling = decoder.sampling
-    max_new = max_new_tokens if max_new_tokens is not None else max(depths, default=1)
-    gen = torch.Generator().manual_seed(0)
-    behind = max(1, context - catch_up)  # tokens the untimed proposal sees
-    shapes = {0: torch.empty(0, dtype=torch.long), **shapes}  # 0: a step with nothing drafted (lookup: no match)
-    trees = {}
-    for n, parents in shapes.items():
-        # The shape's facts from its host copy, as a drafter states them: timing adds no read-back a step lacks.
-        chain = parents.tolist() == list(range(-1, parents.shape[0] - 1))
-        trees[n] = (parents.to(device), chain, DraftTree(parents, parents).depth)
-    state = {}
-
-    def prefill():
-        # The context minus its last token, which stays pending (as after a step); the first token the prefill picks
-        # is replaced by it.
-        state["rows"], state["hidden"] = loop._prefill([tokens[0, :-1]], [sampling], drafter, layers, max_new)
-        state["rows"].tokens = [tokens]
-
-    def plain():
-        rows = state["rows"]
-        decoder.plain_step(tokens[0, -1:], rows.cache).tolist()  # plain decoding reads each token back
-        rows.cache.crop(-1)
-
-    def verify(n: int):
-        rows = state["rows"]
-        parents, chain, depth = trees[n]
-        tree = DraftTree(torch.randint(0, vocab, parents.shape, generator=gen).to(device), parents, chain_hint=chain,
-                         depth_bound=depth)
-        results, hidden = loop._verify(rows, [tree], layers)
-        loop._commit(rows, [tree], results, hidden)
-        loop._maybe_compact(rows)
-
-    def draft_rows(d: int):
-        """A fresh drafter state that has proposed once on the shorter context, as before a real step."""
-        rows, hidden = state["rows"], state["hidden"]
-        draft = drafter.rows([0])
-        draft.observe(0, {i: h[:, : behind - 1] for i, h in hidden.items()})
-        early = dataclasses.replace(rows, draft=draft, tokens=[tokens[:, :behind]], new=[[]])
-        tree = loop._draft(early, d, max_new)[0]
-        mark = rows.mark()  # then the verification a real step runs between two proposals (what it leaves in caches)
-        verify(max(shapes))
-        rows.rewind(mark)
-        draft.observe(0, {i: h[:, behind - 1:] for i, h in hidden.items()})
-        draft.accepted(0, list(range(min(catch_up - 1, tree.size))) if tree.is_chain else [])
-        return dataclasses.replace(early, tokens=[tokens])
-
-    times: dict = {"prefill": [], "plain": [], **{("v", n): [] for n in shapes}, **{("d", d): [] for d in depths}}
-    for _ in range(repeats):
-        times["prefill"].append(_seconds(prefill, device))
-        times["plain"].append(_seconds(plain, device))
-        for n in shapes:
-            mark = state["rows"].mark()
-            times[("v", n)].append(_seconds(lambda n=n: verify(n), device))
-            state["rows"].rewind(mark)
-        for d in depths:
-            rows = draft_rows(d)
-            times[("d", d)].append(_seconds(lambda d=d, r=rows: loop._draft(r, d, max_new), device))
-    median = {key: statistics.median(v) for key, v in times.items()}
-    measured = {n: median[("v", n)] for n in shapes}
-    return {"t_prefill": median["prefill"], "t_plain": median["plain"], "t_verify": _fit_linear(measured),
-            "t_verify_measured": measured, "t_draft": {d: median[("d", d)] for d in depths}}
-
-
-@torch.no_grad()
 def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
                   shapes: Mapping[int, torch.Tensor], repeats: int = 15, chain_nodes: int | None = None,
                   max_new_tokens: int | None = None) -> dict:
-    """``measure_parts``' figures for the batch-1 step decoder (``inference.step_decoder``), timed on a moving
+    """t_prefill, t_plain, t_verify(n) for each tree shape (n -> parents), t_draft(d) for each depth (medians) of
+    the batch-1 step decoder (``inference.step_decoder``), timed on a moving
     context: each part is one step of a running sequence (``Session``), which commits what it accepts, so no two
     repeats see the same context length (and no per-length state of an attention backend stays warm for free, as it
     does over a rewound context). t_prefill: a session's prefill and first token; t_plain: a plain step; t_verify(n):
@@ -208,14 +121,14 @@ def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
 def measure(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
             shapes: Mapping[int, torch.Tensor], repeats: int = 15, catch_up: int = 1,
             max_new_tokens: int | None = None, chain_nodes: int | None = None) -> dict:
-    """The parts of the decode that runs: the step decoder's (``measure_steps``) where batch-1 decoding goes
-    through it (the exact acceptance rule), else the eager loop's (``measure_parts``)."""
-    if decoder.acceptance == "exact":
-        try:
-            return measure_steps(decoder, drafter, prompt_ids, depths, shapes, repeats, chain_nodes, max_new_tokens)
-        except NeedsEagerLoop:
-            pass
-    return measure_parts(decoder, drafter, prompt_ids, depths, shapes, repeats, catch_up, max_new_tokens)
+    """The parts of the decode that runs: the step decoder's (``measure_steps``). Medusa's typical acceptance
+    (lossy) is timed as the exact rule's steps, which cost the same forward and a like verdict. ``catch_up`` is
+    what a step feeds the drafter; the step decoder's own steps feed it what they accepted."""
+    try:
+        return measure_steps(decoder, drafter, prompt_ids, depths, shapes, repeats, chain_nodes, max_new_tokens)
+    except NeedsEagerLoop as e:
+        raise ValueError(f"the cost model times the step decoder's steps, which cannot verify this drafter's "
+                         f"proposals ({e}); turn decoder.auto_tune off for {drafter.name}") from None
 
 
 def tree_tau(node_accept_rate: Sequence[float], num_nodes: int) -> float:

@@ -8,9 +8,10 @@ and explicit position ids); the acceptance rule picks the accepted path and one 
 once; the drafter is handed the accepted path's hidden states; rejected entries leave the cache. On CUDA each step
 is a CUDA graph replay (``decoder.cuda_graphs``).
 
-The eager decode loop of ``inference.batched`` with a batch of one (``speculative_eager``, ``plain_eager``) remains
-the reference, and decodes what the steps do not: Medusa's typical acceptance (lossy), and siblings sampled with
-draft probabilities (walked on the host). The cost model's eager figures (``inference.cost.measure_parts``) time it.
+What the batch-1 steps do not verify (Medusa's typical acceptance, lossy; a proposal wider or deeper than their
+buffers) decodes through the batched steps (``inference.batch_decoder``) with a batch of one, which also decodes
+batches of prompts (``Decoder.batch``). ``plain_eager`` (the model's own forward over a ``DynamicCache``) is the
+reference the steps are tested against.
 
 Shapes: a single sequence (batch 1): ``tokens`` [1, n]. The pending token is the last committed token, predicted by
 the target but not yet fed to it.
@@ -25,13 +26,14 @@ from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
-from transformers import Cache
+from transformers import Cache, DynamicCache
 
 from inference.acceptance import TYPICAL_ALPHA, TYPICAL_THRESHOLD
-from inference.batched import BatchedDecoder
+from inference.batch_decoder import BatchStepDecoder
 from inference.generation import (  # noqa: F401  (re-exported: callers import them from here)
     ACCEPTANCE_RULES,
     Generation,
+    cache_kwarg,
     check_prompt,
     check_vocab,
     finish,
@@ -59,7 +61,7 @@ class DecoderConfig:
     tree: Any = None  # null: each drafter's own; "chain"; a preset (small, default, wide); or top-k index paths
     auto_tune: bool = False  # pick the draft length / tree size with the best predicted speedup (inference.cost)
     seed: int = 0
-    # python -m eval: also decode in batches of these sizes (inference.batched) and report throughput, latency and
+    # python -m eval: also decode in batches of these sizes (inference.batch_decoder) and report throughput, latency and
     # the crossover batch size where speculation stops paying (eval.batch_sweep); null: batch 1 only
     batch_sizes: Optional[List[int]] = None
     policy: str = "always"  # batched decoding: always (γ = eval.num_draft every step) | auto (inference.policy)
@@ -97,20 +99,22 @@ class Decoder:
         self.layout = AttentionLayout.of(self.model)
         self.max_positions = teacher.max_positions
         self.prefill_kw = prefill_kwargs(self.model)
-        # The eager decode loop (a batch of one, on this decoder's generator): the reference, and the fallback.
-        self.loop = BatchedDecoder(teacher, eos_token_id, sampling, seed, acceptance=config.acceptance,
-                                   typical_threshold=config.typical_threshold, typical_alpha=config.typical_alpha,
-                                   generator=self.generator)
-        self._target = self.model  # what ``_forward`` calls (the eager reference and the cost model's plain step)
-        # Batch-1 decoding: recorded steps over a static cache (the eager loop above for typical acceptance and for
-        # proposals the steps cannot verify exactly).
+        if config.acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"decoder.acceptance={config.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is "
+                             f"lossy)")
+        self._cache_kw = cache_kwarg(self.model)
+        # Batch-1 decoding: recorded steps over a static cache.
         self.steps = StepDecoder(teacher, eos_token_id, sampling, self.generator, cuda_graphs=config.cuda_graphs,
                                  compile=config.compile)
+        # Batches of prompts: the same steps with a batch dimension (inference.batch_decoder), sharing these settings
+        # and this generator.
+        typical = (config.typical_threshold, config.typical_alpha) if config.acceptance == "typical" else None
+        self.batch = BatchStepDecoder(teacher, eos_token_id, sampling, steps=self.steps, typical=typical)
 
     @property
     def typical(self) -> tuple[float, float] | None:
         """(threshold, alpha) of Medusa's typical acceptance when it is the rule (lossy), else None."""
-        return self.loop.typical
+        return self.batch.typical
 
     @property
     def lossless(self) -> bool:
@@ -120,7 +124,7 @@ class Decoder:
         self.generator.manual_seed(seed)
 
     def _forward(self, inputs: dict, cache: Cache, layers: tuple[int, ...]):
-        out = self.model(**inputs, **{self.loop._cache_kw: cache}, use_cache=True, output_hidden_states=bool(layers))
+        out = self.model(**inputs, **{self._cache_kw: cache}, use_cache=True, output_hidden_states=bool(layers))
         hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
         return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
 
@@ -140,11 +144,11 @@ class Decoder:
 
     @torch.no_grad()
     def plain_eager(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
-        """``plain`` through the eager forward and a ``PreallocatedCache`` (the reference the step path matches)."""
+        """``plain`` through the model's own forward and a ``DynamicCache`` (the reference the step path matches)."""
         check_prompt(prompt_ids, max_new_tokens, 0, self.max_positions)
         sync(self.device)
         start = time.perf_counter()
-        cache = self.layout.new_cache(capacity=prompt_ids.shape[1] + max_new_tokens)
+        cache = DynamicCache()
         logits, _ = self._forward({"input_ids": prompt_ids.to(self.device), **self.prefill_kw}, cache, ())
         nxt = self._next_token(logits[-1])
         out = [int(nxt)]
@@ -163,23 +167,24 @@ class Decoder:
     @torch.no_grad()
     def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
         """Speculative decoding; with ``acceptance="exact"`` the output is distributed exactly as ``plain``'s (and is
-        token-identical to it when greedy). ``num_draft`` bounds the depth of each proposal. The batched decode loop
-        with one row (``inference.batched``), drawing from this decoder's generator."""
+        token-identical to it when greedy). ``num_draft`` bounds the depth of each proposal."""
         check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
         if self.acceptance == "exact":
             try:
                 return self.steps.speculative(drafter, prompt_ids, max_new_tokens, num_draft)
             except NeedsEagerLoop as e:
-                log.info("decoding %s with the eager loop: %s", drafter.name, e)
-        return self.speculative_eager(drafter, prompt_ids, max_new_tokens, num_draft)
+                log.info("decoding %s through the batched steps: %s", drafter.name, e)
+        return self.speculative_rows(drafter, prompt_ids, max_new_tokens, num_draft)
 
     @torch.no_grad()
-    def speculative_eager(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int,
-                          num_draft: int) -> Generation:
-        """``speculative`` through the eager decode loop (``inference.batched`` with one row)."""
+    def speculative_rows(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int,
+                         num_draft: int) -> Generation:
+        """``speculative`` through the batched steps with a batch of one (``inference.batch_decoder``: its eager
+        drafting through ``drafter.rows``, and Medusa's typical acceptance)."""
         check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
-        out = self.loop.speculative(drafter, [prompt_ids[0]], max_new_tokens, num_draft)
+        out = self.batch.speculative(drafter, [prompt_ids[0]], max_new_tokens, num_draft)
         gen = out.generations[0]
         gen.seconds, gen.prefill_seconds = out.seconds, out.prefill_seconds
         gen.draft_seconds, gen.verify_seconds = out.draft_seconds, out.verify_seconds
+        gen.compile_seconds = out.compile_seconds
         return gen

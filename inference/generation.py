@@ -1,7 +1,7 @@
 """What a decode returns and the checks every decoder shares: ``Generation`` (one sequence's new tokens, times and
 acceptance counts), ``finish`` (where every decoder and baseline cuts its output), the vocabulary and prompt checks,
-and the prefill's ``logits_to_keep``. Below both ``inference.decoder`` (batch 1) and ``inference.batched`` (the one
-decode loop they share)."""
+and the prefill's ``logits_to_keep``. Below ``inference.decoder`` (batch 1) and ``inference.batch_decoder``
+(batches)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,16 @@
-"""A preallocated KV cache for the target: any Hugging Face causal LM fills it through its own forward.
+"""The draft model's batch cache (``heads.draft_model_rows``): a preallocated KV cache any Hugging Face causal LM
+fills through its own forward, whose rows may differ in length.
 
 Each layer keeps one buffer per keys / values of ``capacity`` columns ([B, heads, capacity, head_dim]) and a length
-pointer. ``update`` writes the new entries in place behind the pointer and returns views of the first ``length``
-columns (attention reads strided views without copying), so a decode step no longer concatenates the whole cache
-anew per layer, as ``DynamicCache`` does. Tree compaction (``keep_tail``, the decode loop's at batch 1) copies only
-the accepted path's entries inside the buffer; a rejected tail is dropped by moving the pointer (``crop(-n)``).
+pointer. ``update`` writes the new entries in place behind the pointer (or, in ragged mode, at each row's own columns)
+and returns views of the first ``length`` columns (attention reads strided views without copying), so a step does
+not concatenate the whole cache anew per layer, as ``DynamicCache`` does. A rejected tail is dropped by moving the
+pointer (``crop(-n)``); ``batch_select_indices`` drops finished rows.
 
 To the model the layer looks like a ``DynamicLayer`` (mask sizes = cached + new tokens, no maximum it enforces): the
-causal and 4D masks, position ids and sliding windows (``inference.masks``: every layer is kept whole, windows live in
-the masks) work as with the default cache. A buffer that fills up grows to twice its size (one copy, amortised); give
-the decode's bound (``Decoder``: prompt + new tokens + lookahead) and it never does.
-
-Batch B: rows share one length (the ragged decoder's columns, holes masked per row); ``gather_columns`` moves each
-row's kept columns to the front in place, and ``batch_select_indices`` drops finished rows. ``RaggedCache`` (a draft
-model's batch, ``heads.draft_model_rows``) instead lets each row have its own length, dense from column 0, its new
-entries scattered to its own columns.
+causal and 4D masks, position ids and sliding windows work as with the default cache. A buffer that fills up grows
+to twice its size (one copy, amortised). The target's caches are ``inference.static_cache`` (batch 1) and
+``inference.batch_cache`` (batch buckets).
 
 Shapes: B rows, h KV heads, C capacity, L length (cached columns), n new columns, hd head dim.
 """
@@ -26,7 +22,6 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 MIN_CAPACITY = 64
-TREE_HEADROOM = 64  # columns beyond prompt + new tokens: the nodes of one verification forward
 
 
 class PreallocatedLayer(CacheLayerMixin):
@@ -99,27 +94,6 @@ class PreallocatedLayer(CacheLayerMixin):
         if self.is_initialized:
             self._views()
 
-    def keep_tail(self, start: int, index: Tensor) -> None:
-        """Keep columns ``[0, start)`` and then the columns ``start + index`` (in that order), in place: only
-        ``len(index)`` columns are copied. ``index``: long [k] on the buffer's device."""
-        k = index.shape[0]
-        if k:
-            src = start + index
-            self._k[:, :, start: start + k] = self._k.index_select(2, src)
-            self._v[:, :, start: start + k] = self._v.index_select(2, src)
-        self.length = start + k
-        self._views()
-
-    def gather_columns(self, order_BM: Tensor) -> None:
-        """Batch B: row b keeps its columns ``order_BM[b]`` (in that order) as columns 0 .. M-1, in place."""
-        B, M = order_BM.shape
-        for name in ("_k", "_v"):
-            buf = getattr(self, name)
-            index = order_BM[:, None, :, None].expand(B, buf.shape[1], M, buf.shape[3])
-            buf[:, :, :M] = buf[:, :, : self.length].gather(2, index)
-        self.length = M
-        self._views()
-
     def batch_select_indices(self, indices: Tensor) -> None:
         if self.is_initialized:
             self._k, self._v = self._k[indices], self._v[indices]
@@ -133,29 +107,6 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self.batch_select_indices(beam_idx.to(self.device))
-
-
-class PreallocatedCache(Cache):
-    """A ``transformers`` ``Cache`` of ``PreallocatedLayer``s, one per attention layer (created as the forward
-    reaches them, like ``DynamicCache``), each preallocating ``capacity`` columns."""
-
-    def __init__(self, capacity: int = MIN_CAPACITY):
-        if capacity < 1:
-            raise ValueError(f"PreallocatedCache capacity={capacity} must be >= 1 (columns to preallocate)")
-        self.capacity = int(capacity)
-        super().__init__(layer_class_to_replicate=self._new_layer)
-
-    def _new_layer(self) -> PreallocatedLayer:
-        return PreallocatedLayer(self.capacity)
-
-    def keep_tail(self, start: int, index: Tensor) -> None:
-        """Every layer keeps columns ``[0, start)`` then ``start + index`` (``PreallocatedLayer.keep_tail``)."""
-        for layer in self.layers:
-            layer.keep_tail(start, index)
-
-    def gather_columns(self, order_BM: Tensor) -> None:
-        for layer in self.layers:
-            layer.gather_columns(order_BM)
 
 
 class RaggedLayer(PreallocatedLayer):
@@ -196,9 +147,10 @@ class RaggedLayer(PreallocatedLayer):
         return self.keys, self.values
 
 
-class RaggedCache(PreallocatedCache):
-    """Rows of different lengths, each dense from column 0 (row b's entries in columns 0 .. len_b - 1), in the
-    buffers of a ``PreallocatedCache``; a draft model's batch (``heads.draft_model_rows``) keeps one.
+class RaggedCache(Cache):
+    """Rows of different lengths, each dense from column 0 (row b's entries in columns 0 .. len_b - 1), in
+    ``RaggedLayer``s (one per attention layer, created as the forward reaches them, like ``DynamicCache``), each
+    preallocating ``capacity`` columns; a draft model's batch (``heads.draft_model_rows``) keeps one.
 
     By default a forward appends behind the shared pointer (all rows equally long: batch 1). ``write_at(cols_BN,
     extent)`` makes the next forwards write row b's n new entries to columns ``cols_BN[b]`` instead (a scatter; the
@@ -208,7 +160,10 @@ class RaggedCache(PreallocatedCache):
     Rolling a row back is its owner's business (it forgets the row's length); nothing is copied."""
 
     def __init__(self, capacity: int = MIN_CAPACITY):
-        super().__init__(capacity)
+        if capacity < 1:
+            raise ValueError(f"RaggedCache capacity={capacity} must be >= 1 (columns to preallocate)")
+        self.capacity = int(capacity)
+        super().__init__(layer_class_to_replicate=self._new_layer)
         self.columns: Tensor | None = None  # [B, n] long: where the next forward's entries go (None: append)
         self.extent = 0
 

@@ -1,13 +1,13 @@
 """Which keys each verified token may see, per attention layer type of the target: the one place sliding windows are
 handled, for the batch-1 and the batched decoder alike.
 
-A verification forward passes its own 4D mask (tree ancestry, a batch's holes and padding). Hugging Face uses a 4D
+A verification forward passes its own 4D mask (tree ancestry, each row's committed length). Hugging Face uses a 4D
 mask *as given* for every layer, so a target with sliding-window layers would let those layers see past their
 window. Instead the mask is built per layer type: a key is visible to a query in a ``sliding_attention`` layer only
 when ``pos(query) - pos(key) < window`` (transformers' ``sliding_window_overlay``: ``kv > q - window``), and targets
 whose layers mix types get ``{layer type: mask}``, which their forward indexes by ``config.layer_types`` (Gemma-2/3,
-Qwen2/3). The KV cache keeps every layer whole (plain ``DynamicLayer``s, no rolling window): rejected drafts, tree
-compaction and a batch's holes then work the same on every layer, and the mask alone decides visibility. The cost is
+Qwen2/3). The KV cache keeps every layer whole (no rolling window): rejected drafts, tree
+compaction and each row's own length then work the same on every layer, and the mask alone decides visibility. The cost is
 memory: sliding layers keep the whole context instead of the last ``window`` tokens.
 
 Shapes: B rows, N new tokens, K key columns (cached + new).
@@ -21,8 +21,6 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
-
-from inference.kv_cache import PreallocatedCache
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 SUPPORTED_LAYER_TYPES = (FULL, SLIDING)
@@ -54,11 +52,9 @@ class AttentionLayout:
     def sliding(self) -> bool:
         return self.window is not None
 
-    def new_cache(self, capacity: int | None = None) -> DynamicCache | PreallocatedCache:
-        """A cache that keeps every layer whole, whatever its type (see the module docstring): a
-        ``PreallocatedCache`` of ``capacity`` columns per layer (it grows if a decode needs more), or with
-        ``capacity=None`` a ``DynamicCache``."""
-        return DynamicCache() if capacity is None else PreallocatedCache(capacity)
+    def new_cache(self) -> DynamicCache:
+        """A cache that keeps every layer whole, whatever its type (see the module docstring)."""
+        return DynamicCache()
 
     def additive(self, allowed_BNK: Tensor, q_pos_BN: Tensor, k_pos_BK: Tensor,
                  dtype: torch.dtype) -> Tensor | dict[str, Tensor]:

@@ -13,7 +13,7 @@ compiled, else eagerly); then per step the host
 4. reads the packed verdict back once, and does the host's bookkeeping (committed tokens, EOS, statistics, an eager
    drafter's ``observe`` / ``accepted``).
 
-Batch > 1 stays on the eager ``inference.batched.BatchedDecoder`` (batch buckets come later).
+Batch > 1 runs the same kind of steps with a batch dimension (``inference.batch_steps``, ``inference.batch_decoder``).
 
 CUDA graphs (``decoder.cuda_graphs``): each bucket's step (and a static drafter's draft step) runs eagerly on a side
 stream the first time (a real step that warms up the libraries), is recorded with ``torch.cuda.graph`` the second
@@ -56,7 +56,8 @@ STATIC_KEPT = 16  # static drafts (and the steps recorded for them) a decoder ke
 
 class NeedsEagerLoop(Exception):
     """A proposal the step path cannot verify (siblings sampled with draft probabilities, walked on the host; a draft
-    wider than ``MAX_NODES``): the caller decodes this drafter with the eager loop instead."""
+    wider than ``MAX_NODES``): the caller decodes this drafter through the batched steps instead
+    (``inference.batch_decoder``, a batch of one), which verify what they can and refuse the rest."""
 
 
 def resolve_graphs(cuda_graphs: str, device: torch.device) -> bool:

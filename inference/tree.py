@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from inference.kv_cache import PreallocatedCache
 from inference.masks import FULL, AttentionLayout
 
 
@@ -186,8 +185,8 @@ def compact_cache(cache, num_nodes: int, path: Sequence[int], path_index: Tensor
     """Drop the verified nodes' KV entries except the accepted ``path``, which moves up behind the pending token.
 
     The last ``num_nodes`` entries of every layer belong to the tree's nodes. A prefix path (a chain's accepted
-    drafts) is a plain crop, which every cache class supports; anything else copies the path's entries in place
-    (``inference.kv_cache.PreallocatedCache``) or gathers a new tensor per layer (``DynamicCache``).
+    drafts) is a plain crop, which every cache class supports; anything else gathers a new tensor per layer
+    (``DynamicCache``).
     ``path_index``: the same path as a long tensor on the cache's device (saves building it from the list).
     """
     path = list(path)
@@ -195,11 +194,6 @@ def compact_cache(cache, num_nodes: int, path: Sequence[int], path_index: Tensor
     if path == list(range(len(path))):
         if rejected:
             cache.crop(-rejected)
-        return
-    if isinstance(cache, PreallocatedCache):  # copies the path's entries only, inside the buffers
-        if path_index is None:
-            path_index = torch.tensor(path, device=cache.layers[0].keys.device, dtype=torch.long)
-        cache.keep_tail(cache.get_seq_length() - num_nodes, path_index[: len(path)])
         return
     for layer in cache.layers:
         # DynamicLayer and its sliding-window subclass keep plain growing tensors; static / quantised layers do not.

@@ -580,13 +580,14 @@ SOURCES: dict[str, Source] = {
     "bench_decode_steps_tiny_cpu_before.json": Source(
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
     "bench_regenerate_toy_cpu.json": Source(
-        "Regeneration throughput: regenerate.engine=auto vs HF generate() and our batched decoder (CPU, tiny toy "
-        "target)",
-        "python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 6",
+        "Regeneration throughput: regenerate.engine=auto vs HF generate() and our batched decoder (CPU, toy target)",
+        "OMP_NUM_THREADS=1 python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 3",
         render_regenerate,
-        "The same prompts and batch for every engine, each batch answered by the engines in turn on a shared 2-core "
-        "machine (OMP_NUM_THREADS=1). `auto` resolves to HF generate() on a CPU (the faster engine here) and reports its figures. On a "
-        "CPU neither engine uses a static cache or compilation; the GPU comparison is still to be measured."),
+        "The same prompts and batch for every engine, each batch answered by the engines in turn, one thread, on a "
+        "shared 2-core machine (with two threads the other tenants decide the figures). `auto` reports the engine it "
+        "resolves to on a CPU. The batched decoder runs its uncompiled steps on a CPU (batch buckets, attention over "
+        "the columns needed); HF generate() its dynamic cache. The GPU comparison (HF with a static cache, compiled; "
+        "the batched decoder compiled under CUDA graphs) is still to be measured."),
     "bench_cache_dtype_tiny_cpu.json": Source(
         "Offline teacher cache: fp8 against bfloat16 hidden states (CPU, tiny toy target)",
         "python scripts/bench_cache_dtype.py", render_cache_dtype,

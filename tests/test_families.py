@@ -21,7 +21,7 @@ from distill.teacher import TESTED_FAMILIES, Teacher, check_family
 from heads.base import build_drafter
 from heads.saved import save_drafter
 from serve.export import check_export, export_drafter, load_export
-from inference.batched import BatchedDecoder
+from inference.batch_decoder import BatchStepDecoder
 from inference.decoder import Decoder
 from tests.families import FAMILIES, VOCAB, WINDOW
 
@@ -311,7 +311,7 @@ def test_the_bucketed_prefill_decodes_identically(family, kind):
 def test_lossless_batch4(family, kind, mode):
     drafter = family.drafters[kind]
     drafter.set_tree(TREES[kind][mode])
-    result = BatchedDecoder(family.teacher).speculative(drafter, family.prompts, NEW, GAMMA)
+    result = BatchStepDecoder(family.teacher).speculative(drafter, family.prompts, NEW, GAMMA)
     assert [g.new_tokens for g in result.generations] == family.references
     assert result.stats.forwards < len(family.prompts) * NEW  # drafts were accepted
 

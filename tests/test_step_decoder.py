@@ -247,7 +247,7 @@ def test_greedy_step_path_is_token_identical(tiny_teacher, kind):
         ref = decoder.plain_eager(prompt, 30).new_tokens
         assert decoder.plain(prompt, 30).new_tokens == ref
         out = decoder.speculative(drafter, prompt, 30, num_draft=GAMMA)
-        eager = decoder.speculative_eager(drafter, prompt, 30, num_draft=GAMMA)
+        eager = decoder.speculative_rows(drafter, prompt, 30, num_draft=GAMMA)
         assert out.new_tokens == eager.new_tokens == ref
         if kind not in STATIC_TREES:  # a static tree keeps its width to the end (the eager one shrinks)
             assert out.stats.counts == eager.stats.counts
