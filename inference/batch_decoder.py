@@ -203,7 +203,9 @@ class BatchStepDecoder:
         if fn is None:
             step = (functools.partial(state.plain, sampling) if bucket.nodes == 0
                     else functools.partial(state.verify, bucket, sampling, self.typical))
-            fn = self._fns[key] = self.owner._wrap(step)
+            label = (f"batched {'plain' if bucket.nodes == 0 else 'verify'} step ({bucket.nodes} nodes, "
+                     f"{bucket.columns} columns)")
+            fn = self._fns[key] = self.owner._wrap(step, label)
         fn()
 
     # --- the loop ----------------------------------------------------------------------------------------------

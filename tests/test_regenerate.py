@@ -180,7 +180,7 @@ def test_auto_engine_resolves_per_device_and_the_sidecar_records_the_engine_that
                                                                                      monkeypatch):
     from distill.regenerate import engines
 
-    assert engines.resolve_engine("auto", "cpu") == engines.FASTEST["cpu"] == "hf"
+    assert engines.resolve_engine("auto", "cpu") == engines.FASTEST["cpu"] == "batched"
     assert engines.resolve_engine("batched", "cuda") == "batched"
     monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)  # no vLLM installed
     assert engines.resolve_engine("auto", "cuda") == "hf"
@@ -188,13 +188,13 @@ def test_auto_engine_resolves_per_device_and_the_sidecar_records_the_engine_that
     assert engines.resolve_engine("auto", "cuda") == "vllm"
     assert engines.resolve_engine("auto", "cuda", shard="tensor") == "hf"  # vLLM places the model itself
     assert engines.resolve_engine("auto", "cuda", named=False) == "hf"  # a toy target: nothing vLLM could load
-    assert engines.resolve_engine("auto", "cpu") == "hf"
+    assert engines.resolve_engine("auto", "cpu") == "batched"
     with pytest.raises(ValueError, match=r"regenerate.engine='fast'; valid: \['auto', 'batched', 'hf', 'vllm'\]"):
         engines.resolve_engine("fast", "cpu")
     out = regenerate(compose(text_data(text_file), tmp_path / "auto.jsonl", num_prompts=3))
-    assert json.loads(meta_path(out).read_text())["regenerate"]["engine"] == "hf"
-    hf = regenerate(compose(text_data(text_file), tmp_path / "hf.jsonl", num_prompts=3, engine="hf"))
-    assert out.read_bytes() == hf.read_bytes() and meta_path(out).read_bytes() == meta_path(hf).read_bytes()
+    assert json.loads(meta_path(out).read_text())["regenerate"]["engine"] == "batched"
+    same = regenerate(compose(text_data(text_file), tmp_path / "batched.jsonl", num_prompts=3, engine="batched"))
+    assert out.read_bytes() == same.read_bytes() and meta_path(out).read_bytes() == meta_path(same).read_bytes()
 
 
 def test_answer_budget_fills_max_length_within_the_targets_context(text_file, teacher, tmp_path):
