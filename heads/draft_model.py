@@ -42,6 +42,7 @@ from heads.base import DraftOutput, DraftTerm, Drafter, ForkedRows, TargetDims
 from heads.draft_model_rows import DraftModelRows
 from heads.draft_model_static import DraftModelStaticDraft
 from heads.lora import check_lora_spec, check_targets_exist, lora_config
+from inference.generation import cache_kwarg
 from inference.masks import AttentionLayout
 from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
 from inference.tree import DraftTree
@@ -289,7 +290,8 @@ class DraftModel(Drafter):
             ids, drawn = prompt_ids_BP, []
             cfg = SamplingConfig(temperature=temperature)
             for _ in range(num_new):
-                logits_BV = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].float()
+                out = self.model(input_ids=ids, use_cache=True, **{cache_kwarg(self.model): cache})
+                logits_BV = out.logits[:, -1].float()
                 ids = logits_BV.argmax(-1, keepdim=True) if cfg.greedy else sample(warp(logits_BV, cfg), generator)[:, None]
                 drawn.append(ids)
         finally:
@@ -394,7 +396,8 @@ class DraftModel(Drafter):
 
     def _step(self, ids_1m: Tensor) -> Tensor:
         kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-        out = self.model(input_ids=ids_1m, past_key_values=self._cache, use_cache=True, **kw)
+        kw[cache_kwarg(self.model)] = self._cache
+        out = self.model(input_ids=ids_1m, use_cache=True, **kw)
         return out.logits[0, -1]
 
     def _sampler(self) -> torch.Generator:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from inference.generation import cache_kwarg
 from inference.kv_cache import RaggedCache
 from inference.sampling import SamplingConfig, sample, warp
 from inference.tree import DraftTree
@@ -171,7 +172,8 @@ class DraftModelRows:
         kw = {"logits_to_keep": 1} if self.drafter._logits_to_keep else {}
         if pos_BM is not None:
             kw.update(position_ids=pos_BM, attention_mask=mask)
-        out = self.drafter.model(input_ids=ids_BM, past_key_values=self.cache, use_cache=True, **kw)
+        kw[cache_kwarg(self.drafter.model)] = self.cache
+        out = self.drafter.model(input_ids=ids_BM, use_cache=True, **kw)
         return out.logits[:, -1]
 
     def _pick(self, logits_BV: Tensor, k: int, depths: list[int],
