@@ -27,6 +27,7 @@ Parameter names follow the speculators DSpark checkpoints (``markov_head.markov_
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,15 +67,18 @@ class ConfidenceHead(nn.Module):
         return self.proj(x).squeeze(-1)
 
 
-class MarkovLogits:
+class MarkovLogits(nn.Module):
     """A training term's vocabulary projection over [out ; e] rows: the frozen lm_head of the state plus the Markov
-    bias of the latent (trained)."""
+    bias of the latent. A module holding ``markov_w2`` (not the lm_head): the chunked loss differentiates its
+    parameters."""
 
     def __init__(self, lm_head: nn.Module, markov: MarkovHead, hidden_size: int):
-        self.head, self.markov, self.D = Frozen(lm_head), markov, hidden_size
+        super().__init__()
+        self.markov_w2 = markov.markov_w2
+        self.lm_head, self.D = Frozen(lm_head), hidden_size  # a plain attribute: never a parameter here
 
-    def __call__(self, x_NX: Tensor) -> Tensor:
-        return self.head(x_NX[:, : self.D]) + self.markov.markov_w2(x_NX[:, self.D:])
+    def forward(self, x_NX: Tensor) -> Tensor:
+        return self.lm_head(x_NX[:, : self.D]) + self.markov_w2(x_NX[:, self.D:])
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -227,4 +231,18 @@ class DSparkDrafter(DFlashDrafter):
         node["markov_rank"] = self.markov_rank
         node["confidence_head"] = self.confidence_head is not None
         node["confidence_with_markov"] = self.confidence_with_markov
+        node["confidence_threshold"] = self.confidence_threshold
         return node
+
+    def with_threshold(self, threshold: float | None) -> "DSparkDrafter":
+        """This drafter (the same modules and weights) decoding with ``confidence_threshold`` = ``threshold``: a
+        shallow copy with its own decoding state."""
+        if threshold is not None and (self.confidence_head is None or not 0.0 <= threshold < 1.0):
+            raise ValueError(f"drafter.confidence_threshold={threshold} needs the confidence head and a value in "
+                             f"[0, 1)")
+        view = copy.copy(self)
+        view.__dict__["_static_drafts"] = {}
+        view.confidence_threshold = threshold
+        view.offered = 0
+        view.reset()
+        return view
