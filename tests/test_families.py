@@ -55,6 +55,8 @@ KINDS = {
                    exported=True),
     "peagle": Kind({"_target_": "heads.peagle.PEagleDrafter", "num_depths": 3, "draft_vocab_size": None},
                    {"chain": None}),
+    "dspark": Kind({"_target_": "heads.dspark.DSparkDrafter", "block_size": 4, "objective": "distill",
+                    "markov_rank": 16, "confidence_threshold": 0.2}, {"chain": None}),
 }
 DRAFTERS = {kind: row.node for kind, row in KINDS.items()}
 TREES = {kind: row.trees for kind, row in KINDS.items()}
