@@ -6,8 +6,15 @@ export back into a drafter (reading only what the engine reads), says which engi
 the serve command for the model card. ``serve/export.py`` looks the adapter up once, by the drafter's kind, and never
 branches on the kind or the engine itself.
 
+The shape of an adapter: a table with one row per engine (a frozen dataclass holding what that engine's loader reads:
+config keys, tensor names and shapes, small functions for the parts that differ, its serve command), and where a
+family has several kinds, a row per kind as well (``serve/eagle.py``'s ``KINDS``). The adapter looks the row up
+once per call; its methods hold the steps every row shares and never branch on the engine or the kind. Refusals are
+data too: ``refused`` maps (engine, kind) to the reason.
+
 Adding an engine: its name in ``ENGINES`` and one row per adapter (an engine row, or a refusal with its reason).
-Adding a drafter kind: one adapter file, listed in ``serve.export.ADAPTERS``.
+Adding a drafter kind: one adapter file (or a subclass of its family's adapter: ``Medusa2Adapter``), listed in
+``serve.export.ADAPTERS``.
 """
 
 from __future__ import annotations

@@ -20,14 +20,17 @@ drafter does); the config differs per engine:
                  and the ``speculators_config`` block naming the verifier; vLLM auto-detects it. A sliding window is
                  refused: vLLM's conversion of this format writes no ``dflash_config.causal``.
 
-``check`` transcribes what each loader builds from the config: every tensor, its shape, and the config fields it
-reads; ``load`` rebuilds the drafter from the engine-facing files the way that loader reads them."""
+Each engine is one ``DFlashEngine`` row in ``ENGINES`` (its config writer, serve command, tensor check, the keys it
+reads the layers and mask token from, what it refuses); the adapter looks the row up once and never branches on the
+engine. ``check`` transcribes what each loader builds from the config: every tensor, its shape, and the config fields
+it reads; ``load`` rebuilds the drafter from the engine-facing files the way that loader reads them."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -41,15 +44,9 @@ from serve.model_card import model_card
 WEIGHTS = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
-ENGINES = ("vllm", "sglang", "speculators")
 # SGLang's DFlashDraftModel.load_weights: (its packed parameter, the checkpoint's name, shard)
 SGLANG_STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                   ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
-WINDOW_REFUSED = {
-    "sglang": "SGLang builds a sliding_attention DFlash layer as causal decoder attention (AttentionType.DECODER), "
-              "while the block was trained non-causal",
-    "speculators": "vLLM's conversion of a speculators DFlash config writes dflash_config without causal: false, "
-                   "so it runs sliding_attention layers causally, while the block was trained non-causal"}
 
 
 def _vllm_serve(target: str, export_dir: str, num_tokens: int) -> str:
@@ -66,9 +63,6 @@ def _sglang_serve(target: str, export_dir: str, num_tokens: int) -> str:
 def _speculators_serve(target: str, export_dir: str, num_tokens: int) -> str:
     # vLLM reads the verifier and the method from the speculators config itself
     return f"vllm serve {export_dir}   # or, explicitly:\n" + _vllm_serve(target, export_dir, num_tokens)
-
-
-SERVE = {"vllm": _vllm_serve, "sglang": _sglang_serve, "speculators": _speculators_serve}
 
 
 def qwen3_config(drafter: DFlashDrafter, max_positions: int | None) -> dict[str, Any]:
@@ -218,44 +212,59 @@ def unpack_sglang(params: dict[str, torch.Tensor], config: dict) -> dict[str, to
     return out
 
 
-def _layer_problems(engine: str, config: dict, target: dict) -> list[str]:
+def _dotted(config: dict, key: str) -> Any:
+    """``config``'s value at a dotted key (``dflash_config.mask_token_id``), None where absent."""
+    for part in key.split("."):
+        config = (config or {}).get(part)
+    return config
+
+
+def _layer_problems(row: DFlashEngine, config: dict, target: dict) -> list[str]:
     """The DFlash fields every engine reads: target layers, mask token, block size, attention types."""
     view = as_zlab(config)
     problems = []
     dflash = view["dflash_config"]
     ids = dflash.get("target_layer_ids")
-    key = "aux_hidden_state_layer_ids" if engine == "speculators" else "dflash_config.target_layer_ids"
-    shown = config.get("aux_hidden_state_layer_ids") if engine == "speculators" else ids
+    shown = _dotted(config, row.layer_ids_key)
     if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-        problems.append(f"{key}={shown!r} must name target layers 1..L-1 (speculators: hidden-state indices; "
-                        f"vLLM / SGLang: 0-based layers 0..L-2)")
+        problems.append(f"{row.layer_ids_key}={shown!r} must name target layers 1..L-1 (speculators: hidden-state "
+                        f"indices; vLLM / SGLang: 0-based layers 0..L-2)")
     elif target.get("num_layers") and max(ids) >= target["num_layers"] - 1:
-        problems.append(f"{key}={shown} reaches the target's last layer or beyond")
-    elif engine == "sglang" and not (isinstance(view.get("num_target_layers"), int)
-                                     and max(ids) < view["num_target_layers"]):
+        problems.append(f"{row.layer_ids_key}={shown} reaches the target's last layer or beyond")
+    elif row.checks_num_target_layers and not (isinstance(view.get("num_target_layers"), int)
+                                               and max(ids) < view["num_target_layers"]):
         problems.append(f"num_target_layers={view.get('num_target_layers')!r}: SGLang refuses target_layer_ids {ids} "
                         f"outside 0..num_target_layers-1")
     mask = dflash.get("mask_token_id")
-    mask_key = "mask_token_id" if engine == "speculators" else "dflash_config.mask_token_id"
     if not isinstance(mask, int) or not 0 <= mask < view["vocab_size"]:
-        problems.append(f"{mask_key}={mask!r} is not a token id of the vocabulary")
+        problems.append(f"{row.mask_key}={mask!r} is not a token id of the vocabulary")
     if not isinstance(view.get("block_size"), int) or view["block_size"] < 2:
         problems.append(f"block_size={view.get('block_size')!r} must be an integer >= 2")
-    types = view.get("layer_types")
-    if engine == "vllm" and types is not None:
-        if types != ["sliding_attention"] * view["num_hidden_layers"]:
-            problems.append(f"layer_types={types}: specdraft's DFlash layers are all full or all sliding_attention")
-        if not isinstance(view.get("sliding_window"), int):
-            problems.append("sliding_attention layers need an integer sliding_window (vLLM refuses to start)")
-        if dflash.get("causal") is not False:
-            problems.append("dflash_config.causal must be false: vLLM runs sliding_attention DFlash layers "
-                            "causally otherwise, and the block was trained non-causal")
-    elif engine != "vllm" and types is not None and any(t != "full_attention" for t in types):
-        problems.append(f"layer_types={types}: {WINDOW_REFUSED[engine]}")
-    if engine == "sglang" and view.get("hidden_act", "silu") != "silu":
+    problems += _window_problems(row, view)
+    if row.silu_only and view.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={view.get('hidden_act')!r}: SGLang's DFlash MLP supports silu only")
     if view.get("attention_bias"):
         problems.append("attention_bias=true: the export carries no attention biases")
+    return problems
+
+
+def _window_problems(row: DFlashEngine, view: dict) -> list[str]:
+    """Sliding-window layers: written as vLLM reads them (non-causal), or refused where the engine runs them
+    causally."""
+    types = view.get("layer_types")
+    if types is None:
+        return []
+    if row.window_refused:
+        return ([f"layer_types={types}: {row.window_refused}"]
+                if any(t != "full_attention" for t in types) else [])
+    problems = []
+    if types != ["sliding_attention"] * view["num_hidden_layers"]:
+        problems.append(f"layer_types={types}: specdraft's DFlash layers are all full or all sliding_attention")
+    if not isinstance(view.get("sliding_window"), int):
+        problems.append("sliding_attention layers need an integer sliding_window (vLLM refuses to start)")
+    if view["dflash_config"].get("causal") is not False:
+        problems.append("dflash_config.causal must be false: vLLM runs sliding_attention DFlash layers "
+                        "causally otherwise, and the block was trained non-causal")
     return problems
 
 
@@ -283,24 +292,84 @@ def _speculators_problems(config: dict) -> list[str]:
     return problems
 
 
+def _unpacked_problems(label: str, engine: str) -> Callable[[dict, dict], list[str]]:
+    """A loader that takes the checkpoint's names as they are: every tensor present, none extra, shapes equal."""
+    def problems(state: dict[str, torch.Tensor], view: dict) -> list[str]:
+        want = engine_shapes(view)
+        return ([f"tensor {k!r} is missing" for k in sorted(set(want) - set(state))]
+                + [f"tensor {k!r} is not part of {label}" for k in sorted(set(state) - set(want))]
+                + [f"tensor {k!r} has shape {tuple(state[k].shape)}, {engine} builds {want[k]}"
+                   for k in sorted(set(want) & set(state)) if tuple(state[k].shape) != want[k]])
+    return problems
+
+
+def _through_sglang(state: dict[str, torch.Tensor], config: dict, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors through SGLang's own renames and packing, then back to ours."""
+    params, problems = load_like_sglang(state, config)
+    if problems:
+        raise ValueError(f"{path} does not load in SGLang: " + "; ".join(problems))
+    return unpack_sglang(params, config)
+
+
+@dataclass(frozen=True)
+class DFlashEngine:
+    """One engine's DFlash loader: the config it reads, how it takes the tensors, and what it cannot run."""
+
+    architecture: str  # config.json ``architectures``
+    config: Callable[[DFlashDrafter, str, dict, str], dict]  # (drafter, dtype, target facts, verifier) -> config
+    serve: Callable[[str, str, int], str]  # (target, export dir, num tokens) -> command
+    tensor_problems: Callable[[dict, dict], list[str]]  # (tensors, z-lab config) -> what its loader rejects
+    layer_ids_key: str = "dflash_config.target_layer_ids"  # where it reads the target layers (dotted)
+    mask_key: str = "dflash_config.mask_token_id"
+    config_problems: Callable[[dict], list[str]] = lambda config: []  # format checks before the z-lab view
+    through: Callable[[dict, dict, Path], dict] = lambda state, config, path: state  # its loader's renames, and back
+    window_refused: str | None = None  # why a (non-causal) sliding window cannot run there
+    checks_num_target_layers: bool = False  # refuses layer ids outside 0..num_target_layers-1
+    silu_only: bool = False  # its MLP has silu only
+    whole_block: bool = False  # verifies the whole trained block (else the drafter's depth)
+
+
+ENGINES = {
+    "vllm": DFlashEngine(
+        architecture=ARCHITECTURE, serve=_vllm_serve,
+        config=lambda drafter, dtype, facts, verifier: engine_config(drafter, dtype, facts.get("max_positions")),
+        tensor_problems=_unpacked_problems("vLLM's DFlash draft", "vllm")),
+    "sglang": DFlashEngine(
+        architecture=ARCHITECTURE, serve=_sglang_serve,
+        config=lambda drafter, dtype, facts, verifier: engine_config(drafter, dtype, facts.get("max_positions")),
+        tensor_problems=lambda state, view: load_like_sglang(state, view)[1], through=_through_sglang,
+        window_refused="SGLang builds a sliding_attention DFlash layer as causal decoder attention "
+                       "(AttentionType.DECODER), while the block was trained non-causal",
+        checks_num_target_layers=True, silu_only=True, whole_block=True),
+    "speculators": DFlashEngine(
+        architecture=SPECULATORS_ARCHITECTURE, serve=_speculators_serve, config=speculators_config,
+        tensor_problems=_unpacked_problems("speculators' DFlashDraftModel", "speculators"),
+        layer_ids_key="aux_hidden_state_layer_ids", mask_key="mask_token_id", config_problems=_speculators_problems,
+        window_refused="vLLM's conversion of a speculators DFlash config writes dflash_config without causal: false, "
+                       "so it runs sliding_attention layers causally, while the block was trained non-causal"),
+}
+
+
 class DFlashAdapter:
     kinds = ("dflash",)
     needs_training = True
     refused = {("hf", "dflash"): "DFlash has no Hugging Face reference model class; export with format=vllm, "
                                  "sglang or speculators"}
+    engines = ENGINES  # one row per engine
 
     def supports(self, engine: str, kind: str) -> bool:
-        return engine in ENGINES
+        return engine in self.engines
 
     def write(self, out: Path, drafter, engine: str, config: dict, output_dir: Path) -> None:
+        row = self.engines[engine]
         bad = [i for i in drafter.teacher_layers if not 1 <= i < drafter.dims.num_layers]
         if bad:
             raise ValueError(f"drafter.layers={list(drafter.teacher_layers)}: {engine} captures the outputs of decoder "
                              f"layers 1..{drafter.dims.num_layers - 1} (hidden-state indices), not {bad} (0: the "
                              f"embeddings, {drafter.dims.num_layers}: the final normed output); retrain with layers "
                              f"in that range to serve this drafter")
-        if drafter.sliding_window is not None and engine in WINDOW_REFUSED:
-            raise ValueError(f"drafter.sliding_window={drafter.sliding_window}: {WINDOW_REFUSED[engine]}; export it "
+        if drafter.sliding_window is not None and row.window_refused:
+            raise ValueError(f"drafter.sliding_window={drafter.sliding_window}: {row.window_refused}; export it "
                              f"with format=vllm (dflash_config.causal: false), or retrain with sliding_window=null")
         dtype = target_dtype(config)
         facts = target_facts(config)
@@ -313,47 +382,34 @@ class DFlashAdapter:
         # d2t (drafter.draft_vocab_size) only narrows specdraft's own decoding; the engine drafts over every id
         state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items() if k != "d2t"}
         save_tensors(state, out / WEIGHTS, metadata={"format": "pt"})
-        name = str(dtype).removeprefix("torch.")
-        if engine == "speculators":
-            cfg = speculators_config(drafter, name, facts, serve_name(config))
-        else:
-            cfg = engine_config(drafter, name, facts.get("max_positions"))
+        cfg = row.config(drafter, str(dtype).removeprefix("torch."), facts, serve_name(config))
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
     def sidecar(self, drafter) -> dict[str, Any]:
         return {}
 
     def check(self, path: Path, engine: str, kind: str, config: dict, target: dict) -> list[str]:
-        if engine == "speculators":
-            problems = _speculators_problems(config)
-            if problems:
-                return problems
+        row = self.engines[engine]
+        problems = row.config_problems(config)
+        if problems:
+            return problems
         need = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "rms_norm_eps", "vocab_size", "block_size", "dflash_config")
         view = {**as_zlab(config), "architectures": config.get("architectures")}
         problems = [f"config.json lacks {key}" for key in need if view.get(key) is None]
         if problems:
             return problems
-        want = [SPECULATORS_ARCHITECTURE] if engine == "speculators" else [ARCHITECTURE]
-        if config["architectures"] != want:
-            problems.append(f"architectures={config['architectures']}, {engine}'s DFlash loader expects {want}")
-        problems += _layer_problems(engine, config, target)
+        if config["architectures"] != [row.architecture]:
+            problems.append(f"architectures={config['architectures']}, {engine}'s DFlash loader expects "
+                            f"{[row.architecture]}")
+        problems += _layer_problems(row, config, target)
         problems += vocab_problem(view["vocab_size"], target)
         if problems:
             return problems
         files = sorted(path.glob("*.safetensors"))
         if not files:
             return [f"{path} has no *.safetensors weights"]
-        state = {k: v for f in files for k, v in read_weights(f).items()}
-        if engine == "sglang":
-            return load_like_sglang(state, view)[1]
-        want = engine_shapes(view)
-        label = "speculators' DFlashDraftModel" if engine == "speculators" else "vLLM's DFlash draft"
-        problems += [f"tensor {k!r} is missing" for k in sorted(set(want) - set(state))]
-        problems += [f"tensor {k!r} is not part of {label}" for k in sorted(set(state) - set(want))]
-        problems += [f"tensor {k!r} has shape {tuple(state[k].shape)}, {engine} builds {want[k]}"
-                     for k in sorted(set(want) & set(state)) if tuple(state[k].shape) != want[k]]
-        return problems
+        return row.tensor_problems({k: v for f in files for k, v in read_weights(f).items()}, view)
 
     def load(self, path: Path, engine: str, kind: str, sidecar: dict, dims: TargetDims):
         config = as_zlab(json.loads((path / "config.json").read_text()))
@@ -367,23 +423,19 @@ class DFlashAdapter:
                                 sliding_window=config.get("sliding_window")
                                 if "sliding_attention" in (config.get("layer_types") or []) else None)
         state = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in read_weights(f).items()}
-        if engine == "sglang":  # through SGLang's own renames and packing, then back
-            params, problems = load_like_sglang(state, config)
-            if problems:
-                raise ValueError(f"{path} does not load in SGLang: " + "; ".join(problems))
-            state = unpack_sglang(params, config)
+        state = self.engines[engine].through(state, config, path)
         drafter.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
         return drafter
 
     def serve_command(self, engine: str, kind: str, target: str, export_dir: str, num_tokens: int,
                       tree: dict | None = None) -> str:
-        return SERVE[engine](target, export_dir, num_tokens)
+        return self.engines[engine].serve(target, export_dir, num_tokens)
 
     def card(self, engine: str, kind: str, config: dict, output_dir: Path, report: dict | None,
              serve_target: str) -> str:
         drafter = config.get("drafter", {})
         block = drafter.get("block_size") or 16
         # SGLang verifies the whole block it was trained on; vLLM may draft fewer than block_size - 1
-        tokens = block - 1 if engine == "sglang" else drafter.get("depth") or block - 1
+        tokens = block - 1 if self.engines[engine].whole_block else drafter.get("depth") or block - 1
         line = self.serve_command(engine, kind, serve_target, str(output_dir), tokens)
         return model_card(engine, kind, config, report, line, [])

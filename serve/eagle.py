@@ -2,7 +2,8 @@
 loader's name mapping (to prove that every engine parameter is set and no exported tensor is skipped), and the way
 back from engine parameters to a specdraft drafter (to decode an export and compare it with the checkpoint).
 
-Each engine is one ``EagleEngine`` row in ``ENGINES``: adding an engine is one row.
+Each engine is one ``EagleEngine`` row in ``ENGINES`` and each variant one ``EagleKind`` row in ``KINDS`` (its config
+writer, its own tensors, the layers it is fed): adding an engine is one row, and no function branches on either.
 
 Our drafter (heads/eagle.py) -> the engines' ``LlamaForCausalLM{Eagle,Eagle3}``:
     layer.{q,k,v,o}_proj          -> {P}self_attn.{q,k,v,o}_proj   (vLLM / SGLang pack q,k,v into qkv_proj on load)
@@ -38,7 +39,6 @@ from heads.eagle import EagleDrafter
 from serve.adapter import serve_name, target_dtype, target_facts, vocab_problem
 from serve.model_card import model_card
 
-EAGLE_KINDS = ("eagle1", "eagle3")
 # vllm/config/speculative.py (SpeculativeConfig, ``eagle3_target_supported``): a substring test on the target's
 # model_type; any other target is refused by vLLM at start-up.
 VLLM_EAGLE3_TARGETS = ("llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe")
@@ -48,17 +48,16 @@ SCALED_EMBEDDING_FAMILIES = ("gemma",)
 _LAYER = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
           "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
           "down_proj": "mlp.down_proj", "post_attention_layernorm": "post_attention_layernorm"}
-METHOD = {"eagle1": ("eagle", "EAGLE"), "eagle3": ("eagle3", "EAGLE3")}  # (vLLM method, SGLang algorithm)
 
 
 def _vllm_serve(kind: str, target: str, export_dir: str, num_tokens: int, tree: dict) -> str:
     # an explicit method: vLLM otherwise guesses it from the path string
-    spec = {"method": METHOD[kind][0], "model": export_dir, "num_speculative_tokens": num_tokens}
+    spec = {"method": KINDS[kind].method[0], "model": export_dir, "num_speculative_tokens": num_tokens}
     return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
 
 
 def _sglang_serve(kind: str, target: str, export_dir: str, num_tokens: int, tree: dict) -> str:
-    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {METHOD[kind][1]} "
+    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {KINDS[kind].method[1]} "
             f"--speculative-draft-model-path {export_dir} --speculative-num-steps {num_tokens} "
             f"--speculative-eagle-topk {tree.get('top_k', 4)} "
             f"--speculative-num-draft-tokens {tree.get('total_tokens', 16)}")
@@ -135,7 +134,7 @@ ENGINES = {
 
 
 def layer_prefix(engine: str, kind: str) -> str:
-    return "midlayer." if kind == "eagle3" and ENGINES[engine].midlayer else "layers.0."
+    return "midlayer." if KINDS[kind].midlayer and ENGINES[engine].midlayer else "layers.0."
 
 
 def engine_layer_ids(engine: str, layers: list[int], num_layers: int) -> list[int]:
@@ -167,8 +166,10 @@ def written_layer_ids(engine: str, config: dict) -> list[int] | None:
 def our_layers(engine: str, kind: str, config: dict) -> list[int]:
     """The hidden-state indices an export's config makes the engine capture, in our convention (the inverse of
     ``engine_layer_ids``): what the engine would actually feed the drafter."""
-    if kind == "eagle1":
-        return [-1]  # the engines feed EAGLE-1 the target's final (normed) hidden state
+    return KINDS[kind].layers(engine, config)
+
+
+def _aux_layers(engine: str, config: dict) -> list[int]:
     return [i + ENGINES[engine].layer_id_offset for i in written_layer_ids(engine, config)]
 
 
@@ -179,7 +180,7 @@ def check_target_family(engine: str, kind: str, model_type: str | None) -> None:
             f"while a {model_type!r} target's forward scales its embeddings by sqrt(hidden_size) (and Gemma-2 "
             f"soft-caps its logits): the drafter was trained on the target's own read-outs, so an engine would feed "
             f"it other inputs. Evaluate it with `python -m eval`; serving it needs an engine-side embedding scale")
-    if ENGINES[engine].eagle3_target_whitelist and kind == "eagle3" and model_type:
+    if ENGINES[engine].eagle3_target_whitelist and KINDS[kind].target_whitelist and model_type:
         if not any(name in model_type for name in VLLM_EAGLE3_TARGETS):
             raise ValueError(f"vLLM serves EAGLE-3 only for targets whose model_type contains one of "
                              f"{list(VLLM_EAGLE3_TARGETS)} (vllm/config/speculative.py); this target is {model_type!r}")
@@ -199,14 +200,11 @@ def engine_state(drafter, engine: str, dtype: torch.dtype) -> dict[str, torch.Te
     out = {prefix + _LAYER[k.split(".", 1)[1].rsplit(".", 1)[0]] + ".weight": v
            for k, v in ours.items() if k.startswith("layer.")}
     out["fc.weight"] = ours["fc.weight"]
-    if kind == "eagle1" and ENGINES[engine].eagle1_fc_bias:  # their EAGLE-1 fc has a bias; ours is trained without
+    if KINDS[kind].fc_bias and ENGINES[engine].eagle1_fc_bias:  # their EAGLE-1 fc has a bias; ours is trained without
         out["fc.bias"] = torch.zeros(drafter.dims.hidden_size)
-    if kind == "eagle3":
-        out[prefix + "input_layernorm.weight"] = ours["input_layernorm.weight"]
-        out[prefix + "hidden_norm.weight"] = ours["hidden_norm.weight"]
-        out["norm.weight"], out["lm_head.weight"] = ours["norm.weight"], ours["lm_head.weight"]
+    out.update({(prefix if where == "layer" else "") + name: ours[name] for name, where, _ in KINDS[kind].own})
     out = {k: v.to(dtype).contiguous() for k, v in out.items()}
-    if kind == "eagle3" and drafter.draft_vocab_size != drafter.dims.vocab_size:
+    if drafter.draft_vocab_size != drafter.dims.vocab_size:  # EAGLE-3's own draft vocabulary
         d2t = ours["d2t"].long()
         out["d2t"] = (d2t - torch.arange(d2t.shape[0])).contiguous()  # offsets: target = draft + d2t[draft]
         out["t2d"] = (ours["t2d"] >= 0).contiguous()
@@ -224,10 +222,18 @@ def llama_config(drafter, dtype: str, max_positions: int) -> dict[str, Any]:
 
 
 def engine_config(drafter, engine: str, target: dict, dtype: str, num_tokens: int) -> dict[str, Any]:
-    kind, s, row = drafter.variant, sizes(drafter), ENGINES[engine]
+    """The export's config.json: the kind's config around the one-layer Llama, in the engine's keys."""
     base = llama_config(drafter, dtype, target.get("max_positions") or 0)
-    if kind == "eagle1":
-        return {"architectures": row.architectures[kind], **base, "bias": row.eagle1_fc_bias, **row.eagle1_config}
+    return KINDS[drafter.variant].config(drafter, engine, target, base, dtype, num_tokens)
+
+
+def _eagle1_config(drafter, engine: str, target: dict, base: dict, dtype: str, num_tokens: int) -> dict[str, Any]:
+    row = ENGINES[engine]
+    return {"architectures": row.architectures["eagle1"], **base, "bias": row.eagle1_fc_bias, **row.eagle1_config}
+
+
+def _eagle3_config(drafter, engine: str, target: dict, base: dict, dtype: str, num_tokens: int) -> dict[str, Any]:
+    kind, s, row = "eagle3", sizes(drafter), ENGINES[engine]
     ids = engine_layer_ids(engine, list(drafter.teacher_layers), target["num_layers"])
     eagle3 = {"draft_vocab_size": s["Vd"], "target_hidden_size": s["D"], "norm_before_residual": False}
     if row.speculators_config:
@@ -247,6 +253,62 @@ def engine_config(drafter, engine: str, target: dict, dtype: str, num_tokens: in
     return config
 
 
+def _eagle3_check(engine: str, config: dict) -> list[str]:
+    ids = written_layer_ids(engine, config)
+    problems = []
+    if not ids or len(ids) != 3:
+        problems.append(f"eagle_aux_hidden_state_layer_ids={ids!r}: {engine} needs the 3 target layers "
+                        f"({'nested in eagle_config' if ENGINES[engine].nested_layer_ids else 'top level'})")
+    if "norm_before_residual" not in config:
+        problems.append("config.json lacks norm_before_residual (the residual convention must be explicit)")
+    return problems
+
+
+_SHARED = " not in this export: the engine shares the target's own (the drafter was trained on them)."
+
+
+def _eagle1_notes(drafter: dict) -> list[str]:
+    return ["The target's embeddings and lm_head are" + _SHARED, ""]
+
+
+def _eagle3_notes(drafter: dict) -> list[str]:
+    return [f"The target's embeddings are{_SHARED} Target layers (specdraft hidden-state indices, HF "
+            f"`hidden_states[i]`): {drafter.get('layers')}; config.json writes them in this engine's own "
+            f"`eagle_aux_hidden_state_layer_ids` convention (SGLang: index - 1, nested in `eagle_config`).", ""]
+
+
+@dataclass(frozen=True)
+class EagleKind:
+    """What one EAGLE variant exports beyond what both share (``fc`` and one decoder layer's projections)."""
+
+    method: tuple[str, str]  # (vLLM method, SGLang algorithm)
+    fc_inputs: int  # fc reads F x D: EAGLE-1 [embedding; final hidden], EAGLE-3 three target layers
+    attention_inputs: int  # q/k/v read 1 x D (EAGLE-1) or [embedding; fc output], 2 x D (EAGLE-3)
+    config: Callable[..., dict]  # (drafter, engine, target, llama base, dtype, num tokens) -> config.json
+    layers: Callable[[str, dict], list[int]]  # (engine, config) -> the hidden-state indices the engine feeds it
+    notes: Callable[[dict], list[str]]  # the model card's notes, from the saved drafter config
+    check: Callable[[str, dict], list[str]] = lambda engine, config: []  # its own config keys
+    # (tensor, where, shape) of its own tensors: "layer" under the layer's prefix, "top" beside fc (``model.`` in a
+    # packed engine's parameters), "head" bare; shapes in D (hidden size) and Vd (draft vocabulary)
+    own: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    fc_bias: bool = False  # the engines' class has an fc bias (written as zeros where the engine row says so)
+    draft_vocab: bool = False  # a draft vocabulary of its own (draft_vocab_size, d2t / t2d)
+    midlayer: bool = False  # its layer is named ``midlayer.`` where the engine row says so
+    target_whitelist: bool = False  # refused for targets outside an engine's EAGLE-3 list (vLLM's)
+
+
+KINDS = {
+    "eagle1": EagleKind(method=("eagle", "EAGLE"), fc_inputs=2, attention_inputs=1, config=_eagle1_config,
+                        layers=lambda engine, config: [-1],  # the engines feed it the final (normed) hidden state
+                        notes=_eagle1_notes, fc_bias=True),
+    "eagle3": EagleKind(method=("eagle3", "EAGLE3"), fc_inputs=3, attention_inputs=2, config=_eagle3_config,
+                        layers=_aux_layers, notes=_eagle3_notes, check=_eagle3_check,
+                        own=(("input_layernorm.weight", "layer", ("D",)), ("hidden_norm.weight", "layer", ("D",)),
+                             ("norm.weight", "top", ("D",)), ("lm_head.weight", "head", ("Vd", "D"))),
+                        draft_vocab=True, midlayer=True, target_whitelist=True),
+}
+
+
 # --- the loaders, transcribed ------------------------------------------------------------------------------------
 
 
@@ -256,8 +318,8 @@ def engine_params(engine: str, kind: str, config: dict) -> dict[str, tuple[int, 
     c = config.get("transformer_layer_config", config)
     D, h, kv, I = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
     hd = c.get("head_dim") or D // h
-    F = 3 if kind == "eagle3" else 2
-    inp = 2 * D if kind == "eagle3" else D
+    k = KINDS[kind]
+    F, inp = k.fc_inputs, k.attention_inputs * D
     row = ENGINES[engine]
     if not row.packed:  # plain torch modules: unpacked projections
         p = "layers.0."
@@ -265,18 +327,17 @@ def engine_params(engine: str, kind: str, config: dict) -> dict[str, tuple[int, 
                   p + "self_attn.v_proj.weight": (kv * hd, inp), p + "mlp.gate_proj.weight": (I, D),
                   p + "mlp.up_proj.weight": (I, D)}
     else:
-        p = "model." + ("midlayer." if kind == "eagle3" and row.keeps_midlayer else "layers.0.")
+        p = "model." + ("midlayer." if k.midlayer and row.keeps_midlayer else "layers.0.")
         params = {p + "self_attn.qkv_proj.weight": ((h + 2 * kv) * hd, inp), p + "mlp.gate_up_proj.weight": (2 * I, D)}
     params.update({p + "self_attn.o_proj.weight": (D, h * hd), p + "mlp.down_proj.weight": (D, I),
                    p + "post_attention_layernorm.weight": (D,)})
     top = "model." if row.packed else ""
     params[top + "fc.weight"] = (D, F * D)
-    if kind == "eagle1" and config.get("bias"):
+    if k.fc_bias and config.get("bias"):
         params[top + "fc.bias"] = (D,)
-    if kind == "eagle3":
-        Vd = config["draft_vocab_size"]
-        params.update({p + "input_layernorm.weight": (D,), p + "hidden_norm.weight": (D,), top + "norm.weight": (D,),
-                       "lm_head.weight": (Vd, D)})
+    where = {"layer": p, "top": top, "head": ""}
+    params.update({where[place] + name: tuple(D if n == "D" else config["draft_vocab_size"] for n in shape)
+                   for name, place, shape in k.own})
     return params
 
 
@@ -322,7 +383,7 @@ def load_like_engine(engine: str, kind: str, state: dict[str, torch.Tensor], con
             problems.append(f"{name} has shape {tuple(tensor.shape)}, the {engine} model's is {expected[name]}")
     problems += [f"{name} {shape} is never set by the export (the model would keep uninitialised memory)"
                  for name, shape in expected.items() if name not in params]
-    if kind == "eagle3" and config.get("draft_vocab_size") != config.get("vocab_size", config.get(
+    if KINDS[kind].draft_vocab and config.get("draft_vocab_size") != config.get("vocab_size", config.get(
             "transformer_layer_config", {}).get("vocab_size")) and vocab is None:
         problems.append("draft_vocab_size is smaller than the vocabulary but d2t is missing: drafts would be read "
                         "as the first draft_vocab_size target ids")
@@ -336,7 +397,8 @@ def drafter_from_engine(engine: str, kind: str, params: dict[str, torch.Tensor],
     D, I = c["hidden_size"], c["intermediate_size"]
     drafter = EagleDrafter(dims, variant=kind, layers=layers, num_heads=c["num_attention_heads"],
                            intermediate_size=I, rope_theta=c["rope_theta"],
-                           draft_vocab_size=config.get("draft_vocab_size") if kind == "eagle3" else None, **decode)
+                           draft_vocab_size=config.get("draft_vocab_size") if KINDS[kind].draft_vocab else None,
+                           **decode)
     get = {k.replace("model.", "", 1).replace("midlayer.", "layers.0."): v for k, v in params.items()}
     p = "layers.0."
     if p + "self_attn.qkv_proj.weight" in get:
@@ -346,10 +408,7 @@ def drafter_from_engine(engine: str, kind: str, params: dict[str, torch.Tensor],
         get.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
     state = {f"layer.{ours}.weight": get[p + theirs + ".weight"] for ours, theirs in _LAYER.items()}
     state["fc.weight"] = get["fc.weight"]
-    if kind == "eagle3":
-        state.update({"input_layernorm.weight": get[p + "input_layernorm.weight"],
-                      "hidden_norm.weight": get[p + "hidden_norm.weight"], "norm.weight": get["norm.weight"],
-                      "lm_head.weight": get["lm_head.weight"]})
+    state.update({name: get[(p if place == "layer" else "") + name] for name, place, _ in KINDS[kind].own})
     own = drafter.state_dict()
     state = {k: v.to(own[k].dtype) for k, v in state.items()}
     if vocab is not None:
@@ -366,7 +425,7 @@ def drafter_from_engine(engine: str, kind: str, params: dict[str, torch.Tensor],
 
 
 class EagleAdapter:
-    kinds = EAGLE_KINDS
+    kinds = tuple(KINDS)
     needs_training = True
     refused = {(engine, kind): reason for engine, row in ENGINES.items() for kind, reason in row.refused.items()}
 
@@ -399,13 +458,7 @@ class EagleAdapter:
             f"config.json architectures={config.get('architectures')!r}, expected {want!r}"]
         layer_cfg = config.get("transformer_layer_config", config)
         problems += vocab_problem(layer_cfg.get("vocab_size"), target)
-        if kind == "eagle3":
-            ids = written_layer_ids(engine, config)
-            if not ids or len(ids) != 3:
-                problems.append(f"eagle_aux_hidden_state_layer_ids={ids!r}: {engine} needs the 3 target layers "
-                                f"({'nested in eagle_config' if row.nested_layer_ids else 'top level'})")
-            if "norm_before_residual" not in config:
-                problems.append("config.json lacks norm_before_residual (the residual convention must be explicit)")
+        problems += KINDS[kind].check(engine, config)
         state = load_file(str(weights))
         _, vocab, mapped = load_like_engine(engine, kind, state, config)
         problems += mapped
@@ -433,15 +486,4 @@ class EagleAdapter:
              serve_target: str) -> str:
         drafter = config.get("drafter", {})
         line = self.serve_command(engine, kind, serve_target, str(output_dir), drafter.get("depth") or 4, drafter)
-        return model_card(engine, kind, config, report, line, _notes(kind, drafter))
-
-
-def _notes(kind: str, drafter: dict) -> list[str]:
-    notes = ["The target's embeddings"
-             + (" and lm_head are" if kind == "eagle1" else " are")
-             + " not in this export: the engine shares the target's own (the drafter was trained on them)."]
-    if kind == "eagle3":
-        notes.append(f"Target layers (specdraft hidden-state indices, HF `hidden_states[i]`): {drafter.get('layers')}; "
-                     "config.json writes them in this engine's own `eagle_aux_hidden_state_layer_ids` convention "
-                     "(SGLang: index - 1, nested in `eagle_config`).")
-    return [" ".join(notes), ""]
+        return model_card(engine, kind, config, report, line, KINDS[kind].notes(drafter))

@@ -37,14 +37,14 @@ from serve.dflash import DFlashAdapter
 from serve.draft_model import DraftModelAdapter
 from serve.eagle import EagleAdapter
 from serve.lookup import LookupAdapter
-from serve.medusa import ADAPTER_DIR, MERGED, MedusaAdapter
+from serve.medusa import ADAPTER_DIR, MERGED, Medusa2Adapter, MedusaAdapter
 from serve.peagle import PEagleAdapter
 
 log = logging.getLogger(__name__)
 
 # One adapter per drafter family; a new kind adds its adapter here.
 ADAPTERS: dict[str, ExportAdapter] = {kind: adapter for adapter in
-                                      (MedusaAdapter(), EagleAdapter(), DraftModelAdapter(), LookupAdapter(),
+                                      (MedusaAdapter(), Medusa2Adapter(), EagleAdapter(), DraftModelAdapter(), LookupAdapter(),
                                        DFlashAdapter(), PEagleAdapter())
                                       for kind in adapter.kinds}
 __all__ = ["ADAPTER_DIR", "ADAPTERS", "ENGINES", "MERGED", "SIDECAR", "adapter_for", "check_export",

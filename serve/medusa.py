@@ -166,17 +166,16 @@ def _renamer(spec: Spec, L: int) -> Callable[[str], str]:
 
 
 class MedusaAdapter:
-    kinds = ("medusa", "medusa2")
+    kinds = ("medusa",)
     needs_training = True
-    refused = {("sglang", "medusa"): _NO_SGLANG.format("Medusa"), ("sglang", "medusa2"): _NO_SGLANG.format("Medusa-2"),
-               **{("speculators", kind): _NO_SPECULATORS.format(kind) for kind in ("medusa", "medusa2")}}
+    refused = {("sglang", "medusa"): _NO_SGLANG.format("Medusa"),
+               ("speculators", "medusa"): _NO_SPECULATORS.format("medusa")}
 
     def supports(self, engine: str, kind: str) -> bool:
         return engine in SPECS
 
     def write(self, out: Path, drafter, engine: str, config: dict, output_dir: Path) -> None:
         spec = SPECS[engine]
-        # medusa2's state also holds its LoRA (lora.*): that goes into merged_target/ and adapter/ below.
         dtype = target_dtype(config)
         state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()
                  if k.startswith("heads.")}
@@ -185,22 +184,20 @@ class MedusaAdapter:
         rename = _renamer(spec, sizes["L"])
         spec.save({rename(k): v for k, v in state.items()}, out / spec.weights)
         engine_config = {key: sizes[value] if _is_size(value) else value for key, value in spec.config.items()}
+        base_model = self.base_model(drafter, config, out, output_dir)
         if spec.base_model_key:
-            engine_config[spec.base_model_key] = serve_name(config)
-        if drafter.name == "medusa2":  # Medusa-2: the loader's base model is the merged target
-            _write_merged_target(drafter, config, out)
-            if spec.base_model_key:
-                engine_config[spec.base_model_key] = str(output_dir.resolve() / MERGED)
+            engine_config[spec.base_model_key] = base_model
         (out / "config.json").write_text(json.dumps(engine_config, indent=2))
 
+    def base_model(self, drafter, config: dict, out: Path, output_dir: Path) -> str:
+        """What the heads are served on (the config key of a loader that reads it): the target."""
+        return serve_name(config)
+
     def sidecar(self, drafter) -> dict[str, Any]:
-        if drafter.name != "medusa2":
-            return {}
-        return {"merged_target": MERGED, "adapter": ADAPTER_DIR, "verifies_against": drafter.verifies_against}
+        return {}
 
     def check(self, path: Path, engine: str, kind: str, config: dict, target: dict) -> list[str]:
-        problems = self._check_heads(path, SPECS[engine], config, target)
-        return problems + (_check_merged(path, target) if kind == "medusa2" else [])
+        return self._check_heads(path, SPECS[engine], config, target)
 
     def _check_heads(self, path: Path, spec: Spec, config: dict, target: dict) -> list[str]:
         weights = path / spec.weights
@@ -233,11 +230,33 @@ class MedusaAdapter:
 
     def card(self, engine: str, kind: str, config: dict, output_dir: Path, report: dict | None,
              serve_target: str) -> str:
-        if kind == "medusa2":
-            return _medusa2_card(engine, config, output_dir, report, serve_target)
         drafter = config.get("drafter", {})
         line = self.serve_command(engine, kind, serve_target, str(output_dir), drafter.get("num_heads", 4))
         return model_card(engine, kind, config, report, line, SPECS[engine].note(drafter))
+
+
+class Medusa2Adapter(MedusaAdapter):
+    """Medusa-2: the heads exactly as Medusa's, plus ``merged_target/`` (the target with the LoRA merged in: what the
+    heads are served on) and ``adapter/`` (the LoRA alone)."""
+
+    kinds = ("medusa2",)
+    refused = {("sglang", "medusa2"): _NO_SGLANG.format("Medusa-2"),
+               ("speculators", "medusa2"): _NO_SPECULATORS.format("medusa2")}
+
+    def base_model(self, drafter, config: dict, out: Path, output_dir: Path) -> str:
+        # medusa2's state also holds its LoRA (lora.*): it goes into merged_target/ and adapter/, not the heads file
+        _write_merged_target(drafter, config, out)
+        return str(output_dir.resolve() / MERGED)
+
+    def sidecar(self, drafter) -> dict[str, Any]:
+        return {"merged_target": MERGED, "adapter": ADAPTER_DIR, "verifies_against": drafter.verifies_against}
+
+    def check(self, path: Path, engine: str, kind: str, config: dict, target: dict) -> list[str]:
+        return super().check(path, engine, kind, config, target) + _check_merged(path, target)
+
+    def card(self, engine: str, kind: str, config: dict, output_dir: Path, report: dict | None,
+             serve_target: str) -> str:
+        return _medusa2_card(engine, config, output_dir, report, serve_target)
 
 
 def _check_tensors(state: dict[str, torch.Tensor], spec: Spec, sizes: dict[str, int]) -> list[str]:

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
@@ -54,7 +55,6 @@ MASK_HIDDEN = "mask_hidden"
 
 
 SPECULATORS_ARCHITECTURE = "PEagleSpeculator"
-ENGINES = ("vllm", "speculators")
 
 
 UPPER = re.compile(r"^layers\.([1-9][0-9]*)\.")  # exported layers after EAGLE-3's (``midlayer.`` / ``layers.0.``)
@@ -152,6 +152,52 @@ def _speculators_serve(target: str, export_dir: str, num_tokens: int) -> str:
     return f"vllm serve {export_dir}   # or, explicitly:\n" + _vllm_serve(target, export_dir, num_tokens)
 
 
+def _vllm_config(cfg: dict, drafter: PEagleDrafter) -> None:
+    cfg.update(architectures=[ARCHITECTURE], pard_token=drafter.mask_token_id, mask_token_id=drafter.mask_token_id)
+    cfg["num_hidden_layers"] = 1 + len(drafter.upper)
+
+
+def _speculators_config(cfg: dict, drafter: PEagleDrafter) -> None:
+    cfg.update(architectures=[SPECULATORS_ARCHITECTURE], speculators_model_type="peagle",
+               mask_token_id=drafter.mask_token_id)
+    cfg["speculators_config"]["algorithm"] = "peagle"
+    cfg["transformer_layer_config"]["num_hidden_layers"] = 1 + len(drafter.upper)
+
+
+def _speculators_problems(config: dict) -> list[str]:
+    problems = [f"{key}={value!r}, speculators' P-EAGLE class is registered as 'peagle'" for key, value in
+                (("speculators_model_type", config["speculators_model_type"]),
+                 ("speculators_config.algorithm", config["speculators_config"].get("algorithm")))
+                if value != "peagle"]
+    if not (config["speculators_config"].get("verifier") or {}).get("name_or_path"):
+        problems.append("speculators_config.verifier.name_or_path is missing (vLLM reads the target from it)")
+    return problems
+
+
+@dataclass(frozen=True)
+class PEagleEngine:
+    """What one engine's P-EAGLE class reads on top of its EAGLE-3 layout (``serve.eagle.ENGINES``' row)."""
+
+    architecture: str  # config.json ``architectures``
+    token_key: str  # the config key it reads the parallel slots' token id from
+    mask_hidden_shape: tuple[int, ...]  # mask_hidden's shape, -1 for F x D
+    configure: Callable[[dict, PEagleDrafter], None]  # its keys, set on EAGLE-3's config
+    serve: Callable[[str, str, int], str]  # (target, export dir, num tokens) -> command
+    need: tuple[str, ...]  # config keys it cannot do without, beyond architectures / draft_vocab_size / token_key
+    packed: bool = True  # it packs the stacked layers' q/k/v and gate/up on load (and prefixes ``model.``)
+    problems: Callable[[dict], list[str]] = lambda config: []  # format checks of its own
+
+
+ENGINES = {
+    "vllm": PEagleEngine(architecture=ARCHITECTURE, token_key="pard_token", mask_hidden_shape=(1, -1),
+                         configure=_vllm_config, serve=_vllm_serve, need=("hidden_size", "vocab_size")),
+    "speculators": PEagleEngine(  # speculators' parameter is [1, 1, F*D]
+        architecture=SPECULATORS_ARCHITECTURE, token_key="mask_token_id", mask_hidden_shape=(1, 1, -1),
+        configure=_speculators_config, serve=_speculators_serve, packed=False, problems=_speculators_problems,
+        need=("speculators_model_type", "transformer_layer_config", "speculators_config")),
+}
+
+
 class PEagleAdapter:
     kinds = ("peagle",)
     needs_training = True
@@ -160,27 +206,21 @@ class PEagleAdapter:
                ("hf", "peagle"): "P-EAGLE has no Hugging Face reference model class; export with format=vllm or "
                                  "format=speculators"}
 
+    engines = ENGINES  # one row per engine
+
     def supports(self, engine: str, kind: str) -> bool:
-        return engine in ENGINES
+        return engine in self.engines
 
     def write(self, out: Path, drafter: PEagleDrafter, engine: str, config: dict, output_dir: Path) -> None:
         facts = target_facts(config)
         check_target_family(engine, "eagle3", facts.get("model_type"))
         dtype = target_dtype(config)
         target = {**config.get("target", {}), **facts, "serve_name": serve_name(config)}
+        row = self.engines[engine]
         cfg = engine_config(drafter, engine, target, str(dtype).removeprefix("torch."), drafter.num_depths)
-        if engine == "speculators":
-            cfg.update(architectures=[SPECULATORS_ARCHITECTURE], speculators_model_type="peagle",
-                       mask_token_id=drafter.mask_token_id)
-            cfg["speculators_config"]["algorithm"] = "peagle"
-            cfg["transformer_layer_config"]["num_hidden_layers"] = 1 + len(drafter.upper)
-        else:
-            cfg.update(architectures=[ARCHITECTURE], pard_token=drafter.mask_token_id,
-                       mask_token_id=drafter.mask_token_id)
-            cfg["num_hidden_layers"] = 1 + len(drafter.upper)
+        row.configure(cfg, drafter)
         state = engine_state(drafter, engine, dtype)
-        shape = (1, 1, -1) if engine == "speculators" else (1, -1)  # speculators' parameter is [1, 1, F*D]
-        state[MASK_HIDDEN] = drafter.mask_hidden.detach().to(dtype).reshape(shape).contiguous()
+        state[MASK_HIDDEN] = drafter.mask_hidden.detach().to(dtype).reshape(row.mask_hidden_shape).contiguous()
         for i, upper in enumerate(drafter.upper, start=1):
             state.update({f"layers.{i}.{name}": t.detach().to(dtype).contiguous()
                           for name, t in upper_state(upper).items()})
@@ -197,11 +237,12 @@ class PEagleAdapter:
         mask_hidden = state.pop(MASK_HIDDEN, None)
         upper = {k: state.pop(k) for k in list(state) if UPPER.match(k)}
         params, vocab, problems = load_like_engine(engine, "eagle3", state, config)
-        upper_params, upper_problems = load_upper_layers(upper, config, packed=engine == "vllm")
+        row = self.engines[engine]
+        upper_params, upper_problems = load_upper_layers(upper, config, packed=row.packed)
         params.update(upper_params)
         problems += upper_problems
         width = config.get("transformer_layer_config", config)["hidden_size"] * 3
-        want = (1, 1, width) if engine == "speculators" else (1, width)
+        want = tuple(width if n == -1 else n for n in row.mask_hidden_shape)
         if mask_hidden is None:
             problems.append(f"tensor {MASK_HIDDEN!r} is missing: {engine}'s P-EAGLE requires it")
         elif tuple(mask_hidden.shape) != want:
@@ -212,25 +253,16 @@ class PEagleAdapter:
     def check(self, path: Path, engine: str, kind: str, config: dict, target: dict) -> list[str]:
         if not (path / "model.safetensors").is_file():
             return [f"{path / 'model.safetensors'} is missing"]
-        speculators = engine == "speculators"
+        row = self.engines[engine]
         layer_cfg = config.get("transformer_layer_config", config)
-        token_key = "mask_token_id" if speculators else "pard_token"
-        need = ("architectures", "draft_vocab_size", token_key) + (
-            ("speculators_model_type", "transformer_layer_config", "speculators_config") if speculators else
-            ("hidden_size", "vocab_size"))
+        token_key = row.token_key
+        need = ("architectures", "draft_vocab_size", token_key) + row.need
         problems = [f"config.json lacks {key}" for key in need if key not in config]
         if problems:
             return problems
-        want = SPECULATORS_ARCHITECTURE if speculators else ARCHITECTURE
-        if config["architectures"] != [want]:
-            problems.append(f"config.json architectures={config['architectures']!r}, expected [{want!r}]")
-        if speculators:
-            problems += [f"{key}={value!r}, speculators' P-EAGLE class is registered as 'peagle'" for key, value in
-                         (("speculators_model_type", config["speculators_model_type"]),
-                          ("speculators_config.algorithm", config["speculators_config"].get("algorithm")))
-                         if value != "peagle"]
-            if not (config["speculators_config"].get("verifier") or {}).get("name_or_path"):
-                problems.append("speculators_config.verifier.name_or_path is missing (vLLM reads the target from it)")
+        if config["architectures"] != [row.architecture]:
+            problems.append(f"config.json architectures={config['architectures']!r}, expected [{row.architecture!r}]")
+        problems += row.problems(config)
         token = config[token_key]
         if not isinstance(token, int) or not 0 <= token < layer_cfg["vocab_size"]:
             problems.append(f"{token_key}={token!r} is not a token id of the vocabulary")
@@ -261,7 +293,7 @@ class PEagleAdapter:
         eagle3 = drafter_from_engine(engine, "eagle3", first, vocab, config, dims, layers, {})
         saved = sidecar["drafter"]
         c = config.get("transformer_layer_config", config)
-        token = config["mask_token_id"] if engine == "speculators" else config["pard_token"]
+        token = config[self.engines[engine].token_key]
         drafter = PEagleDrafter(dims, layers=layers, num_heads=c["num_attention_heads"],
                                 intermediate_size=c["intermediate_size"], rope_theta=c["rope_theta"],
                                 draft_vocab_size=config["draft_vocab_size"], mask_token_id=token,
@@ -276,14 +308,14 @@ class PEagleAdapter:
 
     def serve_command(self, engine: str, kind: str, target: str, export_dir: str, num_tokens: int,
                       tree: dict | None = None) -> str:
-        return (_speculators_serve if engine == "speculators" else _vllm_serve)(target, export_dir, num_tokens)
+        return self.engines[engine].serve(target, export_dir, num_tokens)
 
     def card(self, engine: str, kind: str, config: dict, output_dir: Path, report: dict | None,
              serve_target: str) -> str:
         drafter = config.get("drafter", {})
         tokens = drafter.get("depth") or drafter.get("num_depths") or 8
         line = self.serve_command(engine, kind, serve_target, str(output_dir), tokens)
-        token = "`mask_token_id`" if engine == "speculators" else "`pard_token`"
+        token = f"`{self.engines[engine].token_key}`"
         notes = [f"P-EAGLE: EAGLE-3's layout plus `mask_hidden` and {token} (the parallel slots' inputs); vLLM "
                  f"drafts {tokens} tokens per forward with parallel drafting. Target layers (specdraft hidden-state "
                  f"indices): {drafter.get('layers')}. The target's embeddings are not in this export: the engine "
