@@ -34,7 +34,7 @@ NODES = {"medusa": MEDUSA_NODE, "eagle1": EAGLE1_NODE, "eagle3": EAGLE3_NODE, "d
 # Every engine each kind exports to (the refused pairs are tested in test_export*.py).
 EXPORTS = {"medusa": ("vllm", "hf"), "eagle1": ("vllm", "sglang", "hf"), "eagle3": ("vllm", "sglang", "speculators"),
            "draft_model": ("vllm", "sglang", "hf"), "dflash": ("vllm", "sglang", "speculators"),
-           "peagle": ("vllm", "speculators")}
+           "peagle": ("vllm", "speculators"), "dspark": ("vllm", "speculators")}
 TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
 
