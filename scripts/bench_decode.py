@@ -191,7 +191,7 @@ def main(argv=None) -> None:
                     f"experiment={DSPARK_RECIPE}'s)")
     ap.add_argument("--dspark-thresholds", default="0.3,0.5", help="DSpark is also evaluated with each of these "
                     "drafter.confidence_threshold values (comma-separated; empty: the fixed block only)")
-    ap.add_argument("--dspark-eager", action="store_true", help="also evaluate every DSpark row through its eager "
+    ap.add_argument("--dspark-eager", action="store_true", help="also evaluate the dspark rows through its eager "
                     "proposal (a cut block verifies fewer positions; a block cut to nothing is a plain step) "
                     "instead of its static step (the cut slots stay in the verify bucket)")
     ap.add_argument("--peagle-dir", default=None, help="train P-EAGLE into this run dir, or reuse the drafter there")
@@ -355,8 +355,8 @@ def dspark_views(drafters: dict, thresholds: str, eager: bool) -> dict:
         base = drafters[kind]
         for t in [float(x) for x in thresholds.split(",") if x.strip()]:
             views[f"{kind}[conf={t:g}]"] = base.with_threshold(t)
-    if eager:
-        for name, d in [(k, v) for k, v in {**drafters, **views}.items() if k.startswith("dspark")]:
+    if eager:  # the full method only (its Markov head and its cut)
+        for name, d in [(k, v) for k, v in {**drafters, **views}.items() if k.split("[")[0] == "dspark"]:
             view = d.with_threshold(d.confidence_threshold)
             view.static_draft = lambda *args, **kwargs: None
             views[f"{name}[eager]"] = view
