@@ -184,7 +184,7 @@ def test_static_draft_drafts_what_propose_drafts(teacher, threshold, vocab):
             assert bool((probs[torch.arange(len(kept)), torch.tensor(kept, dtype=torch.long)] > 0).all())
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_sampled_output_distribution_is_the_targets_with_the_cut(batch):
     """Temperature-1 sampling through the decode loop (batch 1: the static step; batch 4: the batched rows) with the
     Markov head and the confidence cut on draws each 3-token continuation with the target's own probability."""
