@@ -348,13 +348,12 @@ def main(argv=None) -> None:
 
 
 def dspark_views(drafters: dict, thresholds: str, eager: bool) -> dict:
-    """The trained DSpark drafters again (same weights) with each confidence threshold, and, with ``eager``, every
-    DSpark row through its eager proposal (a copy whose ``static_draft`` offers none)."""
+    """The trained DSpark drafter again (same weights) with each confidence threshold, and, with ``eager``, each of
+    those rows through its eager proposal (a copy whose ``static_draft`` offers none)."""
     views = {}
-    for kind in [k for k in drafters if k.startswith("dspark")]:
-        base = drafters[kind]
+    if "dspark" in drafters:  # the full method; dspark_nomarkov is decoded at the fixed block (the Markov head's effect)
         for t in [float(x) for x in thresholds.split(",") if x.strip()]:
-            views[f"{kind}[conf={t:g}]"] = base.with_threshold(t)
+            views[f"dspark[conf={t:g}]"] = drafters["dspark"].with_threshold(t)
     if eager:  # the full method only (its Markov head and its cut)
         for name, d in [(k, v) for k, v in {**drafters, **views}.items() if k.split("[")[0] == "dspark"]:
             view = d.with_threshold(d.confidence_threshold)
@@ -365,15 +364,16 @@ def dspark_views(drafters: dict, thresholds: str, eager: bool) -> dict:
 
 def offered_per_token(teacher, drafters: dict, prompts, eval_cfg, dcfg, num_draft: dict, report: dict) -> dict:
     """Draft positions offered for verification per committed token: from the report's histogram of draft lengths,
-    or, for a drafter that counts what it offers after a cut (DSpark's ``offered_positions``; its static step keeps
-    the bucket's length in the histogram), from one more greedy decode of the prompts."""
+    or, for a drafter that cuts its block in its static step (DSpark with a confidence threshold: the histogram
+    keeps the bucket's length), from its own count over one more greedy decode of the prompts."""
     from eval.run import build_decoder
 
     out = {}
     for r in report["results"]:
         name = r["drafter"]
         drafter = drafters[name]
-        if hasattr(drafter, "offered_positions"):
+        # an eager view (``dspark_views``) has its own static_draft, which offers none: its histogram holds the cut
+        if getattr(drafter, "confidence_threshold", None) is not None and "static_draft" not in vars(drafter):
             decoder = build_decoder(teacher, dcfg)
             drafter.clear_offered()
             new = sum(len(decoder.speculative(drafter, torch.tensor([list(p)]), eval_cfg.max_new_tokens,
