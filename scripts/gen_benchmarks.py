@@ -388,7 +388,7 @@ SOURCES: dict[str, Source] = {
     "bench_decode_dspark_toy_cpu.json": Source(
         "Decoding on the CPU toy target: DSpark against DFlash, each head alone",
         f"{DECODE} --threads 1 --target-steps 300 --methods dflash,dspark,dspark_nomarkov --dflash-dir RUN1 "
-        "--dspark-dir RUN2 --dspark-nomarkov-dir RUN3 --dspark-thresholds 0.4 --dspark-eager "
+        "--dspark-dir RUN2 --dspark-nomarkov-dir RUN3 --dspark-thresholds 0.05,0.1,0.2,0.4 --dspark-eager "
         "target.toy.autocast_bf16=false", render_dspark,
         "`dspark`: `experiment=dspark_toy` (docs/dspark.md) at the fixed block, `[conf=t]` with "
         "`drafter.confidence_threshold=t`, `[eager]` through the eager proposal (a block cut to nothing is a plain "
