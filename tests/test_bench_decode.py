@@ -33,7 +33,7 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     assert set(data["transfers_per_step"]) == set(methods)
     assert all(0 < n <= 4 for n in data["transfers_per_step"].values()), data["transfers_per_step"]
     assert summary["dflash"]["num_draft"] == summary["dspark"]["num_draft"] == 7  # the recipes' whole block (8 - 1)
-    assert set(data["offered_per_token"]) == set(methods)
+    assert set(methods) <= set(data["offered_per_token"])
     assert data["offered_per_token"]["dspark[conf=0.5]"] <= data["offered_per_token"]["dspark"]
 
 

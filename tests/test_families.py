@@ -56,7 +56,7 @@ KINDS = {
     "peagle": Kind({"_target_": "heads.peagle.PEagleDrafter", "num_depths": 3, "draft_vocab_size": None},
                    {"chain": None}),
     "dspark": Kind({"_target_": "heads.dspark.DSparkDrafter", "block_size": 4, "objective": "distill",
-                    "markov_rank": 16, "confidence_threshold": 0.2}, {"chain": None}, exported=True),
+                    "markov_rank": 16, "confidence_threshold": 0.05}, {"chain": None}, exported=True),
 }
 DRAFTERS = {kind: row.node for kind, row in KINDS.items()}
 TREES = {kind: row.trees for kind, row in KINDS.items()}
