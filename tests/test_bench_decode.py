@@ -20,8 +20,8 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     bench.main(["--preset", "tiny", "--out", str(out), "eval.num_prompts=2"])
     data = json.loads(out.read_text())
     summary = data["runs"]["greedy"]["summary"]
-    methods = ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "eagle1", "eagle3", "dflash", "dspark",
-               "dspark_nomarkov", "dspark[conf=0.3]", "dspark[conf=0.5]")
+    methods = ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "eagle1", "eagle3", "dflash", "peagle",
+               "dspark", "dspark_nomarkov", "dspark[conf=0.3]", "dspark[conf=0.5]")
     assert {*methods, "hf_generate", "hf_assisted[draft_model]", "plain"} <= set(summary)
     best = max(summary["plain"]["tokens_per_s"], summary["hf_generate"]["tokens_per_s"])
     for name in methods:
