@@ -337,9 +337,12 @@ class DFlashDrafter(Drafter):
         if self.draft_vocab_size is None:
             return self._logits(out_ND)
         rows = self.head_rows() if rows is None else rows
-        sub = F.linear(out_ND.to(rows.dtype), rows).to(out_ND.dtype)  # [N, Vd]
-        full = sub.new_full((sub.shape[0], self.dims.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.d2t.to(sub.device), sub)
+        return self.expand_draft(F.linear(out_ND.to(rows.dtype), rows).to(out_ND.dtype))
+
+    def expand_draft(self, sub_NVd: Tensor) -> Tensor:
+        """[N, V] logits from draft-vocabulary ones [N, Vd]: -inf for every id outside ``d2t``."""
+        full = sub_NVd.new_full((sub_NVd.shape[0], self.dims.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.d2t.to(sub_NVd.device), sub_NVd)
 
     # --- training ------------------------------------------------------------------------------------------
     def train_flops(self, target, B: int, T: int):
@@ -390,6 +393,13 @@ class DFlashDrafter(Drafter):
         return idx.clamp(max=cand_BT.shape[1] - 1), drawn.gather(1, order)
 
     def forward(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput, loss_fn=None) -> DraftOutput:
+        out, pos_BNS, drawn = self.train_blocks(batch, teacher_out)
+        terms = self.block_terms(out, Frozen(self._frozen["lm_head"]), pos_BNS, drawn, batch, teacher_out)
+        return DraftOutput(terms=terms, num_valid=drawn.sum()).evaluate(loss_fn)
+
+    def train_blocks(self, batch: Mapping[str, Tensor], teacher_out: TeacherOutput) -> tuple[Tensor, Tensor, Tensor]:
+        """Every drawn anchor's block in one forward: (out [B, N, S, D]: the normed block states, block positions
+        [B, N, S], drawn [B, N]: which of the N anchor slots hold a drawn anchor)."""
         ids, attn = batch["input_ids"], batch["attention_mask"].bool()
         B, T = ids.shape
         S = self.block_size
@@ -412,10 +422,17 @@ class DFlashDrafter(Drafter):
         ctx_pos = torch.arange(T, device=dev)
         for layer in self.layers:
             h = layer(h, pos_q, None, None, mask, ctx_BTD=ctx, ctx_pos=ctx_pos)
-        out = self.norm(h).view(B, N, S, -1)
-        valid = batch["loss_mask"].bool() & attn
+        return self.norm(h).view(B, N, S, -1), pos_BNS, drawn
+
+    def block_terms(self, feats_BNSX: Tensor, head, pos_BNS: Tensor, drawn: Tensor, batch: Mapping[str, Tensor],
+                    teacher_out: TeacherOutput) -> list[DraftTerm]:
+        """One term per drafted slot k = 1 .. S - 1: ``head`` over slot k's features ``feats_BNSX[:, :, k]`` (the
+        block states, or what a subclass's head reads beside them) against the target's token / distribution."""
+        B, N, S, _ = feats_BNSX.shape
+        T = batch["input_ids"].shape[1]
+        dev = feats_BNSX.device
+        valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         terms = []
-        head = Frozen(self._frozen["lm_head"])
         # Every slot of every block is a row of its term, weighted by whether it trains (an empty term weighs 0):
         # static shapes, no sync.
         b_N = torch.arange(B, device=dev)[:, None].expand(B, N).reshape(-1)
@@ -425,8 +442,8 @@ class DFlashDrafter(Drafter):
             rows &= valid.gather(1, target.clamp(max=T - 1))
             weight_N = rows.reshape(-1).float()
             t_N = target.clamp(max=T).reshape(-1) - 1  # the target's distribution for token a + k sits at a + k - 1
-            weight = math.exp(-(k - 1) / self.loss_gamma)
-            student = out[:, :, k].reshape(B * N, -1)
+            weight = self.slot_weight(k)
+            student = feats_BNSX[:, :, k].reshape(B * N, -1)
             if self.objective == "ce":
                 labels = teacher_out.argmax_BT()[b_N, t_N]
                 terms.append(TokenTerm(student, head, TargetTokens(labels, self.dims.vocab_size), weight=weight,
@@ -434,7 +451,11 @@ class DFlashDrafter(Drafter):
             else:
                 terms.append(DraftTerm(student, head, TeacherRows(teacher_out, b_N, t_N), weight=weight,
                                        weight_N=weight_N))
-        return DraftOutput(terms=terms, num_valid=drawn.sum()).evaluate(loss_fn)
+        return terms
+
+    def slot_weight(self, k: int) -> float:
+        """Block slot k's loss weight, exp(-(k - 1) / loss_gamma)."""
+        return math.exp(-(k - 1) / self.loss_gamma)
 
     # --- decoding ------------------------------------------------------------------------------------------
     def reset(self, seed: int = 0) -> None:
@@ -487,9 +508,13 @@ class DFlashDrafter(Drafter):
         return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
 
     def _block_logits(self, anchor: Tensor, position: int) -> Tensor:
-        """[S, V]: the whole block [anchor, MASK ...] at ``position`` .. ``position`` + S - 1 over the context keys of
-        positions < ``position`` (all of them, or those inside the sliding window of each slot's position), as
-        trained (the masked slots attend to one another); row k >= 1 predicts the token at position + k."""
+        return self.draft_logits(self.block_states(anchor, position))
+
+    def block_states(self, anchor: Tensor, position: int) -> Tensor:
+        """[S, D]: the normed states of the whole block [anchor, MASK ...] at ``position`` .. ``position`` + S - 1 over
+        the context keys of positions < ``position`` (all of them, or those inside the sliding window of each slot's
+        position), as trained (the masked slots attend to one another); row k >= 1 predicts the token at position + k.
+        """
         keys = self._context_keys(position)
         dev = self.fc.weight.device
         S = self.block_size
@@ -503,7 +528,7 @@ class DFlashDrafter(Drafter):
             mask = torch.cat([sees, torch.ones(S, S, dtype=torch.bool, device=dev)], 1)[None, None]
         for layer, (ck, cv) in zip(self.layers, keys):
             h = layer(h, pos, ck, cv, mask)
-        return self.draft_logits(self.norm(h[0]))
+        return self.norm(h[0])
 
     def rows(self, seeds: list[int]):
         """A batch of sequences drafted in one forward per step (``heads.dflash_rows``)."""

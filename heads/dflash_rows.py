@@ -57,6 +57,14 @@ class DFlashRows:
     @torch.no_grad()
     def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
         """Row b's chain continuing ``tokens[b]`` ([1, n_b]), at most ``depths[b]`` deep (0: an empty tree)."""
+        out, _ = self.block_out(tokens)
+        B, top = out.shape[:2]
+        logits = self.drafter.draft_logits(out.reshape(B * top, -1)).view(B, top, -1)
+        return row_chains(logits, tokens, [min(top, want) for want in depths], samplings, self._sampler)
+
+    def block_out(self, tokens: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Every row caught up, then the B blocks in one forward: (the drafted slots' normed states [B, top, D], the
+        anchors [B])."""
         d = self.drafter
         self._catch_up(tokens)
         dev = d.fc.weight.device
@@ -77,9 +85,7 @@ class DFlashRows:
         for layer, (k, v) in zip(d.layers, self.keys):
             h = layer(h, pos, k[:, :, :C].to(h.dtype), v[:, :, :C].to(h.dtype), mask)
         top = min(d.depth or S - 1, S - 1)
-        out = d.norm(h[:, 1: top + 1])  # [B, top, D]
-        logits = d.draft_logits(out.reshape(B * top, -1)).view(B, top, -1)
-        return row_chains(logits, tokens, [min(top, want) for want in depths], samplings, self._sampler)
+        return d.norm(h[:, 1: top + 1]), anchors  # [B, top, D]
 
     def _sampler(self, row: int, device: torch.device) -> torch.Generator:
         self.generators[row] = seeded_generator(self.generators[row], self.seeds[row], device)

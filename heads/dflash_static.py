@@ -92,6 +92,15 @@ class DFlashStaticDraft:
     # --- capture-safe, every step -----------------------------------------------------------------------------
     @torch.no_grad()
     def draft(self) -> None:
+        out, _ = self.block_out()
+        logits = self.drafter.draft_logits(out, self.head_rows)  # [T, V]
+        if self.sampling.greedy:
+            self.buffers.tokens_T.copy_(logits.argmax(-1))
+            return
+        draw_chain(self, logits)
+
+    def block_out(self) -> tuple[Tensor, Tensor]:
+        """The catch-up, then the block: (the drafted slots' normed states [T, D], the anchor token [])."""
         d, c = self.drafter, self.committed
         feats = torch.cat([c.hidden_M[i] for i in d.teacher_layers], -1)
         pos = (self.length + self.rows_M).clamp(max=self.ctx_cols - 1)  # in range whenever length <= capacity
@@ -112,8 +121,4 @@ class DFlashStaticDraft:
         h = d._embed(ids[None], d.fc.weight)
         for layer, (kbuf, vbuf) in zip(d.layers, self.keys):
             h = layer.forward_in_place(h, block_pos, kbuf, vbuf, cols, mask)
-        logits = d.draft_logits(d.norm(h[0, 1: self.depth + 1]), self.head_rows)  # [T, V]
-        if self.sampling.greedy:
-            self.buffers.tokens_T.copy_(logits.argmax(-1))
-            return
-        draw_chain(self, logits)
+        return d.norm(h[0, 1: self.depth + 1]), anchor

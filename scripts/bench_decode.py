@@ -89,9 +89,12 @@ PRESETS = {
         "peagle": {"overrides": ["regenerate.engine=batched"], "steps": 400},
     },
 }
-METHODS = ("medusa-chain", "medusa-tree", "draft_model", "lookup", "eagle1", "eagle3", "dflash", "peagle")
+METHODS = ("medusa-chain", "medusa-tree", "draft_model", "lookup", "eagle1", "eagle3", "dflash", "peagle", "dspark",
+           "dspark_nomarkov")
 DFLASH_RECIPE = "dflash_toy"  # conf/experiment/: the recipe the dflash method trains with (its steps included)
 PEAGLE_RECIPE = "peagle_toy"  # likewise for peagle
+DSPARK_RECIPE = "dspark_toy"  # likewise for dspark; dspark_nomarkov: the same without the Markov head
+NO_MARKOV = ["drafter.markov_rank=0", "drafter.confidence_with_markov=false"]
 
 
 def compose_cfg(preset: dict, extra: list[str], drafter: str, steps: int | None):
@@ -182,6 +185,15 @@ def main(argv=None) -> None:
     ap.add_argument("--dflash-dir", default=None, help="train DFlash into this run dir, or reuse the drafter there")
     ap.add_argument("--dflash-steps", type=int, default=None, help=f"DFlash training steps (default: "
                     f"experiment={DFLASH_RECIPE}'s)")
+    ap.add_argument("--dspark-dir", default=None, help="train DSpark into this run dir, or reuse the drafter there")
+    ap.add_argument("--dspark-nomarkov-dir", default=None, help="likewise for DSpark without its Markov head")
+    ap.add_argument("--dspark-steps", type=int, default=None, help=f"DSpark training steps (default: "
+                    f"experiment={DSPARK_RECIPE}'s)")
+    ap.add_argument("--dspark-thresholds", default="0.3,0.5", help="DSpark is also evaluated with each of these "
+                    "drafter.confidence_threshold values (comma-separated; empty: the fixed block only)")
+    ap.add_argument("--dspark-eager", action="store_true", help="also evaluate the dspark rows through its eager "
+                    "proposal (a cut block verifies fewer positions; a block cut to nothing is a plain step) "
+                    "instead of its static step (the cut slots stay in the verify bucket)")
     ap.add_argument("--peagle-dir", default=None, help="train P-EAGLE into this run dir, or reuse the drafter there")
     ap.add_argument("--peagle-steps", type=int, default=None, help=f"P-EAGLE training steps (default: the preset's, "
                     f"else experiment={PEAGLE_RECIPE}'s)")
@@ -241,18 +253,23 @@ def main(argv=None) -> None:
         if kind in methods:
             kind_cfg = compose_cfg(preset, args.overrides, kind, steps)
             drafters[kind], setup[f"{kind}_training"] = trained(kind_cfg, run_dir, teacher, kind)
-    for kind, recipe, run_dir, kind_steps in (("dflash", DFLASH_RECIPE, args.dflash_dir, args.dflash_steps),
-                                              ("peagle", PEAGLE_RECIPE, args.peagle_dir, args.peagle_steps)):
+    for kind, recipe, run_dir, kind_steps, extra in (
+            ("dflash", DFLASH_RECIPE, args.dflash_dir, args.dflash_steps, []),
+            ("peagle", PEAGLE_RECIPE, args.peagle_dir, args.peagle_steps, []),
+            ("dspark", DSPARK_RECIPE, args.dspark_dir, args.dspark_steps, []),
+            ("dspark_nomarkov", DSPARK_RECIPE, args.dspark_nomarkov_dir, args.dspark_steps, NO_MARKOV)):
         if kind in methods:
-            own = preset.get(kind, {})
-            kind_cfg = compose_cfg(preset, [f"experiment={recipe}", *own.get("overrides", []), *args.overrides],
-                                   kind, kind_steps or own.get("steps"))
+            own = preset.get(kind, preset.get("dflash", {}) if kind.startswith("dspark") else {})
+            kind_cfg = compose_cfg(preset, [f"experiment={recipe}", *own.get("overrides", []), *extra,
+                                            *args.overrides], kind.split("_")[0], kind_steps or own.get("steps"))
             drafters[kind], setup[f"{kind}_training"] = trained(kind_cfg, run_dir, teacher, kind)
+    drafters.update(dspark_views(drafters, args.dspark_thresholds, args.dspark_eager))
     # a parallel drafter drafts its whole block / every trained depth in one forward (or its configured depth); the
     # others eval.num_draft
     num_draft = {}
-    if "dflash" in drafters:
-        num_draft["dflash"] = drafters["dflash"].depth or drafters["dflash"].block_size - 1
+    for name, d in drafters.items():
+        if name.startswith(("dflash", "dspark")):
+            num_draft[name] = d.depth or d.block_size - 1
     if "peagle" in drafters:
         num_draft["peagle"] = drafters["peagle"].depth or drafters["peagle"].num_depths
 
@@ -292,6 +309,8 @@ def main(argv=None) -> None:
                          dcfg.__class__(**{**vars(dcfg), "auto_tune": True}))
         out["runs"]["greedy_auto_tune"] = {"summary": summarize(tuned), "report": tuned}
         save()
+    out["offered_per_token"] = offered_per_token(teacher, drafters, prompts, cfg.eval, dcfg, num_draft, report)
+    save()
     out["transfers_per_step"] = transfers_per_step(teacher, drafters, prompts[0], cfg.eval, dcfg, num_draft)
     save()
     if device.type == "cuda" and dcfg.cuda_graphs != "off" and not args.no_eager_steps:  # graphs vs eager steps
@@ -326,6 +345,45 @@ def main(argv=None) -> None:
             print(f"  {name:<36}" + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in row.items() if k != "alpha_per_position"))
     print(f"wrote {path}")
+
+
+def dspark_views(drafters: dict, thresholds: str, eager: bool) -> dict:
+    """The trained DSpark drafter again (same weights) with each confidence threshold, and, with ``eager``, each of
+    those rows through its eager proposal (a copy whose ``static_draft`` offers none)."""
+    views = {}
+    if "dspark" in drafters:  # the full method; dspark_nomarkov is decoded at the fixed block (the Markov head's effect)
+        for t in [float(x) for x in thresholds.split(",") if x.strip()]:
+            views[f"dspark[conf={t:g}]"] = drafters["dspark"].with_threshold(t)
+    if eager:  # the full method only (its Markov head and its cut)
+        for name, d in [(k, v) for k, v in {**drafters, **views}.items() if k.split("[")[0] == "dspark"]:
+            view = d.with_threshold(d.confidence_threshold)
+            view.static_draft = lambda *args, **kwargs: None
+            views[f"{name}[eager]"] = view
+    return views
+
+
+def offered_per_token(teacher, drafters: dict, prompts, eval_cfg, dcfg, num_draft: dict, report: dict) -> dict:
+    """Draft positions offered for verification per committed token: from the report's histogram of draft lengths,
+    or, for a drafter that cuts its block in its static step (DSpark with a confidence threshold: the histogram
+    keeps the bucket's length), from its own count over one more greedy decode of the prompts."""
+    from eval.run import build_decoder
+
+    out = {}
+    for r in report["results"]:
+        name = r["drafter"]
+        drafter = drafters[name]
+        # an eager view (``dspark_views``) has its own static_draft, which offers none: its histogram holds the cut
+        if getattr(drafter, "confidence_threshold", None) is not None and "static_draft" not in vars(drafter):
+            decoder = build_decoder(teacher, dcfg)
+            drafter.clear_offered()
+            new = sum(len(decoder.speculative(drafter, torch.tensor([list(p)]), eval_cfg.max_new_tokens,
+                                              num_draft.get(name, eval_cfg.num_draft)).new_tokens) for p in prompts)
+            out[name] = drafter.offered_positions() / max(1, new)
+        else:
+            lengths = r.get("accept_counts_by_draft_len") or {}
+            offered = sum(int(n) * sum(row.values()) for n, row in lengths.items())
+            out[name] = offered / max(1, r["new_tokens"])
+    return out
 
 
 def transfers_per_step(teacher, drafters: dict, prompt, eval_cfg, dcfg, num_draft: dict | None = None) -> dict:

@@ -97,6 +97,19 @@ def render_decode(d: dict) -> str:
     return "\n\n".join(parts)
 
 
+def render_dspark(d: dict) -> str:
+    """The decode table with the draft positions each method offered for verification per committed token."""
+    header = ["method", "τ", "α per position", "tokens/s", "speedup", "offered / token", "identical to greedy"]
+    offered = d.get("offered_per_token", {})
+    rows = []
+    for name, s in d["runs"]["greedy"]["summary"].items():
+        alpha_pos = " ".join(f"{a:.2f}" for a in s["alpha_per_position"]) if "alpha_per_position" in s else "–"
+        rows.append([DECODE_LABELS.get(name, name), _f(s.get("tau")), alpha_pos, _f(s["tokens_per_s"], 1),
+                     _x(1.0 if name == "plain" else s.get("speedup")), _f(offered.get(name)),
+                     _f(s.get("identical_to_greedy")) if name != "plain" else "–"])
+    return _table(header, rows)
+
+
 def render_modes(d: dict) -> str:
     header = ["run", "mode", "plain tokens/s", "plain ÷ HF static", "EAGLE-1 tokens/s", "EAGLE-1 ÷ plain", "EAGLE-1 τ",
               "EAGLE-1 identical", "plain = eager", "EAGLE-1 = eager", "largest gap vs eager", "warm-up s", "fallback"]
@@ -428,6 +441,15 @@ SOURCES: dict[str, Source] = {
         f"{DECODE} --threads 2 --methods lookup,eagle1,dflash --eagle1-dir RUN1 --dflash-dir RUN2", render_decode,
         "DFlash: `experiment=dflash_toy` (docs/dflash.md), drafting its whole block (7 tokens); EAGLE-1: the "
         "16-node dynamic tree, γ = 4. One process, run alone, 20 held-out prompts, 96 new tokens, greedy."),
+    "bench_decode_dspark_toy_cpu.json": Source(
+        "Decoding on the CPU toy target: DSpark against DFlash, each head alone",
+        f"{DECODE} --threads 1 --target-steps 300 --methods dflash,dspark,dspark_nomarkov --dflash-dir RUN1 "
+        "--dspark-dir RUN2 --dspark-nomarkov-dir RUN3 --dspark-thresholds 0.05,0.1,0.2,0.4 --dspark-eager "
+        "target.toy.autocast_bf16=false", render_dspark,
+        "`dspark`: `experiment=dspark_toy` (docs/dspark.md) at the fixed block, `[conf=t]` with "
+        "`drafter.confidence_threshold=t`, `[eager]` through the eager proposal (a block cut to nothing is a plain "
+        "step); `dspark_nomarkov`: the same without the Markov head. Offered / token: draft positions put up for "
+        "verification per committed token. 20 held-out prompts, 96 new tokens, greedy, one process."),
     "bench_decode_draft_lookup_toy_cpu.json": Source(
         "Decoding on the CPU toy target: draft model and lookup",
         f"{DECODE} --threads 2 --methods draft_model,lookup", render_decode),

@@ -25,15 +25,16 @@ EAGLE3_NODE = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "num
                "top_k": 3, "total_tokens": 10, "layers": [1, 2, 3], "draft_vocab_size": 96}
 DRAFT_MODEL_NODE = {"_target_": "heads.draft_model.DraftModel", "source": "hf", "name": "tiny-draft"}
 DFLASH_NODE = {"_target_": "heads.dflash.DFlashDrafter", "block_size": 6, "num_layers": 2}
+DSPARK_NODE = {"_target_": "heads.dspark.DSparkDrafter", "block_size": 6, "num_layers": 2, "markov_rank": 8}
 PEAGLE_NODE = {"_target_": "heads.peagle.PEagleDrafter", "num_heads": 2, "layers": [1, 2, 3], "num_depths": 4,
                "draft_vocab_size": 96}
 NODES = {"medusa": MEDUSA_NODE, "eagle1": EAGLE1_NODE, "eagle3": EAGLE3_NODE, "draft_model": DRAFT_MODEL_NODE,
-         "dflash": DFLASH_NODE, "peagle": PEAGLE_NODE}
+         "dflash": DFLASH_NODE, "peagle": PEAGLE_NODE, "dspark": DSPARK_NODE}
 
 # Every engine each kind exports to (the refused pairs are tested in test_export*.py).
 EXPORTS = {"medusa": ("vllm", "hf"), "eagle1": ("vllm", "sglang", "hf"), "eagle3": ("vllm", "sglang", "speculators"),
            "draft_model": ("vllm", "sglang", "hf"), "dflash": ("vllm", "sglang", "speculators"),
-           "peagle": ("vllm", "speculators")}
+           "peagle": ("vllm", "speculators"), "dspark": ("vllm", "speculators")}
 TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
 
@@ -131,6 +132,14 @@ def dflash(teacher: Teacher, seed: int = 3, **node):
     return perturbed(drafter, seed + 1, 0.2)
 
 
+def dspark(teacher: Teacher, seed: int = 3, **node):
+    """A 2-layer DSpark drafter (block 6, Markov rank 8) off its init."""
+    torch.manual_seed(seed)
+    drafter = build_drafter({**DSPARK_NODE, **node}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    return perturbed(drafter, seed + 1, 0.2)
+
+
 def build(kind: str, teacher: Teacher):
     """A deterministic tiny drafter of ``kind`` (a key of ``NODES``) bound to ``teacher``."""
     if kind == "medusa":
@@ -139,6 +148,8 @@ def build(kind: str, teacher: Teacher):
         return draft_model(teacher)
     if kind == "dflash":
         return dflash(teacher)
+    if kind == "dspark":
+        return dspark(teacher)
     return eagle(teacher, kind)
 
 

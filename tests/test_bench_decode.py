@@ -20,7 +20,8 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     bench.main(["--preset", "tiny", "--out", str(out), "eval.num_prompts=2"])
     data = json.loads(out.read_text())
     summary = data["runs"]["greedy"]["summary"]
-    methods = ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "eagle1", "eagle3", "dflash")
+    methods = ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "eagle1", "eagle3", "dflash", "peagle",
+               "dspark", "dspark_nomarkov", "dspark[conf=0.3]", "dspark[conf=0.5]")
     assert {*methods, "hf_generate", "hf_assisted[draft_model]", "plain"} <= set(summary)
     best = max(summary["plain"]["tokens_per_s"], summary["hf_generate"]["tokens_per_s"])
     for name in methods:
@@ -31,7 +32,9 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     assert "greedy_auto_tune" in data["runs"]
     assert set(data["transfers_per_step"]) == set(methods)
     assert all(0 < n <= 4 for n in data["transfers_per_step"].values()), data["transfers_per_step"]
-    assert summary["dflash"]["num_draft"] == 7  # the recipe's whole block (8 - 1), not eval.num_draft
+    assert summary["dflash"]["num_draft"] == summary["dspark"]["num_draft"] == 7  # the recipes' whole block (8 - 1)
+    assert set(methods) <= set(data["offered_per_token"])
+    assert data["offered_per_token"]["dspark[conf=0.5]"] <= data["offered_per_token"]["dspark"]
 
 
 def test_bench_decode_refuses_unknown_methods(capsys):

@@ -64,3 +64,16 @@ def test_cli_caches_only_the_drafters_layers_and_prints_the_bytes(tiny_toy_targe
     assert re.search(re.escape(f"layers {manifest['layers']} (D={D}, bfloat16)") + rf".*: {per_token} bytes/token, expected ",
                      capsys.readouterr().out)
     assert json.loads((tmp_path / "cache" / MANIFEST).read_text())["num_rows"] > 0
+
+
+def test_dspark_offline_ce_training_follows_the_online_loss_curve(tiny_teacher, tmp_path):
+    """DSpark reads the same cached feature layers and top-1 as DFlash: its loss (tokens, Markov bias, confidence)
+    from a float32 cache follows the online curve."""
+    node = {**DFLASH_CE, "_target_": "heads.dspark.DSparkDrafter", "markov_rank": 8}
+    rows, layers = make_rows(), (0, 1)
+    online = run_training(tiny_teacher, rows, tmp_path / "online", drafter_cfg=node)
+    write(tiny_teacher, tmp_path / "cache", rows, dtype="float32", layers=layers)
+    dataset, offline = open_teacher_cache(tmp_path / "cache", tiny_teacher, DATA_CFG, layers)
+    curve = run_training(offline, dataset, tmp_path / "run", drafter_cfg=node)
+    assert len(online) == 10 and online[-1] < online[0]
+    torch.testing.assert_close(torch.tensor(curve), torch.tensor(online), rtol=1e-5, atol=1e-6)

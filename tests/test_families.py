@@ -55,6 +55,8 @@ KINDS = {
                    exported=True),
     "peagle": Kind({"_target_": "heads.peagle.PEagleDrafter", "num_depths": 3, "draft_vocab_size": None},
                    {"chain": None}),
+    "dspark": Kind({"_target_": "heads.dspark.DSparkDrafter", "block_size": 4, "objective": "distill",
+                    "markov_rank": 16, "confidence_threshold": 0.05}, {"chain": None}, exported=True),
 }
 DRAFTERS = {kind: row.node for kind, row in KINDS.items()}
 TREES = {kind: row.trees for kind, row in KINDS.items()}
@@ -327,7 +329,7 @@ def test_export_reloads_and_decodes_identically(family, kind, tmp_path):
     identity = {**teacher.identity(), "model_type": teacher.model.config.model_type}  # as train/run.py saves it
     path = save_drafter(drafter, tmp_path / "drafter", cfg, {"source": "hf", "name": teacher.name}, identity,
                         {"training": {"steps": STEPS, "loss": {"_target_": "distill.losses.forward_kl"}}})
-    if kind in ("eagle1", "dflash") and family.name.startswith("gemma"):  # scaled embeddings: no engine feeds them
+    if kind in ("eagle1", "dflash", "dspark") and family.name.startswith("gemma"):  # scaled embeddings: no engine feeds them
         with pytest.raises(ValueError, match="scales its embeddings by sqrt"):
             export_drafter(path, "vllm", tmp_path / "vllm")
         return

@@ -1,0 +1,123 @@
+"""DSpark's decoding after the backbone forward: the slot-by-slot Markov chain and the confidence cut, for one
+sequence (``DSparkDrafter.propose``), a batch of rows (``DSparkRows``) and the capture-safe static step
+(``DSparkStaticDraft``).
+
+Which token each output predicts: as in ``heads.dflash`` (block slot k >= 1 at position a + k predicts token a + k);
+slot k's Markov bias reads the token drafted at slot k - 1 (slot 1: the anchor).
+
+Shapes: B rows, T drafted slots, D hidden size, V vocabulary, r Markov rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from heads.dflash_rows import DFlashRows
+from heads.dflash_static import DFlashStaticDraft
+from heads.draft_model_static import hashed_uniforms
+from inference.acceptance import sample_uniform
+from inference.sampling import SamplingConfig, sample, warp
+from inference.static_draft import mark_static
+from inference.tree import DraftTree
+
+
+def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[SamplingConfig],
+                generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor | None, list[int]]:
+    """Every row's T drafts from its slots' states ``out_BTD``, slot by slot (the Markov bias of the token before):
+    (drafts [B, T], the sampled rows' draft distributions [B, T, V] (None when every row is greedy), the slots each
+    row keeps after the confidence cut: T without ``confidence_threshold``)."""
+    B, T, _ = out_BTD.shape
+    prev = anchors_B.to(out_BTD.device)
+    sampled = [not s.greedy for s in samplings]
+    probs = out_BTD.new_zeros(B, T, drafter.dims.vocab_size) if any(sampled) else None
+    drafts, confidence = [], []
+    for k in range(T):
+        latent = drafter.latent(prev, out_BTD)
+        logits = drafter.slot_logits(out_BTD[:, k], latent)  # [B, V]
+        if drafter.confidence_threshold is not None:
+            confidence.append(torch.sigmoid(drafter.confidence(out_BTD[:, k], latent).float()))
+        token = logits.argmax(-1)
+        for b in (b for b in range(B) if sampled[b]):
+            p = warp(logits[b: b + 1], samplings[b])
+            probs[b, k] = p[0]
+            token[b] = sample(p, generators[b])[0]
+        drafts.append(token)
+        prev = token
+    if drafter.confidence_threshold is None:
+        return torch.stack(drafts, 1), probs, [T] * B
+    keep = torch.stack(confidence, 1).cumprod(1) >= drafter.confidence_threshold  # a prefix: the product only falls
+    return torch.stack(drafts, 1), probs, keep.sum(1).tolist()
+
+
+class DSparkRows(DFlashRows):
+    """``ProposerRows`` for one ``heads.dspark.DSparkDrafter``: DFlash's batched backbone, then every row's chain
+    with its Markov bias and its own confidence cut."""
+
+    @torch.no_grad()
+    def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
+        out, anchors = self.block_out(tokens)
+        top = out.shape[1]
+        generators = [None if s.greedy else self._sampler(b, out.device) for b, s in enumerate(samplings)]
+        drafts, probs, kept = draft_chain(self.drafter, out, anchors, samplings, generators)
+        trees = []
+        for b, (t, want) in enumerate(zip(tokens, depths)):
+            n = min(top, want, kept[b])
+            self.drafter.offered += max(n, 0)
+            if n < 1:
+                trees.append(DraftTree.empty(t.device))
+            elif probs is None or samplings[b].greedy:
+                trees.append(DraftTree.chain(drafts[b, :n].to(t.device)))
+            else:
+                trees.append(DraftTree.chain(drafts[b, :n].to(t.device), probs[b, :n].to(t.device)))
+        return trees
+
+
+class DSparkStaticDraft(DFlashStaticDraft):
+    """``StaticDraft`` for one ``heads.dspark.DSparkDrafter`` (batch 1): DFlash's catch-up and block, then the T slots
+    one after another over fixed shapes. The confidence cut writes token -1 (never accepted) into the slots past it
+    and zeroes their draft distributions (the rejection rule's residual there is then the target's own); the verify
+    step keeps its bucket's width, and ``offered`` (a device counter, read by the caller when it wants it, never per
+    step) counts the slots kept."""
+
+    def __init__(self, drafter, committed, capacity: int, depth: int, sampling: SamplingConfig,
+                 generator: torch.Generator | None):
+        super().__init__(drafter, committed, capacity, depth, sampling, generator)
+        self.markov_rows = drafter.markov_rows()
+        self.offered = torch.zeros((), dtype=torch.long, device=self.length.device)
+        mark_static(self.offered, *([self.markov_rows] if self.markov_rows is not None else []))
+
+    @torch.no_grad()
+    def draft(self) -> None:
+        d = self.drafter
+        out, anchor = self.block_out()  # [T, D], []
+        greedy = self.sampling.greedy
+        if not greedy:
+            uniforms = hashed_uniforms(self.seed, self.counter, self.draws_T)
+            self.counter.add_(1)
+        prev = anchor.reshape(1)
+        tokens, probs, confidence = [], [], []
+        for k in range(self.depth):
+            latent = d.latent(prev, out)
+            logits = d.slot_logits(out[k: k + 1], latent, self.head_rows, self.markov_rows)  # [1, V]
+            if d.confidence_threshold is not None:
+                confidence.append(torch.sigmoid(d.confidence(out[k: k + 1], latent).float()))
+            if greedy:
+                prev = logits.argmax(-1)
+            else:
+                p = warp(logits, self.sampling)
+                probs.append(p[0])
+                prev = sample_uniform(p[0], uniforms[k: k + 1])
+            tokens.append(prev)
+        drafted = torch.cat(tokens)  # [T]
+        probs_TV = None if greedy else torch.stack(probs)
+        if d.confidence_threshold is not None:
+            keep = torch.cat(confidence).cumprod(0) >= d.confidence_threshold  # [T], a prefix
+            drafted = torch.where(keep, drafted, -1)
+            probs_TV = None if greedy else probs_TV * keep[:, None]
+            self.offered.add_(keep.sum())
+        else:
+            self.offered.add_(self.depth)
+        self.buffers.tokens_T.copy_(drafted)
+        if probs_TV is not None:
+            self.buffers.probs_TV.copy_(probs_TV)
