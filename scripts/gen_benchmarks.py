@@ -603,7 +603,7 @@ SOURCES: dict[str, Source] = {
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
     "bench_regenerate_toy_cpu.json": Source(
         "Regeneration throughput: regenerate.engine=auto vs HF generate() and our batched decoder (CPU, toy target)",
-        "OMP_NUM_THREADS=1 python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 3",
+        "python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 3",
         render_regenerate,
         "The same prompts and batch for every engine, each batch answered by the engines in turn, one thread, on a "
         "shared 2-core machine (with two threads the other tenants decide the figures). `auto` reports the engine it "

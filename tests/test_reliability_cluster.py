@@ -378,8 +378,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial(cache
 def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path, tiny_toy_target, tiny_teacher):
     from distill.environment import check_run_dir_override
     from distill.teacher import TargetConfig, load_teacher
-    from distill.toy.build import load_or_build_toy_target
-    from distill.toy.cache import cache_path, load_corpus
+    from distill.toy.build import load_or_build_toy_target, toy_cache_path
     from distill.toy.config import toy_config
 
     from distill.environment import one_line_errors
@@ -406,8 +405,9 @@ def test_environment_mistakes_are_one_line_naming_the_path_and_the_fix(tmp_path,
     from omegaconf import OmegaConf
 
     toy = toy_config(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "target" / "tiny.yaml"))["toy"])
-    damaged = cache_path(toy, load_corpus(toy)[2], tmp_path / "toy")
-    shutil.copytree(cache_path(toy, load_corpus(toy)[2], None), damaged)
+    built = toy_cache_path(toy)  # the session's entry, under the setting it was built with (distill.precision)
+    damaged = tmp_path / "toy" / built.name
+    shutil.copytree(built, damaged)
     (damaged / "model.safetensors").write_bytes((damaged / "model.safetensors").read_bytes()[:100])
     with pytest.raises(OSError, match="is damaged .*delete that directory and rerun"):
         load_or_build_toy_target(toy, cache_dir=tmp_path / "toy")
