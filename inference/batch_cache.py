@@ -21,29 +21,16 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from inference.static_cache import _mark_static, capacity_buckets
+from inference.static_cache import StaticKVLayer, _mark_static, capacity_buckets
 
 FINE = 32  # uncompiled steps read the columns they need, rounded up to a multiple of this
 
 
-class BatchKVLayer(CacheLayerMixin):
-    """One attention layer's keys and values for R rows, in buffers of fixed address."""
-
-    is_compileable = True
-    is_sliding = False  # kept whole; the window is in the mask
-    is_croppable = False
-
-    def __init__(self, owner: "BatchKV", keys: Tensor, values: Tensor):
-        super().__init__()
-        self._owner = owner
-        self.keys, self.values = keys, values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        pass  # allocated at construction
+class BatchKVLayer(StaticKVLayer):
+    """One attention layer's keys and values for R rows, in buffers of fixed address: the batch-1 layer
+    (``inference.static_cache.StaticKVLayer``) with a write position per row."""
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         R, h, n, hd = key_states.shape
@@ -54,17 +41,11 @@ class BatchKVLayer(CacheLayerMixin):
         b = self._owner.bucket
         return self.keys[:, :, :b], self.values[:, :, :b]
 
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self._owner.bucket, 0
-
     def get_seq_length(self, *args, **kwargs) -> int:
         return max(self._owner.host_lengths, default=0)
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
-
-    def reset(self) -> None:
-        self._owner.reset()
 
 
 class BatchKV(Cache):
