@@ -103,7 +103,7 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
     max_new, gamma = eval_cfg.max_new_tokens, eval_cfg.num_draft
     eos = teacher.tokenizer.eos_token_id if getattr(teacher, "tokenizer", None) is not None else None
     decoder = BatchStepDecoder(teacher, eos_token_id=eos, sampling=dcfg.sampling(), seed=dcfg.seed,
-                               cuda_graphs=dcfg.cuda_graphs, compile=dcfg.compile)
+                               cuda_graphs=dcfg.cuda_graphs, compile=dcfg.compile, max_rows=dcfg.max_batch_rows)
     greedy = decoder.sampling.greedy
     pool = sweep_prompts(list(prompts), batch_sizes)
     policies = {name: {"always": None} for name in drafters}

@@ -136,7 +136,7 @@ class BatchStepDecoder:
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
                  generator: torch.Generator | None = None, cuda_graphs: str = "auto", compile: str | bool = "auto",
                  compile_backend: str | None = None, steps: StepDecoder | None = None,
-                 typical: tuple[float, float] | None = None):
+                 typical: tuple[float, float] | None = None, max_rows: int | None = None):
         self.teacher = teacher
         self.model = teacher.model
         self.device = teacher.device
@@ -149,6 +149,10 @@ class BatchStepDecoder:
                                 compile_backend=compile_backend)
         self.owner = steps
         self.typical = typical  # (threshold, alpha) of Medusa's typical acceptance (LOSSY), or None: the exact rule
+        if max_rows is not None and (max_rows < 1 or max_rows & (max_rows - 1)):
+            raise ValueError(f"decoder.max_batch_rows={max_rows}: the largest batch bucket must be a power of two "
+                             f">= 1 (1, 2, 4, 8, ...), or null for no cap")
+        self.max_rows = max_rows  # the largest batch bucket; more prompts are decoded in consecutive groups of it
         self.generator = steps.generator
         self._shapes = None
         self._states: dict[tuple, BatchSteps] = {}
@@ -164,7 +168,7 @@ class BatchStepDecoder:
     @torch.no_grad()
     def plain(self, prompts: Sequence, max_new_tokens: int, sampling=None) -> BatchGeneration:
         """Autoregressive decoding of every prompt: one batched target forward per token."""
-        return self._run(None, prompts, max_new_tokens, 0, None, sampling)
+        return self._groups(None, prompts, max_new_tokens, 0, None, sampling)
 
     @torch.no_grad()
     def speculative(self, drafter: Proposer, prompts: Sequence, max_new_tokens: int, num_draft: int,
@@ -175,7 +179,31 @@ class BatchStepDecoder:
         check_vocab(drafter, self.teacher.vocab_size)
         if num_draft < 0:
             raise ValueError(f"num_draft must be >= 0, got {num_draft}")
-        return self._run(drafter, prompts, max_new_tokens, num_draft, policy, sampling)
+        return self._groups(drafter, prompts, max_new_tokens, num_draft, policy, sampling)
+
+    def _groups(self, drafter, prompts, max_new: int, num_draft: int, policy, sampling) -> BatchGeneration:
+        """``_run`` over consecutive groups of at most ``max_rows`` prompts (the largest batch bucket), merged in
+        input order; a group's latencies count from the start of the whole decode."""
+        n = self.max_rows
+        if n is None or len(prompts) <= n:
+            return self._run(drafter, prompts, max_new, num_draft, policy, sampling)
+        if isinstance(sampling, (list, tuple)):
+            groups = [(prompts[i:i + n], sampling[i:i + n]) for i in range(0, len(prompts), n)]
+        else:
+            groups = [(prompts[i:i + n], sampling) for i in range(0, len(prompts), n)]
+        out = BatchGeneration(generations=[])
+        for group, group_sampling in groups:
+            part = self._run(drafter, group, max_new, num_draft, policy, group_sampling)
+            for g in part.generations:
+                g.seconds += out.seconds
+            out.generations += part.generations
+            for name in ("seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "compile_seconds", "steps"):
+                setattr(out, name, getattr(out, name) + getattr(part, name))
+            out.stats.merge(part.stats)
+            for name in ("gamma_steps", "live_steps", "bucket_steps"):
+                getattr(out, name).update(getattr(part, name))
+            out.step_log += part.step_log
+        return out
 
     # --- state and step functions ------------------------------------------------------------------------------
     def _state(self, rows: int, columns: int, key: tuple) -> BatchSteps:

@@ -65,12 +65,15 @@ class DecoderConfig:
     # the crossover batch size where speculation stops paying (eval.batch_sweep); null: batch 1 only
     batch_sizes: Optional[List[int]] = None
     policy: str = "always"  # batched decoding: always (γ = eval.num_draft every step) | auto (inference.policy)
+    # The largest batch bucket (a power of two): a batch of more prompts is decoded in consecutive groups of this many
+    # rows, bounding the buffers and the steps compiled / recorded per bucket; null: the next power of two, uncapped.
+    max_batch_rows: Optional[int] = None
     # Batch 1 decodes through recorded steps over a static cache (inference.step_decoder, docs/gpu-decoding.md).
     # cuda_graphs: auto (on for a CUDA target) | on | off: record each step bucket as a CUDA graph and replay it.
     cuda_graphs: str = "auto"
-    # compile: auto (on for a CUDA target) | on | off: torch.compile each step function (fullgraph=True,
-    # dynamic=False: inductor fuses the target's small kernels); with CUDA graphs on, the compiled step is then
-    # recorded like an eager one. The first use of each step shape pays its compilation (about 20 s on an H200 for a
+    # compile: auto (on for a CUDA target) | on | off: torch.compile each step function (fullgraph=True; one graph per
+    # step kind shared by its capacity buckets: inductor fuses the target's small kernels); with CUDA graphs on, it is
+    # recorded like an eager step. The first use of each step kind pays its compilation (about 20 s on an H200 for a
     # 1B target; the report's decoder_steps.compile_seconds). off: graphs over eager steps.
     compile: str = "auto"
 
@@ -109,7 +112,8 @@ class Decoder:
         # Batches of prompts: the same steps with a batch dimension (inference.batch_decoder), sharing these settings
         # and this generator.
         typical = (config.typical_threshold, config.typical_alpha) if config.acceptance == "typical" else None
-        self.batch = BatchStepDecoder(teacher, eos_token_id, sampling, steps=self.steps, typical=typical)
+        self.batch = BatchStepDecoder(teacher, eos_token_id, sampling, steps=self.steps, typical=typical,
+                                      max_rows=config.max_batch_rows)
 
     @property
     def typical(self) -> tuple[float, float] | None:

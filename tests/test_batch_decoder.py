@@ -157,3 +157,19 @@ def test_one_sampling_setting_per_batch(teacher, prompts):
         decoder.plain(prompts[:2], 5, sampling=[GREEDY, hot])
     with pytest.raises(ValueError, match="2 settings for 3 prompts"):
         decoder.plain(prompts[:3], 5, sampling=[hot, hot])
+
+
+def test_max_batch_rows_decodes_larger_batches_in_groups_of_the_largest_bucket(teacher, prompts, references):
+    """``decoder.max_batch_rows``: 8 prompts under a cap of 2 run as four groups, no bucket above 2, every row still its
+    batch-1 greedy decode, the groups' figures merged (latencies from the start of the whole decode)."""
+    drafter = drafter_of("lookup", teacher)
+    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off", max_rows=2)
+    gen = decode(decoder, drafter, prompts)
+    assert [g.new_tokens for g in gen.generations] == references
+    assert gen.bucket_steps and max(gen.bucket_steps) <= 2
+    assert gen.steps == sum(gen.bucket_steps.values()) and gen.stats.forwards > 0
+    assert max(g.seconds for g in gen.generations) <= gen.seconds + 1e-9
+    assert gen.generations[-1].seconds > min(g.seconds for g in gen.generations[:2])
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=rf"decoder.max_batch_rows={bad}: .*power of two"):
+            BatchStepDecoder(teacher, max_rows=bad)
