@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from inference.static_cache import StaticKVLayer, _mark_static, capacity_buckets
+from inference.static_cache import FixedBuffers, StaticKVLayer, _mark_static, capacity_buckets
 
 FINE = 32  # uncompiled steps read the columns they need, rounded up to a multiple of this
 
@@ -48,7 +48,7 @@ class BatchKVLayer(StaticKVLayer):
         return self.keys.shape[2]
 
 
-class BatchKV(Cache):
+class BatchKV(FixedBuffers, Cache):
     """A transformers ``Cache`` of ``BatchKVLayer``s for ``rows`` sequences, every buffer allocated here.
     ``shapes``: ``inference.static_cache.kv_shapes`` (one cached token at batch 1, per layer)."""
 
@@ -148,17 +148,3 @@ class BatchKV(Cache):
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return max(self.host_lengths, default=0)
 
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.bucket, 0
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.capacity
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
-    def buffers(self) -> list[Tensor]:
-        """Every tensor the cache owns (for address checks)."""
-        return [self.length, self._arange, *self._positions.values(),
-                *(x for layer in self.layers for x in (layer.keys, layer.values))]

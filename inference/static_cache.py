@@ -94,7 +94,27 @@ class StaticKVLayer(CacheLayerMixin):
         self._owner.reset()
 
 
-class StaticKV(Cache):
+class FixedBuffers:
+    """What transformers asks of a cache whose buffers never move (``StaticKV``, the batched
+    ``inference.batch_cache.BatchKV``): attention over the bucket's columns, the capacity, compilable."""
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.bucket, 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.capacity
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def buffers(self) -> list[Tensor]:
+        """Every tensor the cache owns (for address checks)."""
+        return [self.length, self._arange, *self._positions.values(),
+                *(x for layer in self.layers for x in (layer.keys, layer.values))]
+
+
+class StaticKV(FixedBuffers, Cache):
     """A transformers ``Cache`` of ``StaticKVLayer``s for one sequence (batch 1), every buffer allocated here."""
 
     def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]], capacity: int,
@@ -207,20 +227,6 @@ class StaticKV(Cache):
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return self.host_length
 
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.bucket, 0
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.capacity
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
-    def buffers(self) -> list[Tensor]:
-        """Every tensor the cache owns (for address checks)."""
-        return [self.length, self._arange, *self._positions.values(),
-                *(x for layer in self.layers for x in (layer.keys, layer.values))]
 
 
 def _mark_static(t: Tensor) -> None:

@@ -148,7 +148,8 @@ class SingleEngine:
         if self.world_size > 1:
             init_process_group(self.device)
         self.amp_dtype = torch.bfloat16 if trainer_cfg.bf16 else torch.float16 if trainer_cfg.fp16 else None
-        if self.amp_dtype is torch.bfloat16 and not native_bf16(self.device):
+        self.emulated_bf16 = self.amp_dtype is torch.bfloat16 and not native_bf16(self.device)
+        if self.emulated_bf16:
             log.warning("trainer.bf16=true, but this %s does not compute bf16 natively (emulated, it is many times "
                         "slower): training in float32; set trainer.bf16=false to say so", self.device.type)
         # fp16 gradients underflow without a loss scale; bf16 keeps fp32's exponent range and needs none.
@@ -172,7 +173,7 @@ class SingleEngine:
         """Mixed-precision autocast where the device supports it; a no-op in fp32."""
         if self.amp_dtype is None:
             return contextlib.nullcontext()
-        if self.amp_dtype is torch.bfloat16 and not native_bf16(self.device):
+        if self.emulated_bf16:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
