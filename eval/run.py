@@ -228,6 +228,8 @@ def _result(name: str, t: Tally, plain_tps: float, greedy: bool, decoder: Decode
         "prefill_seconds": t.total.prefill_seconds,
         "draft_seconds": t.total.draft_seconds,
         "verify_seconds": t.total.verify_seconds,
+        # the verification forwards' widths (pending token + bucket, padding included) per committed token
+        "verified_per_token": t.total.verified_positions / t.tokens if t.tokens else None,
         # Token identity is the greedy guarantee; under sampling losslessness is distributional (tests prove it).
         "identical_to_greedy": (t.identical == n) if greedy else None,
         "identical_prompts": t.identical if greedy else None,

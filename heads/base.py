@@ -213,6 +213,7 @@ class DecodingHooks:
 
     dynamic_tree: bool = False  # EAGLE-2 dynamic trees (EAGLE overrides)
     tree: DraftTree | None = None  # a static tree the cost model may prune (Medusa)
+    variable_depth: bool = False  # chains cut short by the drafter itself, verified at their own width (DSpark)
 
     # An HF causal LM that HF's assisted generation can draft with (eval's ``hf_assisted`` baseline): a standalone
     # draft model's own LM; None for drafters that read the target's hidden states or draft without a model.

@@ -183,6 +183,12 @@ class DSparkDrafter(DFlashDrafter):
             return None
         return self.markov_head.markov_w1(prev_N.to(self.markov_head.markov_w1.weight.device)).to(like.dtype)
 
+    @property
+    def variable_depth(self) -> bool:
+        """With the confidence cut, chains end where the drafter stops trusting them: the decoders verify each in
+        the bucket of its own length."""
+        return self.confidence_threshold is not None
+
     @torch.no_grad()
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
         depth = min(self.depth or self.block_size - 1, max_depth, self.block_size - 1)

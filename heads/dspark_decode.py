@@ -31,23 +31,29 @@ def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sam
     prev = anchors_B.to(out_BTD.device)
     sampled = [not s.greedy for s in samplings]
     probs = out_BTD.new_zeros(B, T, drafter.dims.vocab_size) if any(sampled) else None
-    drafts, confidence = [], []
+    threshold = drafter.confidence_threshold
+    drafts = torch.full((B, T), -1, dtype=torch.long, device=out_BTD.device)
+    running = out_BTD.new_ones(B, dtype=torch.float32)  # the product of the confidences so far
+    kept = out_BTD.new_zeros(B, dtype=torch.long)
     for k in range(T):
         latent = drafter.latent(prev, out_BTD)
         logits = drafter.slot_logits(out_BTD[:, k], latent)  # [B, V]
-        if drafter.confidence_threshold is not None:
-            confidence.append(torch.sigmoid(drafter.confidence(out_BTD[:, k], latent).float()))
         token = logits.argmax(-1)
         for b in (b for b in range(B) if sampled[b]):
             p = warp(logits[b: b + 1], samplings[b])
             probs[b, k] = p[0]
             token[b] = sample(p, generators[b])[0]
-        drafts.append(token)
+        drafts[:, k] = token
         prev = token
-    if drafter.confidence_threshold is None:
-        return torch.stack(drafts, 1), probs, [T] * B
-    keep = torch.stack(confidence, 1).cumprod(1) >= drafter.confidence_threshold  # a prefix: the product only falls
-    return torch.stack(drafts, 1), probs, keep.sum(1).tolist()
+        if threshold is not None:
+            running = running * torch.sigmoid(drafter.confidence(out_BTD[:, k], latent).float())
+            alive = running >= threshold  # a prefix per row: the product only falls
+            kept += alive
+            if not bool(alive.any()):  # every row is cut: the slots after this one are never offered
+                break
+    if threshold is None:
+        return drafts, probs, [T] * B
+    return drafts, probs, kept.tolist()
 
 
 class DSparkRows(DFlashRows):
@@ -76,16 +82,22 @@ class DSparkRows(DFlashRows):
 class DSparkStaticDraft(DFlashStaticDraft):
     """``StaticDraft`` for one ``heads.dspark.DSparkDrafter`` (batch 1): DFlash's catch-up and block, then the T slots
     one after another over fixed shapes. The confidence cut writes token -1 (never accepted) into the slots past it
-    and zeroes their draft distributions (the rejection rule's residual there is then the target's own); the verify
-    step keeps its bucket's width, and ``offered`` (a device counter, read by the caller when it wants it, never per
-    step) counts the slots kept."""
+    and zeroes their draft distributions (the rejection rule's residual there is then the target's own) and the
+    number kept into ``kept``, which the step decoder reads back to verify in the chain bucket of that length
+    (``inference.steps.cut_width``); ``offered`` (a device counter, read by the caller when it wants it, never per
+    step) sums the slots kept."""
 
     def __init__(self, drafter, committed, capacity: int, depth: int, sampling: SamplingConfig,
                  generator: torch.Generator | None):
         super().__init__(drafter, committed, capacity, depth, sampling, generator)
         self.markov_rows = drafter.markov_rows()
         self.offered = torch.zeros((), dtype=torch.long, device=self.length.device)
-        mark_static(self.offered, *([self.markov_rows] if self.markov_rows is not None else []))
+        # with the cut: the slots this step offers, which the decoder reads back to verify only those (the one
+        # read-back between a cutting draft and its verification); None: the fixed block
+        cut = drafter.confidence_threshold is not None
+        self.kept = torch.zeros((), dtype=torch.long, device=self.length.device) if cut else None
+        mark_static(self.offered, *([self.kept] if cut else []),
+                    *([self.markov_rows] if self.markov_rows is not None else []))
 
     @torch.no_grad()
     def draft(self) -> None:
@@ -115,7 +127,8 @@ class DSparkStaticDraft(DFlashStaticDraft):
             keep = torch.cat(confidence).cumprod(0) >= d.confidence_threshold  # [T], a prefix
             drafted = torch.where(keep, drafted, -1)
             probs_TV = None if greedy else probs_TV * keep[:, None]
-            self.offered.add_(keep.sum())
+            self.kept.copy_(keep.sum())
+            self.offered.add_(self.kept)
         else:
             self.offered.add_(self.depth)
         self.buffers.tokens_T.copy_(drafted)

@@ -43,7 +43,7 @@ from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.static_cache import kv_shapes
 from inference.stats import AcceptStats
 from inference.step_decoder import MAX_NODES, StepDecoder, _capacity
-from inference.steps import Bucket, tree_nodes
+from inference.steps import Bucket, cut_width, tree_nodes
 from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 
 Policy = Callable[[int], int]  # live batch size -> draft tokens (γ) for this step; 0 = a plain step
@@ -126,6 +126,7 @@ class _Batch:
     seq: Tensor | None  # [B, prompt + new + room]: each prompt's committed tokens (drafting only)
     sampling: SamplingConfig
     key: tuple  # the state's shape apart from its batch bucket
+    variable_depth: bool = False  # the drafter cuts its own chains (``Proposer.variable_depth``)
 
 
 class BatchStepDecoder:
@@ -319,7 +320,7 @@ class BatchStepDecoder:
                 seq[i, : p.shape[0]].copy_(p)
                 draft.observe(i, {layer: h[i: i + 1, : p.shape[0]] for layer, h in hidden.items()})
             seq[torch.arange(n), torch.tensor([p.shape[0] for p in prompts])] = first.to(seq.device)
-        return _Batch(state, rows, draft, seq, sampling, key)
+        return _Batch(state, rows, draft, seq, sampling, key, getattr(drafter, "variable_depth", False))
 
     def _draft(self, batch: _Batch, gamma: int, max_new: int) -> tuple[Bucket, list[DraftTree] | None]:
         """Every live row's proposal, from one call to the drafter's batch state, in the step's buffers; the step's
@@ -338,7 +339,10 @@ class BatchStepDecoder:
         if biggest == 0:
             return Bucket(0, True, width_of(0)), trees
         chain = all(t.is_chain for t in trees)
-        N = gamma if chain else tree_nodes(biggest)
+        if not chain:
+            N = tree_nodes(biggest)
+        else:  # a drafter that cuts its chains (DSpark's confidence cut): the bucket of the longest row's chain
+            N = cut_width(biggest, gamma) if batch.variable_depth else gamma
         self._check(state, trees, N, chain, batch.sampling)
         state.tokens_RT[:, :N].fill_(-1)
         if not chain:
@@ -391,6 +395,7 @@ class BatchStepDecoder:
             gen = r.gen
             size = tree.size if tree is not None else 0
             gen.stats.update(size if bucket.chain else depth_seen, count)
+            gen.verified_positions += bucket.width  # the row's share of the forward: the step's width
             if batch.draft is not None:
                 gen.nodes_per_forward[size] += 1
                 if size not in gen.shapes:

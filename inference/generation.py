@@ -30,6 +30,7 @@ class Generation:
     # tree size -> node index -> times that node was on the accepted path (static trees: the cost model's input)
     node_accepts: dict = field(default_factory=lambda: defaultdict(Counter))
     context_tokens: int = 0  # committed context length summed over verification forwards (mean = / forwards)
+    verified_positions: int = 0  # positions the verification forwards fed (their widths, padding included), summed
     shapes: dict = field(default_factory=dict)  # tree size -> parents of a tree of that size (to time it alone)
     # first calls of compiled steps during this decode (their compilation): left out of every time above, as an
     # engine's start-up compilation is left out of its decode times
@@ -50,6 +51,7 @@ class Generation:
         for size, parents in other.shapes.items():
             self.shapes.setdefault(size, parents)
         self.context_tokens += other.context_tokens
+        self.verified_positions += other.verified_positions
         self.compile_seconds += other.compile_seconds
         return self
 

@@ -45,6 +45,9 @@ class Proposer(Protocol):
     # ``tree`` (Medusa's top-k paths) can be pruned to its first n nodes with ``set_tree``.
     dynamic_tree: bool
     tree: DraftTree | None
+    # A drafter that cuts its own chain short (DSpark's confidence cut): its chains are verified in the bucket of
+    # their length (``inference.steps.cut_width``), not the full depth's, so a cut saves verification work.
+    variable_depth: bool
 
     @property
     def dims(self): ...  # the target sizes it was built for (``vocab_size`` must match the target's)

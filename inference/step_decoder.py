@@ -43,7 +43,7 @@ from inference.proposer import Proposer
 from inference.sampling import SamplingConfig, sample, warp
 from inference.static_cache import BUCKET, kv_shapes
 from inference.static_draft import weights_signature
-from inference.steps import TREE_BUCKET, Bucket, Steps, tree_nodes
+from inference.steps import TREE_BUCKET, Bucket, Steps, cut_width, tree_nodes
 from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 
 log = logging.getLogger(__name__)
@@ -338,12 +338,19 @@ class StepDecoder:
             steps.cache.declare(1 + T)
         return Session(self, steps, drafter, static, prompt_ids, sampling, num_draft, max_new_tokens)
 
-    def _load(self, steps: Steps, tree: DraftTree, num_draft: int, sampling: SamplingConfig):
-        """An eager proposal into the step's fixed draft buffers: (bucket nodes, real nodes, chain, parents)."""
+    def _load(self, steps: Steps, tree: DraftTree, num_draft: int, sampling: SamplingConfig,
+              variable_depth: bool = False):
+        """An eager proposal into the step's fixed draft buffers: (bucket nodes, real nodes, chain, parents).
+        ``variable_depth``: the drafter cuts its own chains (``Proposer.variable_depth``)."""
         n, chain = tree.size, tree.is_chain
         if tree.probs_NV is not None and not chain and not sampling.greedy:
             raise NeedsEagerLoop("siblings sampled with draft probabilities are walked on the host")
-        N = (num_draft if n else 0) if chain else tree_nodes(n)  # an empty chain: a one-token verify
+        if not chain:
+            N = tree_nodes(n)
+        elif variable_depth:
+            N = cut_width(n, num_draft)  # a chain the drafter cut: its own bucket
+        else:  # an empty chain: a one-token verify, or one node of token -1 where a drafter reads hidden states
+            N = num_draft if n else (1 if steps.layers else 0)  # (a plain step hands over no committed rows)
         if max(n, N) > steps.max_nodes:
             raise NeedsEagerLoop(f"a proposal of {n} nodes is wider than the step decoder's {steps.max_nodes}")
         if not chain and n and _deepest(tree) > steps.max_depth:  # the step's geometry reaches no deeper
@@ -429,11 +436,17 @@ class Session:
                 size = depth
             elif not b.chain and depth < self.num_draft:  # near the end: a tree no deeper than the tokens left
                 clip_tree(b, depth)
-            self._next = (dec._bucket(steps, T, b.chain), size, b.chain, self.static_parents, None)
+            N = T
+            kept = getattr(self.static, "kept", None)
+            if kept is not None and b.chain:  # a cutting drafter: verify only what it offers (one read-back more)
+                size = min(size, int(kept))
+                N = cut_width(size, T)
+            self._next = (dec._bucket(steps, N, b.chain), size, b.chain, self.static_parents, None)
             return
         tree = self.drafter.propose(self.seq[:, : self.m], depth, self.sampling)
         tree.check_shape(self.vocab)
-        N, size, chain, parents = dec._load(steps, tree, self.num_draft, self.sampling)
+        N, size, chain, parents = dec._load(steps, tree, self.num_draft, self.sampling,
+                                            getattr(self.drafter, "variable_depth", False))
         self._next = (dec._bucket(steps, N, chain), size, chain, parents, tree)
 
     def load(self, tree: DraftTree, num_draft: int | None = None) -> None:
@@ -463,6 +476,7 @@ class Session:
         self.m += 1 + count
         gen.stats.update(size if chain else depth_seen, count)
         gen.nodes_per_forward[size] += 1
+        gen.verified_positions += bucket.width
         if size not in gen.shapes:
             gen.shapes[size] = torch.arange(-1, size - 1) if chain else parents[:size].cpu()
         gen.node_accepts[size].update(path)

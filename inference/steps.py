@@ -57,6 +57,17 @@ class Bucket:
         return 4 + 2 * self.nodes
 
 
+def cut_width(size: int, full: int) -> int:
+    """The chain bucket a drafter that cuts its own chain (``Proposer.variable_depth``) is verified in: the smallest
+    power of two holding ``size`` nodes (at least one, so the verify step hands the drafter its committed rows), at
+    most ``full``. A few shapes per decode (1, 2, 4, ..., full), each recorded once, instead of the full width for
+    every cut chain."""
+    width = 1
+    while width < size:
+        width *= 2
+    return min(width, max(full, 1))
+
+
 def tree_nodes(size: int) -> int:
     """A tree of ``size`` nodes runs in the bucket of this many nodes."""
     return -(-size // TREE_BUCKET) * TREE_BUCKET

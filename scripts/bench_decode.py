@@ -149,7 +149,8 @@ def summarize(report: dict) -> dict:
         rows[r["label"]] = {
             "tau": r["tau"], "alpha": r["alpha"], "alpha_per_position": r["alpha_per_position"],
             "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"], "tree_size": r["tree_size"],
-            "num_draft": r["num_draft"], "predicted_speedup": cost.get("predicted_speedup"),
+            "num_draft": r["num_draft"], "verified_per_token": r.get("verified_per_token"),
+            "predicted_speedup": cost.get("predicted_speedup"),
             "overhead_ratio": cost.get("overhead_ratio"), "identical_to_greedy": r["identical_to_greedy"],
         }
     for name, b in report.get("baselines", {}).items():
@@ -309,7 +310,7 @@ def main(argv=None) -> None:
                          dcfg.__class__(**{**vars(dcfg), "auto_tune": True}))
         out["runs"]["greedy_auto_tune"] = {"summary": summarize(tuned), "report": tuned}
         save()
-    out["offered_per_token"] = offered_per_token(teacher, drafters, prompts, cfg.eval, dcfg, num_draft, report)
+    out["offered_per_token"] = offered_per_token(report)
     save()
     out["transfers_per_step"] = transfers_per_step(teacher, drafters, prompts[0], cfg.eval, dcfg, num_draft)
     save()
@@ -362,27 +363,14 @@ def dspark_views(drafters: dict, thresholds: str, eager: bool) -> dict:
     return views
 
 
-def offered_per_token(teacher, drafters: dict, prompts, eval_cfg, dcfg, num_draft: dict, report: dict) -> dict:
-    """Draft positions offered for verification per committed token: from the report's histogram of draft lengths,
-    or, for a drafter that cuts its block in its static step (DSpark with a confidence threshold: the histogram
-    keeps the bucket's length), from its own count over one more greedy decode of the prompts."""
-    from eval.run import build_decoder
-
+def offered_per_token(report: dict) -> dict:
+    """Draft positions offered for verification per committed token, from the report's histogram of draft lengths
+    (a cut chain counts its own length)."""
     out = {}
     for r in report["results"]:
-        name = r["drafter"]
-        drafter = drafters[name]
-        # an eager view (``dspark_views``) has its own static_draft, which offers none: its histogram holds the cut
-        if getattr(drafter, "confidence_threshold", None) is not None and "static_draft" not in vars(drafter):
-            decoder = build_decoder(teacher, dcfg)
-            drafter.clear_offered()
-            new = sum(len(decoder.speculative(drafter, torch.tensor([list(p)]), eval_cfg.max_new_tokens,
-                                              num_draft.get(name, eval_cfg.num_draft)).new_tokens) for p in prompts)
-            out[name] = drafter.offered_positions() / max(1, new)
-        else:
-            lengths = r.get("accept_counts_by_draft_len") or {}
-            offered = sum(int(n) * sum(row.values()) for n, row in lengths.items())
-            out[name] = offered / max(1, r["new_tokens"])
+        lengths = r.get("accept_counts_by_draft_len") or {}
+        offered = sum(int(n) * sum(row.values()) for n, row in lengths.items())
+        out[r["drafter"]] = offered / max(1, r["new_tokens"])
     return out
 
 

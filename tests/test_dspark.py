@@ -15,6 +15,7 @@ from heads.dspark_decode import DSparkRows
 from heads.saved import load_drafter
 from inference.batch_decoder import BatchStepDecoder
 from inference.decoder import Decoder
+from inference.steps import cut_width
 from tests.drafters import (DFLASH_NODE, DSPARK_NODE, assert_rows_draft_what_each_row_drafts_alone,
                             assert_sampling_keeps_the_target_distribution, dspark, save, varied_teacher)
 
@@ -137,6 +138,31 @@ def test_a_cut_block_is_a_prefix_and_an_empty_cut_is_a_plain_step(teacher):
     gen = Decoder(teacher).speculative(never, prompt, 12, 5)
     assert gen.new_tokens == Decoder(teacher).plain(prompt, 12).new_tokens
     assert never.offered == 0
+
+
+@pytest.mark.parametrize("threshold", [None, 0.4])
+def test_a_cut_chain_is_verified_at_its_own_width(teacher, threshold):
+    """With the cut, each verification feeds the pending token plus the chain bucket of the offered length (1, 2, 4,
+    then the full depth), not the full block, through the static step and the eager proposal alike; both paths
+    draft the same chains (an empty cut still hands the drafter its committed rows). Without it, every verification
+    is full width."""
+    drafter = dspark(teacher, confidence_threshold=threshold)
+    eager = drafter.with_threshold(threshold)
+    eager.static_draft = lambda *args, **kwargs: None
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (m,), generator=g) for m in (6, 11)]
+    seen = []
+    for d in (drafter, eager):
+        decoder = Decoder(teacher)
+        gens = [decoder.speculative(d, p[None], 24, 5) for p in prompts]
+        forwards = {size: sum(g.nodes_per_forward[size] for g in gens) for size in range(6)}
+        width = sum(g.verified_positions for g in gens)
+        full = 1 + 5  # the pending token and the whole chain (near the end too, where fewer tokens are drafted)
+        assert width == sum(n * (1 + cut_width(size, 5) if threshold else full) for size, n in forwards.items())
+        seen.append(forwards)
+    assert seen[0] == seen[1]
+    if threshold is not None:
+        assert sum(n for k, n in seen[0].items() if k < 4) > 0  # some chains cut below the widest bucket
 
 
 @pytest.mark.parametrize("threshold,vocab", [(None, None), (0.4, 24)])
