@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="toy")
     parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=None, help="train every row this many steps (default: each "
+                        "row's own, from the table above)")
     parser.add_argument("--work", default="runs/bench_recipe", help="run dirs and training logs")
     parser.add_argument("--out", default=None, help="JSON path (default scripts/results/bench_recipe_<preset>_cpu.json)")
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
@@ -286,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for name in args.rows:
         overrides, steps = ROWS[name]
+        steps = args.steps or steps
         steps = max(2, round(steps * preset["steps_scale"]))
         for seed in args.seeds:
             key = f"{name}/s{seed}"
