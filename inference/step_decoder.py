@@ -349,8 +349,8 @@ class StepDecoder:
             N = tree_nodes(n)
         elif variable_depth:
             N = cut_width(n, num_draft)  # a chain the drafter cut: its own bucket
-        else:  # an empty chain: a one-token verify, or one node of token -1 where a drafter reads hidden states
-            N = num_draft if n else (1 if steps.layers else 0)  # (a plain step hands over no committed rows)
+        else:
+            N = num_draft if n else 0  # an empty chain: a plain step (which hands a drafter its committed row)
         if max(n, N) > steps.max_nodes:
             raise NeedsEagerLoop(f"a proposal of {n} nodes is wider than the step decoder's {steps.max_nodes}")
         if not chain and n and _deepest(tree) > steps.max_depth:  # the step's geometry reaches no deeper

@@ -58,10 +58,11 @@ class Bucket:
 
 
 def cut_width(size: int, full: int) -> int:
-    """The chain bucket a drafter that cuts its own chain (``Proposer.variable_depth``) is verified in: the smallest
-    power of two holding ``size`` nodes (at least one, so the verify step hands the drafter its committed rows), at
-    most ``full``. A few shapes per decode (1, 2, 4, ..., full), each recorded once, instead of the full width for
-    every cut chain."""
+    """The chain bucket a drafter that cuts its own chain (``Proposer.variable_depth``) is verified in: 0 for a chain
+    cut to nothing (a plain step), else the smallest power of two holding ``size`` nodes, at most ``full``. A few
+    shapes per decode (0, 1, 2, 4, ..., full), each recorded once, instead of the full width for every cut chain."""
+    if size < 1:
+        return 0
     width = 1
     while width < size:
         width *= 2
@@ -132,17 +133,27 @@ class Steps:
 
     # --- the step functions (capture-safe: static shapes, no read-back, writes only into the buffers) -------------
     def plain(self, sampling: SamplingConfig) -> None:
-        """One token: feed ``pending``, write the next one into ``pending`` and ``out`` ([0, 0, 0, token])."""
+        """One token: feed ``pending``, write the next one into ``pending`` and ``out`` ([0, 0, 0, token]). In a
+        speculative decode (hidden-state layers held: an empty draft) the fed token is also the drafter's one
+        committed row, as a verification hands them over."""
         cache = self.cache
         L = cache.length
         col = cache._arange[: cache.bucket]
         pos = L.view(1, 1)
         allowed = (col <= L).view(1, 1, -1)
-        logits, _ = self._forward(self.pending.view(1, 1), pos, allowed, col.view(1, -1), 1)
+        logits, hidden = self._forward(self.pending.view(1, 1), pos, allowed, col.view(1, -1), 1)
         if sampling.greedy:
             nxt = logits[0].argmax(-1, keepdim=True)
         else:
             nxt = sample_uniform(warp(logits, sampling)[0], self.uniforms[:1])
+        if hidden:
+            c = self.committed
+            c.ids_M[:1].copy_(self.pending.view(1))
+            for i, h in hidden.items():
+                c.hidden_M[i][:1].copy_(h[:1])
+            c.count.fill_(1)
+            c.position.copy_(L)
+            c.pending.copy_(nxt[0])
         cache.length.add_(1)
         self.pending.copy_(nxt[0])
         self.out[:3].zero_()
