@@ -99,13 +99,15 @@ def render_decode(d: dict) -> str:
 
 def render_dspark(d: dict) -> str:
     """The decode table with the draft positions each method offered for verification per committed token."""
-    header = ["method", "τ", "α per position", "tokens/s", "speedup", "offered / token", "identical to greedy"]
+    header = ["method", "τ", "α per position", "tokens/s", "speedup", "offered / token", "verified / token",
+              "identical to greedy"]
     offered = d.get("offered_per_token", {})
     rows = []
     for name, s in d["runs"]["greedy"]["summary"].items():
         alpha_pos = " ".join(f"{a:.2f}" for a in s["alpha_per_position"]) if "alpha_per_position" in s else "–"
         rows.append([DECODE_LABELS.get(name, name), _f(s.get("tau")), alpha_pos, _f(s["tokens_per_s"], 1),
                      _x(1.0 if name == "plain" else s.get("speedup")), _f(offered.get(name)),
+                     _f(s.get("verified_per_token")),
                      _f(s.get("identical_to_greedy")) if name != "plain" else "–"])
     return _table(header, rows)
 
