@@ -39,7 +39,7 @@ from distill.chunked import Frozen
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, TargetDims
 from heads.dflash import DFlashDrafter
-from heads.dspark_decode import DSparkRows, DSparkStaticDraft, draft_chain
+from heads.dspark_decode import offer, DSparkRows, DSparkStaticDraft, draft_chain
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 
@@ -198,8 +198,8 @@ class DSparkDrafter(DFlashDrafter):
         anchor = tokens[0, -1:].to(out.device)
         generator = None if sampling.greedy else self._sampler(out.device)
         drafts, probs, kept = draft_chain(self, out[None], anchor, [sampling], [generator])
-        n = int(kept[0])
-        self.offered += n
+        n = depth if self.confidence_threshold is None else offer(kept[0], depth)
+        self.offered += min(n, kept[0])
         if n == 0:
             return DraftTree.empty(tokens.device)
         if probs is None:

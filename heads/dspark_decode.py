@@ -19,14 +19,16 @@ from heads.draft_model_static import hashed_uniforms
 from inference.acceptance import sample_uniform
 from inference.sampling import SamplingConfig, sample, warp
 from inference.static_draft import mark_static
+from inference.steps import cut_width
 from inference.tree import DraftTree
 
 
 def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[SamplingConfig],
                 generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor | None, list[int]]:
-    """Every row's T drafts from its slots' states ``out_BTD``, slot by slot (the Markov bias of the token before):
+    """Every row's drafts from its slots' states ``out_BTD``, slot by slot (the Markov bias of the token before):
     (drafts [B, T], the sampled rows' draft distributions [B, T, V] (None when every row is greedy), the slots each
-    row keeps after the confidence cut: T without ``confidence_threshold``)."""
+    row's confidence cut keeps: T without ``confidence_threshold``). With the cut, the loop stops once every row is
+    cut and the slots of the widest row's verify bucket (``offer``) are drafted; later slots stay -1."""
     B, T, _ = out_BTD.shape
     prev = anchors_B.to(out_BTD.device)
     sampled = [not s.greedy for s in samplings]
@@ -35,7 +37,10 @@ def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sam
     drafts = torch.full((B, T), -1, dtype=torch.long, device=out_BTD.device)
     running = out_BTD.new_ones(B, dtype=torch.float32)  # the product of the confidences so far
     kept = out_BTD.new_zeros(B, dtype=torch.long)
+    cut = False  # every row cut
     for k in range(T):
+        if cut and k >= offer(int(kept.max()), T):
+            break
         latent = drafter.latent(prev, out_BTD)
         logits = drafter.slot_logits(out_BTD[:, k], latent)  # [B, V]
         token = logits.argmax(-1)
@@ -45,15 +50,20 @@ def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sam
             token[b] = sample(p, generators[b])[0]
         drafts[:, k] = token
         prev = token
-        if threshold is not None:
+        if threshold is not None and not cut:
             running = running * torch.sigmoid(drafter.confidence(out_BTD[:, k], latent).float())
             alive = running >= threshold  # a prefix per row: the product only falls
             kept += alive
-            if not bool(alive.any()):  # every row is cut: the slots after this one are never offered
-                break
+            cut = not bool(alive.any())
     if threshold is None:
         return drafts, probs, [T] * B
     return drafts, probs, kept.tolist()
+
+
+def offer(kept: int, depth: int) -> int:
+    """The drafts a cut chain offers: its verify bucket (``inference.steps.cut_width``) filled with the drafted
+    tokens, since the bucket's width is paid either way (0: nothing kept, a plain step)."""
+    return cut_width(kept, depth)
 
 
 class DSparkRows(DFlashRows):
@@ -67,9 +77,10 @@ class DSparkRows(DFlashRows):
         generators = [None if s.greedy else self._sampler(b, out.device) for b, s in enumerate(samplings)]
         drafts, probs, kept = draft_chain(self.drafter, out, anchors, samplings, generators)
         trees = []
+        cutting = self.drafter.confidence_threshold is not None
         for b, (t, want) in enumerate(zip(tokens, depths)):
-            n = min(top, want, kept[b])
-            self.drafter.offered += max(n, 0)
+            n = min(top, want, offer(kept[b], top) if cutting else top)
+            self.drafter.offered += max(min(n, kept[b]), 0)
             if n < 1:
                 trees.append(DraftTree.empty(t.device))
             elif probs is None or samplings[b].greedy:
@@ -81,19 +92,18 @@ class DSparkRows(DFlashRows):
 
 class DSparkStaticDraft(DFlashStaticDraft):
     """``StaticDraft`` for one ``heads.dspark.DSparkDrafter`` (batch 1): DFlash's catch-up and block, then the T slots
-    one after another over fixed shapes. The confidence cut writes token -1 (never accepted) into the slots past it
-    and zeroes their draft distributions (the rejection rule's residual there is then the target's own) and the
-    number kept into ``kept``, which the step decoder reads back to verify in the chain bucket of that length
-    (``inference.steps.cut_width``); ``offered`` (a device counter, read by the caller when it wants it, never per
-    step) sums the slots kept."""
+    one after another over fixed shapes. The confidence cut writes the number of slots it keeps into ``kept``,
+    which the step decoder reads back to verify the chain bucket of that length (``offer``: the bucket filled
+    with the drafted tokens); ``offered`` (a device counter, read by the caller when it wants it, never per step)
+    sums the slots kept."""
 
     def __init__(self, drafter, committed, capacity: int, depth: int, sampling: SamplingConfig,
                  generator: torch.Generator | None):
         super().__init__(drafter, committed, capacity, depth, sampling, generator)
         self.markov_rows = drafter.markov_rows()
         self.offered = torch.zeros((), dtype=torch.long, device=self.length.device)
-        # with the cut: the slots this step offers, which the decoder reads back to verify only those (the one
-        # read-back between a cutting draft and its verification); None: the fixed block
+        # with the cut: the slots the cut keeps this step, which the decoder reads back to pick the verify bucket
+        # (the one read-back between a cutting draft and its verification); None: the fixed block
         cut = drafter.confidence_threshold is not None
         self.kept = torch.zeros((), dtype=torch.long, device=self.length.device) if cut else None
         mark_static(self.offered, *([self.kept] if cut else []),
@@ -125,8 +135,6 @@ class DSparkStaticDraft(DFlashStaticDraft):
         probs_TV = None if greedy else torch.stack(probs)
         if d.confidence_threshold is not None:
             keep = torch.cat(confidence).cumprod(0) >= d.confidence_threshold  # [T], a prefix
-            drafted = torch.where(keep, drafted, -1)
-            probs_TV = None if greedy else probs_TV * keep[:, None]
             self.kept.copy_(keep.sum())
             self.offered.add_(self.kept)
         else:

@@ -438,9 +438,9 @@ class Session:
                 clip_tree(b, depth)
             N = T
             kept = getattr(self.static, "kept", None)
-            if kept is not None and b.chain:  # a cutting drafter: verify only what it offers (one read-back more)
-                size = min(size, int(kept))
-                N = cut_width(size, T)
+            if kept is not None and b.chain:  # a cutting drafter: verify its cut's bucket (one read-back more)
+                N = cut_width(min(int(kept), size), T)
+                size = min(size, N)
             self._next = (dec._bucket(steps, N, b.chain), size, b.chain, self.static_parents, None)
             return
         tree = self.drafter.propose(self.seq[:, : self.m], depth, self.sampling)
