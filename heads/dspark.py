@@ -39,7 +39,7 @@ from distill.chunked import Frozen
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, TargetDims
 from heads.dflash import DFlashDrafter
-from heads.dspark_decode import offer, DSparkRows, DSparkStaticDraft, draft_chain
+from heads.dspark_decode import DSparkRows, DSparkStaticDraft, draft_chain, offer
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 

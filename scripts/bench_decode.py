@@ -352,9 +352,10 @@ def dspark_views(drafters: dict, thresholds: str, eager: bool) -> dict:
     """The trained DSpark drafter again (same weights) with each confidence threshold, and, with ``eager``, each of
     those rows through its eager proposal (a copy whose ``static_draft`` offers none)."""
     views = {}
-    if "dspark" in drafters:  # the full method; dspark_nomarkov is decoded at the fixed block (the Markov head's effect)
-        for t in [float(x) for x in thresholds.split(",") if x.strip()]:
-            views[f"dspark[conf={t:g}]"] = drafters["dspark"].with_threshold(t)
+    for name in ("dspark", "dspark_nomarkov"):  # with and without the Markov head: the confidence cut on both
+        if name in drafters:
+            for t in [float(x) for x in thresholds.split(",") if x.strip()]:
+                views[f"{name}[conf={t:g}]"] = drafters[name].with_threshold(t)
     if eager:  # the full method only (its Markov head and its cut)
         for name, d in [(k, v) for k, v in {**drafters, **views}.items() if k.split("[")[0] == "dspark"]:
             view = d.with_threshold(d.confidence_threshold)

@@ -489,6 +489,15 @@ SOURCES: dict[str, Source] = {
         "EAGLE-3 recipes, trained and decoded on a GPU (τ only)",
         "python scripts/bench_recipe.py --device cuda --rows ROW --seeds SEED", render_recipe,
         "Step counts are the CPU budget's; the CPU column is not a budget here."),
+    "bench_recipe_eagle31_toy_cpu.json": Source(
+        "EAGLE-3.1 flags beside plain EAGLE-3 at equal steps (CPU toy)",
+        "python scripts/bench_recipe.py --rows eagle3_ttt3_vocab1024 eagle3_ttt3_vocab1024_fc_norm "
+        "eagle3_ttt3_vocab1024_norm_output eagle3_ttt3_vocab1024_fc_norm_norm_output --seeds 0 1 --steps 600 "
+        "--out scripts/results/bench_recipe_eagle31_toy_cpu.json", render_recipe,
+        "Every row: `drafter=eagle3 drafter.ttt_steps=3 drafter.draft_vocab_size=1024` on the default toy target, "
+        "the same data, 600 steps and seed; `fc_norm` / `norm_output` = `drafter.fc_norm=true` / "
+        "`drafter.norm_output=true`. Greedy, 20 held-out prompts of 128 tokens, 96 new tokens, every output checked "
+        "token-identical to plain decoding. CPU s is the training process's, one thread on a shared machine."),
     "bench_recipe_eagle31_tiny_cpu.json": Source(
         "EAGLE-3.1 flags beside plain EAGLE-3 at equal steps (CPU, tiny target)",
         "python scripts/bench_recipe.py --rows eagle3_ttt3_vocab1024 eagle3_ttt3_vocab1024_fc_norm "
