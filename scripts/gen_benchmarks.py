@@ -112,6 +112,22 @@ def render_dspark(d: dict) -> str:
     return _table(header, rows)
 
 
+def render_dspark_cut(d: dict) -> str:
+    """DSpark's confidence cut against the fixed block, medians over interleaved rounds."""
+    header = ["drafter", "threshold", "τ", "tokens/s", "speedup", "÷ fixed block", "verified / token",
+              "offered / token", "identical"]
+    rows = []
+    for name, r in d["rows"].items():
+        if name == "plain":
+            rows.append(["plain decoding", "–", "–", _f(r["tokens_per_s"], 1), _x(1.0), "–", "–", "–", "–"])
+            continue
+        rows.append([f"`{name.split('[')[0]}`", "fixed block" if r["threshold"] is None else _f(r["threshold"]),
+                     _f(r["tau"]), _f(r["tokens_per_s"], 1), _x(r["speedup"]), _x(r["over_fixed_block"]),
+                     _f(r["verified_per_token"]), _f(r["offered_per_token"]), r["identical_prompts"]])
+    return (f"Medians over {d['rounds']} rounds of {d['settings']['num_prompts']} prompts × "
+            f"{d['settings']['max_new_tokens']} new tokens, {d['threads']} thread.\n\n" + _table(header, rows))
+
+
 def render_modes(d: dict) -> str:
     header = ["run", "mode", "plain tokens/s", "plain ÷ HF static", "EAGLE-1 tokens/s", "EAGLE-1 ÷ plain", "EAGLE-1 τ",
               "EAGLE-1 identical", "plain = eager", "EAGLE-1 = eager", "largest gap vs eager", "warm-up s", "fallback"]
@@ -452,6 +468,13 @@ SOURCES: dict[str, Source] = {
         "`drafter.confidence_threshold=t`, `[eager]` through the eager proposal (a block cut to nothing is a plain "
         "step); `dspark_nomarkov`: the same without the Markov head. Offered / token: draft positions put up for "
         "verification per committed token. 20 held-out prompts, 96 new tokens, greedy, one process."),
+    "bench_dspark_cut_toy_cpu.json": Source(
+        "DSpark's confidence cut against its fixed block, side by side (CPU toy)",
+        "python scripts/bench_dspark_cut.py --drafter RUN1/drafter --also RUN2/drafter", render_dspark_cut,
+        "`dspark`: `experiment=dspark_toy` (2,000 steps); `dspark_nomarkov`: the same without the Markov head (the "
+        "confidence head's effect alone). Each threshold decodes the same weights (`DSparkDrafter.with_threshold`); "
+        "every round decodes each prompt plainly and with every row back to back. Verified / token: positions the "
+        "verification forwards fed (pending token + chain bucket) per committed token."),
     "bench_decode_draft_lookup_toy_cpu.json": Source(
         "Decoding on the CPU toy target: draft model and lookup",
         f"{DECODE} --threads 2 --methods draft_model,lookup", render_decode),
