@@ -118,12 +118,10 @@ class DSparkStaticDraft(DFlashStaticDraft):
             uniforms = hashed_uniforms(self.seed, self.counter, self.draws_T)
             self.counter.add_(1)
         prev = anchor.reshape(1)
-        tokens, probs, confidence = [], [], []
+        tokens, probs = [], []
         for k in range(self.depth):
             latent = d.latent(prev, out)
             logits = d.slot_logits(out[k: k + 1], latent, self.head_rows, self.markov_rows)  # [1, V]
-            if d.confidence_threshold is not None:
-                confidence.append(torch.sigmoid(d.confidence(out[k: k + 1], latent).float()))
             if greedy:
                 prev = logits.argmax(-1)
             else:
@@ -133,8 +131,10 @@ class DSparkStaticDraft(DFlashStaticDraft):
             tokens.append(prev)
         drafted = torch.cat(tokens)  # [T]
         probs_TV = None if greedy else torch.stack(probs)
-        if d.confidence_threshold is not None:
-            keep = torch.cat(confidence).cumprod(0) >= d.confidence_threshold  # [T], a prefix
+        if d.confidence_threshold is not None:  # every slot's confidence at once, from the tokens before each
+            before = torch.cat([anchor.reshape(1), drafted[:-1]])
+            confidence = torch.sigmoid(d.confidence(out[: self.depth], d.latent(before, out)).float()).reshape(-1)
+            keep = confidence.cumprod(0) >= d.confidence_threshold  # [T], a prefix
             self.kept.copy_(keep.sum())
             self.offered.add_(self.kept)
         else:
