@@ -203,10 +203,11 @@ class Steps:
             cache.keep_path(L + 1, path)
         c = self.committed
         M = c.ids_M.shape[0]
-        if bucket.chain and W >= M:  # the accepted nodes follow the pending token: rows 0 .. count, then padding
-            c.ids_M.copy_(ids[:M])
+        if bucket.chain:  # the accepted nodes follow the pending token: rows 0 .. count (then padding, or stale
+            n = min(W, M)  # rows past W, which count never reaches)
+            c.ids_M[:n].copy_(ids[:n])
             for i, h in hidden.items():
-                c.hidden_M[i].copy_(h[:M])
+                c.hidden_M[i][:n].copy_(h[:n])
         else:
             rows = torch.cat([path.new_zeros(1), 1 + path])  # [W]: the pending token's row, then the path's
             rows = rows[:M] if W >= M else torch.cat([rows, rows.new_zeros(M - W)])
