@@ -461,13 +461,13 @@ SOURCES: dict[str, Source] = {
         "16-node dynamic tree, γ = 4. One process, run alone, 20 held-out prompts, 96 new tokens, greedy."),
     "bench_decode_dspark_toy_cpu.json": Source(
         "Decoding on the CPU toy target: DSpark against DFlash, each head alone",
-        f"{DECODE} --threads 1 --target-steps 300 --methods dflash,dspark,dspark_nomarkov --dflash-dir RUN1 "
-        "--dspark-dir RUN2 --dspark-nomarkov-dir RUN3 --dspark-thresholds 0.05,0.1,0.2,0.4 --dspark-eager "
-        "target.toy.autocast_bf16=false", render_dspark,
-        "`dspark`: `experiment=dspark_toy` (docs/dspark.md) at the fixed block, `[conf=t]` with "
-        "`drafter.confidence_threshold=t`, `[eager]` through the eager proposal (a block cut to nothing is a plain "
-        "step); `dspark_nomarkov`: the same without the Markov head. Offered / token: draft positions put up for "
-        "verification per committed token. 20 held-out prompts, 96 new tokens, greedy, one process."),
+        f"{DECODE} --threads 1 --methods dflash,dspark,dspark_nomarkov --dflash-dir RUN1 --dspark-dir RUN2 "
+        "--dspark-nomarkov-dir RUN3 --dspark-thresholds 0.05,0.1,0.2,0.3 --dspark-eager", render_dspark,
+        "`dflash`: `experiment=dflash_toy`; `dspark`: `experiment=dspark_toy` (docs/dspark.md), the same data and "
+        "2,000 steps, at the fixed block, `[conf=t]` with `drafter.confidence_threshold=t`, `[eager]` through the "
+        "eager proposal; `dspark_nomarkov`: the same without the Markov head. Offered / token: draft positions put "
+        "up for verification per committed token; verified / token: positions the verification forwards fed "
+        "(pending token + chain bucket). 20 held-out prompts, 96 new tokens, greedy, one process, one thread."),
     "bench_dspark_cut_toy_cpu.json": Source(
         "DSpark's confidence cut against its fixed block, side by side (CPU toy)",
         "python scripts/bench_dspark_cut.py --drafter RUN1/drafter --also RUN2/drafter", render_dspark_cut,
