@@ -21,7 +21,8 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     summary = data["runs"]["greedy"]["summary"]
     methods = ("medusa-chain", "medusa-tree[default]", "draft_model", "lookup", "eagle1", "eagle3", "dflash", "peagle",
-               "dspark", "dspark_nomarkov", "dspark[conf=0.3]", "dspark[conf=0.5]")
+               "dspark", "dspark_nomarkov", "dspark[conf=0.3]", "dspark[conf=0.5]", "dspark_nomarkov[conf=0.3]",
+               "dspark_nomarkov[conf=0.5]")
     assert {*methods, "hf_generate", "hf_assisted[draft_model]", "plain"} <= set(summary)
     best = max(summary["plain"]["tokens_per_s"], summary["hf_generate"]["tokens_per_s"])
     for name in methods:
@@ -35,6 +36,7 @@ def test_bench_decode_tiny_writes_every_figure(tmp_path, monkeypatch):
     assert summary["dflash"]["num_draft"] == summary["dspark"]["num_draft"] == 7  # the recipes' whole block (8 - 1)
     assert set(methods) <= set(data["offered_per_token"])
     assert data["offered_per_token"]["dspark[conf=0.5]"] <= data["offered_per_token"]["dspark"]
+    assert summary["dspark[conf=0.5]"]["verified_per_token"] <= summary["dspark"]["verified_per_token"]
 
 
 def test_bench_decode_refuses_unknown_methods(capsys):
