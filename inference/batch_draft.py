@@ -1,0 +1,217 @@
+"""A drafter's batch-1 static draft (``inference.static_draft``) run for the R rows of a batch bucket at once: the
+capture-safe draft step of the batched decoder (``inference.batch_decoder``), for every drafter kind that has a
+batch-1 one, from that kind's own batch-1 code.
+
+How: the batch-1 object's state (every tensor it holds, found through its attributes, lists and dicts, its weights
+and the drafter's own tensors aside) is stacked once along a new leading row dimension, [R, ...]. A draft step runs the
+batch-1 ``draft`` under ``torch.vmap``, the object's attributes pointed at the rows of the stacked state and its
+``CommittedBuffers`` at the rows of the batched verify's hand-off (``BatchSteps.committed_ids`` / ``committed_hidden``,
+the pending tokens, and 1 + each row's accepted count from the packed verdicts); the in-place writes of the batch-1
+step (``index_copy_``, ``copy_``, ``fill_``, ``add_``) land in each row's slice. Row r then drafts exactly what the
+batch-1 draft drafts from row r's committed tokens (tests/test_batch_static_draft.py), each row with its own accepted
+lengths, and the step stays one function of fixed buffers: eager, ``torch.compile(fullgraph=True, dynamic=False)``
+(dynamo traces the vmap) or a CUDA graph, one per (batch bucket, draft shape).
+
+Finished rows (``BatchSteps.active`` 0) stay in the bucket: their drafts are replaced by token -1, and their per-row
+scalars (context length, first-step flag, draw counter) are put back after each step, so a finished row's state never
+moves past the capacity it was allocated for whatever the verify hands it. ``prefill`` (eager, per row) and
+``move_rows`` (re-bucketing) point the same object at one row's slices, or copy rows between buckets.
+
+Shapes: R rows, M committed rows, T draft nodes, V vocabulary, D hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from inference.static_draft import CommittedBuffers, mark_static, new_committed
+
+_NOT_STATE = ("drafter", "model", "committed", "generator", "_owner", "owner")  # never walked: not per-row state
+_DEPTH = 6  # how deep the walk goes (a draft's cache, its layers, their buffers)
+
+
+def state_slots(obj, shared: set[int]) -> list[tuple[object, object, Tensor]]:
+    """Every tensor ``obj`` holds as (container, key, tensor): attributes of plain objects, items of lists and dicts,
+    walked ``_DEPTH`` levels; modules, generators and the tensors whose storage is in ``shared`` are left out. A
+    tuple holding tensors is turned into a list in place (so a row's tensor can be pointed at), once."""
+    out: list[tuple[object, object, Tensor]] = []
+    seen: set[int] = set()
+
+    def walk(node, depth: int) -> None:
+        if depth == 0 or id(node) in seen or isinstance(node, (torch.nn.Module, torch.Generator, Tensor, type)):
+            return
+        seen.add(id(node))
+        if isinstance(node, (dict, list)):
+            items = list(node.items() if isinstance(node, dict) else enumerate(node))
+        elif hasattr(node, "__dict__"):
+            items = [(k, v) for k, v in vars(node).items() if k not in _NOT_STATE]
+        else:
+            return
+        for key, value in items:
+            if isinstance(value, tuple) and any(isinstance(v, Tensor) for v in value):
+                value = list(value)
+                _put(node, key, value)
+            if isinstance(value, Tensor):
+                if value.untyped_storage().data_ptr() not in shared:
+                    out.append((node, key, value))
+            else:
+                walk(value, depth - 1)
+
+    walk(obj, _DEPTH)
+    return out
+
+
+def _put(container, key, value) -> None:
+    if isinstance(container, (dict, list)):
+        container[key] = value
+    else:
+        setattr(container, key, value)
+
+
+def drafter_storages(drafter) -> set[int]:
+    """The storages of the drafter's weights and of the tensors it keeps itself (cut weight rows, vocabulary maps):
+    shared by every row, never stacked."""
+    tensors = []
+    if isinstance(drafter, torch.nn.Module):
+        tensors += [*drafter.parameters(), *drafter.buffers()]
+    for value in vars(drafter).values():
+        if isinstance(value, Tensor):
+            tensors.append(value)
+        elif isinstance(value, (tuple, list)):
+            tensors += [v for v in value if isinstance(v, Tensor)]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+class RowDrafts:
+    """A batch-1 static draft ``proto`` at the R rows of the batched verify's buffers ``state``
+    (``inference.batch_steps.BatchSteps``): ``committed`` is the batch-1 ``CommittedBuffers`` ``proto`` was made for
+    (its shapes; the rows it reads are pointed at ``state``'s at each step)."""
+
+    def __init__(self, drafter, proto, committed: CommittedBuffers, state):
+        self.proto, self.committed, self.state, self.R = proto, committed, state, state.R
+        self.slots = state_slots(proto, drafter_storages(drafter))
+        unique: dict[int, Tensor] = {}
+        for _, _, t in self.slots:
+            unique.setdefault(id(t), t)
+        self.index = {i: n for n, i in enumerate(unique)}  # a tensor's place in ``self.stacked``
+        self.stacked = [t.detach().expand(self.R, *t.shape).clone() for t in unique.values()]
+        mark_static(*self.stacked)
+        # Per-row scalars (lengths, flags, counters): put back on finished rows, reset on empty ones.
+        self.scalars = [n for n, t in enumerate(unique.values()) if t.dim() == 0]
+        self.initial = [self.stacked[n][0].clone() for n in self.scalars]
+        b = proto.buffers
+        self.chain = b.chain
+        self.T = b.tokens_T.shape[0]
+        self.tokens_RT = self.stacked[self.index[id(b.tokens_T)]]
+        self.parents_RT = None if b.chain else self.stacked[self.index[id(b.parents_T)]]
+        self.probs_RTV = None if b.probs_TV is None else self.stacked[self.index[id(b.probs_TV)]]
+        self.parents_T = b.parents_T.cpu()  # the host's record of the step's shape (a static tree's: its parents)
+
+    # --- pointing the batch-1 object at rows -------------------------------------------------------------------
+    def _point(self, values: list[Tensor], committed: tuple | None = None) -> None:
+        for container, key, t in self.slots:
+            _put(container, key, values[self.index[id(t)]])
+        if committed is not None:
+            c = self.committed
+            c.ids_M, c.hidden_M, c.count, c.position, c.pending = committed
+
+    def _restore(self, committed: tuple) -> None:
+        for container, key, t in self.slots:
+            _put(container, key, t)
+        c = self.committed
+        c.ids_M, c.hidden_M, c.count, c.position, c.pending = committed
+
+    def _own(self) -> tuple:
+        c = self.committed
+        return c.ids_M, c.hidden_M, c.count, c.position, c.pending
+
+    # --- eager, outside any recording --------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, prompts: list[Tensor], hidden: dict[int, Tensor], firsts: Tensor) -> None:
+        """Each prompt's row (``proto.prefill`` on that row's slices): ``hidden`` {layer: [R, P, D]} as the batched
+        prefill returns it, ``firsts`` [n] the first generated tokens; the bucket's other rows start empty."""
+        own = self._own()
+        for r, prompt in enumerate(prompts):
+            self._point([t[r] for t in self.stacked])
+            try:
+                P = prompt.shape[0]
+                self.proto.prefill(prompt, {i: h[r, :P] for i, h in hidden.items()}, firsts[r])
+            finally:
+                self._restore(own)
+        self._empty(len(prompts))
+
+    def _empty(self, n: int) -> None:
+        """Rows n .. R - 1 hold no sequence: their scalars back to a new draft's (in range for any step)."""
+        for k, first in zip(self.scalars, self.initial):
+            self.stacked[k][n:].copy_(first.expand(self.R - n))
+
+    def move_rows(self, other: "RowDrafts", rows: list[int]) -> None:
+        """Rows 0 .. len(rows) - 1 become ``other``'s ``rows`` (a batch moving to a smaller bucket)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.stacked[0].device)
+        for mine, theirs in zip(self.stacked, other.stacked):
+            mine[: len(rows)].copy_(theirs.index_select(0, index))
+        self._empty(len(rows))
+
+    def use_shape(self, context: int) -> tuple | None:
+        """Host, before a draft: the shape of a drafter whose step has several (``ShapedDraft``), for attention over
+        ``context`` committed tokens (the bucket's longest row), or None."""
+        use_shape = getattr(self.proto, "use_shape", None)
+        return use_shape(context, True) if use_shape is not None else None
+
+    # --- capture-safe, every step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft(self) -> None:
+        """Every row's catch-up and draft (one vmapped batch-1 step), then the drafts into the verify's buffers."""
+        s = self.state
+        M = s.committed_ids.shape[1]
+        count = (1 + s.out[:, 0]).clamp(1, M)  # what the last step committed per row (a plain step: 1)
+        position = s.cache.length - count
+        kept = [self.stacked[k].clone() for k in self.scalars]
+        own = self._own()
+
+        def row(values, ids_M, hidden_M, count, position, pending):
+            self._point(values, (ids_M, hidden_M, count, position, pending))
+            try:
+                self.proto.draft()
+            finally:
+                self._restore(own)
+
+        torch.vmap(row, out_dims=None)(self.stacked, s.committed_ids, s.committed_hidden, count, position, s.pending)
+        live = s.active.bool()
+        for k, before in zip(self.scalars, kept):
+            self.stacked[k].copy_(torch.where(live, self.stacked[k], before))
+        T = self.T
+        tokens = torch.where(live[:, None], self.tokens_RT, -1)
+        s.tokens_RT[:, :T].copy_(tokens)
+        if not self.chain:
+            s.parents_RT[:, :T].copy_(self.parents_RT)
+        if s.probs_RTV is not None and self.chain:
+            if self.probs_RTV is not None:
+                s.probs_RTV[:, :T].copy_(self.probs_RTV * live[:, None, None])
+            else:  # point masses: q(x) = 1 on each drafted token
+                P = s.probs_RTV[:, :T]
+                P.zero_()
+                P.scatter_(2, tokens.clamp(0, P.shape[-1] - 1)[:, :, None], (tokens >= 0).to(P.dtype)[:, :, None])
+
+
+def static_of(drafter, state, sampling, generator, committed: dict) -> tuple | None:
+    """(the drafter's batch-1 static draft for ``state``'s verify, the ``CommittedBuffers`` it reads), or None (the
+    eager rows then draft): no static draft for this drafter or setting, or one the batched verify cannot take (wider
+    than its buffers, sampled siblings). ``committed``: the caller's {id(state): batch-1 committed buffers}, kept so
+    a drafter asked again for the same settings hands back the same object (``Drafter.reuse_static_draft``)."""
+    if not hasattr(drafter, "static_draft"):
+        return None
+    own = committed.get(id(state))
+    if own is None:
+        hidden = next(iter(state.committed_hidden.values()), None)
+        own = committed[id(state)] = new_committed(
+            state.committed_ids.shape[1], tuple(drafter.teacher_layers),
+            hidden.shape[-1] if hidden is not None else 1, state.device, state.dtype)
+    proto = drafter.static_draft(own, state.cache.capacity, sampling, generator)
+    if proto is None:
+        return None
+    b = proto.buffers
+    if b.tokens_T.shape[0] > state.max_nodes or (not b.chain and b.probs_TV is not None):
+        return None
+    return proto, own
