@@ -109,10 +109,10 @@ class BatchSteps:
             nxt = logits[:, 0].argmax(-1)
         else:
             nxt = sample_uniform(warp(logits[:, 0], sampling), self.uniforms[:, :1])[:, 0]
-        if self.layers:  # the hand-off of a step that drafted nothing: the pending token's row
-            self.committed_ids[:, 0].copy_(self.pending)
-            for i, h in hidden.items():
-                self.committed_hidden[i][:, 0].copy_(h[:, 0])
+        # the hand-off of a step that drafted nothing: the pending token's row (a static draft's catch-up reads it)
+        self.committed_ids[:, 0].copy_(self.pending)
+        for i, h in hidden.items():
+            self.committed_hidden[i][:, 0].copy_(h[:, 0])
         cache.length.add_(self.active)
         self.pending.copy_(nxt)
         self.out[:, :3].zero_()
