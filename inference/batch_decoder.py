@@ -7,10 +7,17 @@ whether speculating still pays. This module is the mechanism; the sweep is ``eva
 
 Per decode: the prompts go into the rows of a batch bucket (1, 2, 4, 8, ...: the smallest holding them) in one
 eager forward, right-padded; then per step the host
-1. drafts: the drafter's batch state (``drafter.rows(seeds)``, ``inference.proposer.ProposerRows``: EAGLE one
-   forward per tree level for every row, a draft model one forward per draft step, DFlash and P-EAGLE one forward,
-   the others per-row copies) proposes for every live row at once, and each row's chain or tree is copied into the
-   step's fixed buffers, padded with token -1; a plain step (or γ = 0 from the load-aware policy) drafts nothing;
+1. drafts: a drafter with a batch-1 static draft (``static_draft``, ``inference.static_draft``: EAGLE-1/3, Medusa,
+   DFlash, DSpark, P-EAGLE, a full-attention draft model) runs its draft step at the bucket's rows
+   (``inference.batch_draft``: the batch-1 step vmapped over the rows' stacked states, each row catching up on what
+   it committed itself), compiled or recorded like the verify steps, writing the step's draft buffers on the device;
+   rows near the end of their budget get token -1 past the tokens they still need, as at batch 1. Any other drafter
+   (lookup, a drafter or setting without a static draft, one whose draft the batched verify cannot take) proposes
+   through its eager batch state (``drafter.rows(seeds)``, ``inference.proposer.ProposerRows``: EAGLE one forward
+   per tree level for every row, a draft model one forward per draft step, DFlash and P-EAGLE one forward, the others
+   per-row copies) and each row's chain or tree is copied into the step's fixed buffers, padded with token -1. A
+   plain step (γ = 0 from the load-aware policy) verifies nothing drafted; a static draft step still runs before it,
+   its catch-up keeping the rows' draft state in step;
 2. fills the sampling draws (one ``torch.rand`` into a static buffer);
 3. runs the step of the bucket (batch bucket, width, chain or tree, capacity bucket): eager,
    ``torch.compile(fullgraph=True, dynamic=False)`` or a CUDA graph replay, as the batch-1 step decoder
@@ -19,8 +26,8 @@ eager forward, right-padded; then per step the host
    drafter's ``observe`` / ``accepted``).
 A finished row (``max_new_tokens`` or EOS) stays in its bucket, inactive (its length no longer moves, its verdicts
 are ignored), until at most half the bucket is live: the live rows then move to the smallest bucket holding them
-(their cache rows copied once). Each row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
-decoding, sampled rows are distributed as the target (tests/test_batch_decoder.py).
+(their cache rows, and a static draft's state rows, copied once). Each row is decoded losslessly: greedy rows are
+token-identical to batch-1 greedy decoding, sampled rows are distributed as the target (tests/test_batch_decoder.py).
 
 Shapes: B prompts, R rows of the batch bucket, N draft nodes per row, V vocabulary.
 """
@@ -164,7 +171,7 @@ class BatchStepDecoder:
         self._states: dict[tuple, BatchSteps] = {}
         self._fns: dict[tuple, object] = {}  # keyed by (id(state), ...): dropped with the buffers they read
         self._drafts: dict[tuple, RowDrafts] = {}  # (id(state), id(batch-1 draft), weights) -> its rows
-        self._committed: dict[int, object] = {}  # id(state) -> the batch-1 committed buffers its drafts are made for
+        self._committed: dict[tuple, object] = {}  # shape -> the batch-1 committed buffers static drafts are made for
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -229,7 +236,6 @@ class BatchStepDecoder:
             if old is not None:  # the steps and drafts made for the replaced buffers go with them
                 self._fns = {k: f for k, f in self._fns.items() if k[0] != id(old)}
                 self._drafts = {k: d for k, d in self._drafts.items() if k[0] != id(old)}
-                self._committed.pop(id(old), None)
         return state
 
     def _row_drafts(self, drafter, state: BatchSteps, sampling: SamplingConfig) -> RowDrafts | None:

@@ -22,10 +22,17 @@ Shapes: R rows, M committed rows, T draft nodes, V vocabulary, D hidden size.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
 from inference.static_draft import CommittedBuffers, mark_static, new_committed
+
+# vmap runs the ops without a batching rule (index_copy_, CPU attention) row by row and says so once per op; a
+# compiled step traces them into one graph either way.
+warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented the "
+                        "batching rule")
 
 _NOT_STATE = ("drafter", "model", "committed", "generator", "_owner", "owner")  # never walked: not per-row state
 _DEPTH = 6  # how deep the walk goes (a draft's cache, its layers, their buffers)
@@ -95,7 +102,12 @@ class RowDrafts:
         for _, _, t in self.slots:
             unique.setdefault(id(t), t)
         self.index = {i: n for n, i in enumerate(unique)}  # a tensor's place in ``self.stacked``
-        self.stacked = [t.detach().expand(self.R, *t.shape).clone() for t in unique.values()]
+        storages = [t.untyped_storage().data_ptr() for t in unique.values()]
+        if len(set(storages)) < len(storages):
+            raise ValueError(f"{type(proto).__name__} holds two views of one buffer among its state tensors; a row "
+                             f"dimension cannot be added to it: keep each buffer in one attribute (slice it in the "
+                             f"step)")
+        self.stacked = [t.detach().unsqueeze(0).repeat(self.R, *([1] * t.dim())) for t in unique.values()]
         mark_static(*self.stacked)
         # Per-row scalars (lengths, flags, counters): put back on finished rows, reset on empty ones.
         self.scalars = [n for n, t in enumerate(unique.values()) if t.dim() == 0]
@@ -198,16 +210,18 @@ class RowDrafts:
 def static_of(drafter, state, sampling, generator, committed: dict) -> tuple | None:
     """(the drafter's batch-1 static draft for ``state``'s verify, the ``CommittedBuffers`` it reads), or None (the
     eager rows then draft): no static draft for this drafter or setting, or one the batched verify cannot take (wider
-    than its buffers, sampled siblings). ``committed``: the caller's {id(state): batch-1 committed buffers}, kept so
-    a drafter asked again for the same settings hands back the same object (``Drafter.reuse_static_draft``)."""
+    than its buffers, sampled siblings). ``committed``: the caller's batch-1 committed buffers by shape, kept so a
+    drafter asked again for the same settings hands back the same object (``Drafter.reuse_static_draft``), whatever
+    the batch bucket: every bucket's rows run the one batch-1 object, each pointing it at its own state."""
     if not hasattr(drafter, "static_draft"):
         return None
-    own = committed.get(id(state))
+    hidden = next(iter(state.committed_hidden.values()), None)
+    shape = (state.committed_ids.shape[1], tuple(state.committed_hidden), hidden.shape[-1] if hidden is not None else 1,
+             state.cache.capacity, str(state.device), state.dtype)
+    own = committed.get(shape)
     if own is None:
-        hidden = next(iter(state.committed_hidden.values()), None)
-        own = committed[id(state)] = new_committed(
-            state.committed_ids.shape[1], tuple(drafter.teacher_layers),
-            hidden.shape[-1] if hidden is not None else 1, state.device, state.dtype)
+        own = committed[shape] = new_committed(shape[0], tuple(drafter.teacher_layers), shape[2], state.device,
+                                               state.dtype)
     proto = drafter.static_draft(own, state.cache.capacity, sampling, generator)
     if proto is None:
         return None

@@ -77,7 +77,7 @@ def eager_rows_refused(drafter):
     return drafter
 
 
-# --- the mechanism ------------------------------------------------------------------------------------------------------
+# --- the mechanism ----------------------------------------------------------------------------------------------------
 
 
 class FakeVerify:
@@ -154,7 +154,7 @@ def test_each_row_drafts_what_its_batch1_static_draft_drafts(teacher, kind):
                 assert torch.equal(verify.parents_RT[r, :T], static.buffers.parents_T), (kind, step, r)
 
 
-# --- the decoder --------------------------------------------------------------------------------------------------------
+# --- the decoder ------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -226,10 +226,10 @@ def test_a_drafter_without_a_static_draft_drafts_through_its_eager_rows(teacher,
                                                         for p in prompts[:3]]
 
 
-# --- compiled -----------------------------------------------------------------------------------------------------------
+# --- compiled ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["dflash", pytest.param("eagle1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["dflash", "eagle1"])
 def test_one_draft_graph_per_bucket_and_no_recompile_over_long_decodes(teacher, prompts, kind):
     """``torch.compile(fullgraph=True, dynamic=False)`` (dynamo): after a warm-up decode of 3 prompts (buckets 4 -> 2
     -> 1 as rows finish), the same decode again with recompiles refused; one graph per step function the decoder made
