@@ -251,7 +251,8 @@ class BatchStepDecoder:
             if len(self._drafts) >= STATIC_KEPT:  # the oldest goes, with the steps made for it
                 old = self._drafts.pop(next(iter(self._drafts)))
                 self._fns = {k: f for k, f in self._fns.items() if k[1:3] != ("draft", id(old))}
-            rows = self._drafts[key] = RowDrafts(drafter, proto, committed, state)
+            like = next((d for d in self._drafts.values() if d.proto is proto), None)  # another bucket's rows
+            rows = self._drafts[key] = RowDrafts(drafter, proto, committed, state, like)
         return rows
 
     def _draft_step(self, static: RowDrafts, shape: tuple | None):

@@ -22,6 +22,7 @@ Shapes: R rows, M committed rows, T draft nodes, V vocabulary, D hidden size.
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import torch
@@ -93,20 +94,24 @@ def drafter_storages(drafter) -> set[int]:
 class RowDrafts:
     """A batch-1 static draft ``proto`` at the R rows of the batched verify's buffers ``state``
     (``inference.batch_steps.BatchSteps``): ``committed`` is the batch-1 ``CommittedBuffers`` ``proto`` was made for
-    (its shapes; the rows it reads are pointed at ``state``'s at each step)."""
+    (its shapes; the rows it reads are pointed at ``state``'s at each step). ``like``: another bucket's rows of the
+    same ``proto``, whose state layout these share (so rows move between them)."""
 
-    def __init__(self, drafter, proto, committed: CommittedBuffers, state):
+    def __init__(self, drafter, proto, committed: CommittedBuffers, state, like: "RowDrafts | None" = None):
         self.proto, self.committed, self.state, self.R = proto, committed, state, state.R
-        self.slots = state_slots(proto, drafter_storages(drafter))
+        if like is not None:
+            self.slots = like.slots
+        else:
+            slots = state_slots(proto, drafter_storages(drafter))
+            views = collections.Counter(t.untyped_storage().data_ptr()
+                                        for t in {id(t): t for _, _, t in slots}.values())
+            # Views of one buffer through several attributes (a cache's column ranges) are tables a step only
+            # reads: shared by the rows, as the weights are (a step writing one fails under vmap, never silently).
+            self.slots = [s for s in slots if views[s[2].untyped_storage().data_ptr()] == 1]
         unique: dict[int, Tensor] = {}
         for _, _, t in self.slots:
             unique.setdefault(id(t), t)
         self.index = {i: n for n, i in enumerate(unique)}  # a tensor's place in ``self.stacked``
-        storages = [t.untyped_storage().data_ptr() for t in unique.values()]
-        if len(set(storages)) < len(storages):
-            raise ValueError(f"{type(proto).__name__} holds two views of one buffer among its state tensors; a row "
-                             f"dimension cannot be added to it: keep each buffer in one attribute (slice it in the "
-                             f"step)")
         self.stacked = [t.detach().unsqueeze(0).repeat(self.R, *([1] * t.dim())) for t in unique.values()]
         mark_static(*self.stacked)
         # Per-row scalars (lengths, flags, counters): put back on finished rows, reset on empty ones.
@@ -160,6 +165,8 @@ class RowDrafts:
 
     def move_rows(self, other: "RowDrafts", rows: list[int]) -> None:
         """Rows 0 .. len(rows) - 1 become ``other``'s ``rows`` (a batch moving to a smaller bucket)."""
+        if other.slots is not self.slots:
+            raise ValueError("rows move only between the buckets of one static draft (RowDrafts(..., like=other))")
         index = torch.tensor(rows, dtype=torch.long, device=self.stacked[0].device)
         for mine, theirs in zip(self.stacked, other.stacked):
             mine[: len(rows)].copy_(theirs.index_select(0, index))
@@ -167,9 +174,17 @@ class RowDrafts:
 
     def use_shape(self, context: int) -> tuple | None:
         """Host, before a draft: the shape of a drafter whose step has several (``ShapedDraft``), for attention over
-        ``context`` committed tokens (the bucket's longest row), or None."""
+        ``context`` committed tokens (the bucket's longest row), or None. Refuses a batch-1 object whose host code
+        replaced one of its state tensors since (its rows would be drafted from the old one)."""
         use_shape = getattr(self.proto, "use_shape", None)
-        return use_shape(context, True) if use_shape is not None else None
+        shape = use_shape(context, True) if use_shape is not None else None
+        for container, key, t in self.slots:
+            held = container[key] if isinstance(container, (dict, list)) else getattr(container, key)
+            if held is not t:
+                raise RuntimeError(f"{type(self.proto).__name__}: its state tensor {key!r} was replaced between "
+                                   f"steps; a static draft run at batch R keeps every state tensor it allocated "
+                                   f"(write into it in place)")
+        return shape
 
     # --- capture-safe, every step ------------------------------------------------------------------------------
     @torch.no_grad()
