@@ -35,6 +35,7 @@ Shapes: B prompts, R rows of the batch bucket, N draft nodes per row, V vocabula
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from inference.batch_draft import RowDrafts, static_of
+from inference.batch_draft import NotStackable, RowDrafts, static_of
 from inference.batch_steps import BatchSteps
 from inference.generation import Generation, check_prompt, check_vocab, finish, sync
 from inference.proposer import Proposer, ProposerRows
@@ -54,6 +55,8 @@ from inference.stats import AcceptStats
 from inference.step_decoder import MAX_NODES, STATIC_KEPT, StepDecoder, _capacity, clip_tree
 from inference.steps import Bucket, cut_width, tree_nodes
 from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
+
+log = logging.getLogger(__name__)
 
 Policy = Callable[[int], int]  # live batch size -> draft tokens (γ) for this step; 0 = a plain step
 
@@ -144,13 +147,16 @@ class _Batch:
 class BatchStepDecoder:
     """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter.
     ``steps``: the batch-1 step decoder whose settings (CUDA graphs, compile) and generator this one shares (None: a
-    new one, on a generator seeded with ``seed`` unless ``generator`` is given)."""
+    new one, on a generator seeded with ``seed`` unless ``generator`` is given). ``static_drafts``: False drafts
+    through the eager rows even where the drafter has a static draft (comparisons, benchmarks)."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
                  generator: torch.Generator | None = None, cuda_graphs: str = "auto", compile: str | bool = "auto",
                  compile_backend: str | None = None, steps: StepDecoder | None = None,
-                 typical: tuple[float, float] | None = None, max_rows: int | None = None):
+                 typical: tuple[float, float] | None = None, max_rows: int | None = None,
+                 static_drafts: bool = True):
         self.teacher = teacher
+        self.static_drafts = static_drafts
         self.model = teacher.model
         self.device = teacher.device
         self.eos_token_id = eos_token_id
@@ -241,6 +247,8 @@ class BatchStepDecoder:
     def _row_drafts(self, drafter, state: BatchSteps, sampling: SamplingConfig) -> RowDrafts | None:
         """The drafter's capture-safe draft step at ``state``'s rows (``inference.batch_draft``), or None: the eager
         rows draft. One per (buffers, batch-1 static draft, weights), as the batch-1 decoder keeps its static drafts."""
+        if not self.static_drafts:
+            return None
         made = static_of(drafter, state, sampling, self.generator, self._committed)
         if made is None:
             return None
@@ -252,7 +260,11 @@ class BatchStepDecoder:
                 old = self._drafts.pop(next(iter(self._drafts)))
                 self._fns = {k: f for k, f in self._fns.items() if k[1:3] != ("draft", id(old))}
             like = next((d for d in self._drafts.values() if d.proto is proto), None)  # another bucket's rows
-            rows = self._drafts[key] = RowDrafts(drafter, proto, committed, state, like)
+            try:
+                rows = self._drafts[key] = RowDrafts(drafter, proto, committed, state, like)
+            except NotStackable as e:
+                log.info("drafting %s through its eager rows: %s", drafter.name, e)
+                return None
         return rows
 
     def _draft_step(self, static: RowDrafts, shape: tuple | None):

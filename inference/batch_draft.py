@@ -39,6 +39,11 @@ _NOT_STATE = ("drafter", "model", "committed", "generator", "_owner", "owner")  
 _DEPTH = 6  # how deep the walk goes (a draft's cache, its layers, their buffers)
 
 
+class NotStackable(ValueError):
+    """A static draft whose state this module cannot find (its draft buffers are not among the tensors it holds:
+    kept on its class, say): the batched decoder drafts through the drafter's eager rows instead."""
+
+
 def state_slots(obj, shared: set[int]) -> list[tuple[object, object, Tensor]]:
     """Every tensor ``obj`` holds as (container, key, tensor): attributes of plain objects, items of lists and dicts,
     walked ``_DEPTH`` levels; modules, generators and the tensors whose storage is in ``shared`` are left out. A
@@ -118,6 +123,11 @@ class RowDrafts:
         self.scalars = [n for n, t in enumerate(unique.values()) if t.dim() == 0]
         self.initial = [self.stacked[n][0].clone() for n in self.scalars]
         b = proto.buffers
+        missing = [name for name in ("tokens_T", "parents_T", "probs_TV")
+                   if getattr(b, name) is not None and id(getattr(b, name)) not in self.index]
+        if missing:
+            raise NotStackable(f"{type(proto).__name__}: its draft buffers {missing} are not among the tensors its "
+                               f"instance holds, so no row dimension can be added to them")
         self.chain = b.chain
         self.T = b.tokens_T.shape[0]
         self.tokens_RT = self.stacked[self.index[id(b.tokens_T)]]

@@ -205,8 +205,7 @@ def test_plain_steps_keep_the_static_draft_in_step(teacher, prompts, kind):
     refs = [Decoder(teacher).plain(p[None], NEW).new_tokens for p in prompts]
     assert [g.new_tokens for g in static.generations] == refs
     assert static.gamma_steps[0] > 0 and static.gamma_steps[3] > 0
-    drafter.static_draft = lambda *args, **kwargs: None  # the eager rows
-    eager = BatchStepDecoder(teacher, cuda_graphs="off", compile="off")
+    eager = BatchStepDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=False)
     rows = eager.speculative(drafter, prompts, NEW, 3, policy=Alternating())
     assert not any(key[1] == "draft" for key in eager._fns)
     assert [g.stats.counts for g in static.generations] == [g.stats.counts for g in rows.generations]
