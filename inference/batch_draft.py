@@ -174,12 +174,21 @@ class RowDrafts:
             self.stacked[k][n:].copy_(first.expand(self.R - n))
 
     def move_rows(self, other: "RowDrafts", rows: list[int]) -> None:
-        """Rows 0 .. len(rows) - 1 become ``other``'s ``rows`` (a batch moving to a smaller bucket)."""
-        if other.slots is not self.slots:
-            raise ValueError("rows move only between the buckets of one static draft (RowDrafts(..., like=other))")
+        """Rows 0 .. len(rows) - 1 become ``other``'s ``rows`` (a batch moving to a smaller bucket). ``other`` may
+        run a batch-1 draft of the same kind at a smaller capacity (the smaller bucket's buffers were allocated for a
+        longer decode): its state tensors then correspond in order, and the columns it has (every position its rows
+        reached) are copied; the rest keep their own values (constant tables, columns no row has reached)."""
+        if other.slots is not self.slots and not (
+                type(other.proto) is type(self.proto) and len(other.stacked) == len(self.stacked)
+                and all(a.dim() == b.dim() and a.dtype == b.dtype
+                        and all(x <= y for x, y in zip(a.shape[1:], b.shape[1:]))
+                        for a, b in zip(other.stacked, self.stacked))):
+            raise ValueError(f"rows of a {type(other.proto).__name__} cannot move to a {type(self.proto).__name__}'s "
+                             f"buffers: move them between the buckets of one drafter and settings")
         index = torch.tensor(rows, dtype=torch.long, device=self.stacked[0].device)
         for mine, theirs in zip(self.stacked, other.stacked):
-            mine[: len(rows)].copy_(theirs.index_select(0, index))
+            part = tuple(slice(0, n) for n in theirs.shape[1:])
+            mine[(slice(0, len(rows)), *part)].copy_(theirs.index_select(0, index))
         self._empty(len(rows))
 
     def use_shape(self, context: int) -> tuple | None:

@@ -181,6 +181,23 @@ def test_batches_of_1_3_and_8_accept_what_batch1_static_drafts_get_accepted(teac
     assert any(key[1] == "draft" for key in decoder._fns)
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "dflash", "draft_model"])
+def test_rows_move_into_a_bucket_allocated_for_longer_decodes(teacher, prompts, eos, kind):
+    """A long decode leaves buckets 4, 2 and 1 with a larger capacity than a later short decode's bucket 8: the short
+    decode's rows then move into buffers of another size (another batch-1 draft of the same kind) and still draft
+    what the batch-1 static draft drafts."""
+    drafter = eager_rows_refused(drafter_of(kind, teacher))
+    decoder = BatchStepDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off")
+    decoder.speculative(drafter, prompts[:3], 200, 3)
+    gen = decoder.speculative(drafter, prompts, NEW, 3)
+    capacities = {rows: state.cache.capacity for (rows, *_), state in decoder._states.items()}
+    assert capacities[8] < capacities[4] and len(gen.bucket_steps) > 1
+    single = Decoder(teacher, eos_token_id=eos)
+    for p, g in zip(prompts, gen.generations):
+        ref = single.speculative(drafter, p[None], NEW, 3)
+        assert g.new_tokens == ref.new_tokens and g.stats.counts == ref.stats.counts
+
+
 class Alternating:
     """A policy drafting γ = 3 and 0 (a plain step) in turn, whatever the live batch."""
 
