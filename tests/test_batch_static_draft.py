@@ -9,7 +9,8 @@
 - plain steps chosen by a policy keep the draft state in step; a drafter without a static draft still drafts through
   its eager rows;
 - compiled (``torch.compile(fullgraph=True, dynamic=False)``): one draft graph per batch bucket, no recompile over
-  decodes of >= 64 steps.
+  decodes of >= 64 steps; under inductor, the batch-1 drafts still;
+- re-bucketing into buffers allocated for a longer decode keeps every row's draft state.
 """
 
 from __future__ import annotations
@@ -268,3 +269,17 @@ def test_one_draft_graph_per_bucket_and_no_recompile_over_long_decodes(teacher, 
     single = Decoder(teacher)
     refs = [single.plain(p[None], 100).new_tokens for p in batch]
     assert [g.new_tokens for g in gen.generations] == [g.new_tokens for g in first.generations] == refs
+
+
+def test_inductor_compiled_draft_steps_draft_what_batch1_drafts(teacher, prompts):
+    """The draft step at every bucket compiled by inductor (the default backend), no fallback: each row its batch-1
+    greedy decode, with the batch-1 static draft's accepted counts."""
+    drafter = eager_rows_refused(drafter_of("dflash", teacher))
+    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="on")
+    gen = decoder.speculative(drafter, prompts, NEW, 3)
+    assert decoder.owner.fallback_reason is None
+    assert any(key[1] == "draft" for key in decoder._fns)
+    single = Decoder(teacher)
+    for p, g in zip(prompts, gen.generations):
+        ref = single.speculative(drafter, p[None], NEW, 3)
+        assert g.new_tokens == ref.new_tokens and g.stats.counts == ref.stats.counts
