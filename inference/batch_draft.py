@@ -44,14 +44,15 @@ class NotStackable(ValueError):
     kept on its class, say): the batched decoder drafts through the drafter's eager rows instead."""
 
 
-def state_slots(obj, shared: set[int]) -> list[tuple[object, object, Tensor]]:
-    """Every tensor ``obj`` holds as (container, key, tensor): attributes of plain objects, items of lists and dicts,
-    walked ``_DEPTH`` levels; modules, generators and the tensors whose storage is in ``shared`` are left out. A
-    tuple holding tensors is turned into a list in place (so a row's tensor can be pointed at), once."""
-    out: list[tuple[object, object, Tensor]] = []
+def state_slots(obj, shared: set[int]) -> list[tuple[object, object, Tensor, str]]:
+    """Every tensor ``obj`` holds as (container, key, tensor, path): attributes of plain objects, items of lists and
+    dicts, walked ``_DEPTH`` levels; modules, generators and the tensors whose storage is in ``shared`` are left out.
+    A tuple holding tensors is turned into a list in place (so a row's tensor can be pointed at), once. ``path``
+    names the tensor's place (``cache.layers.0.keys``), the same in every object of one class."""
+    out: list[tuple[object, object, Tensor, str]] = []
     seen: set[int] = set()
 
-    def walk(node, depth: int) -> None:
+    def walk(node, depth: int, path: str) -> None:
         if depth == 0 or id(node) in seen or isinstance(node, (torch.nn.Module, torch.Generator, Tensor, type)):
             return
         seen.add(id(node))
@@ -65,13 +66,14 @@ def state_slots(obj, shared: set[int]) -> list[tuple[object, object, Tensor]]:
             if isinstance(value, tuple) and any(isinstance(v, Tensor) for v in value):
                 value = list(value)
                 _put(node, key, value)
+            where = f"{path}.{key}" if path else str(key)
             if isinstance(value, Tensor):
                 if value.untyped_storage().data_ptr() not in shared:
-                    out.append((node, key, value))
+                    out.append((node, key, value, where))
             else:
-                walk(value, depth - 1)
+                walk(value, depth - 1, where)
 
-    walk(obj, _DEPTH)
+    walk(obj, _DEPTH, "")
     return out
 
 
@@ -109,14 +111,15 @@ class RowDrafts:
         else:
             slots = state_slots(proto, drafter_storages(drafter))
             views = collections.Counter(t.untyped_storage().data_ptr()
-                                        for t in {id(t): t for _, _, t in slots}.values())
+                                        for t in {id(t): t for _, _, t, _ in slots}.values())
             # Views of one buffer through several attributes (a cache's column ranges) are tables a step only
             # reads: shared by the rows, as the weights are (a step writing one fails under vmap, never silently).
             self.slots = [s for s in slots if views[s[2].untyped_storage().data_ptr()] == 1]
         unique: dict[int, Tensor] = {}
-        for _, _, t in self.slots:
+        for _, _, t, _ in self.slots:
             unique.setdefault(id(t), t)
         self.index = {i: n for n, i in enumerate(unique)}  # a tensor's place in ``self.stacked``
+        self.paths = {path: self.index[id(t)] for _, _, t, path in self.slots}  # the same, by path
         self.stacked = [t.detach().unsqueeze(0).repeat(self.R, *([1] * t.dim())) for t in unique.values()]
         mark_static(*self.stacked)
         # Per-row scalars (lengths, flags, counters): put back on finished rows, reset on empty ones.
@@ -137,14 +140,14 @@ class RowDrafts:
 
     # --- pointing the batch-1 object at rows -------------------------------------------------------------------
     def _point(self, values: list[Tensor], committed: tuple | None = None) -> None:
-        for container, key, t in self.slots:
+        for container, key, t, _ in self.slots:
             _put(container, key, values[self.index[id(t)]])
         if committed is not None:
             c = self.committed
             c.ids_M, c.hidden_M, c.count, c.position, c.pending = committed
 
     def _restore(self, committed: tuple) -> None:
-        for container, key, t in self.slots:
+        for container, key, t, _ in self.slots:
             _put(container, key, t)
         c = self.committed
         c.ids_M, c.hidden_M, c.count, c.position, c.pending = committed
@@ -174,19 +177,19 @@ class RowDrafts:
             self.stacked[k][n:].copy_(first.expand(self.R - n))
 
     def move_rows(self, other: "RowDrafts", rows: list[int]) -> None:
-        """Rows 0 .. len(rows) - 1 become ``other``'s ``rows`` (a batch moving to a smaller bucket). ``other`` may
-        run a batch-1 draft of the same kind at a smaller capacity (the smaller bucket's buffers were allocated for a
-        longer decode): its state tensors then correspond in order, and the columns it has (every position its rows
+        """Rows 0 .. len(rows) - 1 become ``other``'s ``rows`` (a batch moving to a smaller bucket), state tensor by
+        state tensor (matched by path). ``other`` may run a batch-1 draft of the same kind at a smaller capacity (the
+        smaller bucket's buffers were allocated for a longer decode): the columns it has (every position its rows
         reached) are copied; the rest keep their own values (constant tables, columns no row has reached)."""
-        if other.slots is not self.slots and not (
-                type(other.proto) is type(self.proto) and len(other.stacked) == len(self.stacked)
-                and all(a.dim() == b.dim() and a.dtype == b.dtype
-                        and all(x <= y for x, y in zip(a.shape[1:], b.shape[1:]))
-                        for a, b in zip(other.stacked, self.stacked))):
+        pairs = [(self.stacked[n], other.stacked[other.paths[path]]) for path, n in self.paths.items()
+                 if path in other.paths]
+        if type(other.proto) is not type(self.proto) or not all(
+                a.dim() == b.dim() and a.dtype == b.dtype and all(x >= y for x, y in zip(a.shape[1:], b.shape[1:]))
+                for a, b in pairs):
             raise ValueError(f"rows of a {type(other.proto).__name__} cannot move to a {type(self.proto).__name__}'s "
                              f"buffers: move them between the buckets of one drafter and settings")
         index = torch.tensor(rows, dtype=torch.long, device=self.stacked[0].device)
-        for mine, theirs in zip(self.stacked, other.stacked):
+        for mine, theirs in pairs:
             part = tuple(slice(0, n) for n in theirs.shape[1:])
             mine[(slice(0, len(rows)), *part)].copy_(theirs.index_select(0, index))
         self._empty(len(rows))
@@ -197,7 +200,7 @@ class RowDrafts:
         replaced one of its state tensors since (its rows would be drafted from the old one)."""
         use_shape = getattr(self.proto, "use_shape", None)
         shape = use_shape(context, True) if use_shape is not None else None
-        for container, key, t in self.slots:
+        for container, key, t, _ in self.slots:
             held = container[key] if isinstance(container, (dict, list)) else getattr(container, key)
             if held is not t:
                 raise RuntimeError(f"{type(self.proto).__name__}: its state tensor {key!r} was replaced between "
