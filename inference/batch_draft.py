@@ -10,7 +10,8 @@ the pending tokens, and 1 + each row's accepted count from the packed verdicts);
 step (``index_copy_``, ``copy_``, ``fill_``, ``add_``) land in each row's slice. Row r then drafts exactly what the
 batch-1 draft drafts from row r's committed tokens (tests/test_batch_static_draft.py), each row with its own accepted
 lengths, and the step stays one function of fixed buffers: eager, ``torch.compile(fullgraph=True, dynamic=False)``
-(dynamo traces the vmap) or a CUDA graph, one per (batch bucket, draft shape).
+(dynamo traces the vmap) or a CUDA graph, one per (batch bucket, draft shape). A bucket of one row runs the batch-1
+step on row 0's slices directly (vmap's fixed cost buys nothing there).
 
 Finished rows (``BatchSteps.active`` 0) stay in the bucket: their drafts are replaced by token -1, and their per-row
 scalars (context length, first-step flag, draw counter) are put back after each step, so a finished row's state never
@@ -226,7 +227,11 @@ class RowDrafts:
             finally:
                 self._restore(own)
 
-        torch.vmap(row, out_dims=None)(self.stacked, s.committed_ids, s.committed_hidden, count, position, s.pending)
+        args = (self.stacked, s.committed_ids, s.committed_hidden, count, position, s.pending)
+        if self.R == 1:  # the batch-1 step on row 0's slices: vmap's fixed cost buys nothing here
+            row(*torch.utils._pytree.tree_map(lambda t: t[0], args))
+        else:
+            torch.vmap(row, out_dims=None)(*args)
         live = s.active.bool()
         for k, before in zip(self.scalars, kept):
             self.stacked[k].copy_(torch.where(live, self.stacked[k], before))
