@@ -11,7 +11,9 @@ eager forward, right-padded; then per step the host
    DFlash, DSpark, P-EAGLE, a full-attention draft model) runs its draft step at the bucket's rows
    (``inference.batch_draft``: the batch-1 step vmapped over the rows' stacked states, each row catching up on what
    it committed itself), compiled or recorded like the verify steps, writing the step's draft buffers on the device;
-   rows near the end of their budget get token -1 past the tokens they still need, as at batch 1. Any other drafter
+   rows near the end of their budget get token -1 past the tokens they still need, and a drafter that cuts its own
+   chains (DSpark's confidence cut) is verified in the bucket of the longest row's cut (one read-back of every row's
+   kept count), as at batch 1. Any other drafter
    (lookup, a drafter or setting without a static draft, one whose draft the batched verify cannot take) proposes
    through its eager batch state (``drafter.rows(seeds)``, ``inference.proposer.ProposerRows``: EAGLE one forward
    per tree level for every row, a draft model one forward per draft step, DFlash and P-EAGLE one forward, the others
@@ -438,19 +440,24 @@ class BatchStepDecoder:
         if gamma == 0:
             return Bucket(0, True, width_of(0)), None
         T, chain = static.T, static.chain
-        drafted = []
+        kept = static.kept_R.tolist() if static.kept_R is not None else None  # a cutting drafter: one read-back
+        drafted, N = [], 0 if kept is not None else T
         for r in batch.live:
             depth = min(gamma, max_new - len(r.new))
-            size = T
-            if chain and depth < T:
-                state.tokens_RT[r.slot, depth:T].fill_(-1)
+            size = min(depth, T) if chain else T
+            if kept is not None:  # the cut's bucket, filled with drafted tokens (as at batch 1)
+                width = cut_width(min(kept[r.slot], size), T)
+                size, N = min(size, width), max(N, width)
+            if chain and size < T:
+                state.tokens_RT[r.slot, size:T].fill_(-1)
                 if state.probs_RTV is not None:
-                    state.probs_RTV[r.slot, depth:T].zero_()
-                size = depth
+                    state.probs_RTV[r.slot, size:T].zero_()
             elif not chain and depth < batch.num_draft:
                 clip_tree(DraftBuffers(state.tokens_RT[r.slot, :T], state.parents_RT[r.slot, :T]), depth)
             drafted.append((size, None))
-        return Bucket(T, chain, width_of(T)), drafted
+        if N == 0:  # every row's cut kept nothing: a plain step (the draft step already ran its catch-up)
+            return Bucket(0, True, width_of(0)), None
+        return Bucket(N, chain, width_of(N)), drafted
 
     @staticmethod
     def _check(state: BatchSteps, trees: list[DraftTree], N: int, chain: bool, sampling: SamplingConfig) -> None:

@@ -138,6 +138,10 @@ class RowDrafts:
         self.parents_RT = None if b.chain else self.stacked[self.index[id(b.parents_T)]]
         self.probs_RTV = None if b.probs_TV is None else self.stacked[self.index[id(b.probs_TV)]]
         self.parents_T = b.parents_T.cpu()  # the host's record of the step's shape (a static tree's: its parents)
+        # A drafter that cuts its own chain (``Proposer.variable_depth``) counts the slots it keeps in ``kept``: per
+        # row here, read back once per step to pick the verify bucket, as the batch-1 decoder reads its own.
+        cuts = getattr(proto, "kept", None) is not None and "kept" in self.paths and b.chain
+        self.kept_R = self.stacked[self.paths["kept"]] if cuts else None
 
     # --- pointing the batch-1 object at rows -------------------------------------------------------------------
     def _point(self, values: list[Tensor], committed: tuple | None = None) -> None:

@@ -26,11 +26,11 @@ from inference.batch_draft import RowDrafts
 from inference.decoder import Decoder
 from inference.sampling import GREEDY
 from inference.static_draft import new_committed
-from tests.drafters import build, medusa, tiny_llama
+from tests.drafters import build, dspark, medusa, tiny_llama
 from tests.static_harness import Replay, counts
 
 NEW = 20
-KINDS = ["eagle1", "eagle3", "medusa_chain", "medusa_tree", "dflash", "dspark", "peagle", "draft_model"]
+KINDS = ["eagle1", "eagle3", "medusa_chain", "medusa_tree", "dflash", "dspark", "dspark_cut", "peagle", "draft_model"]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,8 @@ def drafter_of(kind: str, teacher):
         return medusa(teacher, tree=None)
     if kind == "medusa_tree":
         return medusa(teacher)
+    if kind == "dspark_cut":  # verified in the bucket of what its confidence cut keeps, per row
+        return dspark(teacher, confidence_threshold=0.4)
     return build(kind, teacher)
 
 
