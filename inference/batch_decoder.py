@@ -17,8 +17,8 @@ eager forward, right-padded; then per step the host
    draft the batched verify cannot take) proposes through its eager batch state (``drafter.rows(seeds)``,
    ``inference.proposer.ProposerRows``: EAGLE one forward per tree level for every row, a draft model one forward per
    draft step, DFlash and P-EAGLE one forward, the others per-row copies) and each row's chain or tree is copied into
-   the step's fixed buffers, padded with token -1. A plain step (γ = 0 from the load-aware policy) verifies nothing drafted; a static draft step still runs before it,
-   its catch-up keeping the rows' draft state in step;
+   the step's fixed buffers, padded with token -1. A plain step (γ = 0 from the load-aware policy) verifies nothing
+   drafted; a static draft step still runs before it, its catch-up keeping the rows' draft state in step;
 2. fills the sampling draws (one ``torch.rand`` into a static buffer);
 3. runs the step of the bucket (batch bucket, width, chain or tree, capacity bucket): eager,
    ``torch.compile(fullgraph=True, dynamic=False)`` or a CUDA graph replay, as the batch-1 step decoder
