@@ -7,10 +7,18 @@ whether speculating still pays. This module is the mechanism; the sweep is ``eva
 
 Per decode: the prompts go into the rows of a batch bucket (1, 2, 4, 8, ...: the smallest holding them) in one
 eager forward, right-padded; then per step the host
-1. drafts: the drafter's batch state (``drafter.rows(seeds)``, ``inference.proposer.ProposerRows``: EAGLE one
-   forward per tree level for every row, a draft model one forward per draft step, DFlash and P-EAGLE one forward,
-   the others per-row copies) proposes for every live row at once, and each row's chain or tree is copied into the
-   step's fixed buffers, padded with token -1; a plain step (or γ = 0 from the load-aware policy) drafts nothing;
+1. drafts: a drafter with a batch-1 static draft (``static_draft``, ``inference.static_draft``: EAGLE-1/3, Medusa,
+   DFlash, DSpark, P-EAGLE, a full-attention draft model) runs its draft step at the bucket's rows
+   (``inference.batch_draft``: the batch-1 step vmapped over the rows' stacked states, each row catching up on what
+   it committed itself), compiled or recorded like the verify steps, writing the step's draft buffers on the device;
+   rows near the end of their budget get token -1 past the tokens they still need, and a drafter that cuts its own
+   chains (DSpark's confidence cut) is verified in the bucket of the longest row's cut (one read-back of every row's
+   kept count), as at batch 1. Any other drafter (lookup, a drafter or setting without a static draft, one whose
+   draft the batched verify cannot take) proposes through its eager batch state (``drafter.rows(seeds)``,
+   ``inference.proposer.ProposerRows``: EAGLE one forward per tree level for every row, a draft model one forward per
+   draft step, DFlash and P-EAGLE one forward, the others per-row copies) and each row's chain or tree is copied into
+   the step's fixed buffers, padded with token -1. A plain step (γ = 0 from the load-aware policy) verifies nothing
+   drafted; a static draft step still runs before it, its catch-up keeping the rows' draft state in step;
 2. fills the sampling draws (one ``torch.rand`` into a static buffer);
 3. runs the step of the bucket (batch bucket, width, chain or tree, capacity bucket): eager,
    ``torch.compile(fullgraph=True, dynamic=False)`` or a CUDA graph replay, as the batch-1 step decoder
@@ -19,8 +27,8 @@ eager forward, right-padded; then per step the host
    drafter's ``observe`` / ``accepted``).
 A finished row (``max_new_tokens`` or EOS) stays in its bucket, inactive (its length no longer moves, its verdicts
 are ignored), until at most half the bucket is live: the live rows then move to the smallest bucket holding them
-(their cache rows copied once). Each row is decoded losslessly: greedy rows are token-identical to batch-1 greedy
-decoding, sampled rows are distributed as the target (tests/test_batch_decoder.py).
+(their cache rows, and a static draft's state rows, copied once). Each row is decoded losslessly: greedy rows are
+token-identical to batch-1 greedy decoding, sampled rows are distributed as the target (tests/test_batch_decoder.py).
 
 Shapes: B prompts, R rows of the batch bucket, N draft nodes per row, V vocabulary.
 """
@@ -28,6 +36,7 @@ Shapes: B prompts, R rows of the batch bucket, N draft nodes per row, V vocabula
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -36,15 +45,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from inference.batch_draft import NotStackable, RowDrafts, static_of
 from inference.batch_steps import BatchSteps
 from inference.generation import Generation, check_prompt, check_vocab, finish, sync
 from inference.proposer import Proposer, ProposerRows
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.static_cache import kv_shapes
+from inference.static_draft import DraftBuffers, weights_signature
 from inference.stats import AcceptStats
-from inference.step_decoder import MAX_NODES, StepDecoder, _capacity
+from inference.step_decoder import MAX_NODES, STATIC_KEPT, StepDecoder, _capacity, clip_tree
 from inference.steps import Bucket, cut_width, tree_nodes
 from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
+
+log = logging.getLogger(__name__)
 
 Policy = Callable[[int], int]  # live batch size -> draft tokens (γ) for this step; 0 = a plain step
 
@@ -122,23 +135,29 @@ class _Batch:
 
     state: BatchSteps
     live: list[_Row]  # in the drafter state's row order
-    draft: ProposerRows | None
-    seq: Tensor | None  # [B, prompt + new + room]: each prompt's committed tokens (drafting only)
+    draft: ProposerRows | None  # the eager rows (a drafter without a static draft here)
+    seq: Tensor | None  # [B, prompt + new + room]: each prompt's committed tokens (eager drafting only)
     sampling: SamplingConfig
     key: tuple  # the state's shape apart from its batch bucket
     variable_depth: bool = False  # the drafter cuts its own chains (``Proposer.variable_depth``)
+    static: RowDrafts | None = None  # the capture-safe draft step at the bucket's rows
+    drafter: Proposer | None = None
+    num_draft: int = 0
 
 
 class BatchStepDecoder:
     """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter.
     ``steps``: the batch-1 step decoder whose settings (CUDA graphs, compile) and generator this one shares (None: a
-    new one, on a generator seeded with ``seed`` unless ``generator`` is given)."""
+    new one, on a generator seeded with ``seed`` unless ``generator`` is given). ``static_drafts``: False drafts
+    through the eager rows even where the drafter has a static draft (comparisons, benchmarks)."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
                  generator: torch.Generator | None = None, cuda_graphs: str = "auto", compile: str | bool = "auto",
                  compile_backend: str | None = None, steps: StepDecoder | None = None,
-                 typical: tuple[float, float] | None = None, max_rows: int | None = None):
+                 typical: tuple[float, float] | None = None, max_rows: int | None = None,
+                 static_drafts: bool = True):
         self.teacher = teacher
+        self.static_drafts = static_drafts
         self.model = teacher.model
         self.device = teacher.device
         self.eos_token_id = eos_token_id
@@ -157,7 +176,9 @@ class BatchStepDecoder:
         self.generator = steps.generator
         self._shapes = None
         self._states: dict[tuple, BatchSteps] = {}
-        self._fns: dict[tuple, object] = {}
+        self._fns: dict[tuple, object] = {}  # keyed by (id(state), ...): dropped with the buffers they read
+        self._drafts: dict[tuple, RowDrafts] = {}  # (id(state), id(batch-1 draft), weights) -> its rows
+        self._committed: dict[tuple, object] = {}  # shape -> the batch-1 committed buffers static drafts are made for
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -219,9 +240,43 @@ class BatchStepDecoder:
                                fine=not self.owner.static_prefill)
             old = self._states.get((rows, *key))
             self._states[(rows, *key)] = state
-            if old is not None:  # the steps made for the replaced buffers go with them
+            if old is not None:  # the steps and drafts made for the replaced buffers go with them
                 self._fns = {k: f for k, f in self._fns.items() if k[0] != id(old)}
+                self._drafts = {k: d for k, d in self._drafts.items() if k[0] != id(old)}
         return state
+
+    def _row_drafts(self, drafter, state: BatchSteps, sampling: SamplingConfig) -> RowDrafts | None:
+        """The drafter's capture-safe draft step at ``state``'s rows (``inference.batch_draft``), or None: the eager
+        rows draft. One per (buffers, batch-1 static draft, weights), as the batch-1 decoder keeps its static drafts."""
+        if not self.static_drafts:
+            return None
+        made = static_of(drafter, state, sampling, self.generator, self._committed)
+        if made is None:
+            return None
+        proto, committed = made
+        key = (id(state), id(proto), weights_signature(drafter))
+        rows = self._drafts.get(key)
+        if rows is None:
+            if len(self._drafts) >= STATIC_KEPT:  # the oldest goes, with the steps made for it
+                old = self._drafts.pop(next(iter(self._drafts)))
+                self._fns = {k: f for k, f in self._fns.items() if k[1:3] != ("draft", id(old))}
+            like = next((d for d in self._drafts.values() if d.proto is proto), None)  # another bucket's rows
+            try:
+                rows = self._drafts[key] = RowDrafts(drafter, proto, committed, state, like)
+            except NotStackable as e:
+                log.info("drafting %s through its eager rows: %s", drafter.name, e)
+                return None
+        return rows
+
+    def _draft_step(self, static: RowDrafts, shape: tuple | None):
+        """The rows' draft step as this decoder runs a step (compiled / recorded like the verify steps), one per
+        shape the drafter chose (``inference.static_draft.ShapedDraft``)."""
+        key = (id(static.state), "draft", id(static), shape)
+        fn = self._fns.get(key)
+        if fn is None:
+            label = f"batched draft step ({type(static.proto).__name__}, {static.R} rows)"
+            fn = self._fns[key] = self.owner._wrap(static.draft, label)
+        return fn
 
     def _step(self, state: BatchSteps, bucket: Bucket, sampling: SamplingConfig) -> None:
         state.cache.bucket = bucket.columns
@@ -258,24 +313,25 @@ class BatchStepDecoder:
             while batch.live:
                 self._rebucket(batch)
                 live = len(batch.live)
-                gamma = 0 if batch.draft is None else (
+                gamma = 0 if batch.draft is None and batch.static is None else (
                     num_draft if policy is None else max(0, min(int(policy(live)), num_draft)))
                 t0, before = time.perf_counter(), owner.compile_seconds
-                bucket, trees = self._draft(batch, gamma, max_new)
-                t1 = time.perf_counter()
+                bucket, drafted = self._draft(batch, gamma, max_new)
+                t1, drafting = time.perf_counter(), owner.compile_seconds
                 self._step(batch.state, bucket, sampling)
-                self._commit(batch, bucket, trees)
+                self._commit(batch, bucket, drafted)
                 self._retire(batch, result, max_new, start, compiled)
                 sync(self.device)
                 t2 = time.perf_counter()
-                verify_s = t2 - t1 - (owner.compile_seconds - before)
-                result.draft_seconds += t1 - t0
+                draft_s = t1 - t0 - (drafting - before)
+                verify_s = t2 - t1 - (owner.compile_seconds - drafting)
+                result.draft_seconds += draft_s
                 result.verify_seconds += verify_s
                 result.steps += 1
                 result.gamma_steps[gamma] += 1
                 result.live_steps[live] += 1
                 result.bucket_steps[batch.state.R] += 1
-                result.step_log.append((live, gamma, t1 - t0, verify_s))
+                result.step_log.append((live, gamma, draft_s, verify_s))
         result.compile_seconds = owner.compile_seconds - compiled
         result.seconds = time.perf_counter() - start - result.compile_seconds
         for g in result.generations:
@@ -311,8 +367,12 @@ class BatchStepDecoder:
         firsts = first.tolist()
         rows = [_Row(i, i, [firsts[i]], Generation(new_tokens=[], seconds=0.0), p.shape[0] + 1)
                 for i, p in enumerate(prompts)]
-        draft = seq = None
+        draft = seq = static = None
         if drafter is not None:
+            static = self._row_drafts(drafter, state, sampling)
+        if static is not None:
+            static.prefill(prompts, hidden, first)
+        elif drafter is not None:
             draft = drafter.rows([int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
                                   for _ in range(n)])
             seq = torch.zeros(n, P + max_new + width + 1, dtype=torch.long, device=self.device)
@@ -320,14 +380,18 @@ class BatchStepDecoder:
                 seq[i, : p.shape[0]].copy_(p)
                 draft.observe(i, {layer: h[i: i + 1, : p.shape[0]] for layer, h in hidden.items()})
             seq[torch.arange(n), torch.tensor([p.shape[0] for p in prompts])] = first.to(seq.device)
-        return _Batch(state, rows, draft, seq, sampling, key, getattr(drafter, "variable_depth", False))
+        return _Batch(state, rows, draft, seq, sampling, key, getattr(drafter, "variable_depth", False), static,
+                      drafter, num_draft)
 
-    def _draft(self, batch: _Batch, gamma: int, max_new: int) -> tuple[Bucket, list[DraftTree] | None]:
-        """Every live row's proposal, from one call to the drafter's batch state, in the step's buffers; the step's
-        bucket (0 nodes: a plain step)."""
+    def _draft(self, batch: _Batch, gamma: int, max_new: int) -> tuple[Bucket, list[tuple] | None]:
+        """Every live row's proposal in the step's buffers: the draft step at the bucket's rows, or one call to the
+        drafter's eager rows; (the step's bucket (0 nodes: a plain step), per live row (its draft's size, its
+        eager tree or None))."""
         state = batch.state
         cache = state.cache
         width_of = lambda nodes: cache.use_bucket(max(cache.host_lengths[r.slot] for r in batch.live) + 1 + nodes)
+        if batch.static is not None:
+            return self._draft_static(batch, gamma, max_new, width_of)
         if gamma == 0 or batch.draft is None:
             return Bucket(0, True, width_of(0)), None
         depths = [min(gamma, max_new - len(r.new)) for r in batch.live]
@@ -335,9 +399,10 @@ class BatchStepDecoder:
                                     [batch.sampling] * len(batch.live))
         for tree in trees:
             tree.check_shape(self.teacher.vocab_size)
+        drafted = [(t.size, t) for t in trees]
         biggest = max(t.size for t in trees)
         if biggest == 0:
-            return Bucket(0, True, width_of(0)), trees
+            return Bucket(0, True, width_of(0)), drafted
         chain = all(t.is_chain for t in trees)
         if not chain:
             N = tree_nodes(biggest)
@@ -361,7 +426,37 @@ class BatchStepDecoder:
                     P[r.slot, : t.size].copy_(t.probs_NV)
                 else:  # point masses: q(x) = 1 on each drafted token
                     P[r.slot, : t.size].scatter_(1, t.tokens.view(-1, 1).clamp(0, P.shape[-1] - 1), 1.0)
-        return Bucket(N, chain, width_of(N)), trees
+        return Bucket(N, chain, width_of(N)), drafted
+
+    def _draft_static(self, batch: _Batch, gamma: int, max_new: int, width_of) -> tuple[Bucket, list[tuple] | None]:
+        """The draft step at the bucket's rows (``inference.batch_draft``), straight into the step's buffers; then,
+        on the host, the rows near the end of their budget (or under a smaller γ) clipped: their nodes deeper than
+        the tokens they still need get token -1, never accepted, as the batch-1 decoder clips its static drafts. A
+        plain step (γ = 0) still runs the draft step: its catch-up keeps every row's draft state in step."""
+        static, state = batch.static, batch.state
+        shape = static.use_shape(max(state.cache.host_lengths))  # every row's context, finished ones too
+        self._draft_step(static, shape)()
+        if gamma == 0:
+            return Bucket(0, True, width_of(0)), None
+        T, chain = static.T, static.chain
+        kept = static.kept_R.tolist() if static.kept_R is not None else None  # a cutting drafter: one read-back
+        drafted, N = [], 0 if kept is not None else T
+        for r in batch.live:
+            depth = min(gamma, max_new - len(r.new))
+            size = min(depth, T) if chain else T
+            if kept is not None:  # the cut's bucket, filled with drafted tokens (as at batch 1)
+                width = cut_width(min(kept[r.slot], size), T)
+                size, N = min(size, width), max(N, width)
+            if chain and size < T:
+                state.tokens_RT[r.slot, size:T].fill_(-1)
+                if state.probs_RTV is not None:
+                    state.probs_RTV[r.slot, size:T].zero_()
+            elif not chain and depth < batch.num_draft:
+                clip_tree(DraftBuffers(state.tokens_RT[r.slot, :T], state.parents_RT[r.slot, :T]), depth)
+            drafted.append((size, None))
+        if N == 0:  # every row's cut kept nothing: a plain step (the draft step already ran its catch-up)
+            return Bucket(0, True, width_of(0)), None
+        return Bucket(N, chain, width_of(N)), drafted
 
     @staticmethod
     def _check(state: BatchSteps, trees: list[DraftTree], N: int, chain: bool, sampling: SamplingConfig) -> None:
@@ -376,16 +471,19 @@ class BatchStepDecoder:
             raise ValueError("siblings sampled with draft probabilities are not verified by the batched decoder; "
                              "draft a chain, or point-mass (top-k) siblings")
 
-    def _commit(self, batch: _Batch, bucket: Bucket, trees: list[DraftTree] | None) -> None:
-        """The step's one read-back, then each live row's counts, tokens and its drafter's hand-off."""
+    def _commit(self, batch: _Batch, bucket: Bucket, drafted: list[tuple] | None) -> None:
+        """The step's one read-back, then each live row's counts, tokens and its eager drafter's hand-off."""
         state, N = batch.state, bucket.nodes
         values = state.out[:, : bucket.packed].tolist()
         host = state.cache.host_lengths
         for i, r in enumerate(batch.live):
             v = values[r.slot]
             count, depth_seen, flags = v[:3]
-            tree = trees[i] if trees is not None else None
+            size, tree = drafted[i] if drafted is not None else (0, None)
             if flags:
+                if tree is None:  # a static draft: what the step read
+                    tree = DraftTree(state.tokens_RT[r.slot, :N].cpu(), torch.arange(-1, N - 1) if bucket.chain
+                                     else state.parents_RT[r.slot, :N].cpu())
                 if flags & 2:
                     raise_bad_parents(tree.parents)
                 raise_bad_tokens(tree.tokens, self.teacher.vocab_size)
@@ -393,10 +491,16 @@ class BatchStepDecoder:
             context = host[r.slot]
             host[r.slot] += 1 + count
             gen = r.gen
-            size = tree.size if tree is not None else 0
             gen.stats.update(size if bucket.chain else depth_seen, count)
             gen.verified_positions += bucket.width  # the row's share of the forward: the step's width
-            if batch.draft is not None:
+            if batch.static is not None:
+                gen.nodes_per_forward[size] += 1
+                if size not in gen.shapes:
+                    gen.shapes[size] = (torch.arange(-1, size - 1) if batch.static.chain
+                                        else batch.static.parents_T[:size].clone())
+                gen.node_accepts[size].update(path)
+                gen.context_tokens += context + 1
+            elif batch.draft is not None:
                 gen.nodes_per_forward[size] += 1
                 if size not in gen.shapes:
                     gen.shapes[size] = tree.parents.cpu() if tree is not None else torch.empty(0, dtype=torch.long)
@@ -440,6 +544,15 @@ class BatchStepDecoder:
         state.pending.zero_()
         state.pending[: len(slots)].copy_(old.pending.index_select(0, index))
         state.active.copy_(torch.tensor([1] * len(slots) + [0] * (rows - len(slots)), dtype=torch.long))
+        if batch.static is not None:  # the draft state moves with its rows, and so does what they last committed
+            n = len(slots)
+            state.out[:n].copy_(old.out.index_select(0, index))
+            state.committed_ids[:n].copy_(old.committed_ids.index_select(0, index))
+            for i, h in state.committed_hidden.items():
+                h[:n].copy_(old.committed_hidden[i].index_select(0, index))
+            static = self._row_drafts(batch.drafter, state, batch.sampling)
+            static.move_rows(batch.static, slots)
+            batch.static = static
         for j, r in enumerate(batch.live):
             r.slot = j
         batch.state = state

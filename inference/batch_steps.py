@@ -8,11 +8,12 @@ Every row has its own committed length (``inference.batch_cache.BatchKV``); a st
 the tokens before it), narrowed per layer type by ``inference.masks``. One forward for all rows; then per row the
 acceptance rule of the batch-1 step (``inference.acceptance``: greedy_verdict, rejection_verdict on uniforms drawn
 before the step, settle), a tree's accepted path compacted behind that row's pending token, the committed rows and
-their hidden states into ``committed_*`` (the eager drafters' hand-off), ``length[b] += 1 + accepted`` for the rows
+their hidden states into ``committed_*`` (the drafters' hand-off), ``length[b] += 1 + accepted`` for the rows
 still ``active`` (a finished row stays in its bucket, masked and not moving, until the batch is re-bucketed), and
 the packed verdicts into ``out`` ``[R, 4 + 2N]``, read back once per step.
 
-Drafts are copied into ``tokens_RT`` / ``parents_RT`` (padded with token -1, never accepted) by the host.
+Drafts land in ``tokens_RT`` / ``parents_RT`` (padded with token -1, never accepted): written by the draft step at R
+rows on the device (``inference.batch_draft``), or copied in by the host from an eager proposal.
 
 Shapes: R rows, W step width (1 + N nodes), C key columns, V vocabulary, M committed rows, D hidden size.
 """
@@ -109,10 +110,10 @@ class BatchSteps:
             nxt = logits[:, 0].argmax(-1)
         else:
             nxt = sample_uniform(warp(logits[:, 0], sampling), self.uniforms[:, :1])[:, 0]
-        if self.layers:  # the hand-off of a step that drafted nothing: the pending token's row
-            self.committed_ids[:, 0].copy_(self.pending)
-            for i, h in hidden.items():
-                self.committed_hidden[i][:, 0].copy_(h[:, 0])
+        # the hand-off of a step that drafted nothing: the pending token's row (a static draft's catch-up reads it)
+        self.committed_ids[:, 0].copy_(self.pending)
+        for i, h in hidden.items():
+            self.committed_hidden[i][:, 0].copy_(h[:, 0])
         cache.length.add_(self.active)
         self.pending.copy_(nxt)
         self.out[:, :3].zero_()

@@ -183,8 +183,8 @@ class Decoder:
     @torch.no_grad()
     def speculative_rows(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int,
                          num_draft: int) -> Generation:
-        """``speculative`` through the batched steps with a batch of one (``inference.batch_decoder``: its eager
-        drafting through ``drafter.rows``, and Medusa's typical acceptance)."""
+        """``speculative`` through the batched steps with a batch of one (``inference.batch_decoder``: the drafter's
+        static draft at one row, or its eager drafting through ``drafter.rows``; Medusa's typical acceptance)."""
         check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
         out = self.batch.speculative(drafter, [prompt_ids[0]], max_new_tokens, num_draft)
         gen = out.generations[0]

@@ -7,8 +7,9 @@ target's verification ``observe`` (its hidden states of the newly committed posi
 ``teacher_layers``) and ``accepted`` (which proposed nodes were kept, and the committed tokens as the host already
 holds them, so a drafter that works on the host never reads the sequence back). ``reset`` starts a new sequence.
 
-A batch of sequences (``inference.batch_decoder``) is drafted through ``rows(seeds)``: a ``ProposerRows`` holding every
-row's state, whose ``propose`` drafts all rows at once (EAGLE: one drafter forward per tree level for the whole
+A batch of sequences (``inference.batch_decoder``) is drafted through the drafter's static draft run at every row
+(``inference.batch_draft``) where it has one, else through ``rows(seeds)``: a ``ProposerRows`` holding every row's
+state, whose ``propose`` drafts all rows at once (EAGLE: one drafter forward per tree level for the whole
 batch; a draft model: one forward per draft step; drafters without a batched path loop over per-row copies,
 ``heads.base.ForkedRows``).
 """

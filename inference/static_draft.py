@@ -11,6 +11,11 @@ vLLM's EAGLE proposer keep the same kind of persistent buffers).
 Per step (batch 1), the decoder rewrites ``CommittedBuffers`` in place; the drafter reads them and rewrites its
 ``DraftBuffers`` in place. M = the verify bucket's 1 + its deepest path; T = the drafter's draft width.
 
+The batched decoder runs the same object for the R rows of a batch bucket (``inference.batch_draft``): its tensors
+stacked along a row dimension and ``draft`` vmapped over them. So a static draft keeps every value that changes per
+sequence in a tensor it holds (an attribute, or in a list, dict or object it holds), each buffer in one attribute
+(slices taken inside the step), and sets on the host, per step, only the shape ``use_shape`` picks.
+
 Shapes: M committed rows, T draft nodes, D hidden size, V vocabulary.
 """
 

@@ -1,7 +1,8 @@
 """The batched step decoder (inference.batch_decoder over inference.batch_steps and inference.batch_cache).
 
 - batches of 1, 3 and 8 prompts of ragged lengths, rows finishing at different steps (ragged acceptance, EOS): each
-  row token-identical to its batch-1 greedy decode, plain and for every drafter kind;
+  row token-identical to its batch-1 greedy decode, plain and for every drafter kind (through its static draft step
+  and through its eager rows; tests/test_batch_static_draft.py tests the static step itself);
 - the steps compile with ``torch.compile(fullgraph=True, dynamic=False)``: one graph per (batch bucket, step
   bucket) a decode uses, and no recompile over decodes of >= 64 steps (``set_stance("fail_on_recompile")``);
 - finished rows move the batch to smaller buckets; one read-back per step.
@@ -69,18 +70,22 @@ def decode(decoder, drafter, prompts, new=NEW, num_draft=3):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_batches_of_1_3_and_8_are_token_identical_to_batch1(teacher, prompts, references, kind):
+    """Through the drafter's static draft step at the bucket's rows and through its eager rows alike."""
     drafter = drafter_of(kind, teacher)
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off")
     accepted, buckets = set(), set()
-    for batch in (1, 3, 8):
-        outputs = []
-        for i in range(0, len(prompts), batch):
-            gen = decode(decoder, drafter, prompts[i: i + batch])
-            outputs += [g.new_tokens for g in gen.generations]
-            accepted.update(a for row in gen.stats.counts.values() for a in row)
-            buckets.add(tuple(sorted(gen.bucket_steps)))
-        for i, (ours, ref) in enumerate(zip(outputs, references)):
-            assert ours == ref, f"{kind}, batch {batch}: prompt {i} (length {len(prompts[i])}) differs from batch 1"
+    for static in (True, False) if kind not in ("plain", "lookup") else (True,):
+        decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=static)
+        for batch in (1, 3, 8):
+            outputs = []
+            for i in range(0, len(prompts), batch):
+                gen = decode(decoder, drafter, prompts[i: i + batch])
+                outputs += [g.new_tokens for g in gen.generations]
+                accepted.update(a for row in gen.stats.counts.values() for a in row)
+                buckets.add(tuple(sorted(gen.bucket_steps)))
+            for i, (ours, ref) in enumerate(zip(outputs, references)):
+                assert ours == ref, (f"{kind}, batch {batch}, {'static' if static else 'eager rows'}: prompt {i} "
+                                     f"(length {len(prompts[i])}) differs from batch 1")
+        assert any(key[1] == "draft" for key in decoder._fns) == (static and kind not in ("plain", "lookup"))
     if kind not in ("plain", "peagle"):  # ragged acceptance: rows finish at different steps and leave their bucket
         # (P-EAGLE off its init drafts nothing the target accepts: its rows run as plain decoding's do)
         assert len(accepted) >= 2, f"{kind}: accepted lengths did not vary: {accepted}"

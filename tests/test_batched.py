@@ -232,8 +232,9 @@ def test_unsupported_attention_layer_types_are_refused_with_the_list():
 @pytest.mark.parametrize("kind", ["draft_model", pytest.param("medusa_tree", marks=pytest.mark.slow), "eagle_tree"])
 def test_sampling_distribution_at_batch_4(batches, kind):
     """Rows of two prompts of different lengths (left padding, ragged acceptance) decoded 4 at a time with a sampled
-    draft model (Leviathan/Chen), a top-k Medusa tree or an EAGLE dynamic tree drafted for all rows at once (recursive
-    rejection): each prompt's first 3 tokens must match the target's exact distribution."""
+    draft model (Leviathan/Chen), a top-k Medusa tree or an EAGLE dynamic tree drafted for all rows at once by their
+    static draft steps (recursive rejection): each prompt's first 3 tokens must match the target's exact
+    distribution."""
     teacher, drafter = _decoder_setup(kind)
     short, long = torch.tensor([[1, 2, 3]]), torch.tensor([[3, 0, 2, 1, 1, 0, 2]])
     decoder = BatchStepDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
@@ -245,6 +246,7 @@ def test_sampling_distribution_at_batch_4(batches, kind):
             counts[which][tuple(gen.generations[row].new_tokens)] += 1
         accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
     assert accepted > batches // 5  # drafts are accepted often enough for the check to cover them
+    assert decoder._drafts  # drafted by the static draft step at the bucket's rows (inference.batch_draft)
     for which, prompt in ((0, short), (1, long)):
         exact = _exact_continuations(teacher.model, prompt, LENGTH)
         n = 2 * batches

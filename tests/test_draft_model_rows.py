@@ -124,6 +124,7 @@ def test_decoding_is_identical_to_plain_greedy_with_one_draft_forward_per_step(t
     assert len({len(r) for r in refs}) > 1
     calls = []
     drafter.model.register_forward_hook(lambda *_: calls.append(1))
+    monkeypatch.setattr(DraftModel, "static_draft", lambda *args, **kwargs: None)  # the rows, not the static step
     decoder = BatchStepDecoder(teacher, eos_token_id=eos)
 
     def decode():
