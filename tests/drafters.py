@@ -238,7 +238,7 @@ def assert_sampling_keeps_the_target_distribution(node: dict, batch: int, sample
             counts[tuple(gen.new_tokens)] += 1
             accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
     else:
-        batched = BatchStepDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
+        batched = BatchStepDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0, static_drafts=True)
         for _ in range(samples // batch):
             result = batched.speculative(drafter, [prompt[0]] * batch, length, 2)
             for gen in result.generations:

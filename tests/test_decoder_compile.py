@@ -112,7 +112,8 @@ def test_compiled_bf16_plain_decoding_is_eager_decoding_or_parts_at_a_near_tie()
     """bf16 under inductor on a CPU: compiled plain decoding against plain decoding through eager steps, six prompts
     of 48 tokens. The compiled steps keep the casts to bf16 between fused operations, as eager kernels round, so
     every output is identical, or parts from eager decoding only where the target's logit gap is within bf16
-    rounding (<= 0.05; eliding those casts parted two of these prompts, one at a gap of 0.11)."""
+    rounding (<= 0.05; eliding those casts parted two of these prompts, one at a gap of 0.11). How many part at a
+    near tie depends on the CPU's vector kernels (none on one machine, two at a gap of 0.016 on another)."""
     from eval.mismatch import against_reference
 
     teacher = varied_teacher("tiny-llama-varied-bf16")
@@ -125,4 +126,4 @@ def test_compiled_bf16_plain_decoding_is_eager_decoding_or_parts_at_a_near_tie()
                               {"plain": [compiled.plain(p, 48).new_tokens for p in prompts]})["plain"]
     assert compiled.steps.fallback_reason is None and compiled.steps.describe()["compiled_steps"] == 2
     assert all(abs(m["logit_gap"]) <= 0.05 for m in check["mismatches"]), check
-    assert check["identical"] >= 5, check
+    assert check["identical"] >= len(prompts) // 2, check
