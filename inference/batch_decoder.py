@@ -13,8 +13,9 @@ eager forward, right-padded; then per step the host
    it committed itself), compiled or recorded like the verify steps, writing the step's draft buffers on the device;
    rows near the end of their budget get token -1 past the tokens they still need, and a drafter that cuts its own
    chains (DSpark's confidence cut) is verified in the bucket of the longest row's cut (one read-back of every row's
-   kept count), as at batch 1. Any other drafter (lookup, a drafter or setting without a static draft, one whose
-   draft the batched verify cannot take) proposes through its eager batch state (``drafter.rows(seeds)``,
+   kept count), as at batch 1. Where steps run uncompiled and unrecorded (a CPU by default: ``static_drafts``) and
+   for any other drafter (lookup, a drafter or setting without a static draft, one whose draft the batched verify
+   cannot take), the drafter proposes through its eager batch state (``drafter.rows(seeds)``,
    ``inference.proposer.ProposerRows``: EAGLE one forward per tree level for every row, a draft model one forward per
    draft step, DFlash and P-EAGLE one forward, the others per-row copies) and each row's chain or tree is copied into
    the step's fixed buffers, padded with token -1. A plain step (γ = 0 from the load-aware policy) verifies nothing
