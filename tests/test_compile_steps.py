@@ -21,6 +21,7 @@ import torch
 
 from inference.sampling import GREEDY, SamplingConfig
 from inference.step_decoder import StepDecoder, compiled_of
+from inference.steps import cut_width
 from tests.drafters import dflash, dspark, varied_teacher
 from tests.static_harness import committed_for, layout, one_graph_over_plays, tensors_of
 from tests.test_decoder_transfers import make
@@ -129,18 +130,24 @@ def test_dflash_static_draft_is_one_graph_in_place(teacher, window, vocab):
 
 def test_dspark_static_draft_with_the_cut_is_one_graph_in_place(teacher):
     """DSpark's slot-by-slot Markov chain and confidence cut inside the static step: one graph, no recompile, the
-    buffers in place, and the eager proposal's chain with -1 past the cut."""
-    drafter = dspark(teacher, confidence_threshold=0.4, draft_vocab_size=24)
+    buffers in place, and the eager proposal's chain (the cut's verify bucket) as the static draft's first slots,
+    the cut's count in ``kept``."""
+    drafter = dspark(teacher, confidence_threshold=0.15, draft_vocab_size=24)
     drafter.d2t.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(5))[:24].sort().values)
     committed = committed_for(drafter, 4)
     static = drafter.static_draft(committed, 64, GREEDY, None)
     before = layout(tensors_of(static))
 
+    offered = []
+
     def check(i, context):
         eager = drafter.propose(context, 3, GREEDY).tokens.tolist()
-        assert static.buffers.tokens_T.tolist() == eager + [-1] * (3 - len(eager)), i
+        assert cut_width(int(static.kept), 3) == len(eager), i
+        assert static.buffers.tokens_T.tolist()[: len(eager)] == eager, i
+        offered.append(len(eager))
 
     one_graph_over_plays(teacher, drafter, static, committed, (5, 11), 10, check)
+    assert {0, 1, 3} <= set(offered)  # cut to nothing, to one slot, and not cut
     assert layout(tensors_of(static)) == before
 
 
