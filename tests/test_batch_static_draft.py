@@ -28,6 +28,7 @@ from inference.sampling import GREEDY
 from inference.static_draft import new_committed
 from tests.drafters import build, dspark, medusa, tiny_llama
 from tests.static_harness import Replay, counts
+from tests.test_batch_decoder import ragged_prompts
 
 NEW = 20
 KINDS = ["eagle1", "eagle3", "medusa_chain", "medusa_tree", "dflash", "dspark", "dspark_cut", "peagle", "draft_model"]
@@ -47,15 +48,6 @@ def drafter_of(kind: str, teacher):
     if kind == "dspark_cut":  # verified in the bucket of what its confidence cut keeps, per row
         return dspark(teacher, confidence_threshold=0.4)
     return build(kind, teacher)
-
-
-def ragged_prompts(n: int = 8, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(0, 128, (3 + (i * 13) % 25,), generator=g)
-        out.append(torch.cat([p, p[: p.shape[0] // 2]]))
-    return out
 
 
 @pytest.fixture(scope="module")
