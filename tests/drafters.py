@@ -244,6 +244,7 @@ def assert_sampling_keeps_the_target_distribution(node: dict, batch: int, sample
             for gen in result.generations:
                 counts[tuple(gen.new_tokens)] += 1
             accepted += sum(a * c for row in result.stats.counts.values() for a, c in row.items())
+        assert batched._drafts  # drafted by the static draft step at the bucket's rows (inference.batch_draft)
     assert accepted > samples // 10
     tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
     distance = 0.5 * float((counts / samples - exact).abs().sum())
