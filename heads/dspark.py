@@ -39,8 +39,9 @@ from distill.chunked import Frozen
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, TargetDims
 from heads.dflash import DFlashDrafter
-from heads.dspark_decode import DSparkRows, DSparkStaticDraft, draft_chain, offer
+from heads.dspark_decode import DSparkRows, DSparkStaticDraft, draft_chain
 from inference.sampling import GREEDY, SamplingConfig
+from inference.steps import cut_width
 from inference.tree import DraftTree
 
 
@@ -198,7 +199,7 @@ class DSparkDrafter(DFlashDrafter):
         anchor = tokens[0, -1:].to(out.device)
         generator = None if sampling.greedy else self._sampler(out.device)
         drafts, probs, kept = draft_chain(self, out[None], anchor, [sampling], [generator])
-        n = depth if self.confidence_threshold is None else offer(kept[0], depth)
+        n = depth if self.confidence_threshold is None else cut_width(kept[0], depth)
         self.offered += min(n, kept[0])
         if n == 0:
             return DraftTree.empty(tokens.device)

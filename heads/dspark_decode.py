@@ -27,8 +27,9 @@ def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sam
                 generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor | None, list[int]]:
     """Every row's drafts from its slots' states ``out_BTD``, slot by slot (the Markov bias of the token before):
     (drafts [B, T], the sampled rows' draft distributions [B, T, V] (None when every row is greedy), the slots each
-    row's confidence cut keeps: T without ``confidence_threshold``). With the cut, the loop stops once every row is
-    cut and the slots of the widest row's verify bucket (``offer``) are drafted; later slots stay -1."""
+    row's confidence cut keeps: T without ``confidence_threshold``). A cut chain offers its verify bucket
+    (``inference.steps.cut_width``) filled with drafted tokens, since the bucket's width is paid either way; so with
+    the cut the loop stops once every row is cut and the widest row's bucket is drafted; later slots stay -1."""
     B, T, _ = out_BTD.shape
     prev = anchors_B.to(out_BTD.device)
     sampled = [not s.greedy for s in samplings]
@@ -39,7 +40,7 @@ def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sam
     kept = out_BTD.new_zeros(B, dtype=torch.long)
     cut = False  # every row cut
     for k in range(T):
-        if cut and k >= offer(int(kept.max()), T):
+        if cut and k >= cut_width(int(kept.max()), T):
             break
         latent = drafter.latent(prev, out_BTD)
         logits = drafter.slot_logits(out_BTD[:, k], latent)  # [B, V]
@@ -60,12 +61,6 @@ def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sam
     return drafts, probs, kept.tolist()
 
 
-def offer(kept: int, depth: int) -> int:
-    """The drafts a cut chain offers: its verify bucket (``inference.steps.cut_width``) filled with the drafted
-    tokens, since the bucket's width is paid either way (0: nothing kept, a plain step)."""
-    return cut_width(kept, depth)
-
-
 class DSparkRows(DFlashRows):
     """``ProposerRows`` for one ``heads.dspark.DSparkDrafter``: DFlash's batched backbone, then every row's chain
     with its Markov bias and its own confidence cut."""
@@ -79,7 +74,7 @@ class DSparkRows(DFlashRows):
         trees = []
         cutting = self.drafter.confidence_threshold is not None
         for b, (t, want) in enumerate(zip(tokens, depths)):
-            n = min(top, want, offer(kept[b], top) if cutting else top)
+            n = min(top, want, cut_width(kept[b], top) if cutting else top)
             self.drafter.offered += max(min(n, kept[b]), 0)
             if n < 1:
                 trees.append(DraftTree.empty(t.device))
@@ -93,9 +88,8 @@ class DSparkRows(DFlashRows):
 class DSparkStaticDraft(DFlashStaticDraft):
     """``StaticDraft`` for one ``heads.dspark.DSparkDrafter`` (batch 1): DFlash's catch-up and block, then the T slots
     one after another over fixed shapes. The confidence cut writes the number of slots it keeps into ``kept``,
-    which the step decoder reads back to verify the chain bucket of that length (``offer``: the bucket filled
-    with the drafted tokens); ``offered`` (a device counter, read by the caller when it wants it, never per step)
-    sums the slots kept."""
+    which the step decoder reads back to verify the chain bucket of that length, filled with the drafted tokens;
+    ``offered`` (a device counter, read by the caller when it wants it, never per step) sums the slots kept."""
 
     def __init__(self, drafter, committed, capacity: int, depth: int, sampling: SamplingConfig,
                  generator: torch.Generator | None):

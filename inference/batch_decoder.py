@@ -140,7 +140,6 @@ class _Batch:
     seq: Tensor | None  # [B, prompt + new + room]: each prompt's committed tokens (eager drafting only)
     sampling: SamplingConfig
     key: tuple  # the state's shape apart from its batch bucket
-    variable_depth: bool = False  # the drafter cuts its own chains (``Proposer.variable_depth``)
     static: RowDrafts | None = None  # the capture-safe draft step at the bucket's rows
     drafter: Proposer | None = None
     num_draft: int = 0
@@ -385,8 +384,7 @@ class BatchStepDecoder:
                 seq[i, : p.shape[0]].copy_(p)
                 draft.observe(i, {layer: h[i: i + 1, : p.shape[0]] for layer, h in hidden.items()})
             seq[torch.arange(n), torch.tensor([p.shape[0] for p in prompts])] = first.to(seq.device)
-        return _Batch(state, rows, draft, seq, sampling, key, getattr(drafter, "variable_depth", False), static,
-                      drafter, num_draft)
+        return _Batch(state, rows, draft, seq, sampling, key, static, drafter, num_draft)
 
     def _draft(self, batch: _Batch, gamma: int, max_new: int) -> tuple[Bucket, list[tuple] | None]:
         """Every live row's proposal in the step's buffers: the draft step at the bucket's rows, or one call to the
@@ -412,7 +410,7 @@ class BatchStepDecoder:
         if not chain:
             N = tree_nodes(biggest)
         else:  # a drafter that cuts its chains (DSpark's confidence cut): the bucket of the longest row's chain
-            N = cut_width(biggest, gamma) if batch.variable_depth else gamma
+            N = cut_width(biggest, gamma) if getattr(batch.drafter, "variable_depth", False) else gamma
         self._check(state, trees, N, chain, batch.sampling)
         state.tokens_RT[:, :N].fill_(-1)
         if not chain:
@@ -498,19 +496,18 @@ class BatchStepDecoder:
             gen = r.gen
             gen.stats.update(size if bucket.chain else depth_seen, count)
             gen.verified_positions += bucket.width  # the row's share of the forward: the step's width
-            if batch.static is not None:
+            if batch.static is not None or batch.draft is not None:
                 gen.nodes_per_forward[size] += 1
                 if size not in gen.shapes:
-                    gen.shapes[size] = (torch.arange(-1, size - 1) if batch.static.chain
-                                        else batch.static.parents_T[:size].clone())
+                    if batch.static is not None:
+                        gen.shapes[size] = (torch.arange(-1, size - 1) if batch.static.chain
+                                            else batch.static.parents_T[:size].clone())
+                    else:
+                        gen.shapes[size] = (tree.parents.cpu() if tree is not None
+                                            else torch.empty(0, dtype=torch.long))
                 gen.node_accepts[size].update(path)
                 gen.context_tokens += context + 1
-            elif batch.draft is not None:
-                gen.nodes_per_forward[size] += 1
-                if size not in gen.shapes:
-                    gen.shapes[size] = tree.parents.cpu() if tree is not None else torch.empty(0, dtype=torch.long)
-                gen.node_accepts[size].update(path)
-                gen.context_tokens += context + 1
+            if batch.draft is not None:
                 batch.seq[r.index, r.m: r.m + 1 + count].copy_(state.out[r.slot, 3 + N: 4 + N + count])
                 r.m += 1 + count
                 batch.draft.observe(i, {layer: h[r.slot: r.slot + 1, : 1 + count].clone()

@@ -134,8 +134,8 @@ class Steps:
     # --- the step functions (capture-safe: static shapes, no read-back, writes only into the buffers) -------------
     def plain(self, sampling: SamplingConfig) -> None:
         """One token: feed ``pending``, write the next one into ``pending`` and ``out`` ([0, 0, 0, token]). In a
-        speculative decode (hidden-state layers held: an empty draft) the fed token is also the drafter's one
-        committed row, as a verification hands them over."""
+        speculative decode (buffers for draft nodes: this step verifies an empty draft) the fed token is also the
+        drafter's one committed row, as a verification hands them over (the batched plain step does the same)."""
         cache = self.cache
         L = cache.length
         col = cache._arange[: cache.bucket]
@@ -146,7 +146,7 @@ class Steps:
             nxt = logits[0].argmax(-1, keepdim=True)
         else:
             nxt = sample_uniform(warp(logits, sampling)[0], self.uniforms[:1])
-        if hidden:
+        if self.max_nodes:
             c = self.committed
             c.ids_M[:1].copy_(self.pending.view(1))
             for i, h in hidden.items():
