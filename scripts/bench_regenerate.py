@@ -17,6 +17,7 @@ token-identical to HF's (greedy: they differ only where near-tied logits round a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -35,7 +36,7 @@ from eval.report import machine_info  # noqa: E402
 from inference.sampling import SamplingConfig  # noqa: E402
 from train.config import load_config, register_configs  # noqa: E402
 
-ENGINES = ("auto", "hf", "batched")
+ENGINES = ("auto", "hf", "batched", "vllm")  # vllm: where it is installed (make vllm-check's .venv-vllm)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,9 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=2, help="timed batches per engine and batch size")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES, help="hf is always among them")
+    p.add_argument("--engines", nargs="+", default=None, choices=ENGINES,
+                   help="hf is always among them; default: all, vllm where it is installed")
     p.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_regenerate_toy_cpu.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.engines is None:
+        args.engines = [e for e in ENGINES if e != "vllm" or importlib.util.find_spec("vllm") is not None]
+    return args
 
 
 def time_engines(engines: dict, prompts, batch_size: int, batches: int, max_new: int, device: str) -> dict:
@@ -91,6 +96,8 @@ def main(argv=None) -> None:
     for batch_size in args.batch_sizes:
         engines = {name: build_engine(name, teacher, eos, SamplingConfig()) for name in names}
         timed = time_engines(engines, prompts, batch_size, args.batches, args.max_new_tokens, args.device)
+        for engine in engines.values():  # a vLLM engine holds its cache until closed
+            getattr(engine, "close", lambda: None)()
         hf_tps, hf_answers = timed["hf"]
         row = {"batch_size": batch_size, "answers": len(hf_answers)}
         for name, (tps, answers) in timed.items():

@@ -18,7 +18,19 @@ def _measured(report: dict | None, kind: str) -> str:
             f"| τ | α | α per position | tokens/s | speedup | identical to greedy |\n| --- | --- | --- | --- | --- | --- |\n"
             f"| {row['tau']:.2f} | {row['alpha']:.2f} | {per_pos} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}× "
             f"| {row['identical_to_greedy']} |\n\nMachine: {machine.get('cuda') or machine.get('processor')}, "
-            f"torch {machine.get('torch')}. Speedup is against plain decoding of the same target in the same run.")
+            f"torch {machine.get('torch')}. Speedup is against plain decoding of the same target in the same run."
+            + _served(report, kind))
+
+
+def _served(report: dict, kind: str) -> str:
+    """The acceptance vLLM measured serving this drafter (``python -m eval ... eval.engine=vllm``), when the report
+    holds it: what a user will see in serving, beside this decoder's figure."""
+    served = (report.get("served") or {}).get("vllm")
+    if not served or served.get("drafter") != kind or served.get("tau") is None:
+        return ""
+    return (f"\n\nServed in vLLM {served['version']}: τ {served['tau']:.2f} at γ {served['num_draft']} "
+            f"(`{served['method']}`, {served['num_prompts']} prompts, {served['sampling']}); this decoder on the same "
+            f"prompts: τ {served['specdraft_tau']:.2f}.")
 
 
 def model_card(engine: str, kind: str, config: dict, report: dict | None, serve_line: str,

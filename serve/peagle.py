@@ -1,7 +1,11 @@
 """P-EAGLE's export adapter: vLLM serves it as EAGLE-3 with parallel drafting, so the export is EAGLE-3's vLLM layout
 (``serve.eagle``: the same tensors, names, layer ids and draft vocabulary maps) plus what parallel drafting reads:
 
-    config.json  architectures ["PeagleLlamaForCausalLM"]   vLLM's model registry maps it to Eagle3LlamaForCausalLM
+    config.json  architectures ["LlamaForCausalLMEagle3"]   EAGLE-3's: vLLM's EAGLEConfig keeps it under method eagle3
+                                                              (any other name gets an ``Eagle3`` prefix: a
+                                                              ``PeagleLlamaForCausalLM`` becomes the unknown
+                                                              ``Eagle3PeagleLlamaForCausalLM``, which vLLM refuses),
+                                                              and its registry maps it to Eagle3LlamaForCausalLM
                  pard_token = our mask_token_id               the id its proposer feeds the parallel slots (it reads
                                                               ``pard_token`` or ``ptd_token_id``; newer releases also
                                                               a top-level ``mask_token_id``, written with the same id)
@@ -11,7 +15,8 @@
                                                               after EAGLE-3's ``midlayer.``, as P-EAGLE checkpoints
                                                               stack them
 
-Read from vLLM's ``vllm/model_executor/models/registry.py`` (the Peagle* aliases),
+Read from vLLM's ``vllm/transformers_utils/configs/eagle.py`` (the architecture renaming),
+``vllm/model_executor/models/registry.py`` (the Peagle* aliases serve the speculators format only),
 ``vllm/transformers_utils/configs/speculators/algos.py`` (``update_peagle``: the config keys it sets, ``pard_token``
 from ``mask_token_id``), ``vllm/v1/spec_decode/llm_base_proposer.py`` (the parallel-drafting token id) and its tests'
 ``mask_hidden`` fixture ([1, 3 x hidden]). The serve command names ``method: eagle3`` and ``parallel_drafting: true``
@@ -50,7 +55,7 @@ from serve.eagle import (check_eagle31, check_target_family, drafter_from_engine
                          engine_state, load_like_engine, our_layers, written_layer_ids)
 from serve.model_card import model_card
 
-ARCHITECTURE = "PeagleLlamaForCausalLM"
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # EAGLE-3's own (module docstring)
 MASK_HIDDEN = "mask_hidden"
 
 

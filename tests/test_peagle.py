@@ -293,7 +293,7 @@ def test_vllm_export_round_trip(tmp_path, num_layers):
     out = export_drafter(path, "vllm", tmp_path / "vllm")
     assert check_export(out, "vllm", "peagle", teacher.identity()) == []
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["PeagleLlamaForCausalLM"] and config["pard_token"] == drafter.mask_token_id
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["pard_token"] == drafter.mask_token_id
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["draft_vocab_size"] == 96
     weights = load_file(str(out / "model.safetensors"))
     assert weights["mask_hidden"].shape == (1, 3 * 32) and config["num_hidden_layers"] == num_layers

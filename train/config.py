@@ -66,6 +66,15 @@ class EvalConfig:
     # τ and speedup per context length, e.g. [64,128,256] (tokens): each bucket decodes the same held-out passages cut
     # to length - max_new_tokens - γ tokens, so decoding runs up to that position (eval.context_lengths); null: off
     context_lengths: Optional[List[int]] = None
+    # python -m eval: where the drafter is also served, its acceptance reported beside this decoder's on the same
+    # prompts (report.json "served"): specdraft (this decoder only) | vllm (the drafter's format=vllm export loaded
+    # in vLLM, which must be installed: make vllm-check; docs/export.md)
+    engine: str = "specdraft"
+    # eval.engine=vllm: a format=vllm export of the evaluated drafter to serve; null: export it to a temporary dir
+    export: Optional[str] = None
+
+
+EVAL_ENGINES = ("specdraft", "vllm")  # eval.engine
 
 
 @dataclass
@@ -101,7 +110,7 @@ def load_config(cfg: DictConfig) -> Config:
 # Every path setting, read or written: ``~`` expanded once, here, so that no reader or writer meets a literal ``~``
 # (a writer would create a directory named ``~`` in the working directory).
 PATH_KEYS = ("data.path", "data.regenerated", "data.teacher_cache", "regenerate.out", "cache.dir", "target.cache_dir",
-             "eval.prompts", "drafter_path")
+             "eval.prompts", "eval.export", "drafter_path")
 
 
 def _expand_user_paths(config: Config) -> None:
@@ -179,6 +188,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"logger.name={cfg.logger.name!r}; valid: 'none', 'wandb'")
     if cfg.eval.num_draft < 1:
         raise ValueError(f"eval.num_draft must be >= 1, got {cfg.eval.num_draft}")
+    if cfg.eval.engine not in EVAL_ENGINES:
+        raise ValueError(f"eval.engine={cfg.eval.engine!r}; valid: {list(EVAL_ENGINES)} (vllm also serves the drafter "
+                         f"in vLLM and reports its acceptance beside this decoder's)")
     _check_context_lengths(cfg.eval, cfg.target)
     cfg.decoder.sampling()  # temperature / top_p / top_k ranges
     if cfg.decoder.acceptance not in ACCEPTANCE_RULES:

@@ -14,15 +14,17 @@ bytes.
 - ``hf``: transformers' ``generate()``, left-padded, on CUDA with a static KV cache (which transformers compiles).
   A maintained library path, and the one to compare against (scripts/bench_regenerate.py). Greedy answers can differ
   from ``batched``'s where two logits tie within rounding, since padding changes the kernels' shapes.
-- ``vllm``: ``vllm.LLM.generate`` on the target's hub id (``target.name``), with ``target.revision``. Kept thin, and
-  UNTESTED here: vLLM is not installed in this project's test environment. vLLM's sampler is its own, so a ``vllm``
-  file is reproducible by vLLM, not byte-identical to the other engines'.
+- ``vllm``: ``vllm.LLM.generate`` on the target's directory (a local checkpoint, the toy target's cache) or hub id,
+  with the batch's seed. vLLM's sampler is its own, so a ``vllm`` file is reproducible by vLLM (the same seed gives
+  the same file), not byte-identical to the other engines'. vLLM is not a dependency: `make vllm-check` installs it
+  into its own virtual environment, where tests/test_served_vllm.py regenerates with it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -55,8 +57,18 @@ def resolve_engine(name: str, device: torch.device | str, shard: str = "none", n
 
 
 def loaded_by_name(teacher) -> bool:
-    """Whether the target was loaded from ``target.name`` (a hub id or a directory), not built here (a toy target)."""
-    return getattr(teacher.model.config, "_name_or_path", None) == teacher.name
+    """Whether vLLM can load the target itself: from ``target.name`` (a hub id or a directory) or from the directory
+    it was loaded from (the toy target's cache)."""
+    return vllm_model(teacher) is not None
+
+
+def vllm_model(teacher) -> str | None:
+    """What vLLM loads the target from: the directory its weights were read from (a local checkpoint, the toy
+    target's cache), else its hub id when it was loaded by that name; None for a target built in this process."""
+    source = getattr(teacher.model.config, "_name_or_path", None)
+    if source and Path(source).is_dir():
+        return str(Path(source).resolve())
+    return teacher.name if source == teacher.name else None
 
 
 def build_engine(name: str, teacher, eos: int | None, sampling: SamplingConfig):
@@ -121,24 +133,31 @@ class HFGenerateEngine:
 
 
 class VLLMEngine:
-    """UNTESTED here (vLLM is not installed in this project's test environment); kept thin on purpose."""
+    """``vllm.LLM.generate`` on the target's directory or hub id (``vllm_model``), one batch per call, in this
+    process (``inference.vllm_engine``); the batch's seed for every request of it."""
 
     def __init__(self, teacher, eos: int | None, sampling: SamplingConfig):
+        from inference.vllm_engine import Engine, import_vllm
+
         try:
-            from vllm import LLM
+            import_vllm()
         except ImportError as e:
-            raise ImportError("regenerate.engine=vllm needs vLLM: pip install vllm (or use regenerate.engine=hf or "
-                              "batched)") from e
-        self.sampling, self.eos = sampling, eos
+            raise ValueError(f"regenerate.engine=vllm: {e}; or use regenerate.engine=batched or hf") from None
+        model = vllm_model(teacher)
+        if model is None:
+            raise ValueError(f"regenerate.engine=vllm loads the target from a directory or hub id, but the target "
+                             f"{teacher.name!r} was built in this process; use regenerate.engine=batched or hf")
+        self.sampling = sampling
         # One engine per rank (data parallel over torchrun's ranks); vLLM's own tensor parallelism is not wired here.
-        self.llm = LLM(model=teacher.name, revision=teacher.revision, skip_tokenizer_init=True)
+        self.engine = Engine(model, teacher.max_positions, dtype=str(next(teacher.model.parameters()).dtype).removeprefix("torch."),
+                             eos_token_id=eos)
+        self.eos = eos
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
-        from vllm import SamplingParams
-
         s = self.sampling
-        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-                                max_tokens=max_new_tokens, seed=seed, stop_token_ids=[self.eos] if self.eos is not None else None)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        return [_cut_at_eos(o.outputs[0].token_ids, self.eos) + ([self.eos] if o.outputs[0].finish_reason == "stop"
-                and self.eos is not None and self.eos not in o.outputs[0].token_ids else []) for o in outs]
+        params = self.engine.params(max_new_tokens, s.temperature, s.top_p, s.top_k,
+                                    seed=None if s.greedy else seed)
+        return [_cut_at_eos(tokens, self.eos) for tokens in self.engine.generate(prompts, params)]
+
+    def close(self) -> None:
+        self.engine.close()
