@@ -277,7 +277,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"logger.name={cfg.logger.name!r}; valid: 'none', 'wandb'")
     if cfg.eval.num_draft < 1:
         raise ValueError(f"eval.num_draft must be >= 1, got {cfg.eval.num_draft}")
-    _check_context_lengths(cfg.eval, cfg.target)
+    # python -m eval drafter_path=... evaluates against the drafter's saved target, not cfg.target: its positions
+    # are checked once it is loaded (eval.context_lengths), naming that target's, never the default's.
+    _check_context_lengths(cfg.eval, cfg.target if not cfg.drafter_path else None)
     cfg.decoder.sampling()  # temperature / top_p / top_k ranges
     if cfg.decoder.acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"decoder.acceptance={cfg.decoder.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
@@ -312,16 +314,16 @@ def validate(cfg: Config) -> None:
         )
 
 
-def _check_context_lengths(ev: EvalConfig, target: TargetConfig) -> None:
+def _check_context_lengths(ev: EvalConfig, target: TargetConfig | None) -> None:
     """``eval.context_lengths`` as far as the config tells (the target's positions and BOS are checked again once it
-    is loaded: ``eval.context_lengths``)."""
+    is loaded: ``eval.context_lengths``); ``target`` None: the target evaluated is not ``cfg.target``."""
     if not ev.context_lengths:
         return
     if ev.prompts:
         raise ValueError(f"eval.context_lengths builds its prompts from held-out text, but eval.prompts={ev.prompts} "
                          f"names a prompt file; set eval.prompts=null, or eval.context_lengths=null")
     context_prompt_tokens(ev.context_lengths, ev.max_new_tokens, ev.num_draft,
-                          target.toy.max_seq_len if target.source == "toy" else 0)
+                          target.toy.max_seq_len if target is not None and target.source == "toy" else 0)
 
 
 def _check_schedule(t: TrainerConfig) -> None:
