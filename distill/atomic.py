@@ -9,6 +9,7 @@ every other writer (heads, train, eval, scripts) sits above it in the layer orde
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import re
@@ -81,6 +82,18 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], object
         if tmp.exists():
             shutil.rmtree(tmp)
     return given
+
+
+def clear_unfinished(path: str | os.PathLike) -> None:
+    """Remove what a killed ``write_dir_atomically(path)`` left beside ``path`` (its hidden ``.<name>.tmp-*`` copy
+    being filled, or ``.<name>.old-*`` being swapped out). Only for a caller that is ``path``'s one writer (a run
+    dir's lock holder): another process's save in progress has the same names."""
+    path = Path(path)
+    for left in path.parent.glob(f".{glob.escape(path.name)}.*-*"):
+        kind = left.name[len(path.name) + 2:].partition("-")[0]
+        if kind in ("tmp", "old") and left.is_dir() and not left.is_symlink():
+            log.info("removing %s, left by an unfinished save of %s", left, path)
+            shutil.rmtree(left, ignore_errors=True)
 
 
 def usual_permissions(root: Path) -> None:

@@ -92,21 +92,66 @@ def one_line_errors(task: Callable) -> Callable:
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # every entry point's Hydra config
 
 
-def resolved_run_dir(argv: Sequence[str]) -> Path | None:
+# Hydra's own flags (``python -m train --help``): those that take a value and change what is composed, and those
+# after which Hydra runs no job in a run dir (it prints, or sweeps into hydra.sweep.dir instead).
+_CONFIG_FLAGS = {"--config-name": "name", "-cn": "name", "--config-path": "path", "-cp": "path",
+                 "--config-dir": "dir", "-cd": "dir"}
+_NO_RUN_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i", "--shell-completion",
+                 "-sc", "--multirun", "-m", "--experimental-rerun"}
+_RUN_FLAGS = {"--run", "-r", "--resolve"}
+
+
+def _hydra_flags(argv: Sequence[str]) -> tuple[list[str], dict[str, str]] | None:
+    """(the overrides, ``{"name" | "path" | "dir": value}``) of a command line whose flags start a job in a run dir;
+    None for one that does not (``--help``, ``--cfg``, ``--multirun``) or a flag not known here."""
+    overrides, flags, tokens = [], {}, list(argv)
+    while tokens:
+        token = tokens.pop(0)
+        if not token.startswith("-"):
+            overrides.append(token)
+            continue
+        flag, eq, value = token.partition("=")
+        if flag in _CONFIG_FLAGS:
+            if not eq:
+                if not tokens:
+                    return None
+                value = tokens.pop(0)
+            flags[_CONFIG_FLAGS[flag]] = value
+        elif flag not in _RUN_FLAGS or eq:
+            return None
+    return overrides, flags
+
+
+def _config_dir(flags: dict[str, str], main_dir: Path) -> Path:
+    """The primary config dir: ``--config-path`` (absolute, or relative to the entry point's file, as Hydra reads
+    it) or the project's ``conf/``."""
+    if "path" not in flags:
+        return CONF_DIR
+    path = Path(flags["path"]).expanduser()
+    return path if path.is_absolute() else (main_dir / path).resolve()
+
+
+def resolved_run_dir(argv: Sequence[str], main_dir: Path | None = None) -> Path | None:
     """The run dir Hydra will use for this command line: ``hydra.run.dir`` composed as Hydra composes it (its
-    interpolations, ``${oc.env:...}`` and ``${now:...}`` included, resolved; quotes stripped; ``~`` expanded).
-    None when Hydra itself should speak first: a flag (``--cfg``, ``--multirun``, ``-cn`` ...) or an override it
-    cannot parse or compose, which it then reports in its own words."""
-    if any(token.startswith("-") for token in argv):
+    interpolations, ``${oc.env:...}`` and ``${now:...}`` included, resolved; quotes stripped; ``~`` expanded), with
+    the config ``--config-name`` / ``--config-path`` / ``--config-dir`` choose. None when Hydra runs no job in a run
+    dir (``--help``, ``--cfg``, ``--multirun`` ...), or for a flag or an override Hydra should report in its own words.
+    ``main_dir``: the entry point's directory, which a relative ``--config-path`` starts from."""
+    parsed = _hydra_flags(argv)
+    if parsed is None:
         return None
+    overrides, flags = parsed
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    if "dir" in flags:  # as Hydra adds --config-dir: one more place to look for configs
+        overrides.append(f"hydra.searchpath=[file://{Path(flags['dir']).expanduser().absolute()}]")
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=list(argv), return_hydra_config=True)
+        with initialize_config_dir(config_dir=str(_config_dir(flags, main_dir or CONF_DIR.parent / "train")),
+                                   version_base="1.3"):
+            cfg = compose(config_name=flags.get("name", "config"), overrides=overrides, return_hydra_config=True)
             value = OmegaConf.select(cfg, "hydra.run.dir")
     except (HydraException, OmegaConfBaseException, ValueError):
         return None
@@ -132,18 +177,28 @@ def _override(run_dir: Path) -> str | None:
     return None if any(c in text for c in "'\\$") else f"hydra.run.dir='{text}'"
 
 
-def check_run_dir_override(argv: Sequence[str] | None = None) -> None:
+def check_run_dir_override(argv: Sequence[str] | None = None, output_subdir: str = ".hydra") -> None:
     """Before Hydra starts: resolve the run dir as Hydra will (``resolved_run_dir``), refuse in one line a run dir
     Hydra could not write (a file in the way, no write permission), then take its writer lock
     (``distill.lock.claim_run_dir``), refusing in one line a run dir another job is writing. Called with the process's
     own command line (``argv`` None), the resolved dir is passed on to Hydra in place of the given one, so that a
     ``${now:...}`` read a second later cannot name another dir than the one locked. Only the main rank of a
-    multi-process launch (``RANK`` unset or 0) locks; the others follow it (``train.run``)."""
+    multi-process launch (``RANK`` unset or 0) locks; the others follow it (``train.run``). ``output_subdir``: where
+    in the run dir Hydra records this command's config (``hydra.output_subdir``, unless the command line sets it):
+    ``python -m eval`` keeps its record beside a training run's ``.hydra/``, never over it."""
     pin = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    given = [t for t in argv if t.lstrip("+").partition("=")[0] == "hydra.output_subdir"]
+    if output_subdir != ".hydra" and not given:
+        argv.append(f"hydra.output_subdir={output_subdir}")
+        if pin:
+            sys.argv.append(argv[-1])
+    elif given:
+        output_subdir = given[-1].partition("=")[2].strip("'\"") or ".hydra"
     if os.environ.get("RANK", "0") != "0":
         return
-    run_dir = resolved_run_dir(argv)
+    main = Path(sys.argv[0]).resolve().parent if pin and sys.argv and os.path.isfile(sys.argv[0]) else None
+    run_dir = resolved_run_dir(argv, main)
     if run_dir is None:
         return
     _check_writable(run_dir)
@@ -154,45 +209,46 @@ def check_run_dir_override(argv: Sequence[str] | None = None) -> None:
     except OSError as e:
         raise SystemExit(f"error: {explain(e)}") from None
     if pin:
-        _remember_startup_files(run_dir)
+        _remember_startup_files(run_dir, output_subdir)
     override = _override(run_dir)
     if pin and override is not None:
-        kept = [t for t in argv if t.lstrip("+").partition("=")[0] != "hydra.run.dir"]
+        kept = [t for t in sys.argv[1:] if t.lstrip("+").partition("=")[0] != "hydra.run.dir"]
         sys.argv[1:] = [*kept, override]
 
 
-# What Hydra writes into the run dir before any of our code runs: ``.hydra/`` and the job log (``<job>.log``).
-_HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+# What Hydra writes into the run dir before any of our code runs: its config record (``.hydra/``, or the
+# ``hydra.output_subdir`` a command sets) and the job log (``<job>.log``).
+_HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 _startup: dict = {}
 
 
-def _startup_files(run_dir: Path) -> list[Path]:
-    return [*(run_dir / name for name in _HYDRA_FILES), *sorted(run_dir.glob("*.log"))]
+def _startup_files(run_dir: Path, subdir: str = ".hydra") -> list[Path]:
+    return [*(run_dir / subdir / name for name in _HYDRA_FILES), *sorted(run_dir.glob("*.log"))]
 
 
-def _remember_startup_files(run_dir: Path) -> None:
-    """Record the files Hydra is about to write, as they are (bytes of ``.hydra/``, a log's length; their times),
-    so that ``put_back_startup_files`` can undo Hydra's writes when the command is refused."""
+def _remember_startup_files(run_dir: Path, subdir: str = ".hydra") -> None:
+    """Record the files Hydra is about to write, as they are (bytes of its config record, a log's length; their
+    times), so that ``put_back_startup_files`` can undo Hydra's writes when the command is refused."""
     files = {}
-    for path in _startup_files(run_dir):
+    for path in _startup_files(run_dir, subdir):
         if path.is_file():
             st = path.stat()
-            kept = path.read_bytes() if path.parent.name == ".hydra" else st.st_size
+            kept = path.read_bytes() if path.suffix == ".yaml" else st.st_size
             files[path] = (kept, st.st_atime_ns, st.st_mtime_ns)
-    _startup.update(run_dir=run_dir, existed=run_dir.is_dir(), hydra_existed=(run_dir / ".hydra").is_dir(),
-                    files=files)
+    created = [d for d in (run_dir / subdir, *(run_dir / subdir).parents) if d == run_dir or run_dir in d.parents]
+    _startup.update(run_dir=run_dir, subdir=subdir, files=files, existed={d: d.is_dir() for d in created})
 
 
 def put_back_startup_files() -> None:
     """A command refused for a run dir (another seed on resume, ``trainer.resume=never`` over an earlier run, an
-    evaluation into another run's dir) leaves it as it found it: Hydra's rewrite of ``.hydra/`` and its job log lines
-    are undone (bytes and modification times), and what it created for this command is removed."""
+    evaluation into another run's dir) leaves it as it found it: Hydra's rewrite of its config record and its job log
+    lines are undone (bytes and modification times), and what it created for this command is removed."""
     if not _startup:
         return
     recorded = dict(_startup)
     _startup.clear()  # once: what was recorded is this command's run dir only
     run_dir, files = recorded["run_dir"], recorded["files"]
-    for path in _startup_files(run_dir):
+    for path in _startup_files(run_dir, recorded["subdir"]):
         if path not in files:
             path.unlink(missing_ok=True)
             continue
@@ -202,6 +258,6 @@ def put_back_startup_files() -> None:
         else:
             os.truncate(path, kept)
         os.utime(path, ns=(atime, mtime))
-    for directory, existed in ((run_dir / ".hydra", recorded["hydra_existed"]), (run_dir, recorded["existed"])):
+    for directory, existed in recorded["existed"].items():  # deepest first: the subdir, then the run dir
         if not existed and directory.is_dir() and not any(directory.iterdir()):
             directory.rmdir()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,23 @@ def write_digest(path: str | Path) -> Path:
     return out
 
 
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def recorded_digest(recorded: Path) -> str:
+    """The sha256 a ``<file>.sha256`` holds, read as ``sha256sum -c`` reads it (either case, an optional ``*``
+    before the name); a sidecar that holds none (empty, cut short, overwritten) is refused as such: the tensor file
+    beside it may be sound, but nothing can tell."""
+    text = recorded.read_text(encoding="utf-8", errors="replace")
+    digest = (text.split() or [""])[0].lower()
+    if not _HEX.fullmatch(digest):
+        what = "is empty" if not text.strip() else f"holds no sha256 digest ({text.strip()[:24]!r}...)"
+        raise ValueError(f"{recorded} {what}: the digest sidecar is damaged, so {recorded.name[:-len(DIGEST_SUFFIX)]} "
+                         f"cannot be checked; copy the directory again, or, if you trust that file, write its digest "
+                         f"anew (`sha256sum {recorded.name[:-len(DIGEST_SUFFIX)]} > {recorded.name}` in its directory)")
+    return digest
+
+
 def check_digest(path: str | Path) -> None:
     """Refuse ``path`` when its bytes no longer match the digest written with it (a bit flip, a copy cut short that
     still parses); a file without a digest (written before digests were recorded) is loaded unchecked, with one
@@ -122,7 +140,7 @@ def check_digest(path: str | Path) -> None:
                 "%s has no %s beside it (written before digests were recorded): loaded without an integrity check; "
                 "files saved from now on are checked", path, recorded.name)
         return
-    expected = (recorded.read_text(encoding="utf-8").split() or [""])[0]
+    expected = recorded_digest(recorded)
     actual = file_digest(path)
     if actual != expected:
         raise ValueError(f"{path} is damaged: its sha256 {actual[:16]}... differs from the one written with it "

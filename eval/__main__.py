@@ -19,6 +19,10 @@ def main(cfg: DictConfig) -> None:
     run_eval(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
 
 
+# Evaluating a trained run's drafter into its run dir (the command training prints) keeps the run's own .hydra/
+# record of how it was trained; the evaluation's config goes beside it.
+EVAL_CONFIG_RECORD = ".hydra/eval"
+
 if __name__ == "__main__":
-    check_run_dir_override()
+    check_run_dir_override(output_subdir=EVAL_CONFIG_RECORD)
     main()

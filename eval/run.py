@@ -401,7 +401,8 @@ def _run_eval(cfg: DictConfig, run_dir, use_saved_target: bool, overrides: Seque
         teacher = load_teacher(target_config(target_cfg), device=resolve_device(config.trainer.device))
         fitted = saved_settings.eval_settings(dataclasses.asdict(config.eval), saved, cli, teacher.max_positions)
         config.eval = dataclasses.replace(config.eval, **{key: fitted[key] for key in saved_settings.RUN_EVAL_KEYS})
-        return evaluate_saved(config, teacher, config.drafter_path, run_dir, overrides=drafter_keys)
+        typed = {key: config.drafter[key] for key in drafter_keys}  # as load_config converted them
+        return evaluate_saved(config, teacher, config.drafter_path, run_dir, overrides=typed)
     cfg = load_config(cfg)
     device = resolve_device(cfg.trainer.device)
     teacher = load_teacher(cfg.target, device=device)

@@ -306,8 +306,13 @@ class DFlashDrafter(Drafter):
         return head(out_ND.to(head.weight.dtype)).to(out_ND.dtype)
 
     def prepare(self, dataset) -> None:
-        """Check that the training rows have anchors; with ``draft_vocab_size``: keep the most frequent tokens of the
-        training data as the drafted ids."""
+        """Check that the training rows have anchors and hold a whole block; with ``draft_vocab_size``: keep the most
+        frequent tokens of the training data as the drafted ids."""
+        rows = dataset.attention_mask.shape[-1]
+        if self.block_size > rows:  # no block fits a row: each step drafts past every row's end, at length S cost
+            raise ValueError(f"drafter.block_size={self.block_size} is larger than the training rows (data.max_length="
+                             f"{rows} tokens): no block fits in a row; set drafter.block_size <= {rows} (e.g. 16), or "
+                             f"raise data.max_length")
         self._check_anchors(self._candidates({"loss_mask": dataset.loss_mask,
                                               "attention_mask": dataset.attention_mask}))
         if self.draft_vocab_size is None:

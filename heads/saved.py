@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from distill.atomic import save_tensors, write_dir_atomically
+from distill.atomic import clear_unfinished, save_tensors, write_dir_atomically
 from distill.fingerprint import check_digest, file_digest, write_digest
 from heads.base import Drafter, TargetDims, instantiate_drafter
 
@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping[str, Any], target_cfg: Mapping[str, Any],
                  target_identity: Mapping[str, Any], extra: Mapping[str, Any] | None = None,
                  state_dict: Mapping[str, Tensor] | None = None) -> Path:
-    """``state_dict``: the drafter's full weights when ``drafter`` itself holds only a shard (FSDP / ZeRO-3)."""
+    """``state_dict``: the drafter's full weights when ``drafter`` itself holds only a shard (FSDP / ZeRO-3). A
+    drafter directory has one writer (the run dir's lock holder), so what a killed save of it left beside it (a
+    hidden copy of the weights) is cleared first."""
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -59,6 +61,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, drafter_cfg: Mapping
             write_digest(tmp / WEIGHTS)  # checked on every load (load_saved_drafter)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
 
+    clear_unfinished(path)
     return write_dir_atomically(path, write)
 
 

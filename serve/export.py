@@ -29,7 +29,7 @@ import logging
 from pathlib import Path
 
 from distill.atomic import write_dir_atomically
-from distill.fingerprint import check_digest, write_digest
+from distill.fingerprint import check_digest, file_digest, write_digest
 from heads.base import TargetDims
 from heads.saved import load_saved_drafter, weights_digest
 from serve.adapter import ENGINES, SIDECAR, ExportAdapter, refusal, serve_name
@@ -129,6 +129,26 @@ def check_replaceable(output_dir: Path, overwrite: bool) -> None:
         raise FileExistsError(f"output_dir={str(output_dir)!r} holds an earlier export plus files it did not write "
                               f"({shown}); overwrite=true replaces only an export's own files (listed in its "
                               f"{SIDECAR}): move those files out, or choose another output_dir")
+    edited = [name for name, digest in _written_digests(output_dir / SIDECAR).items()
+              if (output_dir / name).is_file() and file_digest(output_dir / name) != digest]
+    if edited:
+        raise FileExistsError(f"output_dir={str(output_dir)!r} holds an earlier export whose {edited[0]} was edited "
+                              f"since the export wrote it; overwrite=true would drop those edits: move "
+                              f"{edited[0]} out (or restore it), or choose another output_dir")
+
+
+# The export's files meant for people to read and edit (the model card): their sha256 is kept in the sidecar, so
+# an overwrite can tell an edited one from the one it wrote.
+EDITABLE = ("README.md",)
+
+
+def _written_digests(sidecar: Path) -> dict[str, str]:
+    """``{file: sha256}`` of the editable files as the earlier export wrote them (empty for exports before this)."""
+    try:
+        digests = json.loads(sidecar.read_text(encoding="utf-8")).get("written_sha256")
+    except (ValueError, OSError, AttributeError):
+        return {}
+    return {k: v for k, v in digests.items() if isinstance(v, str)} if isinstance(digests, dict) else {}
 
 
 def _manifest(sidecar: Path) -> set[str] | None:
@@ -180,7 +200,8 @@ def export_drafter(drafter_path: str | Path, engine: str, output_dir: str | Path
         written = sorted([*(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()), SIDECAR])
         sidecar = {"engine": engine, "kind": kind, "target": target, "source": str(drafter_path.resolve()),
                    "training": config.get("training"), "drafter": config.get("drafter"), **adapter.sidecar(drafter),
-                   "files": written}  # the manifest: all that overwrite=true may replace later
+                   "files": written,  # the manifest: all that overwrite=true may replace later
+                   "written_sha256": {name: file_digest(tmp / name) for name in EDITABLE if (tmp / name).is_file()}}
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str))
         problems = check_export(tmp, engine, kind, target)
         if problems:

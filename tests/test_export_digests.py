@@ -21,12 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests import drafters  # noqa: E402
 from tests.drafters import EXPORTS  # noqa: E402
+from serve.adapter import SIDECAR  # noqa: E402
 
 DIGESTS = Path(__file__).resolve().parent / "data" / "export_digests.json"
 
 
 def _digest(path: Path, root: Path) -> str:
     data = path.read_bytes()
+    if path.name == SIDECAR:  # it holds the model card's sha256, which covers the card's temporary paths
+        sidecar = json.loads(data)
+        sidecar["written_sha256"] = {name: "<sha256>" for name in sidecar.get("written_sha256", {})}
+        data = json.dumps(sidecar, indent=2).encode()
     for spelling in {str(root.resolve()), str(root)}:
         data = data.replace(spelling.encode(), b"<tmp>")
     return hashlib.sha256(data).hexdigest()

@@ -261,10 +261,11 @@ def load_checkpoint(path: Path, engine, optimizer, drafter_cfg: Mapping, target_
 
 
 def training_recipe(loss: Mapping, trainer: TrainerConfig) -> dict:
-    """What must stay the same for a resume to continue the run it resumes: the loss and the optimisation
-    settings. ``trainer.steps`` is left out: raising it extends a run (its cosine schedule then stretches)."""
+    """What must stay the same for a resume to continue the run it resumes: the loss, the optimisation settings and
+    the held-out rows the best step is selected on (``eval_rows``: other rows give other figures, so another step
+    could be selected). ``trainer.steps`` is left out: raising it extends a run (its cosine schedule then stretches)."""
     return {"loss": dict(loss), **{f"trainer.{k}": getattr(trainer, k) for k in
-                                   ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip")}}
+                                   ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "eval_rows")}}
 
 
 def _check_recipe(path: Path, saved: Mapping, now: Mapping) -> None:

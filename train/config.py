@@ -15,18 +15,23 @@ then ``validate``) and passes them down: code below reads ``cfg.trainer.lr``, ne
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import importlib
 import inspect
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
+from omegaconf.nodes import FloatNode, IntegerNode
 
 from distill.cache import CacheConfig
 from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
@@ -160,6 +165,99 @@ def _check_keys(node: Mapping, key: str, runtime: tuple[str, ...] = ()) -> None:
             raise ValueError(f"unknown key {key}.{name}; valid keys for {node['_target_']}: {sorted(valid)}")
 
 
+def typed_values(node: Mapping, key: str) -> dict:
+    """``node`` with each value converted to the type its ``_target_`` declares for it, as a typed schema key converts
+    it (``drafter.fc_norm=no`` is False, ``drafter.num_heads='8'`` is 8), so the stored config holds the typed
+    value; a value that does not convert (``bool("no")`` would be True) is refused naming the key and the type.
+    Parameters a class takes through ``**kwargs`` are typed by its base classes' ``__init__``."""
+    target = _resolve_target(node["_target_"], key)
+    hints: dict[str, Any] = {}
+    for owner in (target.__mro__ if inspect.isclass(target) else (target,)):
+        init = owner.__init__ if inspect.isclass(owner) else owner
+        try:
+            params = inspect.signature(init, eval_str=True).parameters
+        except (NameError, TypeError, ValueError):  # an annotation that does not evaluate: left unchecked
+            continue
+        for name, param in params.items():
+            hints.setdefault(name, param.annotation)
+    out = dict(node)
+    for name, value in node.items():
+        if not str(name).startswith("_") and name in hints:
+            out[name] = _typed(value, hints[name], f"{key}.{name}")
+    return out
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _typed(value: Any, annotation: Any, name: str) -> Any:
+    """``value`` as ``annotation`` (bool, int, float, str, a list or mapping of them, a union, optional); an annotation
+    this does not know (a class, ``Any``) takes the value as it is."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if value is None and len(options) < len(args):
+            return None
+        exact = [a for a in options if _is_exactly(value, a)]
+        if len(options) == 1 or exact:  # the value's kind is known: its own message says what is wrong inside it
+            return _typed(value, (exact or options)[0], name)
+        for option in options:
+            try:
+                return _typed(value, option, name)
+            except ValueError:
+                continue
+        raise ValueError(f"{name}={value!r} is not a {_type_name(annotation)}; set {name} to one")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{name}={value!r} is not null")
+    if annotation is bool:
+        text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+        if isinstance(value, bool) or text in _TRUE + _FALSE:
+            return value if isinstance(value, bool) else text in _TRUE
+        raise ValueError(f"{name}={value!r} is not a boolean; set {name}=true or {name}=false")
+    if annotation in (int, float):
+        if isinstance(value, annotation) and not isinstance(value, bool):
+            return value
+        try:
+            return (IntegerNode if annotation is int else FloatNode)(value)._value()
+        except ValidationError:
+            raise ValueError(f"{name}={value!r} is not {'an integer' if annotation is int else 'a number'}; set "
+                             f"{name} to one") from None
+    if annotation is str:
+        if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return str(value)
+        raise ValueError(f"{name}={value!r} is not a string; set {name} to one (quote it)")
+    if (origin or annotation) in (list, tuple, Sequence, collections.abc.Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name}={value!r} is not a list; set {name}=[...]")
+        return [_typed(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if (origin or annotation) in (dict, Mapping, collections.abc.Mapping):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{name}={value!r} is not a mapping; set {name}={{key: value, ...}}")
+        return {k: _typed(v, args[1], f"{name}.{k}") for k, v in value.items()} if len(args) == 2 else dict(value)
+    return value
+
+
+def _is_exactly(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` already is of ``annotation``'s kind, so a union keeps it rather than converting it."""
+    kind = typing.get_origin(annotation) or annotation
+    if kind is type(None):
+        return value is None
+    if kind in (int, float):
+        return isinstance(value, kind) and not isinstance(value, bool)
+    if kind in (list, tuple, Sequence, collections.abc.Sequence):
+        return isinstance(value, (list, tuple))
+    if kind in (dict, Mapping, collections.abc.Mapping):
+        return isinstance(value, Mapping)
+    return isinstance(kind, type) and isinstance(value, kind)
+
+
+def _type_name(annotation: Any) -> str:
+    return " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a))
+                       for a in typing.get_args(annotation))
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks, once, before anything is built."""
     t = cfg.trainer
@@ -191,7 +289,9 @@ def validate(cfg: Config) -> None:
     if cfg.eval.engine not in EVAL_ENGINES:
         raise ValueError(f"eval.engine={cfg.eval.engine!r}; valid: {list(EVAL_ENGINES)} (vllm also serves the drafter "
                          f"in vLLM and reports its acceptance beside this decoder's)")
-    _check_context_lengths(cfg.eval, cfg.target)
+    # python -m eval drafter_path=... evaluates against the drafter's saved target, not cfg.target: its positions
+    # are checked once it is loaded (eval.context_lengths), naming that target's, never the default's.
+    _check_context_lengths(cfg.eval, cfg.target if not cfg.drafter_path else None)
     cfg.decoder.sampling()  # temperature / top_p / top_k ranges
     if cfg.decoder.acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"decoder.acceptance={cfg.decoder.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is lossy)")
@@ -203,6 +303,7 @@ def validate(cfg: Config) -> None:
     _check_batched(cfg.decoder)
     if cfg.drafter:
         _check_keys(cfg.drafter, "drafter", runtime=("dims",))
+        cfg.drafter = typed_values(cfg.drafter, "drafter")
     if cfg.loss:
         _check_keys(cfg.loss, "loss")
     _check_data_mode(cfg.data, cfg.trainer)
@@ -225,16 +326,16 @@ def validate(cfg: Config) -> None:
         )
 
 
-def _check_context_lengths(ev: EvalConfig, target: TargetConfig) -> None:
+def _check_context_lengths(ev: EvalConfig, target: TargetConfig | None) -> None:
     """``eval.context_lengths`` as far as the config tells (the target's positions and BOS are checked again once it
-    is loaded: ``eval.context_lengths``)."""
+    is loaded: ``eval.context_lengths``); ``target`` None: the target evaluated is not ``cfg.target``."""
     if not ev.context_lengths:
         return
     if ev.prompts:
         raise ValueError(f"eval.context_lengths builds its prompts from held-out text, but eval.prompts={ev.prompts} "
                          f"names a prompt file; set eval.prompts=null, or eval.context_lengths=null")
     context_prompt_tokens(ev.context_lengths, ev.max_new_tokens, ev.num_draft,
-                          target.toy.max_seq_len if target.source == "toy" else 0)
+                          target.toy.max_seq_len if target is not None and target.source == "toy" else 0)
 
 
 def _check_schedule(t: TrainerConfig) -> None:

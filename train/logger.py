@@ -31,22 +31,24 @@ class MetricsLogger:
     def __init__(self, run_dir, logger_cfg: LoggerConfig, full_cfg: Mapping, is_main: bool = True, resumed: bool = False,
                  resume_step: int | None = None):
         """``resume_step``: the step a resumed run continues from; rows logged at or after it (by the run that was
-        killed after its last checkpoint) are dropped, since the resumed run logs them again: each step once."""
+        killed after its last checkpoint) are dropped, since the resumed run logs them again: each step once. The
+        file is cut and opened at the first row logged, not here: a resume refused before its first step (another
+        seed, loss, attention kernel) leaves ``metrics.jsonl`` as it found it."""
         self.is_main = is_main
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb_run = None
+        self._file = None
+        self._resume_step, self._append = resume_step, resumed or resume_step is not None
         if not is_main:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            keep_rows_before(self.path, resume_step)
-        self._file = self.path.open("a" if resumed or resume_step is not None else "w")
         if logger_cfg.name == "wandb":
             self.wandb_run = _start_wandb(run_dir, logger_cfg, full_cfg)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         if not self.is_main:
             return
+        if self._file is None:
+            self._open()
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
         if self.wandb_run is not None:
@@ -77,10 +79,17 @@ class MetricsLogger:
                 if r.get(key) is not None:
                     self.wandb_run.summary[f"eval/{name}/{key}"] = r[key]
 
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._resume_step is not None:
+            keep_rows_before(self.path, self._resume_step)
+        self._file = self.path.open("a" if self._append else "w")
+
     def close(self) -> None:
         if not self.is_main:
             return
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
 

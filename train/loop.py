@@ -112,6 +112,12 @@ def _train(cfg: Config, teacher, drafter, model, optimizer, dataset: Dataset, co
         last = checkpoint.saved_metrics(ckpt)  # a finished run resumed to done keeps its final metrics
         if selection is not None:
             selection.restore(checkpoint.saved_selection(ckpt), ckpt, engine.is_main)
+        if report is not None and start < t.steps and engine.is_main:
+            # A resumed process compiles its kernels afresh (their fusions and autotuned choices are not part of a
+            # checkpoint), so nothing promises the same floating-point order as the uninterrupted run's.
+            log.warning("trainer.compile=%s: resuming from %s with compiled kernels is not bit-exact (the run after "
+                        "it may differ from the uninterrupted one in the last bits); set trainer.compile=off for an "
+                        "exact resume", t.compile, ckpt.name)
     order = BatchOrder(len(dataset), t.micro_batch_size, cfg.seed)
     layers = tuple(drafter.teacher_layers)
     sim_depth = cfg.eval.num_draft if drafter.drafts_autoregressively else None

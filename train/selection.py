@@ -12,7 +12,12 @@ weights) writes the weights to ``<run dir>/best_tau/`` (atomically, with the ste
 
 Resumable: each checkpoint stores the selection so far (``state``) and a copy of ``best_tau/`` as it stood, and a
 resume puts both back, so a run killed after a later (not yet checkpointed) best continues exactly as an
-uninterrupted one.
+uninterrupted one. The copy goes back only when the resumed run first needs it (an evaluation, a checkpoint, the
+final weights): a resume refused before its first step leaves ``best_tau/`` as it found it.
+
+Every read of best weights (copied into a checkpoint, put back on resume, taken by ``drafter/``) is checked against
+the sha256 written beside them: ``drafter/`` gets a fresh digest of what it is given, so damaged bytes passed on here
+would leave the run as a "verified" drafter.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from distill.atomic import tmp_sibling
+from distill.fingerprint import check_digest
 from distill.data import TokenBlockDataset, collate
 from distill.prompts import heldout_prompts
 from heads.saved import WEIGHTS, save_drafter
@@ -85,6 +91,8 @@ class Selection:
         self.save_args = dict(save_args)  # drafter_cfg, target_cfg, target_identity for save_drafter
         self.best_step: int | None = None
         self.best_tau: float | None = None
+        self._restore_from: Path | None = None  # a checkpoint's best_tau/, put back when first needed
+        self._restore_pending = False
 
     @property
     def best_dir(self) -> Path:
@@ -97,6 +105,7 @@ class Selection:
         tau = float(engine.broadcast_object(float(self.evaluate_fn(step, model, drafter, loss_fn, engine))))
         better = self.best_tau is None or tau > self.best_tau
         if better and self.select == "best_tau":
+            self._put_back()
             weights = engine.model_state_dict()  # collective under sharding engines
             if engine.is_main:
                 save_drafter(engine.module, self.best_dir, self.save_args["drafter_cfg"], self.save_args["target_cfg"],
@@ -113,12 +122,15 @@ class Selection:
 
     def copy_into(self, checkpoint_dir: Path) -> None:
         """Main rank, while a checkpoint is written: the best weights as they stand at that step."""
+        self._put_back()
         if self.select == "best_tau" and self.best_dir.is_dir():
+            checked_weights(self.best_dir, load=False)
             shutil.copytree(self.best_dir, checkpoint_dir / BEST_DIR)
 
     def restore(self, state: Mapping | None, checkpoint_dir: Path, is_main: bool) -> None:
         """Put back the selection a checkpoint holds: its best step and τ, and ``best_tau/`` as it stood then (a
-        newer one on disk came from steps the resumed run replays)."""
+        newer one on disk came from steps the resumed run replays). The directory is put back when first needed
+        (``_put_back``), after every refusal a resume can meet before its first step."""
         state = dict(state or {})
         if state.get("select", self.select) != self.select:  # a selection made under another rule is restarted
             state = {}
@@ -127,17 +139,45 @@ class Selection:
             return
         saved = checkpoint_dir / BEST_DIR
         if self.best_step is not None and saved.is_dir():
+            checked_weights(saved, load=False)  # refused now, before the run starts, rather than at its end
+            self._restore_from = saved
+        else:
+            self._restore_from = None
+            self.best_step = self.best_tau = None
+        self._restore_pending = True
+
+    def _put_back(self) -> None:
+        """The ``best_tau/`` a resume restored, written into the run dir (once)."""
+        if not self._restore_pending:
+            return
+        self._restore_pending = False
+        if self._restore_from is not None:
             tmp = tmp_sibling(self.best_dir)
-            shutil.copytree(saved, tmp)
+            shutil.copytree(self._restore_from, tmp)
             if self.best_dir.exists():
                 shutil.rmtree(self.best_dir)
             tmp.replace(self.best_dir)
         elif self.best_dir.exists():
             shutil.rmtree(self.best_dir)
-            self.best_step = self.best_tau = None
 
     def final_weights(self) -> dict | None:
         """The weights ``drafter/`` gets under ``select=best_tau`` (main rank), or None to keep the last ones."""
+        self._put_back()
         if self.select != "best_tau" or self.best_step is None or not (self.best_dir / WEIGHTS).is_file():
             return None
-        return load_file(str(self.best_dir / WEIGHTS))
+        return checked_weights(self.best_dir)
+
+
+def checked_weights(best_dir: Path, load: bool = True) -> dict | None:
+    """The tensors of ``best_dir``'s weights (``load=False``: only checked), refused in one line naming the file when
+    they are unreadable or differ from the sha256 written beside them."""
+    weights = best_dir / WEIGHTS
+    fix = (f"these are the best held-out step's weights: copy them again from a checkpoint's copy "
+           f"(checkpoints/step_*/{BEST_DIR}), or rerun with trainer.select=last to take the last step's weights")
+    try:
+        check_digest(weights)
+        return load_file(str(weights)) if load else None
+    except ValueError as e:
+        raise ValueError(f"{e}; {fix}") from None
+    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+        raise ValueError(f"{weights} is not a readable safetensors file ({type(e).__name__}: {e}); {fix}") from None
