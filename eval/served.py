@@ -295,3 +295,32 @@ def served_for_saved(teacher, drafter, drafter_path: Path | None, export: str | 
         served = from_export(export_dir, num_draft)
         check_target(served.target, teacher)
         return measure(teacher, drafter, served, prompts, max_new, num_draft, dcfg, max_model_len)
+
+
+def like_for_like(row: Mapping) -> float | None:
+    """vLLM's delivered-token τ over this decoder's (``committed_tau``); for a row that records this decoder under
+    vLLM's own drafting rule (``vllm_rule``: lookup's n-gram match), against that."""
+    ours = (row.get("vllm_rule") or row).get("specdraft_tau_committed")
+    return row["tau_committed"] / ours if ours and row.get("tau_committed") else None
+
+
+def served_table(rows: Sequence[Mapping]) -> str:
+    """The served table (scripts/vllm_check.py's rows) as markdown: per row and γ, whether vLLM loads it (else its
+    message), greedy identity, vLLM's τ (its counters, and delivered tokens per step) against this decoder's."""
+    lines = ["| row | kind | γ | vLLM loads it | vLLM spec = vLLM plain | vLLM plain = ours | vLLM τ (counters) | "
+             "vLLM τ (delivered) | our τ | ratio | verdict |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+             "--- | --- |"]
+    for r in rows:
+        if not r["loads"]:
+            lines.append(f"| {r['row']} | {r['kind']} | {r['num_draft']} | no: {r['message']} | | | | | | | "
+                         f"{r.get('verdict') or 'refused on a CPU, as recorded'} |")
+            continue
+        ident, n = r["identity"], r["num_prompts"]
+        ours = f"{r['specdraft_tau_committed']:.3f}"
+        if r.get("vllm_rule"):
+            ours += f" ({r['vllm_rule']['specdraft_tau_committed']:.3f} with vLLM's rule)"
+        lines.append(f"| {r['row']} | {r['kind']} | {r['num_draft']} | yes | "
+                     f"{ident['vllm_speculative_vs_vllm_plain']['identical']}/{n} | "
+                     f"{ident['vllm_plain_vs_specdraft_plain']['identical']}/{n} | {r['tau']:.3f} | "
+                     f"{r['tau_committed']:.3f} | {ours} | {like_for_like(r):.3f} | {r.get('verdict') or 'pass'} |")
+    return "\n".join(lines)

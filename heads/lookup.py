@@ -2,9 +2,11 @@
 
 Which token each output predicts: if the last n tokens (n from ``max_ngram`` down to ``min_ngram``) occurred
 earlier in the sequence, the tokens that followed that earlier occurrence are proposed as the next tokens. Of
-several occurrences, the most recent one that is followed by a full draft wins (recent text is the best guess);
-if none is, the earliest (the longest continuation: in a repeating pattern the most recent match is followed
-by only one token).
+several occurrences, ``match="recent"`` (the default) takes the most recent one that is followed by a full draft
+(recent text is the best guess); if none is, the earliest (the longest continuation: in a repeating pattern the
+most recent match is followed by only one token). ``match="earliest"`` always takes the earliest occurrence, as
+vLLM's ``ngram`` method does (``vllm/v1/spec_decode/ngram_proposer.py``,
+``_find_longest_matched_ngram_and_propose_tokens``), so its served acceptance can be reproduced here.
 
 Shapes: tokens [1, n] -> a chain of k tokens, 0 <= k <= max_depth (empty when nothing matches: a plain decode step).
 """
@@ -21,14 +23,20 @@ from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 
 
+MATCHES = ("recent", "earliest")  # which earlier occurrence of the final n-gram is followed (module docstring)
+
+
 class PromptLookup(Drafter):
     name = "lookup"
 
-    def __init__(self, dims: TargetDims | Mapping[str, int], max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, dims: TargetDims | Mapping[str, int], max_ngram: int = 3, min_ngram: int = 1,
+                 match: str = "recent"):
         super().__init__(dims)
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"drafter.min_ngram and drafter.max_ngram need 1 <= min <= max, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        if match not in MATCHES:
+            raise ValueError(f"drafter.match={match!r}; valid: {list(MATCHES)} (earliest: vLLM's ngram rule)")
+        self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
         self.reset()
 
     def forward(self, batch, teacher_out) -> DraftOutput:
@@ -65,7 +73,7 @@ class PromptLookup(Drafter):
             tail = ids[-n:]
             starts = [i + n for i in range(n_tokens - n) if ids[i] == tail[0] and ids[i: i + n] == tail]
             if starts:
-                full = [s for s in starts if s + max_tokens <= n_tokens]
+                full = [s for s in starts if s + max_tokens <= n_tokens] if self.match == "recent" else []
                 start = full[-1] if full else starts[0]
                 return seq[start: start + max_tokens]
         return seq.new_empty(0)

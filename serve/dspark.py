@@ -36,6 +36,12 @@ from serve.dflash import DFlashAdapter, DFlashEngine, _layer_problems, as_zlab
 from serve.model_card import model_card
 
 HEADS = ("markov_head.", "confidence_head.")
+# What make vllm-check meets: vLLM's DSpark speculator lives in its model runner V2 (CUDA, Triton); on a CPU vLLM runs
+# the V1 runner, which refuses the method at start-up.
+VLLM_RUNNER_NOTE = ("vLLM serves `method: dspark` on its model runner V2 only (a CUDA GPU with Triton): vLLM 0.32.0 on "
+                    "a CPU (the V1 runner) refuses it at start-up with \"Model Runner V1 does not support: dspark "
+                    "speculative decoding\": measure its served acceptance on a GPU (`python -m eval drafter_path=... "
+                    "eval.engine=vllm`).")
 LAYOUT = ("DFlash's (sample_from_anchor: false): slot k predicts anchor + k; SGLang's DSpark drafts in DeepSpec's "
           "layout (slot k predicts anchor + k + 1) and refuses speculators-layout checkpoints")
 
@@ -213,4 +219,4 @@ class DSparkAdapter:
         drafter = config.get("drafter", {})
         tokens = drafter.get("depth") or (drafter.get("block_size") or 16) - 1
         line = self.serve_command(engine, kind, serve_target, str(output_dir), tokens)
-        return model_card(engine, kind, config, report, line, [])
+        return model_card(engine, kind, config, report, line, [VLLM_RUNNER_NOTE, ""] if engine != "sglang" else [])

@@ -223,7 +223,7 @@ def exercise(text: str) -> None:
             args = seg[3:] if seg[1:3] == ["-m", "pytest"] else seg[1:]
             paths = [a for a in args if not a.startswith("-") and a != "not slow"]
             assert paths and all((ROOT / p.split("::")[0]).exists() for p in paths), f"pytest: no such file in {paths}"
-        elif head in ("python", "python3", ".venv/bin/python"):
+        elif head in ("python", "python3", ".venv/bin/python", ".venv-vllm/bin/python"):
             if seg[1:3] == ["-m", "venv"]:
                 continue
             if seg[1:3] == ["-m", "sglang.launch_server"]:
