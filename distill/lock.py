@@ -27,6 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+NAME_MAX = 255  # bytes in one path component: ext4, xfs, btrfs, tmpfs, NFS
 _held: dict[Path, int] = {}  # lock file -> open descriptor, while this process holds it
 
 
@@ -41,13 +42,27 @@ def lock_file_for(path: str | os.PathLike) -> Path:
     (a run dir made for them in a shared read-only tree) gets the lock in this user's lock dir instead
     (``$SPECDRAFT_CACHE/locks``, else ``~/.cache/specdraft/locks``), named by the path's digest: it then guards
     against this user's other jobs on machines that share that dir."""
-    path = Path(path).expanduser().resolve()
-    if _may_create_in(path.parent):
-        return path.with_name(f".{path.name}.lock")
     from distill.fingerprint import text_digest
+
+    path = Path(path).expanduser().resolve()
+    digest = text_digest(str(path))[:16]
+    if _may_create_in(path.parent):
+        return path.with_name(_within_name_max(".", path.name, ".lock", digest))
     from distill.toy.cache import default_cache_dir
 
-    return default_cache_dir() / "locks" / f"{path.name}-{text_digest(str(path))[:16]}.lock"
+    return default_cache_dir() / "locks" / _within_name_max("", path.name, f"-{digest}.lock", digest)
+
+
+def _within_name_max(prefix: str, name: str, suffix: str, digest: str) -> str:
+    """``prefix + name + suffix``, or, when that is longer than a file name may be (``NAME_MAX``, 255 bytes on
+    every common filesystem), the name cut short and the path's digest in its place: a legal name near the limit
+    (a 250-byte run dir) still gets its lock, and two such names never share one."""
+    whole = f"{prefix}{name}{suffix}"
+    if len(whole.encode()) <= NAME_MAX:
+        return whole
+    tail = suffix if digest in suffix else f"-{digest}{suffix}"
+    room = NAME_MAX - len(prefix.encode()) - len(tail.encode())
+    return f"{prefix}{name.encode()[:room].decode(errors='ignore')}{tail}"
 
 
 def _may_create_in(directory: Path) -> bool:

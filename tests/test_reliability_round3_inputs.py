@@ -1,0 +1,64 @@
+"""Inputs a user may give that once met a raw traceback, a silent skip or an unbounded read: a directory of jsonl
+shards as ``data.path``, records and batch sizes without bounds, path names near the file-name limit, command lines
+Hydra's grammar cannot read and a run dir naming an unset environment variable. One test per case of
+docs/reliability.md, unit-level (seconds each)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from distill.environment import check_run_dir_override
+from distill.lock import lock_file_for, writer_lock
+from tests.test_reliability_cluster import ROOT, holder  # noqa: F401 (fixture)
+
+
+def _export_script():
+    spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts" / "export.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- names near the limit, arguments Hydra cannot read, unset variables ------------------------------------------
+
+
+def test_a_run_dir_name_near_the_file_name_limit_is_locked_and_a_longer_one_is_one_line(tmp_path, holder):
+    legal = tmp_path / ("r" * 250)  # 250 bytes: a legal name, whose ".<name>.lock" would be 256
+    check_run_dir_override([f"hydra.run.dir={legal}"])
+    lock = lock_file_for(legal)
+    assert lock.is_file() and lock.parent == tmp_path and len(lock.name.encode()) <= 255
+    assert lock_file_for(tmp_path / ("r" * 249 + "s")) != lock  # two long names never share one lock
+    other = tmp_path / ("q" * 250)
+    held = holder(other)  # and a shortened lock still keeps a second writer out
+    with pytest.raises(RuntimeError, match=f"pid {held.pid}"):
+        with writer_lock(other, "hydra.run.dir"):
+            pass
+    too_long = tmp_path / ("x" * 300)
+    with pytest.raises(SystemExit, match=r"^error: hydra.run.dir=.*: the name x+\.\.\. is 300 bytes, longer than the "
+                                         r"255 a file name may have; choose a shorter hydra.run.dir$"):
+        check_run_dir_override([f"hydra.run.dir={too_long}"])
+
+
+def test_a_run_dir_naming_an_unset_environment_variable_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDRAFT_TEST_UNSET", raising=False)
+    with pytest.raises(SystemExit, match=r"^error: hydra.run.dir=.*task_\$\{oc.env:SPECDRAFT_TEST_UNSET\} reads the "
+                                         r"environment variable SPECDRAFT_TEST_UNSET, which is not set; set it"):
+        check_run_dir_override([f"hydra.run.dir={tmp_path}/task_${{oc.env:SPECDRAFT_TEST_UNSET}}"])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["drafter_path=d", "format=vllm", "output_dir=/tmp/my", "dir"],
+     r"^error: argument 'dir' after 'output_dir=/tmp/my' is not key=value; a value holding a space must be quoted"),
+    (["drafter_path=d", "format=vllm", "output_dir=o", "--overwite"],
+     r"^error: unknown flag '--overwite' \(did you mean --overwrite\?\)"),
+    (["drafter_path=d", "format=vllm", "output_dir=o", "overwrit=true"],
+     r"^unknown argument in .*Key 'overwrit' not in 'ExportConfig'"),
+])
+def test_export_arguments_hydra_cannot_read_are_one_line_naming_them(argv, match):
+    with pytest.raises(SystemExit, match=match) as refused:
+        _export_script().parse(argv)
+    assert "\n" not in str(refused.value)
