@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 VALID_SOURCES = ("stdlib", "file", "hub")
 VALID_FORMATS = ("auto", "sharegpt", "text")
 TEXT_SUFFIXES = (".txt", ".py")
+RECORD_SUFFIXES = (".jsonl", ".json")
 DATA_MODES = ("fixed", "regenerated", "regenerate", "on_policy", "mixed")
 ON_POLICY_MODES = ("on_policy", "mixed")  # the modes whose rows the draft writes (distill.onpolicy)
 
@@ -46,7 +47,7 @@ class DataConfig:
     """``data``: where training text comes from and how it becomes fixed-length rows (see module docstring)."""
 
     source: str = "stdlib"  # stdlib | file | hub
-    path: Optional[str] = None  # source=file: .jsonl / .json / .txt / .py file, or a directory of .txt/.py
+    path: Optional[str] = None  # source=file: a .jsonl / .json / .txt / .py file, or a directory of one kind of them
     hub_name: Optional[str] = None  # source=hub: a datasets hub name
     hub_split: str = "train"
     text_field: str = "text"
@@ -131,7 +132,7 @@ def _load_file(path: str | None, text_field: str) -> list[dict]:
         )
     try:
         if p.is_dir():
-            return _read_text_dir(p, text_field)
+            return _read_dir(p, text_field)
         suffix = p.suffix.lower()
         if suffix == ".jsonl":
             return read_jsonl(p)
@@ -190,15 +191,39 @@ def _read_json(path: Path) -> list[dict]:
     return records
 
 
-def _read_text_dir(root: Path, text_field: str) -> list[dict]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+def _read_dir(root: Path, text_field: str) -> list[dict]:
+    """A directory's records, its files read in sorted order (the order ``source_fingerprint`` hashes them in):
+    record shards (``.jsonl``, ``.json``, e.g. ``part-00000.jsonl``) or plain-text files (``.txt``, ``.py``), one
+    kind: text beside shards would put a README among the conversations, so a mix is refused naming both."""
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    shards = [p for p in files if p.suffix.lower() in RECORD_SUFFIXES]
+    texts = [p for p in files if p.suffix.lower() in TEXT_SUFFIXES]
+    if shards and texts:
+        raise ValueError(f"data.path={root} holds both record files ({_some(shards, root)}) and text files "
+                         f"({_some(texts, root)}); a directory is read as one kind: move the text files out (or the "
+                         f"record files), or point data.path at one file")
+    if not shards and not texts:
+        raise ValueError(f"data.path={root} holds no {', '.join(RECORD_SUFFIXES + TEXT_SUFFIXES)} file; point it at "
+                         f"a directory of .jsonl shards or of text files, or at one file")
     records = []
-    for p in files:
+    for p in shards or texts:
         try:
-            records.append({text_field: p.read_text(encoding="utf-8")})
+            if p.suffix.lower() == ".jsonl":
+                records += read_jsonl(p)
+            elif p.suffix.lower() == ".json":
+                records += _read_json(p)
+            else:
+                records.append({text_field: p.read_text(encoding="utf-8")})
         except UnicodeDecodeError as exc:  # name the file inside the directory, not just the directory
             raise not_utf8("data.path", p, exc) from None
+    if shards:
+        logger.info("data.path=%s: %d records from %d shards", root, len(records), len(shards))
     return records
+
+
+def _some(paths: Sequence[Path], root: Path, shown: int = 3) -> str:
+    names = [p.relative_to(root).as_posix() for p in paths[:shown]]
+    return ", ".join(names) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
 def _load_hub(hub_name: str | None, split: str) -> list[dict]:

@@ -6,10 +6,11 @@ docs/reliability.md, unit-level (seconds each)."""
 from __future__ import annotations
 
 import importlib.util
-import os
+import json
 
 import pytest
 
+from distill.data import DataConfig, load_records, source_fingerprint
 from distill.environment import check_run_dir_override
 from distill.lock import lock_file_for, writer_lock
 from tests.test_reliability_cluster import ROOT, holder  # noqa: F401 (fixture)
@@ -62,3 +63,28 @@ def test_export_arguments_hydra_cannot_read_are_one_line_naming_them(argv, match
     with pytest.raises(SystemExit, match=match) as refused:
         _export_script().parse(argv)
     assert "\n" not in str(refused.value)
+
+
+# --- a directory of jsonl shards ----------------------------------------------------------------------------------
+
+
+def _chat(i: int) -> dict:
+    return {"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}]}
+
+
+def test_a_directory_of_jsonl_shards_is_read_in_sorted_order_and_digested(tmp_path):
+    shards = tmp_path / "chats"
+    shards.mkdir()
+    for part, ids in ((1, range(3, 6)), (0, range(3))):  # written out of order: read in sorted order
+        (shards / f"part-{part:05d}.jsonl").write_text("".join(json.dumps(_chat(i)) + "\n" for i in ids))
+    (shards / "README.md").write_text("# my chats\n")  # neither records nor text: not read
+    cfg = DataConfig(source="file", path=str(shards), format="sharegpt")
+    assert load_records(cfg) == [_chat(i) for i in range(6)]
+    digest = source_fingerprint(cfg)
+    (shards / "part-00001.jsonl").write_text(json.dumps(_chat(9)) + "\n")  # one shard edited: another digest
+    assert source_fingerprint(cfg) != digest
+    (shards / "README.txt").write_text("about these chats")  # a text file among the shards: never trained on
+    with pytest.raises(ValueError, match=rf"^data.path={shards} holds both record files \(part-00000.jsonl, "
+                                         r"part-00001.jsonl\) and text files \(README.txt\); a directory is read as "
+                                         r"one kind"):
+        load_records(cfg)
