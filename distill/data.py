@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
+from distill.bounded import slice_size, tokenise
 from distill.chat import Example, chat_renderer, encode_chat, normalize_messages
 from distill.corpus import corpus_fingerprint, stdlib_sources
 from distill.fingerprint import update_with_file
@@ -199,9 +200,11 @@ def _read_dir(root: Path, text_field: str) -> list[dict]:
     shards = [p for p in files if p.suffix.lower() in RECORD_SUFFIXES]
     texts = [p for p in files if p.suffix.lower() in TEXT_SUFFIXES]
     if shards and texts:
-        raise ValueError(f"data.path={root} holds both record files ({_some(shards, root)}) and text files "
-                         f"({_some(texts, root)}); a directory is read as one kind: move the text files out (or the "
-                         f"record files), or point data.path at one file")
+        some = [", ".join(p.relative_to(root).as_posix() for p in kind[:3]) + ", ..." * (len(kind) > 3)
+                for kind in (shards, texts)]
+        raise ValueError(f"data.path={root} holds both record files ({some[0]}) and text files ({some[1]}); a "
+                         f"directory is read as one kind: move the text files out (or the record files), or point "
+                         f"data.path at one file")
     if not shards and not texts:
         raise ValueError(f"data.path={root} holds no {', '.join(RECORD_SUFFIXES + TEXT_SUFFIXES)} file; point it at "
                          f"a directory of .jsonl shards or of text files, or at one file")
@@ -216,14 +219,7 @@ def _read_dir(root: Path, text_field: str) -> list[dict]:
                 records.append({text_field: p.read_text(encoding="utf-8")})
         except UnicodeDecodeError as exc:  # name the file inside the directory, not just the directory
             raise not_utf8("data.path", p, exc) from None
-    if shards:
-        logger.info("data.path=%s: %d records from %d shards", root, len(records), len(shards))
     return records
-
-
-def _some(paths: Sequence[Path], root: Path, shown: int = 3) -> str:
-    names = [p.relative_to(root).as_posix() for p in paths[:shown]]
-    return ", ".join(names) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
 def _load_hub(hub_name: str | None, split: str) -> list[dict]:
@@ -318,7 +314,9 @@ def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, 
         raise ValueError(f"data.format: {fmt!r} is not one of {VALID_FORMATS}")
     kinds = [record_kind(r, i, fmt, text_field) for i, r in enumerate(records)]
     prefix = default_prefix_ids(tokenizer)
-    text_ids = _encode_texts(records, kinds, tokenizer, text_field)
+    # A padded row keeps its first max_length tokens: a longer record is cut before it is tokenised (distill.bounded).
+    max_tokens = None if data_cfg.packing else int(data_cfg.max_length)
+    text_ids = _encode_texts(records, kinds, tokenizer, text_field, max_tokens)
     render = chat_renderer(tokenizer, data_cfg.chat_template, chat_rows="chat" in kinds)
     assistant_only = bool(data_cfg.assistant_only_loss)
     eos_ids = [] if eos is None else [eos]
@@ -328,7 +326,8 @@ def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, 
             ids = prefix + text_ids[i] if text_ids[i] else []
             mask = [True] * len(ids)
         else:
-            ids, mask = encode_chat(tokenizer, normalize_messages(record, i), render, assistant_only, prefix)
+            ids, mask = encode_chat(tokenizer, normalize_messages(record, i), render, assistant_only, prefix,
+                                    max_tokens)
         if ids:
             eos_loss = kinds[i] == "text" or not assistant_only
             examples.append((ids + eos_ids, mask + [eos_loss] * len(eos_ids)))
@@ -337,15 +336,21 @@ def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, 
     return examples
 
 
-def _encode_texts(records: Sequence[Mapping], kinds: Sequence[str], tokenizer, text_field: str) -> dict:
-    """Token ids of every text record by index, in one batched call the fast tokenizer parallelises."""
-    indices = [i for i, kind in enumerate(kinds) if kind == "text"]
-    if not indices:
-        return {}
-    texts = [_text_of(records[i], i, text_field) for i in indices]
-    # verbose=False: documents longer than the model context are expected here; packing cuts them into blocks.
-    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-    return {i: list(ids) for i, ids in zip(indices, encoded)}
+def _encode_texts(records: Sequence[Mapping], kinds: Sequence[str], tokenizer, text_field: str,
+                  max_tokens: int | None = None) -> dict:
+    """Token ids of every text record by index (the first ``max_tokens`` of each, when given): the records that fit
+    one slice (``distill.bounded``) in one batched call the fast tokenizer parallelises, longer ones slice by slice."""
+    texts = {i: _text_of(records[i], i, text_field) for i, kind in enumerate(kinds) if kind == "text"}
+    size = slice_size(max_tokens)
+    short = [i for i, text in texts.items() if len(text) <= size]
+    encoded = {}
+    if short:
+        # verbose=False: documents longer than the model context are expected here; packing cuts them into blocks.
+        batch = tokenizer([texts[i] for i in short], add_special_tokens=False, verbose=False)["input_ids"]
+        encoded = {i: list(ids)[:max_tokens] for i, ids in zip(short, batch)}
+    for i in texts.keys() - set(short):
+        encoded[i] = tokenise(tokenizer, texts[i], max_tokens)[0]
+    return encoded
 
 
 def _text_of(record: Mapping, index: int, text_field: str) -> str:
@@ -402,21 +407,29 @@ def _drop_rows_without_loss(dataset: TokenBlockDataset) -> TokenBlockDataset:
     return TokenBlockDataset(dataset.input_ids[keep], dataset.attention_mask[keep], dataset.loss_mask[keep])
 
 
-def _no_rows_message(data_cfg: DataConfig, examples: Sequence[Example], num_tokens: int, max_length: int,
-                     packing: bool) -> str:
+def _no_rows_message(data_cfg: DataConfig, records: Sequence[Mapping], examples: Sequence[Example], num_tokens: int,
+                     max_length: int, packing: bool) -> str:
     """Why no training row is left, with the fix that applies: too little data for one packed block, or rows cut at
-    ``max_length`` before their first loss token (then the limit must go *up*, not down)."""
+    ``max_length`` before their first loss token (then the limit must go *up*, not down). Whether the data has a reply
+    at all is read from the records: a padded row's tokens past ``max_length`` were never tokenised."""
     where = f"data: {_describe_source(data_cfg)} gave {num_tokens} tokens but no row with loss tokens"
-    if examples and not any(any(mask) for _, mask in examples):  # nothing to cut: no loss token anywhere
+    if not any(any(mask) for _, mask in examples) and not _any_reply(records, data_cfg):
         return (f"{where}: the data has no assistant turn (chat rows carry loss on assistant replies only, and none "
                 f"of its conversations has one); add the assistant replies, or train on plain text "
                 f"(data.format=text, or data.assistant_only_loss=false)")
     if packing and num_tokens < max_length:
         return f"{where}: fewer than one block of data.max_length={max_length}; add data or lower data.max_length"
-    first_loss = [next((i for i, m in enumerate(mask) if m), len(mask)) for _, mask in examples]
-    return (f"{where}: every row is cut at data.max_length={max_length} before its first loss token (the earliest "
-            f"comes at token {min(first_loss)}); raise data.max_length above it (within the target's context), or "
-            f"shorten the prompts")
+    found = [next(i for i, m in enumerate(mask) if m) for _, mask in examples if any(mask)]
+    earliest = f" (the earliest comes at token {min(found)}); raise data.max_length above it" if found else (
+        "; raise data.max_length")
+    return (f"{where}: every row is cut at data.max_length={max_length} before its first loss token{earliest} "
+            f"(within the target's context), or shorten the prompts")
+
+
+def _any_reply(records: Sequence[Mapping], data_cfg: DataConfig) -> bool:
+    """Whether any record carries loss tokens somewhere: text, or a conversation with an assistant turn."""
+    return any(record_kind(r, i, data_cfg.format, data_cfg.text_field) == "text"
+               or any(m["role"] == "assistant" for m in normalize_messages(r, i)) for i, r in enumerate(records))
 
 
 def rows_fingerprint(dataset) -> str:
@@ -470,7 +483,8 @@ def build_train_dataset(data_cfg: DataConfig, tokenizer) -> Dataset:
     packing = bool(data_cfg.packing)
     # Packing needs EOS to mark where one document ends; padded rows use it when there is one.
     eos = _eos_id(tokenizer) if packing else tokenizer.eos_token_id
-    examples = encode_records(load_records(data_cfg), tokenizer, data_cfg, eos)
+    records = load_records(data_cfg)
+    examples = encode_records(records, tokenizer, data_cfg, eos)
     num_tokens = sum(len(ids) for ids, _ in examples)
     if num_tokens == 0:
         raise ValueError(f"data: {_describe_source(data_cfg)} tokenised to zero tokens; point it at non-empty data")
@@ -480,7 +494,7 @@ def build_train_dataset(data_cfg: DataConfig, tokenizer) -> Dataset:
         dataset = pad_examples(examples, max_length, _pad_id(tokenizer))
     dataset = _drop_rows_without_loss(dataset)
     if len(dataset) == 0:
-        raise ValueError(_no_rows_message(data_cfg, examples, num_tokens, max_length, packing))
+        raise ValueError(_no_rows_message(data_cfg, records, examples, num_tokens, max_length, packing))
     logger.info(
         "training rows: %d x %d tokens, %.1f%% loss tokens",
         len(dataset), max_length, 100.0 * dataset.loss_mask.float().mean().item(),

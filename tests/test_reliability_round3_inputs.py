@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -88,3 +89,65 @@ def test_a_directory_of_jsonl_shards_is_read_in_sorted_order_and_digested(tmp_pa
                                          r"part-00001.jsonl\) and text files \(README.txt\); a directory is read as "
                                          r"one kind"):
         load_records(cfg)
+
+
+# --- records and batches without bounds ---------------------------------------------------------------------------
+
+
+class SeenTokenizer:
+    """A tokenizer that records the longest text it is handed in one call (the rest is the real one's)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.longest = tokenizer, 0
+
+    def __call__(self, text, *args, **kwargs):
+        texts = [text] if isinstance(text, str) else text
+        self.longest = max([self.longest, *map(len, texts)])
+        return self._tokenizer(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_record_of_megabytes_is_cut_or_sliced_before_it_is_tokenised(tmp_path, packing):
+    from distill.data import build_train_dataset
+    from tests.test_regenerate import make_tokenizer
+
+    words = " ".join(f"w{i % 100}" for i in range(1_200_000))  # one 4.6 MB line
+    data = tmp_path / "huge.jsonl"
+    data.write_text(json.dumps({"text": words}) + "\n" + json.dumps(_chat(0)) + "\n")
+    tokenizer = SeenTokenizer(make_tokenizer())
+    cfg = DataConfig(source="file", path=str(data), max_length=32, packing=packing, chat_template="none")
+    rows = build_train_dataset(cfg, tokenizer)
+    whole = make_tokenizer()(words[:2000], add_special_tokens=False)["input_ids"]
+    if packing:  # every token is kept, tokenised a bounded slice at a time
+        assert tokenizer.longest <= 1 << 20 and len(rows) == 1_200_000 // 32  # a slice: at most a MiB of text
+        assert rows.input_ids[0].tolist() == whole[:32]
+    else:  # one row of data.max_length tokens: the text past a few times that is never tokenised
+        assert tokenizer.longest <= 16 * 32 * 8
+        assert rows.input_ids[0].tolist() == whole[:32]
+
+
+def test_batch_sizes_the_device_cannot_hold_are_refused_naming_the_key(tmp_path, monkeypatch, tiny_teacher):
+    from distill.regenerate import Prompt, write_regenerated
+    from eval.batch_sweep import batch_sweep
+    from inference import batch_memory
+    from train.config import RegenerateConfig
+    from inference.decoder import DecoderConfig
+    from train.config import EvalConfig
+
+    monkeypatch.setattr(batch_memory, "free_bytes", lambda device: 4 << 20)  # a device with 4 MiB free
+    eval_cfg = EvalConfig(prompt_tokens=16, max_new_tokens=8, num_draft=2)
+    with pytest.raises(ValueError, match=r"^decoder.batch_sizes=\[1, 100000\]: a batch of 100000 rows needs at least "
+                                         r".* GiB on cpu .*more than the 4.0 MiB free; use batches of at most \d+ "
+                                         r"rows"):
+        batch_sweep(tiny_teacher, {}, [[1, 2, 3]], eval_cfg, DecoderConfig(batch_sizes=[1, 100000]))
+    batch_memory.check_batch_sizes_fit(tiny_teacher, [1, 8], None, 16, 8, 2)  # a batch that fits
+    out, prompts = tmp_path / "regen.jsonl", [Prompt(ids=[1, 2, 3], loss_mask=[True] * 3)] * 40
+    settings = asdict(RegenerateConfig(out=str(out), batch_size=100000, max_new_tokens=8))
+    monkeypatch.setattr(batch_memory, "free_bytes", lambda device: 64 << 10)
+    with pytest.raises(ValueError, match=r"^regenerate.batch_size=100000: a batch of 40 rows needs at least .* MiB "
+                                         r"on cpu .*use batches of at most \d+ rows"):
+        write_regenerated(out, tiny_teacher, prompts, DataConfig(max_length=32), settings)
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written

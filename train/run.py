@@ -23,6 +23,7 @@ from distill.teacher import load_teacher
 from distill.toy import default_cache_dir
 from heads.base import build_drafter
 from heads.saved import save_drafter
+from inference.batch_memory import check_batch_sizes_fit
 from train import checkpoint
 from train.config import Config
 from train.engine import build_engine, resolve_batch, shard_target, world_from_env
@@ -107,6 +108,9 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
         engine.barrier()
     shard_target(teacher, cfg.target.shard, engine)
     teacher.model.to(engine.device)
+    if cfg.eval.enabled:  # a batch sweep the evaluation after training could not hold: refused now, not then
+        check_batch_sizes_fit(teacher, cfg.decoder.batch_sizes, cfg.decoder.max_batch_rows, cfg.eval.prompt_tokens,
+                              cfg.eval.max_new_tokens, cfg.eval.num_draft)
     # Seeded after the target is loaded: building a missing toy target draws random numbers, loading a cached one
     # does not, and the first run on a machine must train exactly as every later one. The same on every rank:
     # sharding engines need identical initial weights.

@@ -63,6 +63,7 @@ from distill.progress import Progress
 from distill.ranks import Ranks
 from distill.teacher import PLACEMENTS
 from distill.regenerate.engines import build_engine, check_engine, loaded_by_name, resolve_engine
+from inference.batch_memory import check_rows_fit, row_bytes
 from inference.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -352,6 +353,7 @@ def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt]
     shard file and the main rank merges them into ``out``."""
     check_settings(settings)
     check_placement(settings, ranks.world if ranks is not None else 1)
+    _check_batch_fits(teacher, prompts, data_cfg, settings)  # before anything is written
     if ranks is not None and ranks.world > 1:
         from distill.regenerate.ranks import write_one_group, write_sharded
 
@@ -397,6 +399,17 @@ def decode_batches(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: Data
                 os.fsync(f.fileno())
             progress.update(len(batch), sum(len(a) for a in answers))
     log.info("regenerate: wrote %s", out)
+
+
+def _check_batch_fits(teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping) -> None:
+    """``regenerate.batch_size`` against the device (``inference.batch_memory``): the largest batch at the longest
+    prompt and its answer budget. vLLM sizes its own cache to the device."""
+    if not prompts or engine_of(settings, teacher) == "vllm":
+        return
+    longest = max(len(p.ids) for p in prompts)
+    positions = longest + _max_new_tokens(settings, data_cfg, teacher.max_positions, longest)
+    check_rows_fit("regenerate.batch_size", settings["batch_size"], min(int(settings["batch_size"]), len(prompts)),
+                   row_bytes(teacher.model, positions, 1, teacher.vocab_size), teacher.device)
 
 
 def regenerated_path(teacher, data_cfg: DataConfig, settings: Mapping, prompts: Sequence[Prompt],
