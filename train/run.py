@@ -34,6 +34,8 @@ from train.selection import HeldoutTau, Selection, heldout_rows
 
 log = logging.getLogger(__name__)
 
+REGENERATE_WAIT_S = 1200.0  # data.mode=regenerate: the wait for another job writing the same answers
+
 
 def drafter_teacher_layers(cfg: Config, teacher) -> list[int]:
     """The hidden-state indices the configured drafter reads: what an offline teacher cache must hold."""
@@ -71,8 +73,15 @@ def regenerate_first(cfg: Config, teacher, engine=None) -> Path:
     log.info("data.mode=regenerate: the target's answers in %s (written once, then reused)", out)
     ranks = None
     if engine is not None and engine.world_size > 1:
-        ranks = Ranks(rank=engine.rank, world=engine.world_size, barrier=engine.barrier)
-    return write_regenerated(out, teacher, prompts, cfg.data, settings, ranks)
+        ranks = Ranks(rank=engine.rank, world=engine.world_size, barrier=engine.barrier,
+                      broadcast=engine.broadcast_object)
+    # Another training regenerating the same answers (the same key) is waited for, and its answers reused: neither
+    # job chose this file, so neither is told to write elsewhere. Bounded below the ranks' collective timeout.
+    what = "data.regenerated" if cfg.data.regenerated else "data.mode=regenerate: its answers file"
+    writer = {"what": what, "wait": REGENERATE_WAIT_S,
+              "advice": f"another job is regenerating the same answers, and this one waited {REGENERATE_WAIT_S:.0f} s "
+                        f"for it; rerun the same command once it is done: its answers are then reused"}
+    return write_regenerated(out, teacher, prompts, cfg.data, settings, ranks, writer)
 
 
 def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = None) -> dict | None:
