@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
+from distill.bounded import tokenise
+
 log = logging.getLogger(__name__)
 
 VALID_CHAT_TEMPLATES = ("auto", "none")
@@ -150,14 +152,16 @@ def spans_to_token_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tupl
     return mask
 
 
-def encode_chat(tokenizer, messages: Messages, render, assistant_only: bool, prefix: list[int]) -> Example:
-    """Token ids of a rendered conversation and its loss mask (assistant tokens only, or all)."""
+def encode_chat(tokenizer, messages: Messages, render, assistant_only: bool, prefix: list[int],
+                max_tokens: int | None = None) -> Example:
+    """Token ids of a rendered conversation and its loss mask (assistant tokens only, or all); with ``max_tokens``,
+    the first ``max_tokens`` only, the rest never tokenised (``distill.bounded``)."""
     if assistant_only:
         text, spans = assistant_char_spans(messages, render)
-        offsets, ids = _encode_with_offsets(tokenizer, text)
+        offsets, ids = _encode_with_offsets(tokenizer, text, max_tokens)
         mask = spans_to_token_mask(offsets, spans)
     else:
-        ids = list(tokenizer(render(messages, False), add_special_tokens=False)["input_ids"])
+        ids = tokenise(tokenizer, render(messages, False), max_tokens)[0]
         mask = [True] * len(ids)
     if render is render_plain and prefix:
         # A chat template writes its own BOS; the plain rendering needs the tokenizer's.
@@ -165,12 +169,12 @@ def encode_chat(tokenizer, messages: Messages, render, assistant_only: bool, pre
     return ids, mask
 
 
-def _encode_with_offsets(tokenizer, text: str) -> tuple[list, list[int]]:
+def _encode_with_offsets(tokenizer, text: str, max_tokens: int | None = None) -> tuple[list, list[int]]:
     try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = tokenise(tokenizer, text, max_tokens, offsets=True)
     except NotImplementedError as exc:  # Python (non-Rust) tokenizers have no offsets
         raise ValueError(
             f"data.assistant_only_loss: locating assistant tokens needs a fast tokenizer with offsets, "
             f"got {type(tokenizer).__name__}; load a fast tokenizer or set data.assistant_only_loss=false"
         ) from exc
-    return enc["offset_mapping"], list(enc["input_ids"])
+    return offsets, ids

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
+from distill.bounded import slice_size, tokenise
 from distill.chat import Example, chat_renderer, encode_chat, normalize_messages
 from distill.corpus import corpus_fingerprint, stdlib_sources
 from distill.fingerprint import update_with_file
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 VALID_SOURCES = ("stdlib", "file", "hub")
 VALID_FORMATS = ("auto", "sharegpt", "text")
 TEXT_SUFFIXES = (".txt", ".py")
+RECORD_SUFFIXES = (".jsonl", ".json")
 DATA_MODES = ("fixed", "regenerated", "regenerate", "on_policy", "mixed")
 ON_POLICY_MODES = ("on_policy", "mixed")  # the modes whose rows the draft writes (distill.onpolicy)
 
@@ -46,7 +48,7 @@ class DataConfig:
     """``data``: where training text comes from and how it becomes fixed-length rows (see module docstring)."""
 
     source: str = "stdlib"  # stdlib | file | hub
-    path: Optional[str] = None  # source=file: .jsonl / .json / .txt / .py file, or a directory of .txt/.py
+    path: Optional[str] = None  # source=file: a .jsonl / .json / .txt / .py file, or a directory of one kind of them
     hub_name: Optional[str] = None  # source=hub: a datasets hub name
     hub_split: str = "train"
     text_field: str = "text"
@@ -131,7 +133,7 @@ def _load_file(path: str | None, text_field: str) -> list[dict]:
         )
     try:
         if p.is_dir():
-            return _read_text_dir(p, text_field)
+            return _read_dir(p, text_field)
         suffix = p.suffix.lower()
         if suffix == ".jsonl":
             return read_jsonl(p)
@@ -190,12 +192,31 @@ def _read_json(path: Path) -> list[dict]:
     return records
 
 
-def _read_text_dir(root: Path, text_field: str) -> list[dict]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+def _read_dir(root: Path, text_field: str) -> list[dict]:
+    """A directory's records, its files read in sorted order (the order ``source_fingerprint`` hashes them in):
+    record shards (``.jsonl``, ``.json``, e.g. ``part-00000.jsonl``) or plain-text files (``.txt``, ``.py``), one
+    kind: text beside shards would put a README among the conversations, so a mix is refused naming both."""
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    shards = [p for p in files if p.suffix.lower() in RECORD_SUFFIXES]
+    texts = [p for p in files if p.suffix.lower() in TEXT_SUFFIXES]
+    if shards and texts:
+        some = [", ".join(p.relative_to(root).as_posix() for p in kind[:3]) + ", ..." * (len(kind) > 3)
+                for kind in (shards, texts)]
+        raise ValueError(f"data.path={root} holds both record files ({some[0]}) and text files ({some[1]}); a "
+                         f"directory is read as one kind: move the text files out (or the record files), or point "
+                         f"data.path at one file")
+    if not shards and not texts:
+        raise ValueError(f"data.path={root} holds no {', '.join(RECORD_SUFFIXES + TEXT_SUFFIXES)} file; point it at "
+                         f"a directory of .jsonl shards or of text files, or at one file")
     records = []
-    for p in files:
+    for p in shards or texts:
         try:
-            records.append({text_field: p.read_text(encoding="utf-8")})
+            if p.suffix.lower() == ".jsonl":
+                records += read_jsonl(p)
+            elif p.suffix.lower() == ".json":
+                records += _read_json(p)
+            else:
+                records.append({text_field: p.read_text(encoding="utf-8")})
         except UnicodeDecodeError as exc:  # name the file inside the directory, not just the directory
             raise not_utf8("data.path", p, exc) from None
     return records
@@ -293,7 +314,9 @@ def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, 
         raise ValueError(f"data.format: {fmt!r} is not one of {VALID_FORMATS}")
     kinds = [record_kind(r, i, fmt, text_field) for i, r in enumerate(records)]
     prefix = default_prefix_ids(tokenizer)
-    text_ids = _encode_texts(records, kinds, tokenizer, text_field)
+    # A padded row keeps its first max_length tokens: a longer record is cut before it is tokenised (distill.bounded).
+    max_tokens = None if data_cfg.packing else int(data_cfg.max_length)
+    text_ids = _encode_texts(records, kinds, tokenizer, text_field, max_tokens)
     render = chat_renderer(tokenizer, data_cfg.chat_template, chat_rows="chat" in kinds)
     assistant_only = bool(data_cfg.assistant_only_loss)
     eos_ids = [] if eos is None else [eos]
@@ -303,7 +326,8 @@ def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, 
             ids = prefix + text_ids[i] if text_ids[i] else []
             mask = [True] * len(ids)
         else:
-            ids, mask = encode_chat(tokenizer, normalize_messages(record, i), render, assistant_only, prefix)
+            ids, mask = encode_chat(tokenizer, normalize_messages(record, i), render, assistant_only, prefix,
+                                    max_tokens)
         if ids:
             eos_loss = kinds[i] == "text" or not assistant_only
             examples.append((ids + eos_ids, mask + [eos_loss] * len(eos_ids)))
@@ -312,15 +336,21 @@ def encode_records(records: Sequence[Mapping], tokenizer, data_cfg: DataConfig, 
     return examples
 
 
-def _encode_texts(records: Sequence[Mapping], kinds: Sequence[str], tokenizer, text_field: str) -> dict:
-    """Token ids of every text record by index, in one batched call the fast tokenizer parallelises."""
-    indices = [i for i, kind in enumerate(kinds) if kind == "text"]
-    if not indices:
-        return {}
-    texts = [_text_of(records[i], i, text_field) for i in indices]
-    # verbose=False: documents longer than the model context are expected here; packing cuts them into blocks.
-    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-    return {i: list(ids) for i, ids in zip(indices, encoded)}
+def _encode_texts(records: Sequence[Mapping], kinds: Sequence[str], tokenizer, text_field: str,
+                  max_tokens: int | None = None) -> dict:
+    """Token ids of every text record by index (the first ``max_tokens`` of each, when given): the records that fit
+    one slice (``distill.bounded``) in one batched call the fast tokenizer parallelises, longer ones slice by slice."""
+    texts = {i: _text_of(records[i], i, text_field) for i, kind in enumerate(kinds) if kind == "text"}
+    size = slice_size(max_tokens)
+    short = [i for i, text in texts.items() if len(text) <= size]
+    encoded = {}
+    if short:
+        # verbose=False: documents longer than the model context are expected here; packing cuts them into blocks.
+        batch = tokenizer([texts[i] for i in short], add_special_tokens=False, verbose=False)["input_ids"]
+        encoded = {i: list(ids)[:max_tokens] for i, ids in zip(short, batch)}
+    for i in texts.keys() - set(short):
+        encoded[i] = tokenise(tokenizer, texts[i], max_tokens)[0]
+    return encoded
 
 
 def _text_of(record: Mapping, index: int, text_field: str) -> str:
@@ -377,21 +407,29 @@ def _drop_rows_without_loss(dataset: TokenBlockDataset) -> TokenBlockDataset:
     return TokenBlockDataset(dataset.input_ids[keep], dataset.attention_mask[keep], dataset.loss_mask[keep])
 
 
-def _no_rows_message(data_cfg: DataConfig, examples: Sequence[Example], num_tokens: int, max_length: int,
-                     packing: bool) -> str:
+def _no_rows_message(data_cfg: DataConfig, records: Sequence[Mapping], examples: Sequence[Example], num_tokens: int,
+                     max_length: int, packing: bool) -> str:
     """Why no training row is left, with the fix that applies: too little data for one packed block, or rows cut at
-    ``max_length`` before their first loss token (then the limit must go *up*, not down)."""
+    ``max_length`` before their first loss token (then the limit must go *up*, not down). Whether the data has a reply
+    at all is read from the records: a padded row's tokens past ``max_length`` were never tokenised."""
     where = f"data: {_describe_source(data_cfg)} gave {num_tokens} tokens but no row with loss tokens"
-    if examples and not any(any(mask) for _, mask in examples):  # nothing to cut: no loss token anywhere
+    if not any(any(mask) for _, mask in examples) and not _any_reply(records, data_cfg):
         return (f"{where}: the data has no assistant turn (chat rows carry loss on assistant replies only, and none "
                 f"of its conversations has one); add the assistant replies, or train on plain text "
                 f"(data.format=text, or data.assistant_only_loss=false)")
     if packing and num_tokens < max_length:
         return f"{where}: fewer than one block of data.max_length={max_length}; add data or lower data.max_length"
-    first_loss = [next((i for i, m in enumerate(mask) if m), len(mask)) for _, mask in examples]
-    return (f"{where}: every row is cut at data.max_length={max_length} before its first loss token (the earliest "
-            f"comes at token {min(first_loss)}); raise data.max_length above it (within the target's context), or "
-            f"shorten the prompts")
+    found = [next(i for i, m in enumerate(mask) if m) for _, mask in examples if any(mask)]
+    earliest = f" (the earliest comes at token {min(found)}); raise data.max_length above it" if found else (
+        "; raise data.max_length")
+    return (f"{where}: every row is cut at data.max_length={max_length} before its first loss token{earliest} "
+            f"(within the target's context), or shorten the prompts")
+
+
+def _any_reply(records: Sequence[Mapping], data_cfg: DataConfig) -> bool:
+    """Whether any record carries loss tokens somewhere: text, or a conversation with an assistant turn."""
+    return any(record_kind(r, i, data_cfg.format, data_cfg.text_field) == "text"
+               or any(m["role"] == "assistant" for m in normalize_messages(r, i)) for i, r in enumerate(records))
 
 
 def rows_fingerprint(dataset) -> str:
@@ -445,7 +483,8 @@ def build_train_dataset(data_cfg: DataConfig, tokenizer) -> Dataset:
     packing = bool(data_cfg.packing)
     # Packing needs EOS to mark where one document ends; padded rows use it when there is one.
     eos = _eos_id(tokenizer) if packing else tokenizer.eos_token_id
-    examples = encode_records(load_records(data_cfg), tokenizer, data_cfg, eos)
+    records = load_records(data_cfg)
+    examples = encode_records(records, tokenizer, data_cfg, eos)
     num_tokens = sum(len(ids) for ids, _ in examples)
     if num_tokens == 0:
         raise ValueError(f"data: {_describe_source(data_cfg)} tokenised to zero tokens; point it at non-empty data")
@@ -455,7 +494,7 @@ def build_train_dataset(data_cfg: DataConfig, tokenizer) -> Dataset:
         dataset = pad_examples(examples, max_length, _pad_id(tokenizer))
     dataset = _drop_rows_without_loss(dataset)
     if len(dataset) == 0:
-        raise ValueError(_no_rows_message(data_cfg, examples, num_tokens, max_length, packing))
+        raise ValueError(_no_rows_message(data_cfg, records, examples, num_tokens, max_length, packing))
     logger.info(
         "training rows: %d x %d tokens, %.1f%% loss tokens",
         len(dataset), max_length, 100.0 * dataset.loss_mask.float().mean().item(),

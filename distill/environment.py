@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from distill.atomic import space_note
-from distill.lock import WriterLockedError, claim_run_dir
+from distill.lock import NAME_MAX, WriterLockedError, claim_run_dir
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NOT_A_DIR = (errno.ENOTDIR, errno.EEXIST)
@@ -144,7 +144,7 @@ def resolved_run_dir(argv: Sequence[str], main_dir: Path | None = None) -> Path 
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
     if "dir" in flags:  # as Hydra adds --config-dir: one more place to look for configs
         overrides.append(f"hydra.searchpath=[file://{Path(flags['dir']).expanduser().absolute()}]")
@@ -153,13 +153,34 @@ def resolved_run_dir(argv: Sequence[str], main_dir: Path | None = None) -> Path 
                                    version_base="1.3"):
             cfg = compose(config_name=flags.get("name", "config"), overrides=overrides, return_hydra_config=True)
             value = OmegaConf.select(cfg, "hydra.run.dir")
+    except InterpolationResolutionError as e:
+        _refuse_unset_variable(e, argv)
+        return None
     except (HydraException, OmegaConfBaseException, ValueError):
         return None
     return Path(str(value)).expanduser().absolute() if value else None
 
 
+def _refuse_unset_variable(e: Exception, argv: Sequence[str]) -> None:
+    """One line for a run dir that reads an environment variable which is not set (``${oc.env:TASK}`` outside the
+    job that sets it), in place of Hydra's page of traceback through its resolvers."""
+    found = re.search(r"Environment variable '([^']+)' not found", str(e))
+    if found is None:
+        return
+    name = found.group(1)
+    given = next((t.partition("=")[2] for t in argv if t.lstrip("+").partition("=")[0] == "hydra.run.dir"), None)
+    where = f"hydra.run.dir={given}" if given else "hydra.run.dir"
+    raise SystemExit(f"error: {where} reads the environment variable {name}, which is not set; set it "
+                     f"(export {name}=...), or give it a default: ${{oc.env:{name},<default>}}")
+
+
 def _check_writable(run_dir: Path) -> None:
-    """One line, before Hydra tries: a run dir (or a parent) that is a file, or that this user may not write."""
+    """One line, before Hydra tries: a run dir with a name longer than a file name may be, a run dir (or a parent)
+    that is a file, or one that this user may not write."""
+    for part in run_dir.parts:
+        if len(part.encode()) > NAME_MAX:  # checked first: stat() itself raises on such a name
+            raise SystemExit(f"error: hydra.run.dir={run_dir}: the name {part[:24]}... is {len(part.encode())} "
+                             f"bytes, longer than the {NAME_MAX} a file name may have; choose a shorter hydra.run.dir")
     for p in (run_dir, *run_dir.parents):
         if p.exists() and not p.is_dir():
             raise SystemExit(f"error: hydra.run.dir={run_dir}: {p} is a file, not a directory; choose another "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+NAME_MAX = 255  # bytes in one path component: ext4, xfs, btrfs, tmpfs, NFS
 _held: dict[Path, int] = {}  # lock file -> open descriptor, while this process holds it
 
 
@@ -41,13 +42,27 @@ def lock_file_for(path: str | os.PathLike) -> Path:
     (a run dir made for them in a shared read-only tree) gets the lock in this user's lock dir instead
     (``$SPECDRAFT_CACHE/locks``, else ``~/.cache/specdraft/locks``), named by the path's digest: it then guards
     against this user's other jobs on machines that share that dir."""
-    path = Path(path).expanduser().resolve()
-    if _may_create_in(path.parent):
-        return path.with_name(f".{path.name}.lock")
     from distill.fingerprint import text_digest
+
+    path = Path(path).expanduser().resolve()
+    digest = text_digest(str(path))[:16]
+    if _may_create_in(path.parent):
+        return path.with_name(_within_name_max(".", path.name, ".lock", digest))
     from distill.toy.cache import default_cache_dir
 
-    return default_cache_dir() / "locks" / f"{path.name}-{text_digest(str(path))[:16]}.lock"
+    return default_cache_dir() / "locks" / _within_name_max("", path.name, f"-{digest}.lock", digest)
+
+
+def _within_name_max(prefix: str, name: str, suffix: str, digest: str) -> str:
+    """``prefix + name + suffix``, or, when that is longer than a file name may be (``NAME_MAX``, 255 bytes on
+    every common filesystem), the name cut short and the path's digest in its place: a legal name near the limit
+    (a 250-byte run dir) still gets its lock, and two such names never share one."""
+    whole = f"{prefix}{name}{suffix}"
+    if len(whole.encode()) <= NAME_MAX:
+        return whole
+    tail = suffix if digest in suffix else f"-{digest}{suffix}"
+    room = NAME_MAX - len(prefix.encode()) - len(tail.encode())
+    return f"{prefix}{name.encode()[:room].decode(errors='ignore')}{tail}"
 
 
 def _may_create_in(directory: Path) -> bool:
@@ -58,16 +73,18 @@ def _may_create_in(directory: Path) -> bool:
 
 
 @contextlib.contextmanager
-def writer_lock(path: str | os.PathLike, what: str) -> Iterator[Path]:
+def writer_lock(path: str | os.PathLike, what: str, wait: float = 0.0, advice: str | None = None) -> Iterator[Path]:
     """Hold the one-writer lock of ``path`` (a directory or a file, which need not exist yet) for the ``with`` block,
     or raise ``WriterLockedError`` naming the process that holds it. ``what`` names the output in messages (e.g.
-    ``"hydra.run.dir"``). A lock this process already holds is held on (nested use: train, then evaluate)."""
+    ``"hydra.run.dir"``). A lock this process already holds is held on (nested use: train, then evaluate).
+    ``wait``: seconds to wait for the holder to finish first (saying so once), for a writer that would then reuse
+    what the holder wrote; ``advice``: the fix the refusal ends with, in place of writing elsewhere."""
     lock = lock_file_for(path)
     lock.parent.mkdir(parents=True, exist_ok=True)
     if lock in _held:
         yield lock
         return
-    fd = _take(lock, path, what)
+    fd = _take(lock, path, what, wait, advice)
     if fd is not None:
         _held[lock] = fd
     try:
@@ -78,27 +95,43 @@ def writer_lock(path: str | os.PathLike, what: str) -> Iterator[Path]:
             os.close(fd)  # closing the only descriptor drops the flock
 
 
-def _take(lock: Path, path, what: str) -> int | None:
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = read_holder(fd)
-        os.close(fd)
-        raise WriterLockedError(
-            f"{what}={path} is being written by another process ({holder}); two writers would interleave their "
-            f"files. Wait for it to finish (or stop it), or write to another {what}") from None
-    except OSError as e:
-        os.close(fd)
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-        log.warning("%s=%s: this filesystem does not support file locks (%s); nothing stops a second job from "
-                    "writing the same output", what, path, e.strerror)
-        return None
+def _take(lock: Path, path, what: str, wait: float = 0.0, advice: str | None = None) -> int | None:
+    deadline, said = time.monotonic() + wait, False
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = read_holder(fd)
+            os.close(fd)
+        except OSError as e:
+            return _unlockable(fd, e, path, what)
+        named = f"{what} {path}" if " " in what else f"{what}={path}"  # a key, or words naming the file
+        if time.monotonic() >= deadline:
+            raise WriterLockedError(
+                f"{named} is being written by another process ({holder}); " + (advice or (
+                    f"two writers would interleave their files. Wait for it to finish (or stop it), or write to "
+                    f"another {what}"))) from None
+        if not said:
+            log.warning("%s is being written by another process (%s); waiting up to %.0f s for it to finish",
+                        named, holder, wait)
+            said = True
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
     return fd
+
+
+def _unlockable(fd: int, e: OSError, path, what: str) -> None:
+    """A filesystem without file locks: a warning, and the write goes on unguarded (no descriptor is kept)."""
+    os.close(fd)
+    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        raise e
+    log.warning("%s=%s: this filesystem does not support file locks (%s); nothing stops a second job from "
+                "writing the same output", what, path, e.strerror)
+    return None
 
 
 def read_holder(fd: int) -> str:

@@ -15,15 +15,16 @@ If the drafter's run dir holds a report.json (``python -m train`` writes one), i
 the model card.
 """
 
+import difflib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from hydra import compose, initialize
 from hydra.core.config_store import ConfigStore
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import MISSING, OmegaConf
 
 from distill.environment import explain
@@ -43,15 +44,34 @@ class ExportConfig:
     overwrite: bool = False  # replace output_dir (never the run dir or anything inside it)
 
 
+def check_tokens(argv: list[str]) -> None:
+    """One line for an argument Hydra's override grammar cannot read, naming it and the fix, before Hydra answers
+    with its parser's traceback: a flag other than ``--overwrite`` (``--overwite``), or a word without ``=`` (a path
+    with a space the shell split in two)."""
+    keys = [f.name for f in fields(ExportConfig)]
+    for number, token in enumerate(argv):
+        if token.startswith("-") and token != "--overwrite":
+            close = difflib.get_close_matches(token, ["--overwrite", *(f"--{k}" for k in keys)], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise SystemExit(f"error: unknown flag {token!r}{hint}; arguments are key=value (or --overwrite); "
+                             f"usage: {USAGE}")
+        if "=" not in token and not token.startswith("-"):
+            before = f" after {argv[number - 1]!r}" if number else ""
+            raise SystemExit(f"error: argument {token!r}{before} is not key=value; a value holding a space must be "
+                             f"quoted as one argument, e.g. 'output_dir=/path/with space'; usage: {USAGE}")
+
+
 def parse(argv: list[str]) -> ExportConfig:
     """The command line as Hydra overrides of ``ExportConfig``: an unknown key or a missing one is an error."""
+    check_tokens(argv)
     overrides = ["overwrite=true" if token == "--overwrite" else token for token in argv]
     ConfigStore.instance().store(name="export", node=ExportConfig)
     try:
         with initialize(version_base="1.3", config_path=None):
             cfg = compose(config_name="export", overrides=overrides)
-    except ConfigCompositionException as e:
-        raise SystemExit(f"unknown argument in {' '.join(argv)!r} ({e.__cause__ or e}); usage: {USAGE}") from None
+    except (ConfigCompositionException, OverrideParseException) as e:
+        detail = " ".join(str(e.__cause__ or e).split())  # one line: Hydra's messages span several
+        raise SystemExit(f"unknown argument in {' '.join(argv)!r} ({detail}); usage: {USAGE}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise SystemExit(f"missing {', '.join(missing)}; usage: {USAGE}")

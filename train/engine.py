@@ -355,6 +355,9 @@ class DeepSpeedEngine(SingleEngine):
         super().__init__(trainer_cfg)
         import deepspeed
 
+        from train.extensions import check_build_locks, deepspeed_jit_ops
+
+        check_build_locks(deepspeed_jit_ops())  # a killed build's lock makes init_distributed wait forever
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.scaler = None  # DeepSpeed scales fp16 losses itself
         self.config = deepspeed_config(trainer_cfg, self.world_size)

@@ -23,6 +23,7 @@ from distill.teacher import load_teacher
 from distill.toy import default_cache_dir
 from heads.base import build_drafter
 from heads.saved import save_drafter
+from inference.batch_memory import check_batch_sizes_fit
 from train import checkpoint
 from train.config import Config
 from train.engine import build_engine, resolve_batch, shard_target, world_from_env
@@ -32,6 +33,8 @@ from train.preemption import Preempted
 from train.selection import HeldoutTau, Selection, heldout_rows
 
 log = logging.getLogger(__name__)
+
+REGENERATE_WAIT_S = 1200.0  # data.mode=regenerate: the wait for another job writing the same answers
 
 
 def drafter_teacher_layers(cfg: Config, teacher) -> list[int]:
@@ -70,8 +73,15 @@ def regenerate_first(cfg: Config, teacher, engine=None) -> Path:
     log.info("data.mode=regenerate: the target's answers in %s (written once, then reused)", out)
     ranks = None
     if engine is not None and engine.world_size > 1:
-        ranks = Ranks(rank=engine.rank, world=engine.world_size, barrier=engine.barrier)
-    return write_regenerated(out, teacher, prompts, cfg.data, settings, ranks)
+        ranks = Ranks(rank=engine.rank, world=engine.world_size, barrier=engine.barrier,
+                      broadcast=engine.broadcast_object)
+    # Another training regenerating the same answers (the same key) is waited for, and its answers reused: neither
+    # job chose this file, so neither is told to write elsewhere. Bounded below the ranks' collective timeout.
+    what = "data.regenerated" if cfg.data.regenerated else "data.mode=regenerate: its answers file"
+    writer = {"what": what, "wait": REGENERATE_WAIT_S,
+              "advice": f"another job is regenerating the same answers, and this one waited {REGENERATE_WAIT_S:.0f} s "
+                        f"for it; rerun the same command once it is done: its answers are then reused"}
+    return write_regenerated(out, teacher, prompts, cfg.data, settings, ranks, writer)
 
 
 def run_training(cfg: Config, run_dir: str | Path, evaluate: Callable | None = None) -> dict | None:
@@ -107,6 +117,9 @@ def _run(cfg: Config, trainer, engine, run_dir: Path, evaluate: Callable | None)
         engine.barrier()
     shard_target(teacher, cfg.target.shard, engine)
     teacher.model.to(engine.device)
+    if cfg.eval.enabled:  # a batch sweep the evaluation after training could not hold: refused now, not then
+        check_batch_sizes_fit(teacher, cfg.decoder.batch_sizes, cfg.decoder.max_batch_rows, cfg.eval.prompt_tokens,
+                              cfg.eval.max_new_tokens, cfg.eval.num_draft)
     # Seeded after the target is loaded: building a missing toy target draws random numbers, loading a cached one
     # does not, and the first run on a machine must train exactly as every later one. The same on every rank:
     # sharding engines need identical initial weights.

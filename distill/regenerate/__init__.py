@@ -62,7 +62,7 @@ from distill.lock import writer_lock
 from distill.progress import Progress
 from distill.ranks import Ranks
 from distill.teacher import PLACEMENTS
-from distill.regenerate.engines import build_engine, check_engine, loaded_by_name, resolve_engine
+from distill.regenerate.engines import build_engine, check_batch_fits, check_engine, loaded_by_name, resolve_engine
 from inference.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -346,19 +346,25 @@ def _max_new_tokens(settings: Mapping, data_cfg: DataConfig, max_positions: int,
 
 
 def write_regenerated(out: str | os.PathLike, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig,
-                      settings: Mapping, ranks: Ranks | None = None) -> Path:
+                      settings: Mapping, ranks: Ranks | None = None, writer: Mapping | None = None) -> Path:
     """Decode every prompt with ``teacher`` into ``out`` (format: module docstring), resuming a started file.
     ``ranks``: this process's place among several (``distill.regenerate.ranks``); each decodes its share into a
-    shard file and the main rank merges them into ``out``."""
+    shard file and the main rank merges them into ``out``. ``writer``: ``distill.lock.writer_lock``'s ``what``,
+    ``wait`` and ``advice`` for ``out`` (default: another writer refused at once); a wait ends reusing its answers."""
+    writer = {"what": "regenerate.out", **(writer or {})}
     check_settings(settings)
     check_placement(settings, ranks.world if ranks is not None else 1)
+    if prompts and engine_of(settings, teacher) != "vllm":  # before anything is written; vLLM sizes its own cache
+        longest = max(len(p.ids) for p in prompts)
+        check_batch_fits(teacher, settings["batch_size"], min(int(settings["batch_size"]), len(prompts)),
+                         longest + _max_new_tokens(settings, data_cfg, teacher.max_positions, longest))
     if ranks is not None and ranks.world > 1:
         from distill.regenerate.ranks import write_one_group, write_sharded
 
         if settings.get("shard", "none") == "tensor":
-            return write_one_group(Path(out), teacher, prompts, data_cfg, settings, ranks)
-        return write_sharded(Path(out), teacher, prompts, data_cfg, settings, ranks)
-    with writer_lock(out, "regenerate.out"):  # one writer: two jobs appending to one file would write rows twice
+            return write_one_group(Path(out), teacher, prompts, data_cfg, settings, ranks, writer)
+        return write_sharded(Path(out), teacher, prompts, data_cfg, settings, ranks, writer)
+    with writer_lock(out, **writer):  # one writer: two jobs appending to one file would write rows twice
         out = Path(out)
         plan = batch_plan(len(prompts), int(settings["batch_size"]))
         done = _prepare_out(out, build_meta(teacher, data_cfg, settings, prompts), plan)

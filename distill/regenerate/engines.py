@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from inference.batch_decoder import BatchStepDecoder
+from inference.batch_memory import check_rows_fit, row_bytes
 from inference.sampling import SamplingConfig
 
 ENGINES = ("auto", "batched", "hf", "vllm")
@@ -37,6 +38,13 @@ ENGINES = ("auto", "batched", "hf", "vllm")
 # (scripts/results/bench_regenerate_toy_cpu.json). CUDA: hf (a static cache transformers compiles) until the batched
 # decoder's compiled, graphed steps are measured against it there. Any other device: hf, the maintained path.
 FASTEST = {"cpu": "batched", "cuda": "hf"}
+
+
+def check_batch_fits(teacher, batch_size, rows: int, positions: int) -> None:
+    """``regenerate.batch_size`` against the device (``inference.batch_memory``): ``rows`` prompts decoded at once up
+    to ``positions`` positions (the longest prompt and its answer budget)."""
+    per_row = row_bytes(teacher.model, positions, 1, teacher.vocab_size)
+    check_rows_fit("regenerate.batch_size", batch_size, rows, per_row, teacher.device)
 
 
 def check_engine(name: str) -> None:

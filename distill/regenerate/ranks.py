@@ -26,7 +26,7 @@ from pathlib import Path
 
 from distill.atomic import write_file_atomically
 from distill.data import DataConfig
-from distill.lock import writer_lock
+from distill.lock import WriterLockedError, writer_lock
 from distill.ranks import Ranks
 from distill.regenerate import (Prompt, _check_sidecar, _lines_to_keep, _prepare_out, _write_meta, batch_plan,
                                 build_meta, check_settings, decode_batches)
@@ -57,31 +57,55 @@ def _complete(out: Path, meta: Mapping, plan: Sequence[range]) -> bool:
 
 
 def write_sharded(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping,
-                  ranks: Ranks) -> Path:
+                  ranks: Ranks, writer: Mapping | None = None) -> Path:
+    """Every rank its share into its shard, then the main rank's merge. The main rank holds ``out``'s lock from the
+    start (``writer``: as ``write_regenerated``'s): another job writing ``out`` is met before a prompt is decoded,
+    not at the merge, with every shard decoded and ``<out>.shards/`` left behind."""
     check_settings(settings)
     meta = build_meta(teacher, data_cfg, settings, prompts)
     total, batch_size = len(prompts), int(settings["batch_size"])
     full_plan = batch_plan(total, batch_size)
-    if _complete(out, meta, full_plan):
-        log.info("regenerate: %s already holds all %d prompts", out, total)
-        if ranks.is_main and shard_dir(out).is_dir():  # a merge killed after its rename
-            shutil.rmtree(shard_dir(out))
-        return out
-    shard = shard_path(out, ranks.rank, ranks.world)
-    plan = batch_plan(total, batch_size, ranks.rank, ranks.world)
-    with writer_lock(shard, "regenerate.out"):  # one writer per shard: a second job with the same out is refused
-        done = _prepare_out(shard, meta, plan, "regenerate.out shard")
-        decode_batches(shard, teacher, prompts, data_cfg, settings, plan, done)
-    ranks.barrier()
-    if ranks.is_main:
-        with writer_lock(out, "regenerate.out"):
+    with contextlib.ExitStack() as stack:
+        _hold_on_main(stack, out, ranks, {"what": "regenerate.out", **(writer or {})})
+        if _complete(out, meta, full_plan):
+            log.info("regenerate: %s already holds all %d prompts", out, total)
+            if ranks.is_main and shard_dir(out).is_dir():  # a merge killed after its rename
+                shutil.rmtree(shard_dir(out))
+            return out
+        shard = shard_path(out, ranks.rank, ranks.world)
+        plan = batch_plan(total, batch_size, ranks.rank, ranks.world)
+        with writer_lock(shard, "regenerate.out"):  # one writer per shard
+            done = _prepare_out(shard, meta, plan, "regenerate.out shard")
+            decode_batches(shard, teacher, prompts, data_cfg, settings, plan, done)
+        ranks.barrier()
+        if ranks.is_main:
             merge_shards(out, meta, total, batch_size, ranks.world)
-    ranks.barrier()
+        ranks.barrier()
     return out
 
 
+def _hold_on_main(stack: contextlib.ExitStack, out: Path, ranks: Ranks, writer: Mapping) -> None:
+    """``out``'s writer lock, taken by the main rank into ``stack``; every rank raises when it could not be taken
+    (a rank left alone would wait for the others forever)."""
+    problem = None
+    if ranks.is_main:
+        try:
+            stack.enter_context(writer_lock(out, **writer))
+        except (OSError, RuntimeError) as e:  # another job's lock (WriterLockedError), a path in the way
+            problem = e
+    if ranks.broadcast is None:  # no way to tell the others: the main rank's error ends the job
+        if problem is not None:
+            raise problem
+        return
+    failed = ranks.broadcast(None if problem is None else str(problem))
+    if problem is not None:
+        raise problem
+    if failed:
+        raise WriterLockedError(failed)
+
+
 def write_one_group(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: DataConfig, settings: Mapping,
-                    ranks: Ranks) -> Path:
+                    ranks: Ranks, writer: Mapping | None = None) -> Path:
     """``regenerate.shard=tensor``: the target is split over every rank, so the ranks form one generation group
     that decodes every batch together (each forward is collective), and only the main rank writes ``out``, resuming
     it as one process does. The other ranks learn from it how many batches are already there."""
@@ -91,7 +115,7 @@ def write_one_group(out: Path, teacher, prompts: Sequence[Prompt], data_cfg: Dat
         done, problem = 0, None
         if ranks.is_main:
             try:
-                stack.enter_context(writer_lock(out, "regenerate.out"))
+                stack.enter_context(writer_lock(out, **{"what": "regenerate.out", **(writer or {})}))
                 done = _prepare_out(out, meta, plan)
             except (OSError, ValueError, RuntimeError) as e:  # a held lock, a file of another config
                 problem = e
