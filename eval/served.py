@@ -210,10 +210,11 @@ def _spread(values: Sequence[float | None]) -> dict:
 
 
 def committed_tau(outputs: Sequence[Sequence[int]], steps: int) -> float | None:
-    """New tokens delivered per verification step: every prompt's tokens after the first (which the prefill
-    gives), over the steps. vLLM's counters also count drafts accepted past ``max_tokens`` or an EOS, which the
-    request then drops; this decoder drafts no further than what is left to decode, so its τ counts delivered
-    tokens only. This is the like-for-like figure of the two."""
+    """New tokens delivered per decode step (drafted or not): every prompt's tokens after the first (which the
+    prefill gives), over the steps. The like-for-like figure of the two engines: vLLM's counters count only the
+    steps that carried a draft (not those where, e.g., no n-gram matched), and also count drafts accepted past
+    ``max_tokens`` or an EOS, which the request then drops; this decoder counts every verification forward and
+    drafts no further than what is left to decode."""
     return sum(max(len(o) - 1, 0) for o in outputs) / steps if steps else None
 
 
@@ -249,10 +250,13 @@ def measure(teacher, drafter, served: ServedDrafter, prompts: Sequence[Sequence[
                                             f"top_k={dcfg.top_k}, seed={dcfg.seed} + prompt index",
         **{k: v for k, v in spec.counters.to_dict().items() if k != "tau"},
         "tau": spec.counters.tau,
-        "tau_committed": committed_tau(spec.outputs, spec.counters.drafts),
+        # a request alone takes one engine step for its prefill, then one per decode step
+        "tau_committed": (vllm_committed := committed_tau(spec.outputs, spec.counters.steps - len(prompts))),
         "specdraft_tau": ours_tau,
-        "specdraft_tau_committed": committed_tau([g.new_tokens for g in ours.speculative], ours_total.stats.forwards),
-        "tau_ratio": spec.counters.tau / ours_tau if spec.counters.tau and ours_tau else None,
+        "specdraft_tau_committed": (ours_committed := committed_tau([g.new_tokens for g in ours.speculative],
+                                                                    ours_total.stats.forwards)),
+        # like for like: delivered tokens per verification step on both sides (``committed_tau``)
+        "tau_ratio": vllm_committed / ours_committed if vllm_committed and ours_committed else None,
         "specdraft_alpha": ours_total.stats.alpha,
         "specdraft_alpha_per_position": ours_total.stats.alpha_per_position,
         "tokens_per_s": {"vllm_speculative": _tps(sum(map(len, spec.outputs)), spec.seconds),
@@ -300,7 +304,9 @@ def served_for_saved(teacher, drafter, drafter_path: Path | None, export: str | 
 def like_for_like(row: Mapping) -> float | None:
     """vLLM's delivered-token τ over this decoder's (``committed_tau``); for a row that records this decoder under
     vLLM's own drafting rule (``vllm_rule``: lookup's n-gram match), against that."""
-    ours = (row.get("vllm_rule") or row).get("specdraft_tau_committed")
+    if not row.get("vllm_rule"):
+        return row.get("tau_ratio")
+    ours = row["vllm_rule"]["specdraft_tau_committed"]
     return row["tau_committed"] / ours if ours and row.get("tau_committed") else None
 
 

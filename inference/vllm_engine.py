@@ -27,6 +27,7 @@ VLLM_MISSING = ("vLLM is not installed in this Python environment: run `make vll
 DRAFTS, DRAFT_TOKENS, ACCEPTED, PER_POSITION = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                                                 "vllm:spec_decode_num_accepted_tokens",
                                                 "vllm:spec_decode_num_accepted_tokens_per_pos")
+ITERATIONS = "vllm:iteration_tokens_total"  # a histogram with one observation per engine step
 
 
 def import_vllm():
@@ -55,23 +56,28 @@ def supported_architecture(architecture: str) -> bool:
 
 @dataclass
 class Counters:
-    """vLLM's spec-decode counters: ``drafts`` verification steps that carried a draft, ``draft_tokens`` tokens
-    drafted, ``accepted`` accepted, ``per_position[i]`` accepted at draft position i (not conditioned on i - 1)."""
+    """vLLM's spec-decode counters: ``drafts`` verification steps that carried a draft (steps with no draft, e.g. no
+    n-gram match, are not counted), ``draft_tokens`` tokens drafted, ``accepted`` accepted, ``per_position[i]``
+    accepted at draft position i (not conditioned on i - 1); ``steps``: engine steps (a request alone: its prefill,
+    then one per decode step, drafted or not)."""
 
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
     per_position: list[int] = field(default_factory=list)
+    steps: int = 0
 
     def __sub__(self, other: Counters) -> Counters:
         width = max(len(self.per_position), len(other.per_position))
         pad = lambda v: list(v) + [0] * (width - len(v))
         return Counters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
                         self.accepted - other.accepted,
-                        [a - b for a, b in zip(pad(self.per_position), pad(other.per_position))])
+                        [a - b for a, b in zip(pad(self.per_position), pad(other.per_position))],
+                        self.steps - other.steps)
 
     def __add__(self, other: Counters) -> Counters:
-        return other - Counters(-self.drafts, -self.draft_tokens, -self.accepted, [-v for v in self.per_position])
+        return other - Counters(-self.drafts, -self.draft_tokens, -self.accepted, [-v for v in self.per_position],
+                                -self.steps)
 
     @property
     def tau(self) -> float | None:
@@ -86,7 +92,7 @@ class Counters:
         return [a / r if r else None for a, r in zip(self.per_position, reached)]
 
     def to_dict(self) -> dict:
-        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted, "steps": self.steps,
                 "accepted_per_position": list(self.per_position), "tau": self.tau,
                 "alpha": self.accepted / self.draft_tokens if self.draft_tokens else None,
                 "alpha_per_position": self.alpha_per_position}
@@ -137,7 +143,8 @@ class Engine:
         found = {m.name: m for m in self.llm.get_metrics()}
         value = lambda name: int(getattr(found.get(name), "value", 0) or 0)
         per_pos = getattr(found.get(PER_POSITION), "values", None) or []
-        return Counters(value(DRAFTS), value(DRAFT_TOKENS), value(ACCEPTED), [int(v) for v in per_pos])
+        steps = int(getattr(found.get(ITERATIONS), "count", 0) or 0)
+        return Counters(value(DRAFTS), value(DRAFT_TOKENS), value(ACCEPTED), [int(v) for v in per_pos], steps)
 
     def params(self, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None):

@@ -1,6 +1,7 @@
 """Write docs/benchmarks.md from the benchmark JSON files in scripts/results/.
 
-    python scripts/gen_benchmarks.py            # rewrite docs/benchmarks.md and the README's results table
+    python scripts/gen_benchmarks.py            # rewrite docs/benchmarks.md, the README's results table and
+                                                # docs/export.md's served table
     python scripts/gen_benchmarks.py --check    # exit 1 if either differs from what the JSON gives
 
 Every table on the page is rendered here from one JSON file, with the command that wrote it and the machine it ran
@@ -18,11 +19,16 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the served table's renderer is the check's own (eval.served)
 RESULTS = ROOT / "scripts" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 HEADLINE_BEGIN = "<!-- headline table: written by scripts/gen_benchmarks.py from scripts/results -->"
 HEADLINE_END = "<!-- end of the generated table -->"
+EXPORT_PAGE = ROOT / "docs" / "export.md"
+SERVED_BEGIN = "<!-- served table: written by scripts/gen_benchmarks.py from scripts/results -->"
+# the served tables docs/export.md shows, the default toy target's first
+SERVED = ("served_vllm_toy_cpu.json", "served_vllm_tiny_cpu.json")
 # (JSON, drafters, where): the README's one results table, GPU first
 HEADLINE = [
     ("bench_decode_gpu_steps.json", ("eagle1", "lookup"), "1 H200, 1.14B target, bf16, CUDA graphs"),
@@ -393,10 +399,38 @@ def render_headline(results: Path = RESULTS) -> str:
 
 def readme_with_headline(readme: str, results: Path = RESULTS) -> str:
     """The README with its generated block replaced by the current one (unchanged if it has no such block)."""
-    if HEADLINE_BEGIN not in readme:
-        return readme
-    head, rest = readme.split(HEADLINE_BEGIN, 1)
-    return head + render_headline(results) + rest.split(HEADLINE_END, 1)[1]
+    return _with_block(readme, HEADLINE_BEGIN, lambda: render_headline(results))
+
+
+def _with_block(text: str, begin: str, render: Callable[[], str]) -> str:
+    """``text`` with the block from ``begin`` to ``HEADLINE_END`` replaced by ``render()`` (which writes both
+    markers); unchanged if it has no such block."""
+    if begin not in text:
+        return text
+    head, rest = text.split(begin, 1)
+    return head + render() + rest.split(HEADLINE_END, 1)[1]
+
+
+def render_served(d: dict) -> str:
+    from eval.served import served_table
+
+    return (served_table(d["rows"]) + f"\n\nvLLM {d['vllm']} on the CPU, in-process engines; {d['num_prompts']} "
+            f"held-out prompts of {d['prompt_tokens']} tokens, up to {d['max_new_tokens']} new tokens, greedy, "
+            f"γ = {d['num_draft']}. τ (counters): 1 + accepted / drafts, as vLLM reports it; τ (delivered): new tokens "
+            f"after the first per verification step, on both sides (vLLM's counters also count drafts accepted past "
+            f"max_tokens, which the request drops).")
+
+
+def render_served_block(results: Path = RESULTS) -> str:
+    """docs/export.md's served table: the first of ``SERVED`` that exists."""
+    name = next((n for n in SERVED if (results / n).is_file()), None)
+    body = (f"`scripts/results/{name}` ({_machine(json.loads((results / name).read_text()).get('machine'))}):\n\n"
+            + render_served(json.loads((results / name).read_text()))) if name else "Not measured yet: run make vllm-check."
+    return "\n".join([SERVED_BEGIN, body, HEADLINE_END])
+
+
+def export_with_served(page: str, results: Path = RESULTS) -> str:
+    return _with_block(page, SERVED_BEGIN, lambda: render_served_block(results))
 
 
 @dataclass(frozen=True)
@@ -661,6 +695,15 @@ SOURCES: dict[str, Source] = {
         "Eager: the aten ops the step dispatches that launch a kernel; compiled: the kernel calls in inductor's "
         "generated wrapper (its own fused kernels, the extern matmuls and the aten ops it still calls, e.g. "
         "attention); compile seconds at one thread, caches off."),
+    "served_vllm_toy_cpu.json": Source(
+        "Served by vLLM: every exported kind on the CPU toy target, vLLM's acceptance beside this decoder's",
+        ".venv-vllm/bin/python scripts/vllm_check.py --preset toy", render_served,
+        "Drafters trained with the check's toy budgets (scripts/vllm_check.py ROWS), exported with format=vllm and "
+        "served with the `vllm serve` line of their model cards (docs/export.md, \"Served by vLLM\")."),
+    "served_vllm_tiny_cpu.json": Source(
+        "Served by vLLM: every exported kind on the 8-layer tiny toy target (what make vllm-check runs)",
+        ".venv-vllm/bin/python scripts/vllm_check.py", render_served,
+        "Smoke budgets (scripts/vllm_check.py ROWS); the same check CI runs."),
     "bench_step_cpu.json": Source(
         "Training step time across versions", "", None, "A comparison of versions of the code; not rendered."),
 }
@@ -692,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale; write nothing")
     args = parser.parse_args(argv)
-    wanted = {PAGE: render_page(), README: readme_with_headline(README.read_text())}
+    wanted = {PAGE: render_page(), README: readme_with_headline(README.read_text()),
+              EXPORT_PAGE: export_with_served(EXPORT_PAGE.read_text())}
     stale = [path for path, text in wanted.items() if not path.is_file() or path.read_text() != text]
     if args.check:
         for path in stale:

@@ -43,12 +43,21 @@ def run_module(module: str, args: list[str], check: bool = True, timeout: int = 
 
 
 def test_counters_give_vllms_mean_acceptance_length_and_this_projects_alpha_per_position():
-    c = Counters(drafts=10, draft_tokens=40, accepted=25, per_position=[9, 8, 5, 3])
+    c = Counters(drafts=10, draft_tokens=40, accepted=25, per_position=[9, 8, 5, 3], steps=13)
     assert c.tau == 1 + 25 / 10
     assert c.alpha_per_position == [0.9, 8 / 9, 5 / 8, 3 / 5]  # each position given the one before was accepted
-    assert (c - Counters(4, 16, 10, [4, 3, 2, 1])).to_dict()["accepted_per_position"] == [5, 5, 3, 2]
-    assert (c + Counters(1, 4, 1, [1])).per_position == [10, 8, 5, 3]
+    delta = (c - Counters(4, 16, 10, [4, 3, 2, 1], 6)).to_dict()
+    assert delta["accepted_per_position"] == [5, 5, 3, 2] and delta["steps"] == 7 and delta["drafts"] == 6
+    assert (c + Counters(1, 4, 1, [1], 2)).per_position == [10, 8, 5, 3]
     assert Counters().tau is None and Counters().alpha_per_position == []
+
+
+def test_the_like_for_like_tau_counts_delivered_tokens_per_decode_step():
+    from eval.served import committed_tau
+
+    # two requests of 9 and 5 new tokens (the first from each prefill), over 6 decode steps in all
+    assert committed_tau([[1] * 9, [1] * 5], 6) == (8 + 4) / 6
+    assert committed_tau([[1]], 0) is None
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: the refusal is for environments without it")
@@ -104,6 +113,8 @@ def test_eval_engine_vllm_reports_vllms_acceptance_beside_ours_and_the_card_carr
     assert served["identical"] is True  # vLLM speculative == vLLM plain on every prompt
     identity = served["identity"]
     assert identity["vllm_plain_vs_specdraft_plain"]["identical"] == 4
+    # like for like: delivered tokens per decode step on both sides
+    assert served["tau_committed"] and served["specdraft_tau_committed"]
     assert abs(served["tau_ratio"] - 1) <= 0.03, served
     assert all(v > 0 for v in served["tokens_per_s"].values())
     out = run_dir.parent / f"{run_dir.name}-card"
@@ -228,3 +239,42 @@ def test_regeneration_on_vllm_completes_and_a_rerun_gives_the_same_file(tiny_toy
 
     meta = json.loads(meta_path(first).read_text())
     assert meta["regenerate"]["engine"] == "vllm"
+
+
+@needs_vllm
+def test_dspark_is_refused_by_vllms_cpu_model_runner_with_its_own_message(tmp_path):
+    """vLLM serves method dspark on its model runner V2 only (CUDA, Triton); on a CPU it refuses at start-up. The
+    check's table, the export table and the DSpark model card say so with this message."""
+    from eval import served
+
+    run_dir = tmp_path / "dspark"
+    run_module("train", [*TARGET, "drafter=dspark", "drafter.block_size=8", "drafter.num_anchors=8",
+                         "trainer.steps=2", "eval.enabled=false", f"hydra.run.dir={run_dir}"])
+    export = served.export_for_vllm(run_dir / "drafter", tmp_path / "export")
+    spec = served.from_export(export, 4)
+    assert spec.speculative_config["method"] == "dspark"
+    with pytest.raises(ValueError, match=r"vLLM \S+ refused the dspark export .*: .*Model Runner V1 does not support: "
+                                         r"dspark speculative decoding"):
+        served.start(spec, spec.target, 128, "dspark", 0, None).close()
+    assert "Model Runner V1 does not support: dspark speculative decoding" in (export / "README.md").read_text()
+
+
+@needs_vllm
+def test_two_ranks_regenerating_on_vllm_write_the_bytes_one_process_writes(tiny_toy_target, tmp_path):
+    """Under torchrun each rank answers its own batches with a vLLM engine of its own, as with the other engines;
+    the merged file is the one a single process writes (each batch's seed is the batch's, whichever rank runs it)."""
+    from distill.regenerate import meta_path
+    from tests import torchrun
+
+    def command(out: Path, ranks: int) -> list[str]:
+        return torchrun.command("distill.regenerate", [
+            "target=tiny", "trainer.device=cpu", "data.max_length=64", "data.corpus_max_bytes=20000",
+            "regenerate.engine=vllm", "regenerate.prompt_tokens=12", "regenerate.num_prompts=5",
+            "regenerate.batch_size=2", "regenerate.temperature=1.0", "regenerate.max_new_tokens=8",
+            f"regenerate.out={out}", f"hydra.run.dir={out.parent / 'hydra'}"], ranks)
+
+    one, two = tmp_path / "one" / "regen.jsonl", tmp_path / "two" / "regen.jsonl"
+    torchrun.run(command(one, 1), timeout=600)
+    torchrun.run(command(two, 2), timeout=600)
+    assert two.read_bytes() == one.read_bytes()
+    assert json.loads(meta_path(two).read_text())["regenerate"]["engine"] == "vllm"
