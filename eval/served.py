@@ -6,10 +6,12 @@ What each side decodes, per prompt, one request at a time (batch 1, as this proj
   (``num_speculative_tokens``), with the speculative config the export's model card prints;
 - this project's plain and speculative decoding of the same drafter, back to back.
 
-Reported (``report.json`` ``served.vllm``): vLLM's mean acceptance length τ = 1 + accepted / drafts (vLLM's own
-counters, the same definition as this project's τ: tokens committed per verification step, the bonus included)
-beside this decoder's τ, their ratio, the per-position acceptance of both (vLLM counts position i unconditionally;
-it is divided by position i - 1's count here, which is this project's α_i), greedy identity three ways (vLLM
+Reported (``report.json`` ``served.vllm``): vLLM's mean acceptance length ``tau`` = 1 + accepted / drafts (vLLM's
+own counters, as its logs and /metrics give it) beside this decoder's ``specdraft_tau``; the like-for-like figure of
+both, ``tau_committed`` / ``specdraft_tau_committed`` (delivered tokens per decode step: ``committed_tau`` says why
+the counters alone differ) and their ratio ``tau_ratio``; the per-position acceptance of both (vLLM counts position
+i unconditionally; it is divided by position i - 1's count here, which is this project's α_i); greedy identity three
+ways (vLLM
 speculative vs vLLM plain, vLLM plain vs this project's plain, each difference with the target's logit gap at the
 first differing token, ``eval.mismatch``), and tokens/s of all four. Under sampling every side decodes each prompt
 from the seed ``decoder.seed + prompt index`` (the two engines' random streams differ, so outputs are compared as
@@ -117,7 +119,7 @@ def start(served: ServedDrafter | None, target: str, max_model_len: int, kind: s
     except Exception as e:  # vLLM raises what its config validation or loader raises; all of it is a refusal here
         what = f"the {kind} export {served.export_dir}" if served and served.export_dir else (
             f"the {kind} speculative config {spec}" if spec else f"the target {target}")
-        raise ValueError(f"vLLM {vllm_version()} refused {what}: {refusal_reason(e)}") from e
+        raise ValueError(f"vLLM {vllm_version()} refused {what}: {_one_line(refusal_reason(e))}") from e
 
 
 def refusal_reason(e: Exception) -> str:
@@ -131,6 +133,11 @@ def refusal_reason(e: Exception) -> str:
             pass
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
+
+
+def _one_line(reason: str, limit: int = 400) -> str:
+    """A refusal's reason cut to one readable line (vLLM lists every architecture it supports in some of them)."""
+    return reason if len(reason) <= limit else reason[:limit] + " ..."
 
 
 @dataclass
@@ -274,14 +281,25 @@ def measure(teacher, drafter, served: ServedDrafter, prompts: Sequence[Sequence[
                                                                                  [g.new_tokens for g in ours.speculative])}
     else:  # distributions, not tokens: the acceptance each side measured, with its spread over prompts
         out["identical"] = None
-        per_prompt_ours = [g.stats for g in ours.speculative]
+        # per prompt, each side: accepted / drafted tokens (vLLM's acceptance rate: a position after a rejection
+        # counts as drafted) and delivered tokens per decode step
         out["acceptance"] = {
-            "vllm_tau": _spread([c.tau for c in spec.per_prompt]),
-            "vllm_alpha": _spread([c.accepted / c.draft_tokens if c.draft_tokens else None for c in spec.per_prompt]),
-            "specdraft_tau": _spread([s.tau if s.forwards else None for s in per_prompt_ours]),
-            "specdraft_alpha": _spread([s.alpha if s.forwards else None for s in per_prompt_ours]),
+            "vllm_acceptance_rate": _spread([c.accepted / c.draft_tokens if c.draft_tokens else None
+                                             for c in spec.per_prompt]),
+            "specdraft_acceptance_rate": _spread([drafted_acceptance(g.stats) for g in ours.speculative]),
+            "vllm_tau_committed": _spread([committed_tau([o], c.steps - 1) for o, c in
+                                           zip(spec.outputs, spec.per_prompt)]),
+            "specdraft_tau_committed": _spread([committed_tau([g.new_tokens], g.stats.forwards)
+                                                for g in ours.speculative]),
         }
     return out
+
+
+def drafted_acceptance(stats) -> float | None:
+    """Accepted over drafted tokens (vLLM's acceptance rate), from this decoder's accept histogram."""
+    drafted = sum(k * c for k, row in stats.counts.items() for c in row.values())
+    accepted = sum(a * c for row in stats.counts.values() for a, c in row.items())
+    return accepted / drafted if drafted else None
 
 
 def served_for_saved(teacher, drafter, drafter_path: Path | None, export: str | None, prompts, max_new: int,

@@ -152,6 +152,13 @@ def measure_row(row: str, drafter_path: Path | None, cfg, prompts, args, plain_r
     return {**out, "loads": True, **result}
 
 
+def portable(text: str, work: Path) -> str:
+    """The results without this machine's paths: the work dir as ``<work>``, the home dir as ``~``."""
+    for path, name in ((work.resolve(), "<work>"), (work, "<work>"), (Path.home(), "~")):
+        text = text.replace(str(path), name)
+    return text
+
+
 def verdict(r: dict) -> str | None:
     """Why a row fails, or None."""
     if not r["loads"]:
@@ -207,7 +214,7 @@ def main(argv=None) -> int:
         r["verdict"] = verdict(r)
         results["rows"].append(r)
         results["seconds"] = time.time() - started
-        write_text_atomically(out, json.dumps(results, indent=2, default=str) + "\n")
+        write_text_atomically(out, portable(json.dumps(results, indent=2, default=str), args.work) + "\n")
         print(f"{row}: {r.get('verdict') or 'pass'} ({time.time() - started:.0f} s)", flush=True)
     print(served_table(results["rows"]))
     print(f"wrote {out}")

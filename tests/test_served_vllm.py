@@ -133,11 +133,11 @@ def test_eval_engine_vllm_sampled_reports_both_acceptance_rates_with_standard_er
                         f"hydra.run.dir={tmp_path}"])
     served = json.loads((tmp_path / "report.json").read_text())["served"]["vllm"]
     assert served["identical"] is None and "temperature=0.8" in served["sampling"]
-    for side in ("vllm_alpha", "specdraft_alpha", "vllm_tau", "specdraft_tau"):
+    for side in ("vllm_acceptance_rate", "specdraft_acceptance_rate", "vllm_tau_committed", "specdraft_tau_committed"):
         spread = served["acceptance"][side]
         assert spread["prompts"] == 6 and spread["mean"] > 0 and spread["stderr"] >= 0
     # the same drafter on the same prompts: the two acceptance rates agree within their standard errors' reach
-    a, b = served["acceptance"]["vllm_alpha"], served["acceptance"]["specdraft_alpha"]
+    a, b = served["acceptance"]["vllm_acceptance_rate"], served["acceptance"]["specdraft_acceptance_rate"]
     assert abs(a["mean"] - b["mean"]) <= 4 * (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5 + 0.05, served["acceptance"]
 
 
