@@ -192,7 +192,7 @@ def render_batch(d: dict) -> str:
             f"round(s); auto = `decoder.policy=auto`.\n\n" + _table(header, rows))
 
 
-REGEN_NAMES = {"auto": "auto", "hf": "HF generate()", "batched": "batched decoder"}
+REGEN_NAMES = {"auto": "auto", "hf": "HF generate()", "batched": "batched decoder", "vllm": "vLLM"}
 
 
 def render_regenerate(d: dict) -> str:
@@ -669,6 +669,16 @@ SOURCES: dict[str, Source] = {
         "in the median by 0.3 ms per step for both."),
     "bench_decode_steps_tiny_cpu_before.json": Source(
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
+    "bench_regenerate_vllm_tiny_cpu.json": Source(
+        "Regeneration throughput with vLLM among the engines (CPU, tiny toy target, a loaded machine)",
+        ".venv-vllm/bin/python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 3",
+        render_regenerate,
+        "As above, from the vLLM environment, so `regenerate.engine=vllm` (vLLM's CPU build, one engine in this "
+        "process, pinned to one core) is timed beside `batched` and `hf` on the same batches. Measured beside two "
+        "other jobs (load average about 2.8 on 2 cores): the ratios come from one run, each batch answered by the "
+        "engines in turn, but the absolute rates and the batched decoder's lead over HF (1.13x at batch 8 when "
+        "quiet, above) do not hold here. vLLM is the slowest engine on this CPU at both batch sizes, so `auto` "
+        "keeps `batched` on a CPU; every engine's answers equal HF's."),
     "bench_regenerate_toy_cpu.json": Source(
         "Regeneration throughput: regenerate.engine=auto vs HF generate() and our batched decoder (CPU, toy target)",
         "python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 3",

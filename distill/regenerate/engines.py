@@ -35,7 +35,8 @@ from inference.sampling import SamplingConfig
 ENGINES = ("auto", "batched", "hf", "vllm")
 # ``auto`` without vLLM: the engine with the most new tokens/s per device type (scripts/bench_regenerate.py). CPU, toy
 # target, one thread: batched 1.14x hf at batch 8 and 1.01x at batch 32, the same answers
-# (scripts/results/bench_regenerate_toy_cpu.json). CUDA: hf (a static cache transformers compiles) until the batched
+# (scripts/results/bench_regenerate_toy_cpu.json); vLLM's CPU build, timed beside them, is the slowest of the three
+# at batch 8 and 32 (bench_regenerate_vllm_tiny_cpu.json), so a CPU keeps batched even where vLLM is installed. CUDA: hf (a static cache transformers compiles) until the batched
 # decoder's compiled, graphed steps are measured against it there. Any other device: hf, the maintained path.
 FASTEST = {"cpu": "batched", "cuda": "hf"}
 
