@@ -78,13 +78,19 @@ def parse_serve_line(line: str) -> ServedDrafter:
 
 
 def from_export(export_dir: Path, num_draft: int) -> ServedDrafter:
-    """An export's serve command, at this evaluation's γ."""
+    """An export's serve command, at this evaluation's γ, on the export where it lies now."""
     sidecar = json.loads((export_dir / SIDECAR).read_text(encoding="utf-8"))
     if sidecar.get("engine") != "vllm":
         raise ValueError(f"eval.export={str(export_dir)!r} is a format={sidecar.get('engine')} export; eval.engine=vllm "
                          f"serves a format=vllm export (python scripts/export.py ... format=vllm)")
     served = parse_serve_line(serve_line(export_dir))
-    served.speculative_config["num_speculative_tokens"] = num_draft
+    # the card names the directory the export was written to; it may have been copied or moved since (Medusa-2's
+    # target, merged_target/, lies inside it too)
+    written, here = Path(served.speculative_config["model"]), export_dir.resolve()
+    if Path(served.target).is_relative_to(written):
+        served.target = str(here / Path(served.target).relative_to(written))
+    served.speculative_config.update(model=str(here), num_speculative_tokens=num_draft)
+    served.export_dir = str(export_dir)
     return served
 
 

@@ -671,7 +671,7 @@ SOURCES: dict[str, Source] = {
         "Tiny preset, the eager loop before the step path", "", None, "The older code's half of an A/B; not rendered."),
     "bench_regenerate_vllm_tiny_cpu.json": Source(
         "Regeneration throughput with vLLM among the engines (CPU, tiny toy target, a loaded machine)",
-        ".venv-vllm/bin/python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 3",
+        "python scripts/bench_regenerate.py --threads 1 --batch-sizes 8 32 --batches 3 (with .venv-vllm/bin/python)",
         render_regenerate,
         "As above, from the vLLM environment, so `regenerate.engine=vllm` (vLLM's CPU build, one engine in this "
         "process, pinned to one core) is timed beside `batched` and `hf` on the same batches. Measured beside two "
@@ -706,13 +706,15 @@ SOURCES: dict[str, Source] = {
         "generated wrapper (its own fused kernels, the extern matmuls and the aten ops it still calls, e.g. "
         "attention); compile seconds at one thread, caches off."),
     "served_vllm_toy_cpu.json": Source(
-        "Served by vLLM: every exported kind on the CPU toy target, vLLM's acceptance beside this decoder's",
-        ".venv-vllm/bin/python scripts/vllm_check.py --preset toy", render_served,
-        "Drafters trained with the check's toy budgets (scripts/vllm_check.py ROWS), exported with format=vllm and "
+        "Served by vLLM on the default 4M toy target: vLLM's acceptance beside this decoder's",
+        "python scripts/vllm_check.py --preset toy --rows eagle1 eagle3 medusa draft_model lookup (with "
+        ".venv-vllm/bin/python)", render_served,
+        "Five rows of the check on the default toy target (the tiny table below has every kind): drafters trained with "
+        "the check's budgets (scripts/vllm_check.py ROWS), exported with format=vllm and "
         "served with the `vllm serve` line of their model cards (docs/export.md, \"Served by vLLM\")."),
     "served_vllm_tiny_cpu.json": Source(
         "Served by vLLM: every exported kind on the 8-layer tiny toy target (what make vllm-check runs)",
-        ".venv-vllm/bin/python scripts/vllm_check.py", render_served,
+        "python scripts/vllm_check.py (with .venv-vllm/bin/python: what make vllm-check runs)", render_served,
         "Smoke budgets (scripts/vllm_check.py ROWS); the same check CI runs."),
     "bench_step_cpu.json": Source(
         "Training step time across versions", "", None, "A comparison of versions of the code; not rendered."),
