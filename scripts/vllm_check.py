@@ -200,14 +200,14 @@ def main(argv=None) -> int:
     if args.table:
         print(served_table(json.loads(out.read_text())["rows"]))
         return 0
+    from eval.report import machine_info
     from inference.vllm_engine import import_vllm, vllm_version
 
     import_vllm()
     prompt_tokens = args.prompt_tokens or (48 if args.preset == "tiny" else 128)
     results = {"preset": args.preset, "vllm": vllm_version(), "num_prompts": args.num_prompts,
                "prompt_tokens": prompt_tokens, "max_new_tokens": args.max_new, "num_draft": args.num_draft,
-               "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                           "python": platform.python_version()}, "rows": []}
+               "machine": {**machine_info(), "python": platform.python_version()}, "rows": []}
     started = time.time()
     paths = {}
     for row in args.rows:  # training first: every engine then starts in one stretch
