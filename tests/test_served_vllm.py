@@ -129,16 +129,18 @@ def test_eval_engine_vllm_reports_vllms_acceptance_beside_ours_and_the_card_carr
 def test_eval_engine_vllm_sampled_reports_both_acceptance_rates_with_standard_errors(eagle3_run, tmp_path):
     run_dir, export = eagle3_run
     run_module("eval", [f"drafter_path={run_dir / 'drafter'}", *TARGET, *EVAL, "eval.num_prompts=6",
-                        "decoder.temperature=0.8", "decoder.seed=3", "eval.engine=vllm", f"eval.export={export}",
+                        "decoder.temperature=0.3", "decoder.seed=3", "eval.engine=vllm", f"eval.export={export}",
                         f"hydra.run.dir={tmp_path}"])
     served = json.loads((tmp_path / "report.json").read_text())["served"]["vllm"]
-    assert served["identical"] is None and "temperature=0.8" in served["sampling"]
+    # 0.3: where the tiny target's top token carries enough of its probability for both sides to accept a measurable
+    # share (docs/export.md: at 0.8 vLLM's CPU build accepted none here while this decoder accepted 2%)
+    assert served["identical"] is None and "temperature=0.3" in served["sampling"]
     for side in ("vllm_acceptance_rate", "specdraft_acceptance_rate", "vllm_tau_committed", "specdraft_tau_committed"):
         spread = served["acceptance"][side]
         assert spread["prompts"] == 6 and spread["mean"] > 0 and spread["stderr"] >= 0
     # the same drafter on the same prompts: the two acceptance rates agree within their standard errors' reach
     a, b = served["acceptance"]["vllm_acceptance_rate"], served["acceptance"]["specdraft_acceptance_rate"]
-    assert abs(a["mean"] - b["mean"]) <= 4 * (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5 + 0.05, served["acceptance"]
+    assert abs(a["mean"] - b["mean"]) <= 4 * (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5, served["acceptance"]
 
 
 @needs_vllm
