@@ -151,7 +151,7 @@ def medusa(d, target: TargetShape, B: int, T: int, hidden_needs_grad: bool = Fal
 
 
 def medusa2(d, target: TargetShape, B: int, T: int) -> StepFlops:
-    """Medusa-2 (``heads.medusa2``): before ``heads_only_steps``, Medusa's count; in the joint stage also the adapted
+    """Medusa-2 (``heads.medusa.medusa2``): before ``heads_only_steps``, Medusa's count; in the joint stage also the adapted
     target's forward and backward (frozen base weights 1x on the gradient's way, the LoRA trains), its last position's
     logits, and its next-token loss through the frozen lm_head over B(T-1) rows."""
     if not d._joint:

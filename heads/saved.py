@@ -26,6 +26,8 @@ from heads.base import Drafter, TargetDims, instantiate_drafter
 FORMAT = "specdraft-drafter"
 FORMAT_VERSION = 1
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+# Drafter classes saved under a module path that has since moved: a directory saved before still loads.
+MOVED_TARGETS = {"heads.medusa2.Medusa2": "heads.medusa.Medusa2"}
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,9 @@ def read_drafter_config(path: str | os.PathLike) -> dict:
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         found = config.get("format") if isinstance(config, dict) else type(config).__name__
         raise ValueError(f"{cfg_file} is not a specdraft drafter config (format={found!r})")
+    node = config.get("drafter")
+    if isinstance(node, dict) and node.get("_target_") in MOVED_TARGETS:
+        node["_target_"] = MOVED_TARGETS[node["_target_"]]
     return _no_remote_code(config, cfg_file)
 
 

@@ -1,6 +1,6 @@
 """EAGLE-2 dynamic draft trees: grow the tree where the drafter is confident, then keep the best nodes.
 
-The hook a feature drafter (EAGLE, ``heads/eagle.py``) calls from ``propose``. It only needs a function that scores
+The hook a feature drafter (EAGLE, ``heads/eagle/model.py``) calls from ``propose``. It only needs a function that scores
 one level of nodes at a time:
 
     score(level, parent_slot_F, tokens_F) -> logits [F, V] (log-probabilities up to a per-row constant)

@@ -1,4 +1,4 @@
-"""The draft model's batch cache (``heads.draft_model_rows``): a preallocated KV cache any Hugging Face causal LM
+"""The draft model's batch cache (``heads.draft_model.rows``): a preallocated KV cache any Hugging Face causal LM
 fills through its own forward, whose rows may differ in length.
 
 Each layer keeps one buffer per keys / values of ``capacity`` columns ([B, heads, capacity, head_dim]) and a length
@@ -150,7 +150,7 @@ class RaggedLayer(PreallocatedLayer):
 class RaggedCache(Cache):
     """Rows of different lengths, each dense from column 0 (row b's entries in columns 0 .. len_b - 1), in
     ``RaggedLayer``s (one per attention layer, created as the forward reaches them, like ``DynamicCache``), each
-    preallocating ``capacity`` columns; a draft model's batch (``heads.draft_model_rows``) keeps one.
+    preallocating ``capacity`` columns; a draft model's batch (``heads.draft_model.rows``) keeps one.
 
     By default a forward appends behind the shared pointer (all rows equally long: batch 1). ``write_at(cols_BN,
     extent)`` makes the next forwards write row b's n new entries to columns ``cols_BN[b]`` instead (a scatter; the

@@ -27,7 +27,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from inference.sampling import SamplingConfig
+from inference.acceptance import sample_uniform
+from inference.hash32 import MASK32, mix32, mul32
+from inference.sampling import SamplingConfig, warp
 
 
 @dataclass
@@ -150,3 +152,24 @@ class StaticDrafting(Protocol):
         """Allocate this drafter's state for sequences of at most ``capacity`` positions reading ``committed``
         (outside any capture), or None when this drafter (or this sampling setting) has no static step."""
         ...
+
+
+def hashed_uniforms(seed: Tensor, counter: Tensor, index_n: Tensor) -> Tensor:
+    """[n] float32 uniforms in [0, 1 - 2**-23] from (seed, counter, index): fixed-shape integer ops, so a CUDA graph
+    replays fresh draws as ``counter`` advances. 23 bits: u * total then stays below total in float32, so the
+    inverse CDF never runs past the last token."""
+    x = mix32((seed & MASK32) ^ mul32(counter & MASK32, 0x9E3779B1))
+    x = mix32(x ^ mul32(index_n & MASK32, 0x85EBCA77))
+    return (x >> 9).to(torch.float32) * (1.0 / (1 << 23))
+
+
+def draw_chain(static, logits_TV: Tensor) -> None:
+    """A parallel drafter's sampled chain inside its static step: ``static.depth`` tokens, one per row of the warped
+    ``logits_TV``, drawn with the step's hashed uniforms (a fresh counter each step), their distributions kept in
+    ``static.buffers.probs_TV`` for rejection sampling."""
+    uniforms = hashed_uniforms(static.seed, static.counter, static.draws_T)
+    static.counter.add_(1)
+    probs = warp(logits_TV, static.sampling)
+    static.buffers.probs_TV.copy_(probs)
+    static.buffers.tokens_T.copy_(torch.cat([sample_uniform(probs[k], uniforms[k: k + 1])
+                                             for k in range(static.depth)]))

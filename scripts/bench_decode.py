@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from heads.draft_model import toy_draft_node
+from heads.draft_model.config import toy_draft_node
 from train.config import load_config, register_configs, to_container
 
 ROOT = Path(__file__).resolve().parents[1]

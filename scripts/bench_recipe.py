@@ -102,7 +102,7 @@ ROWS = {
     "eagle3_ttt4_regen0_top1ce_kl1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1], 440),
     "eagle3_ttt4_regen0_top1ce_kl1_decay1_10cpumin": ([*E3, "drafter.ttt_steps=4", *R1, "drafter.loss_decay=1.0"],
                                                       420),
-    # after the explicit TTT attention (heads/eagle.py): EAGLE-1 given the whole 600 CPU s (0.51 CPU s per
+    # after the explicit TTT attention (heads/eagle/model.py): EAGLE-1 given the whole 600 CPU s (0.51 CPU s per
     # step incl. start-up at 1,000 steps), and EAGLE-3 TTT 3 (loss decay 1) with a smaller draft vocabulary, whose
     # lm_head, logits and loss rows shrink with it (toy regenerated answers: 1,024 ids cover 99.9% of answer tokens,
     # 512 99.6%; measured ~0.81 and ~0.68 of the 3,072-id step)

@@ -6,7 +6,7 @@ chains), at the shapes given.
     python scripts/bench_train_attention.py --device cuda --seq 4096  # GPU: dense, tiled, flex (compiled)
 
 Output JSON (``--out``): machine, settings, and per (mask, kernel) the median milliseconds and, on CUDA, the peak
-memory above the inputs. EAGLE's explicit-scores CPU path (``heads.eagle_attention``) is timed beside them on a CPU.
+memory above the inputs. EAGLE's explicit-scores CPU path (``heads.eagle.attention``) is timed beside them on a CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import torch
 
 from eval.report import machine_info
-from heads.eagle_attention import explicit_ttt_attention
+from heads.eagle.attention import explicit_ttt_attention
 from heads.train_attention import attend, dflash_block_mask, parallel_chain_mask, train_attention, ttt_step_mask
 
 

@@ -36,7 +36,7 @@ import torch
 
 from distill.atomic import save_tensors
 from heads.base import TargetDims
-from heads.dflash import DFlashDrafter
+from heads.dflash.model import DFlashDrafter
 from serve.adapter import read_weights, serve_name, target_dtype, target_facts, vocab_problem
 from serve.eagle import SCALED_EMBEDDING_FAMILIES
 from serve.model_card import model_card

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from heads.base import TargetDims
-from heads.draft_model import DraftModel
+from heads.draft_model.model import DraftModel
 from serve.adapter import check_hf_model
 from serve.model_card import model_card
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from heads.base import TargetDims
-from heads.dspark import DSparkDrafter
+from heads.dspark.model import DSparkDrafter
 from serve.adapter import read_weights
 from serve.dflash import ENGINES as DFLASH_ENGINES
 from serve.dflash import DFlashAdapter, DFlashEngine, _layer_problems, as_zlab

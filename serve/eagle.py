@@ -5,7 +5,7 @@ back from engine parameters to a specdraft drafter (to decode an export and comp
 Each engine is one ``EagleEngine`` row in ``ENGINES`` and each variant one ``EagleKind`` row in ``KINDS`` (its config
 writer, its own tensors, the layers it is fed): adding an engine is one row, and no function branches on either.
 
-Our drafter (heads/eagle.py) -> the engines' ``LlamaForCausalLM{Eagle,Eagle3}``:
+Our drafter (heads/eagle/model.py) -> the engines' ``LlamaForCausalLM{Eagle,Eagle3}``:
     layer.{q,k,v,o}_proj          -> {P}self_attn.{q,k,v,o}_proj   (vLLM / SGLang pack q,k,v into qkv_proj on load)
     layer.{gate,up,down}_proj     -> {P}mlp.{gate,up,down}_proj     (gate,up packed into gate_up_proj on load)
     layer.post_attention_layernorm-> {P}post_attention_layernorm
@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 
 from distill.atomic import save_tensors
 from heads.base import TargetDims
-from heads.eagle import EagleDrafter
+from heads.eagle.model import EagleDrafter
 from serve.adapter import serve_name, target_dtype, target_facts, vocab_problem
 from serve.model_card import model_card
 

@@ -26,7 +26,7 @@ from distill.atomic import save_tensors, save_torch
 from distill.teacher import load_teacher, target_config
 from heads.base import TargetDims
 from heads.lora import save_peft_adapter
-from heads.medusa import MedusaHeads
+from heads.medusa.model import MedusaHeads
 from serve.adapter import check_hf_model, read_weights, serve_name, target_dtype
 from serve.model_card import model_card
 

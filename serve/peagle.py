@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 
 from distill.atomic import save_tensors
 from heads.base import TargetDims
-from heads.peagle import PEagleDrafter
+from heads.peagle.model import PEagleDrafter
 from serve.adapter import serve_name, target_dtype, target_facts, vocab_problem
 from serve.eagle import (check_eagle31, check_target_family, drafter_from_engine, eagle31_settings, engine_config,
                          engine_state, load_like_engine, our_layers, written_layer_ids)

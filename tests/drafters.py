@@ -92,7 +92,7 @@ def medusa(teacher: Teacher, seed: int = 0, **node):
 
 def eagle(teacher: Teacher, variant: str, seed: int = 1):
     """EAGLE-1, EAGLE-3 or P-EAGLE (``variant``: the kind) off its init; a random draft vocabulary for the last two."""
-    from heads.eagle import vocab_maps
+    from heads.layers import vocab_maps
 
     node = NODES[variant]
     if variant == "peagle":  # its mask_hidden starts random
@@ -116,7 +116,7 @@ def truncated(target, **overrides) -> LlamaForCausalLM:
 
 
 def draft_model(teacher: Teacher):
-    from heads.draft_model import DraftModel
+    from heads.draft_model.model import DraftModel
 
     drafter = DraftModel(TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers),
                          model=truncated(teacher.model))

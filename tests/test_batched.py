@@ -17,8 +17,8 @@ import torch
 
 from distill.teacher import Teacher
 from heads.base import TargetDims, build_drafter
-from heads.draft_model import DraftModel
-from heads.eagle import EagleDrafter
+from heads.draft_model.model import DraftModel
+from heads.eagle.model import EagleDrafter
 from heads.base import fork_drafter
 from inference.batch_decoder import BatchStepDecoder
 from inference.decoder import Decoder, DecoderConfig

@@ -41,7 +41,7 @@ def drafter_for(kind: str, teacher):
     if kind == "dflash":
         return dflash(teacher)
     if kind == "medusa2_tree":
-        from heads.medusa2 import Medusa2
+        from heads.medusa.medusa2 import Medusa2
         from tests.test_static_draft import medusa
 
         return medusa(teacher, "small", Medusa2)[0]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from heads.base import TargetDims, build_drafter
-from heads.draft_model import DraftModel
-from heads.eagle import EagleDrafter
+from heads.draft_model.model import DraftModel
+from heads.eagle.model import EagleDrafter
 from inference.decoder import Decoder, DecoderConfig
 from inference.sampling import SamplingConfig
 from inference.transfers import TransferCounter

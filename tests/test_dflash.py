@@ -11,8 +11,8 @@ import torch
 
 from distill.losses import forward_kl
 from heads.base import build_drafter
-from heads.dflash import DFlashDrafter, block_mask, default_feature_layers
-from heads.dflash_rows import DFlashRows
+from heads.dflash.model import DFlashDrafter, block_mask, default_feature_layers
+from heads.dflash.rows import DFlashRows
 from heads.saved import load_drafter
 from inference.batch_decoder import BatchStepDecoder
 from inference.decoder import Decoder
@@ -257,7 +257,7 @@ def test_sampled_output_distribution_is_the_targets(batch):
 def test_default_mask_token_is_a_dedicated_id():
     """The anchors' choice: the tokenizer's mask token, else the first id past the tokenizer's own (an embedding row
     no text produces: Qwen3's 151669), else the last id of a vocabulary the tokenizer fills."""
-    from heads.dflash import default_mask_token_id
+    from heads.dflash.model import default_mask_token_id
 
     class Tok:
         def __init__(self, n, mask=None):

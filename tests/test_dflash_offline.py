@@ -55,7 +55,7 @@ def test_cli_caches_only_the_drafters_layers_and_prints_the_bytes(tiny_toy_targe
     manifest = build_cache(cfg)
     model, _ = tiny_toy_target
     L, D = model.config.num_hidden_layers, model.config.hidden_size
-    from heads.dflash import default_feature_layers
+    from heads.dflash.model import default_feature_layers
 
     assert manifest["layers"] == list(default_feature_layers(L, 2)) and L not in manifest["layers"]
     assert manifest["dtype"] == "bfloat16"

@@ -10,7 +10,7 @@ DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "scripts" / "README
 # Pages written by other changes that this branch links to; checked like any other once they exist.
 PENDING = {"docs/reliability.md", "docs/gpu-decoding.md"}
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# `heads/eagle.py`, `distill/cache/`: a file with a suffix or a directory (`train/loss` is a metric key, not a path)
+# `heads/eagle/model.py`, `distill/cache/`: a file with a suffix or a directory (`train/loss` is a metric key, not a path)
 CODE_PATH = re.compile(r"`((?:conf|heads|inference|distill|train|eval|scripts|tests|docs)/[\w./-]*(?:\.\w+|/))`")
 
 
@@ -64,7 +64,7 @@ def test_the_checks_can_fail(tmp_path):
     assert slug("Training memory at a 128k vocabulary (one H100)") == "training-memory-at-a-128k-vocabulary-one-h100"
     assert anchors(doc) == {"a-heading"}
     assert list(_links(doc)) == ["#a-heading", "#no-such", "missing.md"]
-    assert CODE_PATH.findall("`heads/eagle.py` `distill/cache/` `train/loss`") == ["heads/eagle.py", "distill/cache/"]
+    assert CODE_PATH.findall("`heads/eagle/model.py` `distill/cache/` `train/loss`") == ["heads/eagle/model.py", "distill/cache/"]
 
 
 def test_family_table_lists_the_tested_families_and_existing_presets():

@@ -18,7 +18,7 @@ from distill.toy import ToyTargetConfig
 from eval.baselines import hf_assisted, hf_generate
 from heads.base import TargetDims, build_drafter
 from heads.saved import load_drafter, load_saved_drafter, save_drafter
-from heads.draft_model import DraftModel
+from heads.draft_model.model import DraftModel
 from inference.decoder import Decoder, DecoderConfig
 from inference.sampling import GREEDY, SamplingConfig
 from tests.conftest import make_tiny_llama
@@ -131,7 +131,7 @@ def test_toy_source_merges_overrides_into_the_toy_defaults(tiny_teacher, monkeyp
         seen.update(cfg)
         return tiny_llama(num_hidden_layers=1), None
 
-    monkeypatch.setattr("heads.draft_model.load_or_build_toy_target", fake_build)
+    monkeypatch.setattr("heads.draft_model.model.load_or_build_toy_target", fake_build)
     node = {**OmegaConf.to_container(OmegaConf.load(CONF / "drafter" / "draft_model.yaml")), "source": "toy"}
     drafter = build_drafter(node, tiny_teacher)
     assert isinstance(drafter, DraftModel) and seen == {**asdict(ToyTargetConfig()), **node["toy"]}

@@ -1,4 +1,4 @@
-"""DraftModelRows (heads.draft_model_rows): a batch of sequences drafted by one draft model, one forward per draft step.
+"""DraftModelRows (heads.draft_model.rows): a batch of sequences drafted by one draft model, one forward per draft step.
 
 Its proposals equal the per-row copies' (``heads.base.ForkedRows``, each its own batch-1 DraftModel) token for token
 over many steps with ragged contexts, ragged acceptance, per-row depths (0 included), plain steps, rows leaving the
@@ -13,8 +13,8 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from heads.base import ForkedRows, TargetDims
-from heads.draft_model import DraftModel
-from heads.draft_model_rows import DraftModelRows
+from heads.draft_model.model import DraftModel
+from heads.draft_model.rows import DraftModelRows
 from inference.batch_decoder import BatchStepDecoder
 from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig

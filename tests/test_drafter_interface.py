@@ -11,7 +11,7 @@ from heads.base import build_drafter
 
 DRAFTERS = {
     "medusa": {"_target_": "heads.medusa.MedusaHeads", "num_heads": 3, "num_layers": 1},
-    "medusa2": {"_target_": "heads.medusa2.Medusa2", "num_heads": 3, "num_layers": 1, "lora": {"r": 4, "alpha": 8},
+    "medusa2": {"_target_": "heads.medusa.Medusa2", "num_heads": 3, "num_layers": 1, "lora": {"r": 4, "alpha": 8},
                 "heads_only_steps": 0},
     "eagle1": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle1", "ttt_steps": 3},
     "eagle3": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "ttt_steps": 3, "draft_vocab_size": 96},

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from distill.losses import forward_kl
 from heads.base import build_drafter
-from heads.dspark import DSparkDrafter
-from heads.dspark_decode import DSparkRows
+from heads.dspark.model import DSparkDrafter
+from heads.dspark.draft import DSparkRows
 from heads.saved import load_drafter
 from inference.batch_decoder import BatchStepDecoder
 from inference.decoder import Decoder

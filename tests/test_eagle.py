@@ -10,10 +10,13 @@ from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import TargetDims
 from heads.saved import load_drafter, save_drafter
-import heads.eagle  # its _ttt_attention reads these names: the tests patch them there
-from heads.eagle import EagleDrafter, default_feature_layers, explicit_ttt_attention, ttt_mask, vocab_maps
+import heads.eagle.model  # its _ttt_attention reads these names: the tests patch them there
+from heads.eagle.attention import explicit_ttt_attention, ttt_mask
+from heads.eagle.model import EagleDrafter
+from heads.eagle.variants import default_feature_layers
+from heads.layers import vocab_maps
 from heads.train_attention import ttt_step_mask
-from heads.eagle_decode import BatchNodes, score_level
+from heads.eagle.rows import BatchNodes, score_level
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
 from inference.stats import simulated_tau

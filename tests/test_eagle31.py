@@ -9,8 +9,8 @@ import torch
 
 from distill.losses import forward_kl
 from heads.base import build_drafter
-from heads.eagle import EagleDrafter
-from heads.peagle import PEagleDrafter
+from heads.eagle.model import EagleDrafter
+from heads.peagle.model import PEagleDrafter
 from inference.decoder import Decoder
 from inference.sampling import GREEDY
 from tests import test_eagle as plain
@@ -205,7 +205,7 @@ def test_flagged_peagle_exports_round_trip(tmp_path, engine):
 
     from safetensors.torch import load_file
 
-    from heads.eagle import vocab_maps
+    from heads.layers import vocab_maps
     from heads.saved import save_drafter
     from serve.export import check_export, export_drafter, load_export
     from tests.drafters import TRAINED, assert_reloaded_alike, deep_teacher

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from heads.base import build_drafter
-from heads.draft_model import DraftModel
+from heads.draft_model.model import DraftModel
 from inference.cost import auto_tune, chain_tau, overhead_ratio, predict, tree_tau
 from inference.decoder import Decoder, DecoderConfig
 from tests.test_config import load

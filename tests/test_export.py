@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from heads.saved import save_drafter, weights_digest
-from heads.draft_model import DraftModel
+from heads.draft_model.model import DraftModel
 from serve.export import SIDECAR, check_export, export_drafter, load_export
 from inference.decoder import Decoder
 from tests.drafters import DIMS, DRAFT_MODEL_NODE, MEDUSA_NODE, TRAINED, noisy_medusa, truncated

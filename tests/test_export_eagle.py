@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from distill.teacher import Teacher
 from heads.saved import save_drafter
-from heads.eagle import EagleDrafter, vocab_maps
+from heads.eagle.model import EagleDrafter
+from heads.layers import vocab_maps
 from serve.export import check_export, export_drafter, load_export
 from inference.decoder import Decoder
 

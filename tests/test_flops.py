@@ -11,13 +11,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
-import heads.eagle
+import heads.eagle.model
 from distill.flops import LMShape, TargetShape, causal_pairs
 from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import build_drafter
 from heads.base import TargetDims
-from heads.draft_model import DraftModel
+from heads.draft_model.model import DraftModel
 from heads.train_attention import train_attention
 from tests.drafters import NODES, tiny_llama
 from train.flops import FlopMeter, device_peak_tflops
@@ -57,7 +57,7 @@ class FlopCounter(TorchDispatchMode):
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
         return out
-MEDUSA2_NODE = {"_target_": "heads.medusa2.Medusa2", "num_heads": 3, "num_layers": 1, "heads_only_steps": 0}
+MEDUSA2_NODE = {"_target_": "heads.medusa.Medusa2", "num_heads": 3, "num_layers": 1, "heads_only_steps": 0}
 KINDS = {**NODES, "eagle3_ttt1": {**NODES["eagle3"], "ttt_steps": 1}, "eagle3_full_vocab": {
     **NODES["eagle3"], "draft_vocab_size": None, "ttt_steps": 3}, "eagle1_ttt3": {**NODES["eagle1"], "ttt_steps": 3},
     "dflash_distill": {**NODES["dflash"], "objective": "distill"}, "medusa2": MEDUSA2_NODE,
@@ -140,7 +140,7 @@ def test_eagle_model_attention_counts_the_ttt_mask_pairs(window):
 
 @pytest.mark.parametrize("anchors, window", [(512, None), (512, 8), (4, None)])
 def test_dflash_model_attention_counts_the_block_mask_pairs(anchors, window):
-    from heads.dflash import block_mask
+    from heads.dflash.model import block_mask
 
     teacher = _teacher()
     torch.manual_seed(0)

@@ -208,15 +208,15 @@ def _exact_continuations(model, prompt, length):
 def _decoder_setup(kind):
     from distill.teacher import Teacher
     from heads.base import TargetDims
-    from heads.draft_model import DraftModel
-    from heads.medusa import MedusaHeads
+    from heads.draft_model.model import DraftModel
+    from heads.medusa.model import MedusaHeads
 
     teacher = Teacher(_tiny(0), tokenizer=None, name="tiny-v4")
     dims = TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers)
     if kind == "draft_model":  # a chain sampled from a different LM: Leviathan/Chen through the loop
         return teacher, DraftModel(dims, model=_tiny(1))
     if kind == "eagle_tree":  # a top-k dynamic tree (point masses) from a feature drafter: recursive rejection
-        from heads.eagle import EagleDrafter
+        from heads.eagle.model import EagleDrafter
 
         torch.manual_seed(3)
         eagle = EagleDrafter(dims, variant="eagle1", top_k=2, total_tokens=4)

@@ -21,7 +21,7 @@ from heads.base import TargetDims, build_drafter
 from heads.saved import load_drafter, load_saved_drafter, save_drafter
 from serve.export import ADAPTER_DIR, MERGED, SIDECAR, check_export, export_drafter, load_export
 from heads.lora import lora_layers, save_peft_adapter
-from heads.medusa2 import Medusa2
+from heads.medusa.medusa2 import Medusa2
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
 from tests.test_checkpoint import DyingEngine, Killed, make_cfg, make_dataset
@@ -31,7 +31,7 @@ from train.logger import MetricsLogger
 from train.loop import train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-CFG = {"_target_": "heads.medusa2.Medusa2", "num_heads": 3, "num_layers": 1, "tree": "small",
+CFG = {"_target_": "heads.medusa.Medusa2", "num_heads": 3, "num_layers": 1, "tree": "small",
        "lora": {"r": 4, "alpha": 8}, "heads_only_steps": 2}
 TARGET_CFG = {"source": "toy", "name": "tiny-llama"}
 KL = functools.partial(forward_kl, temperature=1.0)
@@ -259,7 +259,7 @@ def test_after_training_reports_original_and_adapted_heldout_loss(tiny_teacher, 
     drafter = bound(tiny_teacher, noise=0.2)
     assert drafter.after_training(tiny_teacher) == {}  # no tokenizer: nothing to encode held-out text with
     ids = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr("heads.medusa2.heldout_prompts", lambda tok, n, tokens, seed=0: ids.tolist())
+    monkeypatch.setattr("heads.medusa.medusa2.heldout_prompts", lambda tok, n, tokens, seed=0: ids.tolist())
     tiny_teacher.tokenizer = tokenizer128()
     out = drafter.after_training(tiny_teacher)
 

@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from distill.data import DataConfig, TokenBlockDataset, collate
 from distill.losses import forward_kl
 from distill.onpolicy import OnPolicyBatches
-from heads.draft_model import DraftModel
-from heads.medusa import MedusaHeads
+from heads.draft_model.model import DraftModel
+from heads.medusa.model import MedusaHeads
 from tests.drafters import DIMS, truncated
 from train.config import Config, load_config, register_configs
 from train.engine import SingleEngine, TrainerConfig

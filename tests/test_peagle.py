@@ -9,13 +9,13 @@ import torch
 
 from distill.losses import forward_kl
 from heads.base import build_drafter
-from heads.peagle import PEagleDrafter, parallel_mask
-from heads.peagle_rows import PEagleRows
+from heads.peagle.model import PEagleDrafter, parallel_mask
+from heads.peagle.rows import PEagleRows
 from heads.saved import load_drafter
 from inference.batch_decoder import BatchStepDecoder
 from inference.decoder import Decoder
 from inference.sampling import SamplingConfig
-from heads.eagle import vocab_maps
+from heads.layers import vocab_maps
 from serve.export import check_export, export_drafter, load_export
 from tests.drafters import (DIMS, PEAGLE_NODE, assert_reloaded_alike, assert_rows_draft_what_each_row_drafts_alone,
                             assert_sampling_keeps_the_target_distribution, deep_teacher, eagle, perturbed, save,
@@ -427,7 +427,7 @@ def test_export_refuses_unsupported_engines_and_uncaptured_layers(tmp_path):
 # --- the sampled output distribution through the real decode loop ------------------------------------------------
 
 # Batch 1 (slow) repeats tests/test_dflash.py's [1]: the same Decoder verify step and the same sampled static chain
-# (heads.draft_model_static.draw_chain); P-EAGLE's own sampled-step distributions are checked against propose's in
+# (heads.draft_model.draft.draw_chain); P-EAGLE's own sampled-step distributions are checked against propose's in
 # test_static_draft_drafts_what_propose_drafts, and its sampled chain decodes losslessly at batch 4 here.
 @pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_sampled_output_distribution_is_the_targets(batch):

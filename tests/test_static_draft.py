@@ -15,10 +15,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from distill.teacher import Teacher
-from heads.draft_model import DraftModel
-from heads.draft_model_static import hashed_uniforms
-from heads.medusa import MedusaHeads
-from heads.medusa2 import Medusa2
+from heads.draft_model.model import DraftModel
+from inference.static_draft import hashed_uniforms
+from heads.medusa.model import MedusaHeads
+from heads.medusa.medusa2 import Medusa2
 from inference.acceptance import sample_uniform
 from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig, warp
@@ -49,7 +49,8 @@ def medusa(teacher, tree, cls=MedusaHeads):
 
 
 def draft_model(teacher):
-    drafter = DraftModel(DIMS, model=truncated(teacher.model))
+    # room for the shape tests' contexts past the target's 256 positions (the draft model refuses a draft past its own)
+    drafter = DraftModel(DIMS, model=truncated(teacher.model, max_position_embeddings=1024))
     drafter.bind_target(teacher, initialize=False)
     return drafter.eval(), 5
 
@@ -325,6 +326,24 @@ def test_draft_model_shape_follows_the_context_and_its_own_draft(target):
     assert static.use_shape(600, True) == (610, 2)
     with pytest.raises(ValueError, match="more than the StaticKV capacity"):
         static.use_shape(607, True)
+
+
+def test_a_static_draft_past_the_draft_models_positions_is_refused_as_the_eager_rows_refuse_it(target):
+    """The draft model's own ``max_position_embeddings`` bounds its static draft too: ``use_shape`` (host, before
+    each draft) refuses the draft that would run past it, with the settings to change, at the context where the
+    eager proposal refuses it; a decode through the static step stops with that message."""
+    drafter = DraftModel(DIMS, model=make_tiny_llama(num_hidden_layers=1, max_position_embeddings=16))
+    drafter.bind_target(target, initialize=False)
+    drafter.eval()
+    static = drafter.static_draft(committed_for(drafter, 5), 32, GREEDY, None)  # γ = 4
+    static.use_shape(12, True)  # the pending token at position 12: drafts fed up to position 15
+    drafter.propose(torch.zeros(1, 13, dtype=torch.long), 4)  # the eager proposal on the same context: fits
+    with pytest.raises(ValueError, match=r"max_position_embeddings=16.*eval.prompt_tokens"):
+        static.use_shape(13, True)
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        drafter.propose(torch.zeros(1, 14, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        Decoder(target).speculative(drafter, torch.arange(1, 11)[None], 16, num_draft=4)
 
 
 def test_decoder_drafts_with_a_two_row_catch_up_what_the_eager_proposal_drafts(target):

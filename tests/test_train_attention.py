@@ -267,11 +267,11 @@ def masked_forward(model, data):
 def test_draft_model_and_medusa2_train_the_same_without_the_mask(monkeypatch):
     """Their training forwards run the HF model on right-padded rows without the mask: the same loss and gradients
     as with it (Medusa-2 in its joint stage, its LoRA trained through the target's forward)."""
-    from heads.draft_model import DraftModel
+    from heads.draft_model.model import DraftModel
     from tests.drafters import DIMS
 
     data = batch()
-    medusa2 = {"_target_": "heads.medusa2.Medusa2", "num_heads": 3, "num_layers": 1, "tree": "small",
+    medusa2 = {"_target_": "heads.medusa.Medusa2", "num_heads": 3, "num_layers": 1, "tree": "small",
                "lora": {"r": 4, "alpha": 8}, "heads_only_steps": 0}
     for kind in ("draft_model", "medusa2"):
         runs = []

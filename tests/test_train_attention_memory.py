@@ -12,11 +12,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import heads.eagle
+import heads.eagle.model
 from distill.losses import forward_kl
 from distill.teacher import Teacher
 from heads.base import build_drafter
-from heads.draft_model import DraftModel
+from heads.draft_model.model import DraftModel
 from heads.train_attention import train_attention
 from tests.drafters import DFLASH_NODE, DIMS, EAGLE1_NODE, EAGLE3_NODE, MEDUSA_NODE, PEAGLE_NODE, tiny_llama
 
@@ -25,7 +25,7 @@ KL = functools.partial(forward_kl, temperature=1.0)
 LAYERS = {"layers": [1, 2, 2]}  # three feature layers of the 2-layer tiny target
 NODES = {
     "medusa": MEDUSA_NODE,
-    "medusa2": {"_target_": "heads.medusa2.Medusa2", "num_heads": 3, "num_layers": 1, "tree": "small",
+    "medusa2": {"_target_": "heads.medusa.Medusa2", "num_heads": 3, "num_layers": 1, "tree": "small",
                 "lora": {"r": 4, "alpha": 8}, "heads_only_steps": 0},
     "eagle1": EAGLE1_NODE,
     "eagle3": {**EAGLE3_NODE, **LAYERS},  # training-time test: 7 steps

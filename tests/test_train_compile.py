@@ -31,7 +31,7 @@ KINDS = {
                "draft_vocab_size": None},
     "eagle1": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle1", "layers": [-1], "ttt_steps": 2},
     "medusa": {"_target_": "heads.medusa.MedusaHeads", "num_heads": 2, "num_layers": 1},
-    "medusa2": {"_target_": "heads.medusa2.Medusa2", "num_heads": 2, "num_layers": 1, "lora": {"r": 4, "alpha": 8},
+    "medusa2": {"_target_": "heads.medusa.Medusa2", "num_heads": 2, "num_layers": 1, "lora": {"r": 4, "alpha": 8},
                 "heads_only_steps": 5},
     "dflash": {"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "num_anchors": 4, "num_layers": 2},
     "peagle": {"_target_": "heads.peagle.PEagleDrafter", "layers": [0, 1, 2], "num_depths": 3,

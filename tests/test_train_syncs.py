@@ -39,7 +39,7 @@ KINDS = {
     "eagle3": {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "layers": [0, 1, 2], "ttt_steps": 3,
                "draft_vocab_size": 96},
     "medusa": {"_target_": "heads.medusa.MedusaHeads", "num_heads": 2, "num_layers": 1, "loss_decay": 0.8},
-    "medusa2": {"_target_": "heads.medusa2.Medusa2", "num_heads": 2, "num_layers": 1, "lora": {"r": 4, "alpha": 8},
+    "medusa2": {"_target_": "heads.medusa.Medusa2", "num_heads": 2, "num_layers": 1, "lora": {"r": 4, "alpha": 8},
                 "heads_only_steps": 0},
     "dflash": {"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "num_anchors": 4},
     "peagle": {"_target_": "heads.peagle.PEagleDrafter", "layers": [0, 1, 2], "num_depths": 3,

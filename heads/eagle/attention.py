@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from heads.train_attention import ttt_step_mask
+
 # Training attention on a CPU: explicit scores (``explicit_ttt_attention``) while B x h x T x (T + steps) stays
 # below this (64 MB of float32 scores per step; the toy target's 8 x 4 x 256 x 259 is 2.1M) and T below
 # EXPLICIT_MAX_SEQ; above either, and on GPUs, ``heads.train_attention``'s kernels, which never hold a [T, T] tensor.
@@ -82,3 +84,10 @@ class _ExplicitTTT(torch.autograd.Function):
             dks.append(d_col * q)
         grads = [d_q, *dks, *dvs]
         return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes))
+
+
+def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:
+    """[B, 1, T, steps*T] bool, ``heads.train_attention.ttt_step_mask`` as a dense tensor: query t may see step 0's
+    keys <= t that are real tokens (and always its own, so a padded query is never left with no key), and, in block
+    i >= 1, step i's key at t itself. Step j uses the first (j+1)*T columns."""
+    return ttt_step_mask(attn_BT, steps - 1, right_padded=False).dense(attn_BT.device)

@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from heads.draft_model_static import draw_chain
 from inference.sampling import SamplingConfig
 from inference.static_draft import (CommittedBuffers, DraftBuffers, check_layers_held,
-                                     check_prompt_fits, mark_static, reseed_draws)
+                                     check_prompt_fits, draw_chain, mark_static, reseed_draws)
 
 
 class DFlashStaticDraft:

@@ -7,13 +7,13 @@ Shape legend:  B batch, T sequence, V vocabulary (the target's), n committed tok
     tokens [1, n] -> draft model (its own KV cache, kept between proposals) -> chain tokens [k], probs_NV [k, V] | None
 
 Decoding a batch (the decode loop, batch 1 included): ``rows`` drafts every row in one forward per draft step over a
-preallocated ragged cache (``heads.draft_model_rows``). ``propose`` below drafts one sequence: per-row copies
+preallocated ragged cache (``heads.draft_model.rows``). ``propose`` below drafts one sequence: per-row copies
 (``heads.base.ForkedRows``) use it for sliding-window draft models, whose ``DynamicCache`` rolls windows back, and the
 batched rows are tested against it. Its cache holds the ids of the previous proposal's context and all its drafts but
 the last (the last draft is never fed). A new proposal crops the cache back to the longest prefix it shares with
 ``tokens``, feeds the rest in one forward, then drafts one token per forward: argmax when greedy (probabilities
 None), else a draw from the draft logits warped by ``inference.sampling.warp`` exactly as the target's (those rows
-are the chain's ``probs_NV``). The step decoder drafts through ``static_draft`` (``heads.draft_model_static``: the
+are the chain's ``probs_NV``). The step decoder drafts through ``static_draft`` (``heads.draft_model.draft``: the
 catch-up and the chain as one capture-safe step over the draft model's own static cache).
 
 Training target: the draft model's logits at t are distilled toward the teacher's logits at t (both predict token
@@ -39,8 +39,10 @@ from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
 from heads import flops
 from heads.base import DraftOutput, DraftTerm, Drafter, ForkedRows, TargetDims
-from heads.draft_model_rows import DraftModelRows
-from heads.draft_model_static import DraftModelStaticDraft
+from heads.draft_model.config import (draft_config, drop_tied_aliases, init_from_target, model_from_config,
+                                      restore_tied_aliases)
+from heads.draft_model.rows import DraftModelRows
+from heads.draft_model.draft import DraftModelStaticDraft
 from heads.lora import check_lora_spec, check_targets_exist, lora_config
 from inference.generation import cache_kwarg
 from inference.masks import AttentionLayout
@@ -102,15 +104,15 @@ class DraftModel(Drafter):
         self.model = None
         self.tokenizer = None
         if model is None and model_config is not None:
-            model = _from_config(model_config).to(DTYPES[dtype])
+            model = model_from_config(model_config).to(DTYPES[dtype])
         elif model is None and source != "config":  # source=config is built from the target in bind_target
             model, self.tokenizer = self._load(source)
         if model is not None:
             self._attach(model)
         # Tied embeddings are one tensor under two names; safetensors refuses to save shared tensors, so the
         # alias is left out of state_dict() and restored from its source on load (as HF's save_pretrained does).
-        self.register_state_dict_post_hook(_drop_tied_aliases)
-        self.register_load_state_dict_pre_hook(_restore_tied_aliases)
+        self.register_state_dict_post_hook(drop_tied_aliases)
+        self.register_load_state_dict_pre_hook(restore_tied_aliases)
         self.reset()
 
     def _attach(self, model: nn.Module) -> None:
@@ -160,7 +162,7 @@ class DraftModel(Drafter):
         return model.to(DTYPES[self.dtype_name]).eval(), tokenizer
 
     def _build_from_target(self, teacher) -> nn.Module:
-        """The target's config with ``config_overrides`` (fresh weights; ``_init_from_target`` fills some in)."""
+        """The target's config with ``config_overrides`` (fresh weights; ``init_from_target`` fills some in)."""
         from transformers import AutoModelForCausalLM
 
         config = draft_config(teacher.model.config, self.config_overrides)
@@ -189,7 +191,7 @@ class DraftModel(Drafter):
         if self.model is None:
             model = self._build_from_target(teacher)
             if initialize:
-                _init_from_target(model, teacher.model, self.init)
+                init_from_target(model, teacher.model, self.init)
             self._attach(model)
         elif not initialize:
             self.merge_lora()
@@ -318,7 +320,7 @@ class DraftModel(Drafter):
 
     def rows(self, seeds: list[int]):
         """The decoding state of a batch: every row drafted in one draft-model forward per draft step
-        (``heads.draft_model_rows``). A draft model with sliding-window (or other than plain full-attention) layers
+        (``heads.draft_model.rows``). A draft model with sliding-window (or other than plain full-attention) layers
         keeps per-row copies (``ForkedRows``): the batch's ragged cache keeps every column and has no window."""
         if not self._batchable():
             return ForkedRows(self, seeds)
@@ -362,7 +364,7 @@ class DraftModel(Drafter):
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and a chain of (committed rows - 1) tokens, greedy or sampled, as one capture-safe step over
-        the draft model's own static cache (``heads.draft_model_static``); None (the eager path) for draft models
+        the draft model's own static cache (``heads.draft_model.draft``); None (the eager path) for draft models
         with sliding-window or other than full-attention layers."""
         if not self._batchable():
             return None
@@ -413,94 +415,3 @@ class DraftModel(Drafter):
                 f"drafting {max_depth} tokens after {num_tokens} needs {needed} positions; shorten the prompt "
                 f"(eval.prompt_tokens), lower eval.max_new_tokens or eval.num_draft, or use a draft model with a longer context"
             )
-
-
-# What fixes the toy BPE tokenizer: a toy draft model must share these with the toy target.
-TOY_TOKENIZER_KEYS = ("vocab_size", "max_seq_len", "corpus_max_bytes", "seed")
-
-
-def toy_draft_node(draft_node: Mapping[str, Any], target_toy: Mapping[str, Any], **sizes) -> dict:
-    """A ``drafter=draft_model`` node for a toy target: its ``toy`` build takes ``sizes`` (hidden_size, steps, ...)
-    and the target's tokenizer-defining keys, so the two tokenizers are identical (``bind_target`` checks it)."""
-    node = dict(draft_node)
-    node["source"] = "toy"
-    node["toy"] = {**dict(node.get("toy") or {}), **sizes, **{k: target_toy[k] for k in TOY_TOKENIZER_KEYS}}
-    return node
-
-
-@torch.no_grad()
-def _init_from_target(model: nn.Module, target: nn.Module, init: str) -> None:
-    """Copy the target's tensors into a fresh draft built from its config: embeddings, final norm and lm_head
-    (``init=embeddings``), plus every layer the draft has (``truncated``: the target's first layers)."""
-    if init == "none":
-        return
-    mine, theirs = model.state_dict(), target.state_dict()
-    shared = [k for k in mine if k in theirs and mine[k].shape == theirs[k].shape]
-    if init == "embeddings":
-        shared = [k for k in shared if ".layers." not in k]
-    if not shared:
-        raise ValueError("drafter.init: no tensor of the draft model matches the target's by name and shape; "
-                         "use drafter.init=none")
-    model.load_state_dict({k: theirs[k].to(mine[k].dtype) for k in shared}, strict=False)
-
-
-def draft_config(target_config, overrides: Mapping[str, Any]):
-    """The target's config with ``overrides`` (``drafter.config_overrides``), built through the config class so its
-    own checks run now rather than when the saved drafter is loaded. Per-layer lists (``layer_types``: Qwen2/3's and
-    Gemma-2/3's sliding / full pattern; any list as long as the target has layers) follow a changed
-    ``num_hidden_layers``: a shallower draft keeps the target's first layers' entries."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-
-    fields = target_config.to_dict()
-    for key in overrides:
-        if key not in fields:
-            raise ValueError(f"drafter.config_overrides.{key}: the target's {type(target_config).__name__} has no such "
-                             f"field; valid fields include num_hidden_layers, intermediate_size, num_attention_heads")
-    L, n = fields.get("num_hidden_layers"), overrides.get("num_hidden_layers", fields.get("num_hidden_layers"))
-    derived = {}
-    if n != L:
-        for key, value in fields.items():
-            if key in overrides or not isinstance(value, list) or len(value) != L:
-                continue
-            if n > L:
-                raise ValueError(f"drafter.config_overrides.num_hidden_layers={n} is deeper than the target ({L} "
-                                 f"layers) and its config has the per-layer list {key!r}; give "
-                                 f"drafter.config_overrides.{key} with {n} entries")
-            derived[key] = value[:n]
-    try:
-        return AutoConfig.for_model(**{**fields, **dict(overrides), **derived})
-    except (ValueError, TypeError, StrictDataclassError) as e:  # the config class's own checks
-        raise ValueError(f"drafter.config_overrides={dict(overrides)} does not make a valid "
-                         f"{type(target_config).__name__}: {e}") from None
-
-
-def _from_config(model_config: Mapping[str, Any]) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if "model_type" not in model_config:
-        raise ValueError("drafter.model_config has no model_type; it must be a saved `model.config.to_dict()`")
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**model_config)).eval()
-
-
-def _tied_aliases(module: nn.Module) -> dict[str, str]:
-    """Parameter name -> the first name of the same tensor, for every later name of a shared (tied) parameter."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
-
-
-def _drop_tied_aliases(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    for alias in _tied_aliases(module):
-        state_dict.pop(prefix + alias, None)
-
-
-def _restore_tied_aliases(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
-    for alias, source in _tied_aliases(module).items():
-        if prefix + source in state_dict and prefix + alias not in state_dict:
-            state_dict[prefix + alias] = state_dict[prefix + source]

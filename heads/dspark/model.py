@@ -38,8 +38,8 @@ from torch import Tensor, nn
 from distill.chunked import Frozen
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, TargetDims
-from heads.dflash import DFlashDrafter
-from heads.dspark_decode import DSparkRows, DSparkStaticDraft, draft_chain
+from heads.dflash.model import DFlashDrafter
+from heads.dspark.draft import DSparkRows, DSparkStaticDraft, draft_chain
 from inference.sampling import GREEDY, SamplingConfig
 from inference.steps import cut_width
 from inference.tree import DraftTree

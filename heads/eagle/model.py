@@ -35,16 +35,15 @@ Decoding: context pairs (target feature at t, token t+1) only ever come from com
 context KV cache only grows (cropped to the common prefix if asked to re-propose an earlier context); draft nodes
 keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.dynamic_tree``) or a top-1 chain
 (``tree: chain``); candidates are top-k picks, so they carry no draft probabilities and sampling stays lossless.
-The decode loop drafts through ``rows`` (``heads.eagle_decode.EagleRows``: every row of a batch, batch 1 included,
+The decode loop drafts through ``rows`` (``heads.eagle.rows.EagleRows``: every row of a batch, batch 1 included,
 in one forward per tree level over a ragged context cache); ``propose`` below is the one-sequence entry on an
-arbitrary context, and both grow their trees with ``heads.eagle_decode.draft_trees``. The step decoder drafts through
-``static_draft`` instead (``heads.eagle_static``): the catch-up and every level as one capture-safe step over buffers
+arbitrary context, and both grow their trees with ``heads.eagle.rows.draft_trees``. The step decoder drafts through
+``static_draft`` instead (``heads.eagle.draft``): the catch-up and every level as one capture-safe step over buffers
 allocated once, drafting what ``propose`` drafts on the same context.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -58,134 +57,17 @@ from distill.chunked import Finished, Frozen, TeacherRows, slice_positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads import flops
-from heads.eagle_decode import EagleRows, draft_trees
-from heads.eagle_static import EagleStaticDraft
-from heads.eagle_attention import EXPLICIT_ATTENTION_ELEMENTS, EXPLICIT_MAX_SEQ, explicit_ttt_attention
+from heads.eagle.rows import EagleRows, draft_trees
+from heads.eagle.draft import EagleStaticDraft
+from heads.eagle.attention import EXPLICIT_ATTENTION_ELEMENTS, EXPLICIT_MAX_SEQ, explicit_ttt_attention
+from heads.eagle.variants import TREE_MODES, VARIANTS, check_eagle31, default_feature_layers
+from heads.layers import DraftLayer, RMSNorm, vocab_maps
 from heads.train_attention import StructuredMask, attend, chosen, ttt_step_mask
 from inference.dynamic_tree import check_dynamic_tree_args
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 
 log = logging.getLogger(__name__)
-
-VARIANTS = ("eagle1", "eagle3")
-TREE_MODES = ("dynamic", "chain")
-
-
-def default_feature_layers(variant: str, num_layers: int) -> tuple[int, ...]:
-    """EAGLE-1: the final normed output. EAGLE-3: (2, L//2, L-3) as in the EAGLE-3 reference and vLLM / SGLang for
-    deep targets (the high layer sits at ~90% of the depth); a shallow target (L < 8, e.g. the toy) gets (1, L//2, L):
-    there one layer is a quarter of the model, and L-1 left the highest feature a whole layer short (measured on the
-    toy target: top-1 accuracy 0.41 with (1, 2, 3) vs 0.47 with (1, 2, 4) after 160 equal steps)."""
-    if variant == "eagle1":
-        return (-1,)
-    if num_layers >= 8:
-        return (2, num_layers // 2, num_layers - 3)
-    return (1, max(1, num_layers // 2), num_layers)
-
-
-def vocab_maps(token_counts_V: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
-    """(d2t [Vd], t2d [V]): the ``draft_vocab_size`` most frequent target ids (ties: lower id), in increasing id
-    order; ``d2t[i]`` is draft index i's target id (absolute, not EAGLE's offset form; an exporter converts) and
-    ``t2d[j]`` target id j's draft index, or -1 when it is outside the draft vocabulary."""
-    V = token_counts_V.shape[0]
-    order = sorted(range(V), key=lambda j: (-int(token_counts_V[j]), j))[:draft_vocab_size]
-    d2t = torch.tensor(sorted(order), dtype=torch.long)
-    t2d = torch.full((V,), -1, dtype=torch.long)
-    t2d[d2t] = torch.arange(draft_vocab_size)
-    return d2t, t2d
-
-
-def _rope_tables(positions: Tensor, hd: int, theta: float, dtype: torch.dtype, device: torch.device
-                 ) -> tuple[Tensor, Tensor]:
-    """(cos, sin) of the rotary embedding at ``positions`` [n] ([n, hd]), or [B, n] ([B, 1, n, hd]: each row its own
-    positions, the batched decoder's ragged rows). Made once per layer call, shared by queries and keys."""
-    # compiled (trainer.compile), the frequencies are traced like any op: dynamo does not trace a cache
-    inv_freq = (_inv_freq.__wrapped__ if torch.compiler.is_compiling() else _inv_freq)(hd, theta, device)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [(B,) n, hd]
-    cos, sin = angles.cos(), angles.sin()
-    if dtype != torch.float32:
-        cos, sin = cos.to(dtype), sin.to(dtype)
-    if positions.dim() == 2:
-        cos, sin = cos[:, None], sin[:, None]
-    return cos, sin
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding (rotate-half form) of x [..., n, hd] with ``_rope_tables``' cos and sin."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
-
-@functools.lru_cache(maxsize=16)
-def _inv_freq(hd: int, theta: float, device: torch.device) -> Tensor:
-    """The rotary frequencies, each twice ([hd]: the rotate-half form's two halves), made once per (size, base,
-    device) instead of on every call."""
-    half = theta ** (-torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
-    return torch.cat([half, half])
-
-
-class RMSNorm(nn.Module):
-    """RMS norm computed in float32 (bf16 inputs under autocast would otherwise miss the fused kernel and lose
-    precision), returned in the input's dtype."""
-
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # the same arithmetic, one fused call
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * y).to(x.dtype)
-
-
-class DraftLayer(nn.Module):
-    """A Llama-style decoder layer whose attention input may be wider than its hidden size (EAGLE-3: 2D). The
-    caller does the attention itself (``qkv`` then ``finish``), since the TTT and tree masks are its business."""
-
-    def __init__(self, in_size: int, hidden_size: int, num_heads: int, intermediate_size: int, theta: float):
-        super().__init__()
-        if hidden_size % num_heads:
-            raise ValueError(f"drafter.num_heads={num_heads} must divide the target's hidden size {hidden_size}")
-        self.num_heads, self.head_dim, self.theta = num_heads, hidden_size // num_heads, theta
-        self.q_proj = nn.Linear(in_size, hidden_size, bias=False)
-        self.k_proj = nn.Linear(in_size, hidden_size, bias=False)
-        self.v_proj = nn.Linear(in_size, hidden_size, bias=False)
-        self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps=1e-6)
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def qkv(self, x_BTI: Tensor, positions_T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self._project(x_BTI)
-        cos, sin = self.rope_tables(positions_T, q.dtype)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
-
-    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(cos, sin) at ``positions`` (``_rope_tables``); a static draft step makes them once for every position
-        and indexes rows, which gives the same values."""
-        return _rope_tables(positions, self.head_dim, self.theta, dtype, positions.device)
-
-    def qkv_rotated(self, x_BTI: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``qkv`` with the rotary tables given (rows of ``rope_tables``, broadcast over heads)."""
-        q, k, v = self._project(x_BTI)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
-
-    def _project(self, x_BTI: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, T, _ = x_BTI.shape
-        split = lambda y: y.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        return split(self.q_proj(x_BTI)), split(self.k_proj(x_BTI)), split(self.v_proj(x_BTI))
-
-    def finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
-        B, _, T, _ = attn_BhTd.shape
-        h = residual_BTD + self.o_proj(attn_BhTd.transpose(1, 2).reshape(B, T, -1))
-        y = self.post_attention_layernorm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-
 
 class EagleDrafter(Drafter):
     def __init__(self, dims: TargetDims | Mapping[str, int], variant: str = "eagle3", layers: Sequence[int] | None = None,
@@ -470,7 +352,7 @@ class EagleDrafter(Drafter):
         (``heads.train_attention.ttt_step_mask``), with the steps' keys side by side, through the kernel
         ``trainer.attention`` picks (no [T, T] mask or score tensor). Steps j >= 1 of short right-padded rows on a
         CPU under ``auto``: ``explicit_ttt_attention`` instead, the same up to float rounding and faster there (see
-        ``heads.eagle_attention``); step 0 is SDPA's causal kernel, which it cannot beat."""
+        ``heads.eagle.attention``); step 0 is SDPA's causal kernel, which it cannot beat."""
         B, h, T, _ = q.shape
         if (len(keys) > 1 and q.device.type == "cpu" and chosen() == "auto" and mask.right_padded
                 and self.sliding_window is None  # it computes the plain TTT mask only
@@ -537,7 +419,7 @@ class EagleDrafter(Drafter):
         self._extends = True  # the next context extends the processed one: no comparison needed (_advance)
 
     def rows(self, seeds: list[int]):
-        """The decoding state of a batch: every row drafted in one forward per tree level (``heads.eagle_decode``)."""
+        """The decoding state of a batch: every row drafted in one forward per tree level (``heads.eagle.rows``)."""
         return EagleRows(self, len(seeds))
 
     @torch.no_grad()
@@ -555,7 +437,7 @@ class EagleDrafter(Drafter):
                          depth_bound=tree.depth_bound)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
-        """The catch-up and the whole tree (or chain) as one capture-safe step (``heads.eagle_static``), drafting
+        """The catch-up and the whole tree (or chain) as one capture-safe step (``heads.eagle.draft``), drafting
         ``depth`` levels, at most as deep as the committed buffers allow (their rows - 1, the decoder's draft
         length), as ``propose`` clips to its ``max_depth``. Candidates are top-k picks for any ``sampling``, as in
         ``propose``; ``generator`` is unused."""
@@ -611,28 +493,3 @@ class EagleDrafter(Drafter):
             self._ctx_kv = (self._ctx_kv[0][:, :, :keep], self._ctx_kv[1][:, :, :keep])
             self._ctx_ids, self._ctx_out = self._ctx_ids[:keep], self._ctx_out[:keep]
         return keep
-
-
-def check_eagle31(variant: str, fc_norm: bool, norm_before_fc: bool, norm_output: bool,
-                  sliding_window: int | None) -> None:
-    """The EAGLE-3.1 flags and the sliding window: EAGLE-3's (and P-EAGLE's), ``fc_norm`` or ``norm_before_fc``."""
-    if fc_norm and norm_before_fc:
-        raise ValueError("drafter.fc_norm=true and drafter.norm_before_fc=true: they are two ways to normalise fc's "
-                         "input (one RMSNorm per feature layer, or one over their concatenation) and engines refuse "
-                         "both at once; set one of them to false")
-    on = [k for k, v in (("fc_norm", fc_norm), ("norm_before_fc", norm_before_fc), ("norm_output", norm_output),
-                         ("sliding_window", sliding_window is not None)) if v]
-    if variant != "eagle3" and on:
-        raise ValueError(f"drafter.{on[0]} is an EAGLE-3 setting (EAGLE-3.1's norms, the draft attention window); "
-                         f"drafter.variant={variant!r} has no fc over target layers nor own norm: use variant=eagle3 "
-                         f"or unset it")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
-        raise ValueError(f"drafter.sliding_window={sliding_window!r} must be an integer >= 1 (the context positions a "
-                         f"draft query sees) or null for all of them")
-
-
-def ttt_mask(attn_BT: Tensor, steps: int) -> Tensor:
-    """[B, 1, T, steps*T] bool, ``heads.train_attention.ttt_step_mask`` as a dense tensor: query t may see step 0's
-    keys <= t that are real tokens (and always its own, so a padded query is never left with no key), and, in block
-    i >= 1, step i's key at t itself. Step j uses the first (j+1)*T columns."""
-    return ttt_step_mask(attn_BT, steps - 1, right_padded=False).dense(attn_BT.device)

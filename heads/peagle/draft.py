@@ -4,7 +4,7 @@ the target just committed and the depth - 1 parallel slots in ONE layer forward,
 Which token each output predicts: as in ``heads.peagle`` (context pair t = the target's features at t and token t+1,
 predicting token t+2; slot d at position a + d, a the last context pair, predicts token a + 2 + d).
 
-The buffers are EAGLE's chain step's (``heads.eagle_static.EagleStaticDraft``, whose constructor, ``prefill`` and
+The buffers are EAGLE's chain step's (``heads.eagle.draft.EagleStaticDraft``, whose constructor, ``prefill`` and
 ``use_shape`` this reuses), and so is their layout: attention reads the first B columns, a capacity bucket the host
 picks before each draft (growing with the sequence); columns [0, B - S) hold the context pairs (column = position,
 ``length`` of them valid), columns [B - S, B) the S = depth - 1 slots of the current step. Per ``draft()`` the M
@@ -22,10 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heads.draft_model_static import draw_chain
-from heads.eagle_static import EagleStaticDraft
+from heads.eagle.draft import EagleStaticDraft
 from inference.sampling import SamplingConfig
-from inference.static_draft import CommittedBuffers, DraftBuffers, mark_static, reseed_draws
+from inference.static_draft import CommittedBuffers, DraftBuffers, draw_chain, mark_static, reseed_draws
 
 
 class PEagleStaticDraft(EagleStaticDraft):

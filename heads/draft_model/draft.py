@@ -40,32 +40,10 @@ from torch import Tensor
 
 from inference.acceptance import sample_uniform
 from inference.generation import cache_kwarg
-from inference.hash32 import MASK32 as _MASK32
-from inference.hash32 import mix32 as _mix32
-from inference.hash32 import mul32 as _mul32
 from inference.sampling import SamplingConfig, warp
 from inference.static_cache import StaticKV, kv_shapes
-from inference.static_draft import CommittedBuffers, DraftBuffers, check_prompt_fits, mark_static, reseed_draws
-
-def hashed_uniforms(seed: Tensor, counter: Tensor, index_n: Tensor) -> Tensor:
-    """[n] float32 uniforms in [0, 1 - 2**-23] from (seed, counter, index): fixed-shape integer ops, so a CUDA graph
-    replays fresh draws as ``counter`` advances. 23 bits: u * total then stays below total in float32, so the
-    inverse CDF never runs past the last token."""
-    x = _mix32((seed & _MASK32) ^ _mul32(counter & _MASK32, 0x9E3779B1))
-    x = _mix32(x ^ _mul32(index_n & _MASK32, 0x85EBCA77))
-    return (x >> 9).to(torch.float32) * (1.0 / (1 << 23))
-
-
-def draw_chain(static, logits_TV: Tensor) -> None:
-    """A parallel drafter's sampled chain inside its static step: ``static.depth`` tokens, one per row of the warped
-    ``logits_TV``, drawn with the step's hashed uniforms (a fresh counter each step), their distributions kept in
-    ``static.buffers.probs_TV`` for rejection sampling."""
-    uniforms = hashed_uniforms(static.seed, static.counter, static.draws_T)
-    static.counter.add_(1)
-    probs = warp(logits_TV, static.sampling)
-    static.buffers.probs_TV.copy_(probs)
-    static.buffers.tokens_T.copy_(torch.cat([sample_uniform(probs[k], uniforms[k: k + 1])
-                                             for k in range(static.depth)]))
+from inference.static_draft import (CommittedBuffers, DraftBuffers, check_prompt_fits, hashed_uniforms, mark_static,
+                                    reseed_draws)
 
 
 class DraftModelStaticDraft:
@@ -81,6 +59,9 @@ class DraftModelStaticDraft:
             raise ValueError(f"capacity must be >= 1 position, got {capacity}")
         self.drafter, self.committed, self.capacity, self.gamma = drafter, committed, capacity, M - 1
         self.model = model = drafter.model  # the one its cache was shaped for
+        # the draft model's own context limit: a draft past it is refused on the host (``use_shape``), as the
+        # eager rows refuse it, never decoded into positions the model has no embedding for
+        self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         dev = drafter.device
         R = M + 1
         self.columns = capacity + R + self.gamma
@@ -133,7 +114,10 @@ class DraftModelStaticDraft:
         the smallest capacity bucket of ``inference.static_cache`` holding the drafts' columns (up to ``context`` +
         γ), and a catch-up of 2 rows when the committed rows past the first are this step's own last draft (their
         keys and values are already in the cache, the last draft's aside: feed it and the pending token), else of
-        M + 1 (the default: any committed rows). Returns (bucket, catch-up rows): the recorded step's key."""
+        M + 1 (the default: any committed rows). Returns (bucket, catch-up rows): the recorded step's key. A draft
+        that would run the draft model past its ``max_position_embeddings`` is refused with the settings to change."""
+        if self.max_positions and context + self.gamma > self.max_positions:
+            self.drafter._check_positions(context + 1, self.gamma)  # raises, naming the settings to change
         self.rows = 2 if own_draft else self.rows_R.shape[0]
         return self.cache.use_bucket(context + self.gamma), self.rows
 

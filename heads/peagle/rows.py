@@ -5,7 +5,7 @@ Which token each output predicts: as in ``heads.peagle`` (the last context pair'
 parallel slot d at position L - 1 + d predicts draft d + 1, L the row's context pairs).
 
 Per row and per draft layer (EAGLE-3's, then the stacked ones) a ragged context cache: EAGLE's
-(``heads.eagle_decode.EagleRows``, row b's first ``lengths[b]`` columns of a [B, h, capacity, hd] buffer). A proposal
+(``heads.eagle.rows.EagleRows``, row b's first ``lengths[b]`` columns of a [B, h, capacity, hd] buffer). A proposal
 runs every row's new context pairs (padded to the longest) and its S parallel slots through the layers together;
 pair queries see their row's pairs up to themselves, slot d its row's pairs and slots 1..d. The pairs' keys are
 appended to the caches; the slots' are not (they change every step).
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from heads.base import row_chains
-from heads.eagle_decode import EagleRows
+from heads.eagle.rows import EagleRows
 from inference.sampling import SamplingConfig, seeded_generator
 from inference.tree import DraftTree
 

@@ -49,9 +49,10 @@ from distill.row_seeds import batch_row_seeds, uniform_bits
 from distill.teacher_output import TeacherOutput
 from heads import flops
 from heads.base import DraftOutput, TargetDims
-from heads.eagle import DraftLayer, EagleDrafter, RMSNorm
-from heads.peagle_rows import PEagleRows
-from heads.peagle_static import PEagleStaticDraft
+from heads.eagle.model import EagleDrafter
+from heads.layers import DraftLayer, RMSNorm
+from heads.peagle.rows import PEagleRows
+from heads.peagle.draft import PEagleStaticDraft
 from heads.train_attention import StructuredMask, attend, parallel_chain_mask
 from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
 from inference.tree import DraftTree
@@ -203,11 +204,11 @@ class PEagleDrafter(EagleDrafter):
         self._generator: torch.Generator | None = None
 
     def rows(self, seeds: list[int]):
-        """A batch drafts every row's chain in one forward per step (``heads.peagle_rows``)."""
+        """A batch drafts every row's chain in one forward per step (``heads.peagle.rows``)."""
         return PEagleRows(self, seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
-        """The catch-up and the whole chain as one capture-safe step (``heads.peagle_static``), drafting ``depth``
+        """The catch-up and the whole chain as one capture-safe step (``heads.peagle.draft``), drafting ``depth``
         tokens, at most as many as the committed buffers allow (their rows - 1) and ``num_depths``, as ``propose``
         clips to its ``max_depth``."""
         rows = committed.ids_M.shape[0]
@@ -303,7 +304,7 @@ class PEagleDrafter(EagleDrafter):
 
 
 class UpperLayer(nn.Module):
-    """A plain Llama decoder layer stacked on EAGLE-3's: input norm, then ``heads.eagle.DraftLayer``'s attention
+    """A plain Llama decoder layer stacked on EAGLE-3's: input norm, then ``heads.layers.DraftLayer``'s attention
     (the caller's mask) and MLP, residual around both."""
 
     def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, theta: float):

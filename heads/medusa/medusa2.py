@@ -1,6 +1,6 @@
 """Medusa-2 (Cai et al. 2024): Medusa heads trained jointly with a LoRA adapter on the target itself.
 
-Which token each output predicts (as Medusa-1, ``heads/medusa.py``): head k at position t predicts token t+k+1; the
+Which token each output predicts (as Medusa-1, ``heads/medusa/model.py``): head k at position t predicts token t+k+1; the
 adapted target's own lm_head at position t predicts token t+1.
 
 Shape legend:  B batch, T sequence, D target hidden size, V vocabulary, K heads, r LoRA rank.
@@ -39,7 +39,7 @@ from distill.teacher_output import TeacherOutput
 from heads import flops
 from heads.base import DraftOutput, TargetDims
 from heads.lora import ADAPTER, check_lora_spec, inject_lora, remove_lora
-from heads.medusa import MedusaHeads
+from heads.medusa.model import MedusaHeads
 
 log = logging.getLogger(__name__)
 

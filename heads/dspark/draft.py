@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from heads.dflash_rows import DFlashRows
-from heads.dflash_static import DFlashStaticDraft
-from heads.draft_model_static import hashed_uniforms
+from heads.dflash.rows import DFlashRows
+from heads.dflash.draft import DFlashStaticDraft
 from inference.acceptance import sample_uniform
 from inference.sampling import SamplingConfig, sample, warp
-from inference.static_draft import mark_static
+from inference.static_draft import hashed_uniforms, mark_static
 from inference.steps import cut_width
 from inference.tree import DraftTree
 
