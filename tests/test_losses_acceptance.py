@@ -25,7 +25,7 @@ from distill.cache import check_loss
 from distill.chunked import TeacherRows, chunked_acceptance, chunked_divergence, slice_positions
 from distill.teacher_output import TeacherOutput
 from heads.base import build_drafter
-from tests.drafters import DSPARK_NODE, dspark, varied_teacher
+from tests.drafters import DSPARK_NODE, NODES, dspark, varied_teacher
 from tests.test_losses_chunked import ATOL, KINDS, RTOL, drafter_and_batch
 from train.config import load_config, register_configs
 
@@ -182,6 +182,36 @@ def test_every_drafter_kind_trains_with_the_acceptance_losses(tiny_teacher, kind
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-5)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "peagle"])
+def test_block_and_parallel_drafters_train_with_the_acceptance_losses(teacher, kind):
+    """DFlash and DSpark slots (objective distill) and PEAGLE's parallel depths: the chunked loss inside the call
+    equals LK on the materialised terms (anchors drawn under the same seed), with finite gradients."""
+    loss_fn = ACCEPTANCE["lk_alpha"]
+    node = {**NODES[kind], **({"objective": "distill"} if kind != "peagle" else {"layers": [0, 1, 2]})}
+    torch.manual_seed(0)
+    drafter = build_drafter(node, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    batch = batch_of(ids)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    torch.manual_seed(5)
+    lazy = drafter(batch, teacher.signals(batch, drafter.teacher_layers))
+    ref = lazy.aux_loss_sum if lazy.aux_loss_sum is not None else 0
+    for term in lazy.terms:
+        ref = ref + term.weight * loss_fn(term.student_NV, term.teacher_NV, term.mask_N)[0]
+    ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
+    torch.manual_seed(5)
+    signals = teacher.signals(batch, drafter.teacher_layers, dense=drafter.dense_teacher_logits)
+    got, _ = drafter(batch, signals, loss_fn=loss_fn).loss(loss_fn)
+    grads = torch.autograd.grad(got, params, allow_unused=True)
+    assert torch.isfinite(got) and got > 0
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        if a is not None:
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def compose_loss(*overrides):
