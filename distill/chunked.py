@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distill import fused_kernels
-from distill.losses import fused_divergence, row_divergence, softmax_pair_
+from distill.losses import fused_divergence, log_acceptance, row_divergence, softmax_pair_
 from distill.teacher_output import autocast_weight, plain_linear, project_into
 
 CHUNK_ELEMENTS = 1 << 25  # rows per chunk = this // V (261 at 128k): 128 MB per float32 [rows, V] temporary; CPU
@@ -268,6 +268,30 @@ def chunked_divergence(student_ND: Tensor, head: Callable[[Tensor], Tensor], tea
         loss = job.run(student_ND, [], need_grads=False)[0]
     job.mark_projected()
     return loss, job.pred_N
+
+
+@torch.no_grad()
+def chunked_acceptance(student_ND: Tensor, head: Callable[[Tensor], Tensor], teacher: TeacherRows,
+                       weight_N: Tensor | None = None, temperature: float = 1.0,
+                       chunk_elements: int | None = None) -> Tensor:
+    """[N] float32 acceptance Σ_v min(p_v, q_v) = 1 − TV(q, p) per row between ``softmax(head(student_ND) / T)`` and
+    the teacher's rows at T (``distill.losses.log_acceptance``), chunk by chunk like ``chunked_divergence`` and
+    without a graph: a training target or weight, never differentiated. A pass of its own (one projection of the
+    rows more), so it works beside any loss path, liger's included. ``weight_N``: rows of weight 0 are read as zeros
+    and answer 0 (whatever a padded position holds, even non-finite, stays out)."""
+    if len(teacher) != student_ND.shape[0]:
+        raise ValueError(f"{student_ND.shape[0]} student rows but {len(teacher)} teacher rows")
+    step = max(1, (chunk_elements or _budget.get()) // teacher.width)
+    out = []
+    for start in range(0, student_ND.shape[0], step):
+        end = min(start + step, student_ND.shape[0])
+        keep = None if weight_N is None else weight_N[start:end] > 0
+        x = student_ND[start:end] if keep is None else torch.where(keep[:, None], student_ND[start:end], 0)
+        z = head(x).float()
+        log_q = F.log_softmax(z if temperature == 1 else z / temperature, dim=-1)
+        alpha = log_acceptance(log_q, teacher.log_probs(start, end, temperature)).exp()
+        out.append(alpha if keep is None else torch.where(keep, alpha, 0))
+    return torch.cat(out) if out else torch.zeros(0, device=student_ND.device)
 
 
 def _partitioned(head) -> bool:

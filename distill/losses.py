@@ -12,13 +12,18 @@ row (summed over the vocabulary only); the public functions select and normalise
 ``row_divergence(loss_fn)`` hands the core of a configured loss to ``distill.chunked``, which applies it to chunks of
 rows whose logits are never all in memory at once and weights each row (a drafter's rows are a static slice with a
 0/1 weight per row, so no row selection makes the step wait for the device).
+
+Acceptance-aligned entries: ``lk`` targets the speculative-sampling acceptance α = Σ_v min(p_v, q_v) of a row
+directly, and ``acceptance_weighted`` scales another entry's per-row divergence by that row's α (detached). Neither
+has a hand-written gradient (``fused_divergence`` gives None: autograd differentiates each chunk) and liger-kernel
+computes neither (``distill.fused_kernels`` falls back to the chunked path, or names why under ``liger``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +146,114 @@ def _topk_core(log_q: Tensor, teacher_rows: Tensor, temperature: float, k: int) 
     return kl * temperature**2
 
 
+def log_acceptance(log_q: Tensor, log_p: Tensor) -> Tensor:
+    """log α per row, α = Σ_v min(p_v, q_v) = 1 − TV(p, q): the probability that speculative sampling accepts one
+    token drawn from q when the target samples from p (Leviathan et al.). As a log-sum-exp of the elementwise
+    minimum of the log-probs, so a row whose overlap underflows float32 still has a finite log α and gradient."""
+    return torch.logsumexp(torch.minimum(log_q, log_p), dim=-1)
+
+
+LK_VARIANTS = ("alpha", "lambda")
+
+
+def lk(student: Tensor, teacher: Tensor, mask: Tensor | None, temperature: float = 1.0, variant: str = "alpha",
+       eta: float = 3.0) -> tuple[Tensor, Tensor]:
+    """LK losses (Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for Speculative Decoding"): train
+    the drafter on its acceptance α = Σ_v min(p_v, q_v) itself instead of on KL, its proxy. Per row, at temperature T
+    (α is then the acceptance of sampling both at T):
+
+    - ``variant="alpha"`` (LK^α): −log α. No hyperparameter; its gradient is TV's divided by α, so rows far from the
+      teacher (small α, where TV's gradient vanishes) are not starved, and at a one-hot teacher it is cross-entropy.
+    - ``variant="lambda"`` (LK^λ): λ·T²·KL(p || q) + (1 − λ)·TV(p, q) with λ = exp(−η·α), α detached: forward KL
+      (this menu's, T² included) while the row is poorly matched, handing over to TV (exactly 1 − α) as α grows.
+      ``eta`` ≥ 0 sets the hand-over (0: pure forward KL; the paper's default 3).
+
+    Both are 0 exactly when q = p on the row and grow as q moves away."""
+    _check_variant(variant)
+    _check_eta(eta)
+    log_q, log_p, n = _select(student, teacher, mask, temperature)
+    return _lk_core(log_q, log_p, temperature, variant, eta).sum(), n
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in LK_VARIANTS:
+        raise ValueError(f"loss.variant={variant!r} is not an LK loss; valid: {list(LK_VARIANTS)} (alpha: -log of the "
+                         f"acceptance; lambda: forward KL handing over to TV as the acceptance grows)")
+
+
+def _check_eta(eta: float) -> None:
+    if not (isinstance(eta, (int, float)) and math.isfinite(eta) and eta >= 0):
+        raise ValueError(f"loss.eta={eta} must be a finite number >= 0 (LK^lambda's KL weight is exp(-eta * alpha); "
+                         f"the paper uses 3)")
+
+
+def _lk_core(log_q: Tensor, log_p: Tensor, temperature: float, variant: str, eta: float) -> Tensor:
+    if variant == "alpha":
+        return -log_acceptance(log_q, log_p)
+    kl, tv = _fkl_core(log_q, log_p, temperature), _tvd_core(log_q, log_p, temperature)
+    lam = torch.exp(-eta * log_acceptance(log_q, log_p).detach().exp())
+    return lam * kl + (1 - lam) * tv
+
+
+# ``loss.base`` of ``acceptance_weighted``: the ``loss=`` preset names of the entries it can weight
+WEIGHTED_BASES = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jsd, "tvd": total_variation,
+                  "topk_fkl": topk_forward_kl, "lk": lk}
+
+
+def acceptance_weighted(student: Tensor, teacher: Tensor, mask: Tensor | None, temperature: float = 1.0,
+                        base: str = "fkl", base_kwargs: Mapping | None = None) -> tuple[Tensor, Tensor]:
+    """Σ_rows a · D(p, q): the per-row divergence of the entry ``base`` (a ``loss=`` preset name: fkl, rkl, jsd, tvd,
+    topk_fkl, lk; its own arguments in ``base_kwargs``, e.g. ``{beta: 0.3}``) times that row's acceptance
+    a = Σ_v min(p_v, q_v) at temperature T, detached (a weight, not an objective). Rows the drafter already gets
+    accepted weigh more than rows it has no chance on (PARD-2's confidence-adaptive token weights, D-PACE's
+    acceptance-driven position weights: spend the capacity where acceptance can still be won).
+
+    The weight is per row: the exact acceptance of this row's draft distribution, whatever draft position the row
+    belongs to. The chain form (position k weighted by the product a_1 ... a_{k-1} of the earlier positions of the
+    same anchor) is not offered: a loss sees one term's rows, and the drafters do not line rows up across terms (a
+    Medusa head or an EAGLE step covers a different slice of positions, and Medusa evaluates each head inside its own
+    call, before the later ones exist). Under Adam a uniform scale of the loss cancels, so a small mean a (early
+    training) mostly changes the relative weights, not the step size."""
+    core = row_divergence(functools.partial(acceptance_weighted, temperature=temperature, base=base,
+                                            base_kwargs=base_kwargs))[0]
+    log_q, log_p, n = _select(student, teacher, mask, temperature)
+    return core(log_q, log_p).sum(), n
+
+
+def _check_base(base: str) -> None:
+    if base not in WEIGHTED_BASES:
+        raise ValueError(f"loss.base={base!r} is not a divergence acceptance_weighted can weight; valid: "
+                         f"{list(WEIGHTED_BASES)} (the loss= preset names)")
+
+
+def _check_base_kwargs(base_kwargs) -> None:
+    if base_kwargs is not None and not isinstance(base_kwargs, Mapping):
+        raise ValueError(f"loss.base_kwargs={base_kwargs!r} must be a mapping of the base's arguments, e.g. "
+                         f"loss.base_kwargs={{beta: 0.3}} for loss.base=jsd, or null")
+
+
+def _base_entry(base: str, base_kwargs: Mapping | None, temperature: float) -> tuple[Callable, dict]:
+    """(core, checked arguments) of the weighted base at the wrapper's temperature."""
+    func = WEIGHTED_BASES[base]
+    kwargs = dict(base_kwargs or {})
+    valid = list(_CORES[func][1])
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise ValueError(f"loss.base_kwargs has {unknown}, which loss.base={base} does not take; valid: {valid} "
+                         f"(the temperature is the wrapper's own loss.temperature)")
+    try:
+        _, _, values = _menu_entry(functools.partial(func, temperature=temperature, **kwargs))
+    except ValueError as err:
+        raise ValueError(f"{err} (set in loss.base_kwargs, for loss.base={base})") from err
+    return _CORES[func][0], values
+
+
+def _weighted_core(log_q: Tensor, log_p: Tensor, temperature: float, base: tuple[Callable, dict]) -> Tensor:
+    core, values = base
+    weight = log_acceptance(log_q, log_p).detach().exp()
+    return weight * core(log_q, log_p, temperature, **values)
+
+
 def softmax_pair_(z_CV: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(log_softmax(z), softmax(z)) over the last dimension from one ``exp``: ``z_CV`` (float32) becomes the
     log-softmax in place, the softmax is one new tensor (or ``out``). ``logsumexp`` followed by ``exp`` of the result
@@ -170,7 +283,10 @@ def _fkl_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, p_CV: Te
 
 # The menu's functions -> (core, checks of its own keyword arguments): what ``row_divergence`` unwraps.
 _CORES = {forward_kl: (_fkl_core, {}), reverse_kl: (_rkl_core, {}), total_variation: (_tvd_core, {}),
-          jsd: (_jsd_core, {"beta": (0.5, _check_beta)}), topk_forward_kl: (_topk_core, {"k": (32, _check_k)})}
+          jsd: (_jsd_core, {"beta": (0.5, _check_beta)}), topk_forward_kl: (_topk_core, {"k": (32, _check_k)}),
+          lk: (_lk_core, {"variant": ("alpha", _check_variant), "eta": (3.0, _check_eta)}),
+          acceptance_weighted: (_weighted_core, {"base": ("fkl", _check_base),
+                                                 "base_kwargs": (None, _check_base_kwargs)})}
 
 
 def _topk_fused(logits_CV: Tensor, log_p_CV: Tensor, temperature: float, k: int,
@@ -207,7 +323,11 @@ def _menu_entry(loss_fn) -> tuple[Callable, float, dict] | None:
     for name, (default, check) in _CORES[func][1].items():
         values[name] = kwargs.pop(name, default)
         check(values[name])
-    return None if kwargs else (func, temperature, values)
+    if kwargs:
+        return None
+    if func is acceptance_weighted:  # the base resolved and checked once, with the wrapper's temperature
+        values = {"base": _base_entry(values["base"], values["base_kwargs"], temperature)}
+    return func, temperature, values
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,7 +341,8 @@ def fused_divergence(loss_fn, compile_kw: dict | None = None
                      ) -> tuple[Callable[..., tuple[Tensor, Tensor]], float] | None:
     """(fused(logits_CV, log_p_CV, p_CV=None, q_out=None) -> ([C] divergence per row, the gradient of their sum
     w.r.t. the logits: row r's is that row's own), temperature) for a menu loss with a hand-written gradient (forward KL, the default loss, and top-k forward KL);
-    None for the others, which autograd differentiates. ``p_CV``: the teacher's probabilities, when its log-probs
+    None for the others, which autograd differentiates (``lk`` and ``acceptance_weighted`` among them, whatever
+    their base: the acceptance weight's minimum over p and q has no closed-form gradient written here). ``p_CV``: the teacher's probabilities, when its log-probs
     came with them (else computed where needed); ``q_out``: a [C, V] float32 buffer the gradient is written into.
     ``fused`` overwrites its arguments. ``compile_kw``: run it ``torch.compile``d with these arguments
     (``trainer.compile``)."""

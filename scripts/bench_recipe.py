@@ -5,6 +5,7 @@ DFlash against EAGLE-1).
     python scripts/bench_recipe.py --rows eagle1 eagle1_ttt2 --seeds 0
     python scripts/bench_recipe.py --table                           # print the recipe table from the JSON
     python scripts/bench_recipe.py --preset tiny --out /tmp/r.json   # seconds: checks the script end to end
+    python scripts/bench_recipe.py --group losses --seeds 0 1 --out scripts/results/bench_recipe_losses_toy_cpu.json
     python scripts/bench_recipe.py --rows eagle1 dflash_eqcpu --seeds 0 --out scripts/results/bench_recipe_dflash_toy_cpu.json
     python scripts/bench_recipe.py --rows eagle3_ttt3_vocab1024 eagle3_ttt3_vocab1024_fc_norm \
         eagle3_ttt3_vocab1024_norm_output eagle3_ttt3_vocab1024_fc_norm_norm_output --seeds 0 \
@@ -144,6 +145,17 @@ ROWS = {
     "eagle3_ttt3_vocab1024_norm_output": ([*E31, "drafter.norm_output=true"], 200),
     "eagle3_ttt3_vocab1024_fc_norm_norm_output": ([*E31, "drafter.fc_norm=true", "drafter.norm_output=true"], 200),
     "eagle3_ttt3_vocab1024_norm_before_fc": ([*E31, "drafter.norm_before_fc=true"], 200),
+    # The acceptance-aligned losses against forward KL (the default loss) on EAGLE-3 at equal steps: LK^alpha
+    # (-log of the acceptance), LK^lambda (KL handing over to TV as the acceptance grows), forward KL weighted by
+    # each position's acceptance (GROUPS["losses"] runs the four)
+    "eagle3_fkl_600": (E3, 600),
+    "eagle3_lk_alpha_600": ([*E3, "loss=lk"], 600),
+    "eagle3_lk_lambda_600": ([*E3, "loss=lk", "loss.variant=lambda"], 600),
+    "eagle3_acceptance_weighted_fkl_600": ([*E3, "loss=acceptance_weighted"], 600),
+}
+# --group NAME: these rows side by side (the same as naming them in --rows)
+GROUPS = {
+    "losses": ["eagle3_fkl_600", "eagle3_lk_alpha_600", "eagle3_lk_lambda_600", "eagle3_acceptance_weighted_fkl_600"],
 }
 # Tree budgets: (tree mode, top_k, total_tokens, depth). depth is also γ, the decoder's bound on proposal depth.
 TREES = {
@@ -236,7 +248,9 @@ def table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="toy")
-    parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
+    parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=None, help="default: every row")
+    parser.add_argument("--group", choices=sorted(GROUPS), default=None, help="a named set of rows (GROUPS), "
+                        "after any --rows")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=None, help="train every row this many steps (default: each "
                         "row's own, from the table above)")
@@ -249,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
                         "the CPU budget, which comes from CPU runs of the same rows)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every row, e.g. trainer.lr=1e-3")
     args = parser.parse_args(argv)
+    if args.rows is None:
+        args.rows = [] if args.group else list(ROWS)
+    args.rows += [r for r in GROUPS.get(args.group, []) if r not in args.rows]
     preset = PRESETS[args.preset]
     out = Path(args.out or ROOT / "scripts" / "results" / f"bench_recipe_{args.preset}_cpu.json")
     results = json.loads(out.read_text()) if out.exists() else {}

@@ -92,3 +92,25 @@ def test_experiment_preset_is_the_winning_recipe_row_and_asks_for_its_data(tmp_p
         return
     with pytest.raises(Exception, match="data.regenerated"):
         load_config(missing)
+
+
+def test_the_losses_group_changes_only_the_loss_against_its_forward_kl_row():
+    """``--group losses``: EAGLE-3 at equal steps, each row the forward-KL row with another ``loss=`` (a row that
+    changed more would not measure the objective alone)."""
+    from hydra import compose, initialize_config_dir
+
+    from train.config import load_config, register_configs
+
+    bench = _load()
+    assert all(row in bench.ROWS for rows in bench.GROUPS.values() for row in rows)
+    register_configs()
+    with initialize_config_dir(config_dir=str(SCRIPT.parents[1] / "conf"), version_base="1.3"):
+        cfgs = {row: load_config(compose(config_name="config", overrides=[*bench.ROWS[row][0], *bench.TRAIN]))
+                for row in bench.GROUPS["losses"]}
+    base = cfgs.pop("eagle3_fkl_600")
+    assert base.loss["_target_"] == "distill.losses.forward_kl" and base.drafter["variant"] == "eagle3"
+    assert len({cfg.loss["_target_"] + str(cfg.loss.get("variant")) for cfg in cfgs.values()}) == len(cfgs)
+    for row, cfg in cfgs.items():
+        assert bench.ROWS[row][1] == bench.ROWS["eagle3_fkl_600"][1] == 600
+        assert (cfg.drafter, cfg.data, cfg.trainer) == (base.drafter, base.data, base.trainer), row
+        assert cfg.loss != base.loss, row

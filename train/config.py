@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 from omegaconf.nodes import FloatNode, IntegerNode
 
+from distill import losses
 from distill.cache import CacheConfig
 from distill.data import DATA_MODES, DataConfig, ON_POLICY_MODES
 from distill.prompts import context_prompt_tokens
@@ -415,6 +416,10 @@ def _check_loss_values(loss: Mapping) -> None:
                          f"limits, 0.5 the symmetric JSD)")
     if "k" in loss and not loss["k"] >= 1:
         raise ValueError(f"loss.k={loss['k']} must be >= 1 (teacher top-k tokens kept)")
+    if "_target_" in loss:  # a menu loss's other arguments (lk's variant and eta, acceptance_weighted's base), checked
+        # by the function that takes them; None for a callable outside the menu
+        func = _resolve_target(loss["_target_"], "loss")
+        losses.row_divergence(functools.partial(func, **{k: v for k, v in loss.items() if not str(k).startswith("_")}))
 
 
 def _check_batched(decoder: DecoderConfig) -> None:

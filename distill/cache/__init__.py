@@ -25,8 +25,9 @@ per token and layer), about half the bytes of bfloat16 for 3 mantissa bits inste
 Offline teacher logits ``[B, T, V]`` are the top-K log-probs scattered into a tensor filled with a finite floor (per
 position: the smallest top-K log-prob - 1e4), so softmax(logits) is the teacher renormalised on its top K: what
 ``distill.losses.topk_forward_kl`` with the same k computes online. Finite, not -inf: the losses call
-``F.kl_div(..., log_target=True)``, where -inf gives NaN. Forward KL, top-k FKL, JSD and TV therefore train against
-that truncated teacher; reverse KL, which weighs the teacher's tail, is refused.
+``F.kl_div(..., log_target=True)``, where -inf gives NaN. Forward KL, top-k FKL, JSD, TV and the LK losses (whose
+acceptance Σ min(p, q) then counts the top K alone) therefore train against that truncated teacher; reverse KL, which
+weighs the teacher's tail, is refused, also as the base of ``acceptance_weighted``.
 
 The manifest's fingerprint (sha256 of the target identity, tokenizer vocabulary, data config, layers, K and dtype)
 keeps its components, so a cache opened for another target or data names what differs.
@@ -510,9 +511,14 @@ def check_loss(loss_cfg: Mapping | None, topk: int) -> None:
     if not loss_cfg or "_target_" not in loss_cfg:
         return
     name = str(loss_cfg["_target_"]).rpartition(".")[2]
+    if name == "acceptance_weighted":  # judged by the divergence it weights (a preset name) and that one's arguments
+        base = str(loss_cfg.get("base", "fkl"))
+        name = {"rkl": "reverse_kl", "topk_fkl": "topk_forward_kl"}.get(base, base)
+        loss_cfg = dict(loss_cfg.get("base_kwargs") or {})
     if name == "reverse_kl":
         raise ValueError("loss=rkl weighs the teacher's whole tail, but a teacher cache keeps only its top-k "
-                         "(the rest sits at a -1e4 floor); use loss=fkl, topk_fkl, jsd or tvd with data.teacher_cache")
+                         "(the rest sits at a -1e4 floor); use loss=fkl, topk_fkl, jsd, tvd or lk with "
+                         "data.teacher_cache (or loss.base other than rkl)")
     k = int(loss_cfg.get("k", 32))  # topk_forward_kl's default
     if name == "topk_forward_kl" and k > topk:
         raise ValueError(f"loss.k={k} exceeds the teacher cache's top-{topk}; set loss.k<={topk} or rebuild the "

@@ -354,7 +354,7 @@ class DFlashDrafter(Drafter):
             rows = drawn & (target < T)
             rows &= valid.gather(1, target.clamp(max=T - 1))
             weight_N = rows.reshape(-1).float()
-            t_N = target.clamp(max=T).reshape(-1) - 1  # the target's distribution for token a + k sits at a + k - 1
+            t_N = self.slot_teacher_positions(pos_BNS, k, T)
             weight = self.slot_weight(k)
             student = feats_BNSX[:, :, k].reshape(B * N, -1)
             if self.objective == "ce":
@@ -365,6 +365,12 @@ class DFlashDrafter(Drafter):
                 terms.append(DraftTerm(student, head, TeacherRows(teacher_out, b_N, t_N), weight=weight,
                                        weight_N=weight_N))
         return terms
+
+    @staticmethod
+    def slot_teacher_positions(pos_BNS: Tensor, k: int, T: int) -> Tensor:
+        """[B * N] the position of the target's distribution over the token block slot k predicts (token a + k: the
+        distribution sits at a + k - 1), clamped into the row for slots past its end (those rows weigh 0)."""
+        return pos_BNS[..., k].clamp(max=T).reshape(-1) - 1
 
     def slot_weight(self, k: int) -> float:
         """Block slot k's loss weight, exp(-(k - 1) / loss_gamma)."""

@@ -11,9 +11,11 @@ Shape legend:  as ``heads.dflash``, plus r the Markov rank, Vd the drafted ids (
                logits_k = lm_head(out_k) + markov_w2(e_k)     (r -> V, no bias)             [V]
     confidence c_k = sigmoid(proj([out_k ; e_k]))             ([out_k] without the Markov latent)  []
 Training is teacher-forced: x_{k-1} is the training token at a + k - 1. The confidence head is trained with binary
-cross-entropy against whether the slot's draft (its argmax) is the target's token: the greedy acceptance, observed
-on the training block. Both losses keep DFlash's slot decay exp(-(k - 1) / gamma); the confidence loss is scaled by
-``confidence_weight``.
+cross-entropy towards ``confidence_target``: ``greedy`` (the default), whether the slot's draft (its argmax) is the
+target's token, the greedy acceptance observed on the training block; ``tv``, 1 - TV(q, p) = Σ_v min(p_v, q_v)
+between the slot's draft distribution q and the target's p (temperature 1, detached), the probability that
+speculative sampling accepts the slot's sampled draft (a soft label; one projection pass more per slot). Both losses
+keep DFlash's slot decay exp(-(k - 1) / gamma); the confidence loss is scaled by ``confidence_weight``.
 
 Decoding drafts slot by slot after the backbone: slot k's bias reads the token just drafted at k - 1. With
 ``confidence_threshold`` the block is cut where the running product c_1 ... c_k (the predicted chance that every
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distill.chunked import Frozen
+from distill.chunked import Frozen, TeacherRows, chunked_acceptance
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, TargetDims
 from heads.dflash.model import DFlashDrafter
@@ -82,14 +84,21 @@ class MarkovLogits(nn.Module):
         return self.lm_head(x_NX[:, : self.D]) + self.markov_w2(x_NX[:, self.D:])
 
 
+CONFIDENCE_TARGETS = ("greedy", "tv")  # what the confidence head's BCE is trained towards (module docstring)
+
+
 class DSparkDrafter(DFlashDrafter):
     name = "dspark"
     decode_keys = ("depth", "confidence_threshold")
 
     def __init__(self, dims: TargetDims | Mapping[str, int], markov_rank: int = 256, confidence_head: bool = True,
                  confidence_with_markov: bool = True, confidence_weight: float = 1.0,
-                 confidence_threshold: float | None = None, **dflash: Any):
+                 confidence_threshold: float | None = None, confidence_target: str = "greedy", **dflash: Any):
         super().__init__(dims, **dflash)
+        if confidence_target not in CONFIDENCE_TARGETS:
+            raise ValueError(f"drafter.confidence_target={confidence_target!r} is not known; valid: "
+                             f"{list(CONFIDENCE_TARGETS)} (greedy: whether the slot's argmax is the target's token; "
+                             f"tv: 1 - TV(q, p), the sampled draft's acceptance probability)")
         if markov_rank < 0:
             raise ValueError(f"drafter.markov_rank={markov_rank} must be >= 0 (0: no Markov head)")
         if confidence_with_markov and confidence_head and markov_rank == 0:
@@ -110,6 +119,7 @@ class DSparkDrafter(DFlashDrafter):
             if confidence_head else None
         self.confidence_weight = float(confidence_weight)
         self.confidence_threshold = confidence_threshold
+        self.confidence_target = confidence_target
         self._markov_rows: tuple | None = None
 
     # --- training ------------------------------------------------------------------------------------------
@@ -125,21 +135,40 @@ class DSparkDrafter(DFlashDrafter):
             terms = self.block_terms(torch.cat([out, latent], -1), head, pos_BNS, drawn, batch, teacher_out)
         else:
             terms = self.block_terms(out, Frozen(self._frozen["lm_head"]), pos_BNS, drawn, batch, teacher_out)
+        labels = None
+        if self.confidence_head is not None and self.confidence_target == "tv":  # before the terms drop the teacher
+            labels = self._tv_labels(terms, pos_BNS, teacher_out, ids.shape[1])
         result = DraftOutput(terms=terms, num_valid=drawn.sum()).evaluate(loss_fn)
         if self.confidence_head is not None:
-            result.aux_loss_sum = self.confidence_weight * self._confidence_loss(out, latent, terms)
+            result.aux_loss_sum = self.confidence_weight * self._confidence_loss(out, latent, terms, labels)
         return result
 
-    def _confidence_loss(self, out_BNSD: Tensor, latent: Tensor | None, terms: list[DraftTerm]) -> Tensor:
-        """Σ over slots k >= 1 and trained rows of the slot weight x BCE(c_k, 1[the slot's argmax is the target's
-        token]) (the terms' own argmax, computed by their loss; the confidence head alone gets this gradient's
-        label, the backbone and the Markov latent its features' gradient, as the reference trains them)."""
+    def _tv_labels(self, terms: list[DraftTerm], pos_BNS: Tensor, teacher_out: TeacherOutput, T: int) -> list[Tensor]:
+        """Per slot k >= 1, [B * N] Σ_v min(p_v, q_v) between the slot's draft distribution (its term's logits, the
+        Markov bias included) and the target's distribution over the token it predicts, at temperature 1 (whatever
+        the token loss's ``objective``)."""
+        B, N = pos_BNS.shape[:2]
+        b_N = torch.arange(B, device=pos_BNS.device)[:, None].expand(B, N).reshape(-1)
+        return [chunked_acceptance(term.student_ND, term.head,
+                                   TeacherRows(teacher_out, b_N, self.slot_teacher_positions(pos_BNS, k, T)),
+                                   term.weight_N)
+                for k, term in enumerate(terms, start=1)]
+
+    def _confidence_loss(self, out_BNSD: Tensor, latent: Tensor | None, terms: list[DraftTerm],
+                         labels: list[Tensor] | None = None) -> Tensor:
+        """Σ over slots k >= 1 and trained rows of the slot weight x BCE(c_k, y_k), y_k = ``labels[k - 1]`` when given
+        (``confidence_target: tv``), else 1[the slot's argmax is the target's token] (the terms' own argmax, computed
+        by their loss). The confidence head alone gets this gradient's label, the backbone and the Markov latent its
+        features' gradient, as the reference trains them."""
         total = out_BNSD.new_zeros((), dtype=torch.float32)
         B, N = out_BNSD.shape[:2]
         for k, term in enumerate(terms, start=1):
             with torch.no_grad():
-                pred = term.pred_N if term.pred_N is not None else term.student_NV.argmax(-1)
-                hit = (pred == term.label_N).float()
+                if labels is not None:
+                    hit = labels[k - 1].float()
+                else:
+                    pred = term.pred_N if term.pred_N is not None else term.student_NV.argmax(-1)
+                    hit = (pred == term.label_N).float()
             logit = self.confidence(out_BNSD[:, :, k].reshape(B * N, -1),
                                     None if latent is None else latent[:, :, k].reshape(B * N, -1))
             bce = F.binary_cross_entropy_with_logits(logit.float(), hit, reduction="none")
@@ -239,6 +268,7 @@ class DSparkDrafter(DFlashDrafter):
         node["confidence_head"] = self.confidence_head is not None
         node["confidence_with_markov"] = self.confidence_with_markov
         node["confidence_threshold"] = self.confidence_threshold
+        node["confidence_target"] = self.confidence_target
         return node
 
     def with_threshold(self, threshold: float | None) -> "DSparkDrafter":
