@@ -68,7 +68,7 @@ def test_experiment_composes_and_instantiates(experiment):
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_every_drafter_preset_instantiates(drafter, monkeypatch):
     # The draft model preset builds a small toy LM (minutes); a tiny stand-in checks the config plumbing.
-    monkeypatch.setattr("heads.draft_model.load_or_build_toy_target", lambda cfg, cache_dir=None: (make_tiny_llama(), None))
+    monkeypatch.setattr("heads.draft_model.model.load_or_build_toy_target", lambda cfg, cache_dir=None: (make_tiny_llama(), None))
     cfg = load([f"drafter={drafter}"])
     load_config(cfg)
     instantiate(cfg.drafter, dims=TargetDims(32, 4096, 4))  # the toy target's vocabulary and depth

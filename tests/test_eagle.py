@@ -129,7 +129,7 @@ def test_a_training_step_is_the_same_through_either_attention(tiny_teacher, monk
     the same loss and gradients."""
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
     calls = []
-    monkeypatch.setattr(heads.eagle, "explicit_ttt_attention",
+    monkeypatch.setattr(heads.eagle.model, "explicit_ttt_attention",
                         lambda *a: calls.append(1) or explicit_ttt_attention(*a))
 
     def loss_and_grads():
@@ -140,7 +140,7 @@ def test_a_training_step_is_the_same_through_either_attention(tiny_teacher, monk
 
     explicit = loss_and_grads()
     assert len(calls) == 2  # steps 1 and 2; step 0 stays fused
-    monkeypatch.setattr(heads.eagle, "EXPLICIT_ATTENTION_ELEMENTS", 0)
+    monkeypatch.setattr(heads.eagle.model, "EXPLICIT_ATTENTION_ELEMENTS", 0)
     fused = loss_and_grads()
     assert len(calls) == 2
     for got, want in zip(explicit, fused):

@@ -106,7 +106,7 @@ def measured(teacher, drafter, B: int, T: int) -> float:
 def test_dense_count_matches_the_flop_counter(kind, T, monkeypatch):
     # EAGLE's small-CPU attention path computes explicit scores whose per-step columns flop_counter cannot see: run
     # the fused kernel, which the dense convention describes.
-    monkeypatch.setattr(heads.eagle, "EXPLICIT_ATTENTION_ELEMENTS", 0)
+    monkeypatch.setattr(heads.eagle.model, "EXPLICIT_ATTENTION_ELEMENTS", 0)
     teacher = _teacher()
     drafter = _drafter(kind, teacher)
     B = 2

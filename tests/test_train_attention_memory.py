@@ -93,7 +93,7 @@ def step(kind: str, **overrides) -> SquareProbe:
 @pytest.mark.parametrize("kind", list(NODES))
 def test_a_training_step_allocates_no_square_tensor(kind, monkeypatch):
     explicit = []  # EAGLE's explicit-scores CPU path holds [T, T + j] scores: never chosen at this length
-    monkeypatch.setattr(heads.eagle, "explicit_ttt_attention", lambda *a: explicit.append(1))
+    monkeypatch.setattr(heads.eagle.model, "explicit_ttt_attention", lambda *a: explicit.append(1))
     probe = step(kind)
     assert probe.backward_ops > 0  # the backward ran under the probe too
     assert not probe.found, probe.found[:5]
