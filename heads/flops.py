@@ -133,6 +133,28 @@ def dflash(d, target: TargetShape, B: int, T: int) -> StepFlops:
     return StepFlops(teacher, total(parts))
 
 
+def dflash2(d, target: TargetShape, B: int, T: int) -> StepFlops:
+    """DFlash2 (``heads.dflash2``): DFlash's count, plus per draft layer the two block convolutions' kernel
+    projections (D -> 2 K G over every block slot, trained), and the selector's training term: each trained slot's
+    unary logits over the whole vocabulary (no gradient: the candidates), the state's projection (D -> r, its weight
+    trained) and the K candidates' pair scores (r each, the codebooks trained). The convolutions' elementwise
+    products are not counted, as no norm or activation is."""
+    base = dflash(d, target, B, T)
+    D, V, S = d.dims.hidden_size, d.dims.vocab_size, d.block_size
+    N = min(d.num_anchors, max(T - 2, 0))
+    parts = []
+    if d.conv:
+        for layer in d.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                parts.append(matmul(B * N * S, D, conv.kernel_projection.out_features, True, True))
+    if d.candidate_selector is not None:
+        rank = d.candidate_selector.hidden_projection.out_features
+        rows = B * N * (S - 1)
+        parts += [matmul(rows, D, V), matmul(rows, D, rank, grad_weight=True),
+                  matmul(rows * d.selector_top_k, rank, 1, grad_weight=True)]
+    return StepFlops(base.teacher, base.drafter + total(parts)) if parts else base
+
+
 def medusa(d, target: TargetShape, B: int, T: int, hidden_needs_grad: bool = False) -> StepFlops:
     """Medusa (``heads.medusa``): head k+1's ResBlocks and its D -> V projection over its B(T-k-2) trained rows; the
     first matmul reads the target's state, which needs no gradient (Medusa-2's joint stage: it does)."""

@@ -6,6 +6,7 @@ DFlash against EAGLE-1).
     python scripts/bench_recipe.py --table                           # print the recipe table from the JSON
     python scripts/bench_recipe.py --preset tiny --out /tmp/r.json   # seconds: checks the script end to end
     python scripts/bench_recipe.py --group losses --seeds 0 1 --out scripts/results/bench_recipe_losses_toy_cpu.json
+    python scripts/bench_recipe.py --group dflash2 --seeds 0 1 --out scripts/results/bench_recipe_dflash2_toy_cpu.json
     python scripts/bench_recipe.py --rows eagle1 dflash_eqcpu --seeds 0 --out scripts/results/bench_recipe_dflash_toy_cpu.json
     python scripts/bench_recipe.py --rows eagle3_ttt3_vocab1024 eagle3_ttt3_vocab1024_fc_norm \
         eagle3_ttt3_vocab1024_norm_output eagle3_ttt3_vocab1024_fc_norm_norm_output --seeds 0 \
@@ -152,10 +153,19 @@ ROWS = {
     "eagle3_lk_alpha_600": ([*E3, "loss=lk"], 600),
     "eagle3_lk_lambda_600": ([*E3, "loss=lk", "loss.variant=lambda"], 600),
     "eagle3_acceptance_weighted_fkl_600": ([*E3, "loss=acceptance_weighted"], 600),
+    # The block-parallel drafters at experiment=dflash_toy's budget (2000 steps on the same regenerated answers):
+    # DFlash, DSpark and DFlash2 as their toy experiments build them, and DFlash2 without each of its two modules
+    # (GROUPS["dflash2"] runs the five)
+    "dflash_toy": (["experiment=dflash_toy"], 2000),
+    "dspark_toy": (["experiment=dspark_toy"], 2000),
+    "dflash2_toy": (["experiment=dflash2_toy"], 2000),
+    "dflash2_toy_no_selector": (["experiment=dflash2_toy", "drafter.selector=false"], 2000),
+    "dflash2_toy_no_conv": (["experiment=dflash2_toy", "drafter.conv=false"], 2000),
 }
 # --group NAME: these rows side by side (the same as naming them in --rows)
 GROUPS = {
     "losses": ["eagle3_fkl_600", "eagle3_lk_alpha_600", "eagle3_lk_lambda_600", "eagle3_acceptance_weighted_fkl_600"],
+    "dflash2": ["dflash_toy", "dspark_toy", "dflash2_toy", "dflash2_toy_no_selector", "dflash2_toy_no_conv"],
 }
 # Tree budgets: (tree mode, top_k, total_tokens, depth). depth is also γ, the decoder's bound on proposal depth.
 TREES = {

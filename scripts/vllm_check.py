@@ -54,6 +54,7 @@ ROWS = {
     "dflash": ("dflash", ["drafter=dflash", *BLOCK], 600),
     "peagle": ("peagle", ["drafter=peagle", "drafter.draft_vocab_size=256"], 400),
     "dspark": ("dspark", ["drafter=dspark", *BLOCK], 600),
+    "dflash2": ("dflash2", ["drafter=dflash2", *BLOCK, "drafter.selector_rank=32"], 600),
     "lookup": ("lookup", [], 0),
 }
 # Targets: the 8-layer tiny toy (builds in about a minute; CI) and the default 4M toy (built once, ~11 minutes), each

@@ -35,6 +35,7 @@ from heads.saved import load_saved_drafter, weights_digest
 from serve.adapter import ENGINES, SIDECAR, ExportAdapter, refusal, serve_name
 from serve.dflash import DFlashAdapter
 from serve.draft_model import DraftModelAdapter
+from serve.dflash2 import DFlash2Adapter
 from serve.dspark import DSparkAdapter
 from serve.eagle import EagleAdapter
 from serve.lookup import LookupAdapter
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 # One adapter per drafter family; a new kind adds its adapter here.
 ADAPTERS: dict[str, ExportAdapter] = {kind: adapter for adapter in
                                       (MedusaAdapter(), Medusa2Adapter(), EagleAdapter(), DraftModelAdapter(),
-                                       LookupAdapter(), DFlashAdapter(), PEagleAdapter(), DSparkAdapter())
+                                       LookupAdapter(), DFlashAdapter(), PEagleAdapter(), DSparkAdapter(),
+                                       DFlash2Adapter())
                                       for kind in adapter.kinds}
 __all__ = ["ADAPTER_DIR", "ADAPTERS", "ENGINES", "MERGED", "SIDECAR", "adapter_for", "check_export",
            "export_drafter", "load_export", "serve_command"]

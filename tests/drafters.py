@@ -26,15 +26,18 @@ EAGLE3_NODE = {"_target_": "heads.eagle.EagleDrafter", "variant": "eagle3", "num
 DRAFT_MODEL_NODE = {"_target_": "heads.draft_model.DraftModel", "source": "hf", "name": "tiny-draft"}
 DFLASH_NODE = {"_target_": "heads.dflash.DFlashDrafter", "block_size": 6, "num_layers": 2}
 DSPARK_NODE = {"_target_": "heads.dspark.DSparkDrafter", "block_size": 6, "num_layers": 2, "markov_rank": 8}
+DFLASH2_NODE = {"_target_": "heads.dflash2.DFlash2Drafter", "block_size": 6, "num_layers": 2, "conv_group_size": 8,
+                "selector_top_k": 8, "selector_rank": 8}
 PEAGLE_NODE = {"_target_": "heads.peagle.PEagleDrafter", "num_heads": 2, "layers": [1, 2, 3], "num_depths": 4,
                "draft_vocab_size": 96}
 NODES = {"medusa": MEDUSA_NODE, "eagle1": EAGLE1_NODE, "eagle3": EAGLE3_NODE, "draft_model": DRAFT_MODEL_NODE,
-         "dflash": DFLASH_NODE, "peagle": PEAGLE_NODE, "dspark": DSPARK_NODE}
+         "dflash": DFLASH_NODE, "peagle": PEAGLE_NODE, "dspark": DSPARK_NODE, "dflash2": DFLASH2_NODE}
 
 # Every engine each kind exports to (the refused pairs are tested in test_export*.py).
 EXPORTS = {"medusa": ("vllm", "hf"), "eagle1": ("vllm", "sglang", "hf"), "eagle3": ("vllm", "sglang", "speculators"),
            "draft_model": ("vllm", "sglang", "hf"), "dflash": ("vllm", "sglang", "speculators"),
-           "peagle": ("vllm", "speculators"), "dspark": ("vllm", "speculators")}
+           "peagle": ("vllm", "speculators"), "dspark": ("vllm", "speculators"),
+           "dflash2": ("vllm", "speculators")}
 TRAINED = {"training": {"steps": 10, "loss": {"_target_": "distill.losses.forward_kl"}}}
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
 
@@ -140,6 +143,15 @@ def dspark(teacher: Teacher, seed: int = 3, **node):
     return perturbed(drafter, seed + 1, 0.2)
 
 
+def dflash2(teacher: Teacher, seed: int = 3, **node):
+    """A 2-layer DFlash2 drafter (block 6, 8 candidates, selector rank 8) off its init: convolutions and selector
+    perturbed too, so neither is the identity it starts as."""
+    torch.manual_seed(seed)
+    drafter = build_drafter({**DFLASH2_NODE, **node}, teacher)
+    drafter.bind_target(teacher, initialize=True)
+    return perturbed(drafter, seed + 1, 0.2)
+
+
 def build(kind: str, teacher: Teacher):
     """A deterministic tiny drafter of ``kind`` (a key of ``NODES``) bound to ``teacher``."""
     if kind == "medusa":
@@ -150,6 +162,8 @@ def build(kind: str, teacher: Teacher):
         return dflash(teacher)
     if kind == "dspark":
         return dspark(teacher)
+    if kind == "dflash2":
+        return dflash2(teacher)
     return eagle(teacher, kind)
 
 

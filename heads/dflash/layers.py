@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.layers import RMSNorm, apply_rope, rope_tables
+from heads.train_attention import StructuredMask, attend
 
 
 class DFlashAttention(nn.Module):
@@ -94,11 +95,15 @@ class DFlashLayer(nn.Module):
                 ctx_BTD: Tensor | None = None, ctx_pos: Tensor | None = None) -> Tensor:
         if ctx_BTD is not None:  # the context keys from inside this call: a sharded layer (FSDP) has its weights here
             ctx_k, ctx_v = self.self_attn.keys(ctx_BTD, ctx_pos)
-        h = h_BSD + self.self_attn(self.input_layernorm(h_BSD), pos, ctx_k, ctx_v, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.sublayers(h_BSD, lambda x: self.self_attn(x, pos, ctx_k, ctx_v, mask))
 
     def forward_in_place(self, h_BSD: Tensor, pos: Tensor, k_buf: Tensor, v_buf: Tensor, cols: Tensor,
                          mask: Tensor) -> Tensor:
         """``forward`` over a decoder's key / value buffers (``DFlashAttention.forward_in_place``)."""
-        h = h_BSD + self.self_attn.forward_in_place(self.input_layernorm(h_BSD), pos, k_buf, v_buf, cols, mask)
+        return self.sublayers(h_BSD, lambda x: self.self_attn.forward_in_place(x, pos, k_buf, v_buf, cols, mask))
+
+    def sublayers(self, h_BSD: Tensor, attend) -> Tensor:
+        """The residual attention (``attend``: the normed input -> its output) and MLP sublayers (DFlash2 wraps
+        each in its block convolutions)."""
+        h = h_BSD + attend(self.input_layernorm(h_BSD))
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -51,7 +51,7 @@ from heads.dflash.rows import DFlashRows
 from heads.dflash.draft import DFlashStaticDraft
 from heads.dflash.layers import DFlashLayer
 from heads.layers import RMSNorm, vocab_maps
-from heads.train_attention import StructuredMask, attend, dflash_block_mask
+from heads.train_attention import dflash_block_mask
 from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
 from inference.tree import DraftTree
 

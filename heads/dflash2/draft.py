@@ -1,0 +1,109 @@
+"""DFlash2's drafting after the backbone forward: the selector's walk over each slot's top-K candidates, for one
+sequence (``DFlash2Drafter.propose``), a batch of rows (``DFlash2Rows``) and the capture-safe static step
+(``DFlash2StaticDraft``).
+
+Which token each output predicts: as in ``heads.dflash`` (block slot k >= 1 at position a + k predicts token a + k);
+slot k's scores read the token the walk took at slot k - 1 (slot 1: the anchor).
+
+Sampled walks (temperature > 0) draw slot k's token from its candidates' scores warped as the target's logits are
+(``inference.sampling.warp``: temperature, top-k, top-p); that distribution, zero outside the candidates, is the q
+the exact acceptance rule needs, so decoding stays lossless.
+
+Shapes: B rows, T drafted slots, K candidates per slot, D hidden size, V vocabulary, r selector rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from heads.dflash.draft import DFlashStaticDraft
+from heads.dflash.rows import DFlashRows
+from inference.acceptance import sample_uniform
+from inference.sampling import SamplingConfig, sample, warp
+from inference.static_draft import hashed_uniforms
+from inference.tree import DraftTree
+
+
+def candidates(drafter, out_BTD: Tensor, head_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(unary [B, T, K], candidate ids [B, T, K], projected states [B, T, r]) of the slots' states."""
+    B, T, D = out_BTD.shape
+    logits = drafter.draft_logits(out_BTD.reshape(B * T, D), head_rows)  # [B * T, V]
+    unary, cand = logits.topk(drafter.selector_top_k, -1)
+    sel = drafter.candidate_selector
+    projected = sel.hidden_projection(out_BTD.to(sel.hidden_projection.weight.dtype))
+    K = unary.shape[-1]
+    return unary.view(B, T, K), cand.view(B, T, K), projected
+
+
+def select_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[SamplingConfig],
+                 generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor | None]:
+    """Every row's walk over its slots' candidates: (drafts [B, T], the sampled rows' draft distributions [B, T, V],
+    None when every row is greedy)."""
+    B, T, _ = out_BTD.shape
+    unary, cand, projected = candidates(drafter, out_BTD)
+    sampled = [not s.greedy for s in samplings]
+    probs = out_BTD.new_zeros(B, T, drafter.dims.vocab_size, dtype=torch.float32) if any(sampled) else None
+    drafts = torch.empty(B, T, dtype=torch.long, device=out_BTD.device)
+    prev = anchors_B.to(out_BTD.device)
+    for k in range(T):
+        scores = drafter.candidate_selector.scores(prev, projected[:, k], cand[:, k], unary[:, k])  # [B, K]
+        pick = scores.argmax(-1)
+        for b in (b for b in range(B) if sampled[b]):
+            q = warp(scores[b: b + 1], samplings[b])  # [1, K]
+            probs[b, k].scatter_(0, cand[b, k], q[0])
+            pick[b] = sample(q, generators[b])[0]
+        prev = cand[:, k].gather(1, pick[:, None])[:, 0]
+        drafts[:, k] = prev
+    return drafts, probs
+
+
+class DFlash2Rows(DFlashRows):
+    """``ProposerRows`` for one ``heads.dflash2.DFlash2Drafter``: DFlash's batched backbone, then every row's walk."""
+
+    @torch.no_grad()
+    def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
+        out, anchors = self.block_out(tokens)
+        top = out.shape[1]
+        generators = [None if s.greedy else self._sampler(b, out.device) for b, s in enumerate(samplings)]
+        drafts, probs = select_chain(self.drafter, out, anchors, samplings, generators)
+        trees = []
+        for b, (t, want) in enumerate(zip(tokens, depths)):
+            n = min(top, want)
+            if n < 1:
+                trees.append(DraftTree.empty(t.device))
+            elif probs is None or samplings[b].greedy:
+                trees.append(DraftTree.chain(drafts[b, :n].to(t.device)))
+            else:
+                trees.append(DraftTree.chain(drafts[b, :n].to(t.device), probs[b, :n].to(t.device)))
+        return trees
+
+
+class DFlash2StaticDraft(DFlashStaticDraft):
+    """``StaticDraft`` for one ``heads.dflash2.DFlash2Drafter`` (batch 1): DFlash's catch-up and block, then the walk
+    over the T slots' candidates, one slot after another over fixed shapes."""
+
+    @torch.no_grad()
+    def draft(self) -> None:
+        d = self.drafter
+        out, anchor = self.block_out()  # [T, D], []
+        unary, cand, projected = candidates(d, out[None], self.head_rows)  # [1, T, K] ...
+        greedy = self.sampling.greedy
+        if not greedy:
+            uniforms = hashed_uniforms(self.seed, self.counter, self.draws_T)
+            self.counter.add_(1)
+        prev = anchor.reshape(1)
+        tokens, probs = [], []
+        for k in range(self.depth):
+            scores = d.candidate_selector.scores(prev, projected[:, k], cand[:, k], unary[:, k])  # [1, K]
+            if greedy:
+                pick = scores.argmax(-1)
+            else:
+                q = warp(scores, self.sampling)[0]  # [K]
+                probs.append(torch.zeros(d.dims.vocab_size, device=q.device).scatter(0, cand[0, k], q))
+                pick = sample_uniform(q, uniforms[k: k + 1])
+            prev = cand[0, k].gather(0, pick.reshape(1))
+            tokens.append(prev)
+        self.buffers.tokens_T.copy_(torch.cat(tokens))
+        if not greedy:
+            self.buffers.probs_TV.copy_(torch.stack(probs))
