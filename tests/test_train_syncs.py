@@ -42,6 +42,8 @@ KINDS = {
     "medusa2": {"_target_": "heads.medusa.Medusa2", "num_heads": 2, "num_layers": 1, "lora": {"r": 4, "alpha": 8},
                 "heads_only_steps": 0},
     "dflash": {"_target_": "heads.dflash.DFlashDrafter", "block_size": 4, "num_anchors": 4},
+    "dflash2": {"_target_": "heads.dflash2.DFlash2Drafter", "block_size": 4, "num_anchors": 4, "conv_group_size": 8,
+                "selector_top_k": 4, "selector_rank": 8, "selector_warmup_steps": 3},
     "peagle": {"_target_": "heads.peagle.PEagleDrafter", "layers": [0, 1, 2], "num_depths": 3,
                "draft_vocab_size": 96},
     "draft_model": {"_target_": "heads.draft_model.DraftModel"},
