@@ -67,7 +67,8 @@ PRESETS = {
 # vLLM never captures index L (the final normed output), so the export refuses them: train on [1, 2, 3].
 KIND_OVERRIDES = {("toy", "eagle3"): ["drafter.layers=[1,2,3]"]}
 # Rows vLLM itself cannot serve here: row -> the start of vLLM's own message (the test pins it).
-REFUSED = {"dspark": "Model Runner V1 does not support: dspark speculative decoding"}
+REFUSED = {"dspark": "Model Runner V1 does not support: dspark speculative decoding",
+           "dflash2": "Model Runner V1 does not support: DFlash candidate-head drafts"}
 TOLERANCE = 0.03  # vLLM's τ against this decoder's, relative
 
 

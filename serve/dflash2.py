@@ -42,8 +42,10 @@ ARCHITECTURE = "DFlash2DraftModel"
 SELECTOR = "candidate_selector."
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-VLLM_RUNNER_NOTE = ("vLLM walks DFlash2's selector in its model runner V2 (a CUDA GPU with Triton); measure its served "
-                    "acceptance on a GPU (`python -m eval drafter_path=... eval.engine=vllm`).")
+VLLM_RUNNER_NOTE = ("vLLM walks DFlash2's selector in its model runner V2 (a CUDA GPU with Triton): vLLM 0.32.0 on a CPU "
+                    "(the V1 runner) refuses the export at start-up with \"Model Runner V1 does not support: DFlash "
+                    "candidate-head drafts\": measure its served acceptance on a GPU (`python -m eval drafter_path=... "
+                    "eval.engine=vllm`).")
 
 
 def dflash2_fields(drafter: DFlash2Drafter) -> dict[str, int]:
