@@ -555,6 +555,16 @@ SOURCES: dict[str, Source] = {
         "the same data, 600 steps and seed; `fc_norm` / `norm_output` = `drafter.fc_norm=true` / "
         "`drafter.norm_output=true`. Greedy, 20 held-out prompts of 128 tokens, 96 new tokens, every output checked "
         "token-identical to plain decoding. CPU s is the training process's, one thread on a shared machine."),
+    "bench_recipe_dflash2_tiny_cpu.json": Source(
+        "DFlash2 against DSpark and DFlash at the toy experiments' budget (CPU, tiny target)",
+        "python scripts/bench_recipe.py --group dflash2 --seeds 0 1 --out "
+        "scripts/results/bench_recipe_dflash2_tiny_cpu.json target=tiny target.toy.num_layers=8 data.max_length=128 "
+        "eval.prompt_tokens=48 eval.max_new_tokens=64", render_recipe,
+        "Every row: its toy experiment (`experiment=dflash_toy`, `dspark_toy`, `dflash2_toy`; `no_selector` / "
+        "`no_conv` = `drafter.selector=false` / `drafter.conv=false`), 2,000 steps on the same regenerated answers, "
+        "on the 8-layer tiny toy target. Greedy, 20 held-out prompts of 48 tokens, 64 new tokens, every output "
+        "checked token-identical to plain decoding; `chain` drafts 4 tokens, `block` 7. CPU s is the training "
+        "process's, one thread on a shared machine ([DFlash2](dflash2.md))."),
     "bench_recipe_eagle31_tiny_cpu.json": Source(
         "EAGLE-3.1 flags beside plain EAGLE-3 at equal steps (CPU, tiny target)",
         "python scripts/bench_recipe.py --rows eagle3_ttt3_vocab1024 eagle3_ttt3_vocab1024_fc_norm "
