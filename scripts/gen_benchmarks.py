@@ -555,6 +555,16 @@ SOURCES: dict[str, Source] = {
         "the same data, 600 steps and seed; `fc_norm` / `norm_output` = `drafter.fc_norm=true` / "
         "`drafter.norm_output=true`. Greedy, 20 held-out prompts of 128 tokens, 96 new tokens, every output checked "
         "token-identical to plain decoding. CPU s is the training process's, one thread on a shared machine."),
+    "bench_recipe_losses_tiny_cpu.json": Source(
+        "Acceptance-aligned losses against forward KL on EAGLE-3 at equal steps (CPU, tiny target)",
+        "python scripts/bench_recipe.py --group losses --seeds 0 1 --out "
+        "scripts/results/bench_recipe_losses_tiny_cpu.json target=tiny target.toy.num_layers=8 data.max_length=128 "
+        "eval.prompt_tokens=48 eval.max_new_tokens=64", render_recipe,
+        "Every row: `drafter=eagle3`, 600 steps, the same data, on the 8-layer tiny toy target; `lk_alpha` = "
+        "`loss=lk`, `lk_lambda` = `loss=lk loss.variant=lambda`, `acceptance_weighted_fkl` = "
+        "`loss=acceptance_weighted`. Greedy, 20 held-out prompts of 48 tokens, 64 new tokens, every output checked "
+        "token-identical to plain decoding. CPU s is the training process's, one thread ([draft models and "
+        "losses](draft-models.md))."),
     "bench_recipe_dflash2_tiny_cpu.json": Source(
         "DFlash2 against DSpark and DFlash at the toy experiments' budget (CPU, tiny target)",
         "python scripts/bench_recipe.py --group dflash2 --seeds 0 1 --out "
