@@ -357,6 +357,21 @@ def row_chains(logits: Tensor, tokens: list[Tensor], wants: list[int], samplings
     return trees
 
 
+def drafted_chains(drafts_BT: Tensor, probs_BTV: Tensor | None, tokens: list[Tensor], wants: list[int],
+                   samplings: list[SamplingConfig]) -> list[DraftTree]:
+    """``row_chains`` for rows already drafted (a drafter that walks its block slot by slot): row b's first
+    ``wants[b]`` drafts of ``drafts_BT``, with their distributions ``probs_BTV`` when the row is sampled."""
+    trees = []
+    for b, (t, n, sampling) in enumerate(zip(tokens, wants, samplings)):
+        if n < 1:
+            trees.append(DraftTree.empty(t.device))
+        elif probs_BTV is None or sampling.greedy:
+            trees.append(DraftTree.chain(drafts_BT[b, :n].to(t.device)))
+        else:
+            trees.append(DraftTree.chain(drafts_BT[b, :n].to(t.device), probs_BTV[b, :n].to(t.device)))
+    return trees
+
+
 def build_drafter(drafter_cfg: Mapping[str, Any], teacher) -> Drafter:
     return instantiate_drafter(drafter_cfg, TargetDims(teacher.hidden_size, teacher.vocab_size, teacher.num_layers))
 

@@ -63,7 +63,7 @@ def _group_size(hidden: int) -> int:
 
 def engine_state(drafter: DFlash2Drafter) -> dict[str, torch.Tensor]:
     """The drafter's tensors under the engines' names, the modules it was trained without as their identity."""
-    state = {k: v for k, v in drafter.state_dict().items() if k != "d2t" and not k.startswith("_")}
+    state = {k: v for k, v in drafter.state_dict().items() if k != "d2t"}
     fields = dflash2_fields(drafter)
     D, V = drafter.dims.hidden_size, drafter.dims.vocab_size
     if not drafter.conv:
@@ -100,15 +100,6 @@ def _speculators_problems(config: dict) -> list[str]:
     return []
 
 
-def _vllm_serve(target: str, export_dir: str, num_tokens: int) -> str:
-    spec = {"method": "dflash", "model": export_dir, "num_speculative_tokens": num_tokens}
-    return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
-
-
-def _speculators_serve(target: str, export_dir: str, num_tokens: int) -> str:
-    return f"vllm serve {export_dir}   # or, explicitly:\n" + _vllm_serve(target, export_dir, num_tokens)
-
-
 def module_shapes(config: dict, fields: dict) -> dict[str, tuple[int, ...]]:
     """The convolution and selector tensors an engine builds from ``config`` and the DFlash2 ``fields``."""
     view = as_zlab(config)
@@ -140,18 +131,17 @@ def _is_module(name: str) -> bool:
 class DFlash2Engine:
     """One engine's DFlash2 loader: its DFlash row (the backbone), its config, where it reads the DFlash2 fields."""
 
-    dflash: DFlashEngine
+    dflash: DFlashEngine  # its serve command is DFlash's: the same method, the architecture in the config
     config: Callable[[dict, DFlash2Drafter], dict]
-    serve: Callable[[str, str, int], str]
     architecture: str
     fields: Callable[[dict], dict]
     format_problems: Callable[[dict], list[str]] = lambda config: []
 
 
 ENGINES = {
-    "vllm": DFlash2Engine(DFLASH_ENGINES["vllm"], _vllm_config, _vllm_serve, ARCHITECTURE, _vllm_fields),
-    "speculators": DFlash2Engine(DFLASH_ENGINES["speculators"], _speculators_config, _speculators_serve,
-                                 ARCHITECTURE, lambda config: config, _speculators_problems),
+    "vllm": DFlash2Engine(DFLASH_ENGINES["vllm"], _vllm_config, ARCHITECTURE, _vllm_fields),
+    "speculators": DFlash2Engine(DFLASH_ENGINES["speculators"], _speculators_config, ARCHITECTURE,
+                                 lambda config: config, _speculators_problems),
 }
 
 
@@ -230,7 +220,7 @@ class DFlash2Adapter:
 
     def serve_command(self, engine: str, kind: str, target: str, export_dir: str, num_tokens: int,
                       tree: dict | None = None) -> str:
-        return self.engines[engine].serve(target, export_dir, num_tokens)
+        return self.engines[engine].dflash.serve(target, export_dir, num_tokens)
 
     def card(self, engine: str, kind: str, config: dict, output_dir: Path, report: dict | None,
              serve_target: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from heads.base import drafted_chains
 from heads.dflash.draft import DFlashStaticDraft
 from heads.dflash.rows import DFlashRows
 from inference.acceptance import sample_uniform
@@ -67,16 +68,7 @@ class DFlash2Rows(DFlashRows):
         top = out.shape[1]
         generators = [None if s.greedy else self._sampler(b, out.device) for b, s in enumerate(samplings)]
         drafts, probs = select_chain(self.drafter, out, anchors, samplings, generators)
-        trees = []
-        for b, (t, want) in enumerate(zip(tokens, depths)):
-            n = min(top, want)
-            if n < 1:
-                trees.append(DraftTree.empty(t.device))
-            elif probs is None or samplings[b].greedy:
-                trees.append(DraftTree.chain(drafts[b, :n].to(t.device)))
-            else:
-                trees.append(DraftTree.chain(drafts[b, :n].to(t.device), probs[b, :n].to(t.device)))
-        return trees
+        return drafted_chains(drafts, probs, tokens, [min(top, want) for want in depths], samplings)
 
 
 class DFlash2StaticDraft(DFlashStaticDraft):

@@ -115,32 +115,24 @@ class DFlash2Drafter(DFlashDrafter):
         terms = self.block_terms(out, Frozen(self._frozen["lm_head"]), pos_BNS, drawn, batch, teacher_out)
         result = DraftOutput(terms=terms, num_valid=drawn.sum()).evaluate(loss_fn)
         if self.candidate_selector is not None and self.selector_weight > 0:
-            loss = self.selector_loss(out, pos_BNS, drawn, batch, teacher_out)
-            result.aux_loss_sum = self.selector_weight * self._selector_ramp * loss
+            anchors = batch["input_ids"].gather(1, pos_BNS[..., 0]).reshape(-1)
+            result.aux_loss_sum = self.selector_weight * self._selector_ramp * self.selector_loss(terms, anchors)
         return result
 
-    def selector_loss(self, out_BNSD: Tensor, pos_BNS: Tensor, drawn: Tensor, batch: Mapping[str, Tensor],
-                      teacher_out: TeacherOutput) -> Tensor:
+    def selector_loss(self, terms, anchors_N: Tensor) -> Tensor:
         """Σ over slots k >= 1 and trained rows of the slot weight x the K-way cross-entropy of the selector's scores
-        towards the target's token (module docstring)."""
-        ids = batch["input_ids"]
-        B, N, S = pos_BNS.shape
-        T = ids.shape[1]
-        valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        gold_BT = teacher_out.argmax_BT()  # the target's token after each position: what greedy decoding emits
-        b_N = torch.arange(B, device=ids.device)[:, None].expand(B, N).reshape(-1)
-        prev = ids.gather(1, pos_BNS[..., 0]).reshape(-1)  # slot 1's predecessor: the anchor
-        total = out_BNSD.new_zeros((), dtype=torch.float32)
+        towards the target's token (module docstring). ``terms``: the block's token terms (slot k's states, rows,
+        weight and the target's token at each row: its argmax over the whole vocabulary); ``anchors_N``: each row's
+        anchor token, slot 1's predecessor."""
         sel = self.candidate_selector
-        for k in range(1, S):
-            target = pos_BNS[..., k]
-            rows = drawn & (target < T) & valid.gather(1, target.clamp(max=T - 1))
-            gold = gold_BT[b_N, self.slot_teacher_positions(pos_BNS, k, T)]
-            state = out_BNSD[:, :, k].reshape(B * N, -1).detach()
+        prev, total = anchors_N, anchors_N.new_zeros((), dtype=torch.float32)
+        for term in terms:
+            gold, state = term.label_N, term.student_ND.detach()
             unary, cand, label = self.training_candidates(state, gold)
-            scores = sel.scores(prev, sel.hidden_projection(state.to(sel.hidden_projection.weight.dtype)), cand, unary)
+            projected = sel.hidden_projection(state.to(sel.hidden_projection.weight.dtype))
+            scores = sel.scores(prev, projected, cand, unary)
             ce = F.cross_entropy(scores, label, reduction="none")
-            total = total + self.slot_weight(k) * (ce * rows.reshape(-1).float()).sum()
+            total = total + term.weight * (ce * term.weight_N).sum()
             prev = gold
         return total
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from heads.base import drafted_chains
 from heads.dflash.rows import DFlashRows
 from heads.dflash.draft import DFlashStaticDraft
 from inference.acceptance import sample_uniform
@@ -70,18 +71,10 @@ class DSparkRows(DFlashRows):
         top = out.shape[1]
         generators = [None if s.greedy else self._sampler(b, out.device) for b, s in enumerate(samplings)]
         drafts, probs, kept = draft_chain(self.drafter, out, anchors, samplings, generators)
-        trees = []
         cutting = self.drafter.confidence_threshold is not None
-        for b, (t, want) in enumerate(zip(tokens, depths)):
-            n = min(top, want, cut_width(kept[b], top) if cutting else top)
-            self.drafter.offered += max(min(n, kept[b]), 0)
-            if n < 1:
-                trees.append(DraftTree.empty(t.device))
-            elif probs is None or samplings[b].greedy:
-                trees.append(DraftTree.chain(drafts[b, :n].to(t.device)))
-            else:
-                trees.append(DraftTree.chain(drafts[b, :n].to(t.device), probs[b, :n].to(t.device)))
-        return trees
+        wants = [min(top, want, cut_width(kept[b], top) if cutting else top) for b, want in enumerate(depths)]
+        self.drafter.offered += sum(max(min(n, k), 0) for n, k in zip(wants, kept))
+        return drafted_chains(drafts, probs, tokens, wants, samplings)
 
 
 class DSparkStaticDraft(DFlashStaticDraft):
