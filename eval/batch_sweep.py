@@ -30,7 +30,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from inference.batch_decoder import BatchGeneration, BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
+from inference.generation import BatchGeneration
 from inference.batch_memory import check_batch_sizes_fit
 from inference.decoder import DecoderConfig
 from inference.policy import calibrate, check_batch_sizes, make_policy
@@ -104,7 +105,7 @@ def batch_sweep(teacher, drafters: Mapping[str, object], prompts: Sequence, eval
     max_new, gamma = eval_cfg.max_new_tokens, eval_cfg.num_draft
     check_batch_sizes_fit(teacher, batch_sizes, dcfg.max_batch_rows, eval_cfg.prompt_tokens, max_new, gamma)
     eos = teacher.tokenizer.eos_token_id if getattr(teacher, "tokenizer", None) is not None else None
-    decoder = BatchStepDecoder(teacher, eos_token_id=eos, sampling=dcfg.sampling(), seed=dcfg.seed,
+    decoder = BucketDecoder(teacher, eos_token_id=eos, sampling=dcfg.sampling(), seed=dcfg.seed,
                                cuda_graphs=dcfg.cuda_graphs, compile=dcfg.compile, max_rows=dcfg.max_batch_rows)
     greedy = decoder.sampling.greedy
     pool = sweep_prompts(list(prompts), batch_sizes)

@@ -73,7 +73,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         raise ValueError("no evaluation prompts; check eval.prompts / eval.num_prompts")
     dcfg = decoder_cfg or DecoderConfig()
     decoder = build_decoder(teacher, dcfg)
-    if teacher.device.type == "cuda" and not decoder.steps.compile:
+    if teacher.device.type == "cuda" and not decoder.runner.compile:
         log.info("decoder.compile=off: CUDA graphs over eager steps. Compiling (decoder.compile=auto, the default on "
                  "CUDA) fuses the target's small kernels first (on an H200, 1.14B target: plain decoding 1.5x faster, "
                  "EAGLE-1 1.84x plain instead of 1.55x; docs/gpu-decoding.md), at about 20 s per step shape")
@@ -104,7 +104,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
     hf = _hf_baselines(teacher, drafters, eval_cfg, decoder)
     warm_up(decoder, drafters, as_tensor[: eval_cfg.warmup_prompts], max_new, depth, hf)
     # Compiled steps: the first prompts' outputs of every method, checked against eager plain decoding after the run.
-    keep = MAX_KEPT if greedy and decoder.steps.compile else 0
+    keep = MAX_KEPT if greedy and decoder.runner.compile else 0
     run = decode_side_by_side(decoder, drafters, as_tensor, max_new, depth, dcfg.seed, categories, hf, keep=keep)
     plain, per, hf_tally, by_cat = run.plain, run.drafters, run.baselines, run.by_category
     first_text = torch.cat([as_tensor[0], torch.tensor([run.first_ref.new_tokens], dtype=torch.long)], dim=1)
@@ -141,7 +141,7 @@ def evaluate(teacher, drafters: Mapping[str, object], prompts: Sequence[Sequence
         "greedy": {"new_tokens": plain.tokens, "seconds": plain.total.seconds, "tokens_per_s": plain_tps},
         "baselines": {name: _baseline(name, t, plain_tps, per, greedy, len(prompts)) for name, t in hf_tally.items()},
         "results": results,
-        "decoder_steps": decoder.steps.describe(),
+        "decoder_steps": decoder.batch.describe(),
         "machine": machine_info(),
         "definitions": DEFINITIONS,
     }

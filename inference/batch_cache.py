@@ -23,9 +23,17 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from inference.static_cache import FixedBuffers, StaticKVLayer, _mark_static, capacity_buckets
+from inference.static_cache import BUCKET, FixedBuffers, StaticKVLayer, _mark_static, capacity_buckets
 
 FINE = 32  # uncompiled steps read the columns they need, rounded up to a multiple of this
+
+
+def capacity_of(columns: int) -> int:
+    """Cache capacities are powers of two from ``BUCKET`` up, so a decoder reuses one cache across prompts."""
+    c = BUCKET
+    while c < columns:
+        c *= 2
+    return c
 
 
 class BatchKVLayer(StaticKVLayer):
@@ -34,10 +42,15 @@ class BatchKVLayer(StaticKVLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         R, h, n, hd = key_states.shape
-        where = self._owner.positions(n)[:, None, :, None]
-        self.keys.scatter_(2, where.expand(R, h, n, hd), key_states.to(self.dtype))
-        self.values.scatter_(2, where.expand(R, value_states.shape[1], n, value_states.shape[3]),
-                             value_states.to(self.dtype))
+        where = self._owner.positions(n)
+        if R == 1:  # one row: the batch-1 cache's copy along the columns (cheaper than a scatter)
+            self.keys.index_copy_(2, where[0], key_states.to(self.dtype))
+            self.values.index_copy_(2, where[0], value_states.to(self.dtype))
+        else:
+            where = where[:, None, :, None]
+            self.keys.scatter_(2, where.expand(R, h, n, hd), key_states.to(self.dtype))
+            self.values.scatter_(2, where.expand(R, value_states.shape[1], n, value_states.shape[3]),
+                                 value_states.to(self.dtype))
         b = self._owner.bucket
         return self.keys[:, :, :b], self.values[:, :, :b]
 
@@ -45,7 +58,7 @@ class BatchKVLayer(StaticKVLayer):
         return max(self._owner.host_lengths, default=0)
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return self._owner.capacity
 
 
 class BatchKV(FixedBuffers, Cache):
@@ -61,19 +74,37 @@ class BatchKV(FixedBuffers, Cache):
         self.rows, self.capacity, self.device = int(rows), int(capacity), torch.device(device)
         self.fine = fine
         layers = []
+        # One spare column past the capacity, never read: a bucket's view of the keys is then never contiguous, the
+        # last bucket's included, so the compiled step every bucket shares does not branch (and recompile) on it.
         for k_shape, v_shape, dtype in shapes:
-            keys = torch.zeros(rows, k_shape[1], capacity, k_shape[3], dtype=dtype, device=self.device)
-            values = torch.zeros(rows, v_shape[1], capacity, v_shape[3], dtype=dtype, device=self.device)
+            keys = torch.zeros(rows, k_shape[1], capacity + 1, k_shape[3], dtype=dtype, device=self.device)
+            values = torch.zeros(rows, v_shape[1], capacity + 1, v_shape[3], dtype=dtype, device=self.device)
             layers.append(BatchKVLayer(self, keys, values))
         super().__init__(layers=layers)
         self.length = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.host_lengths = [0] * rows
-        self.bucket = self.capacity
         self._arange = torch.arange(self.capacity, device=self.device)
+        self._columns: dict[int, Tensor] = {}
+        self.bucket = self.capacity
         self._positions: dict[int, Tensor] = {}
         self._scratch: Tensor | None = None
         for t in (self.length, self._arange, *(x for layer in layers for x in (layer.keys, layer.values))):
             _mark_static(t)
+
+    @property
+    def bucket(self) -> int:
+        """Key columns attention reads: the length of ``columns``, a view of ``arange(capacity)`` per bucket. A step
+        reads the bucket as that view's size, which a compiled step takes as a symbolic size (the view is marked
+        dynamic), so one compilation serves every capacity bucket; a CUDA graph still records one per bucket."""
+        return self.columns.shape[0]
+
+    @bucket.setter
+    def bucket(self, columns: int) -> None:
+        view = self._columns.get(columns)
+        if view is None:
+            view = self._columns[columns] = self._arange[:columns]
+            torch._dynamo.maybe_mark_dynamic(view, 0)
+        self.columns = view
 
     def declare(self, n: int) -> Tensor:
         """Allocate (once) the ``[R, n]`` write positions of a step width, before any recording that uses it."""
@@ -128,6 +159,12 @@ class BatchKV(FixedBuffers, Cache):
         """Capture-safe, every layer: row b's columns ``start[b] + index[b]`` move to ``start[b] + arange(K)`` (a
         fixed-size gather; entries past a row's real path land past its length and are never read)."""
         R, K = index_RK.shape
+        if R == 1:  # one row: the batch-1 cache's gather along the columns
+            src, dst = start_R[0] + index_RK[0], start_R[0] + self._arange[:K]
+            for layer in self.layers:
+                for buf in (layer.keys, layer.values):
+                    buf.index_copy_(2, dst, buf.index_select(2, src))
+            return
         src = (start_R[:, None] + index_RK)[:, None, :, None]
         dst = (start_R[:, None] + self._arange[:K][None, :])[:, None, :, None]
         for layer in self.layers:

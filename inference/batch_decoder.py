@@ -1,35 +1,28 @@
-"""Batched decoding, plain and speculative, through recorded steps (``inference.batch_steps``): B sequences share one
-target forward per step, each accepts its own number of tokens.
+"""The decoder: plain and speculative decoding of one prompt or a batch, through recorded steps
+(``inference.batch_steps``) over a static cache: B sequences share one target forward per step, each accepts its own
+number of tokens; batch 1 is the one-row bucket. Under a large batch the target forward is already busy, so
+``inference.policy`` decides per step whether speculating still pays (``eval.batch_sweep`` runs the sweep).
 
-Why: speculation buys single-stream latency with spare compute. Under a large batch the target forward is already
-busy, so the wider verification block competes with other sequences' tokens; ``inference.policy`` decides per step
-whether speculating still pays. This module is the mechanism; the sweep is ``eval.batch_sweep``.
-
-Per decode: the prompts go into the rows of a batch bucket (1, 2, 4, 8, ...: the smallest holding them) in one
-eager forward, right-padded; then per step the host
-1. drafts: a drafter with a batch-1 static draft (``static_draft``, ``inference.static_draft``: EAGLE-1/3, Medusa,
-   DFlash, DSpark, P-EAGLE, a full-attention draft model) runs its draft step at the bucket's rows
-   (``inference.batch_draft``: the batch-1 step vmapped over the rows' stacked states, each row catching up on what
-   it committed itself), compiled or recorded like the verify steps, writing the step's draft buffers on the device;
+Per decode: the prompts go into the rows of a batch bucket (1, 2, 4, 8, ...: the smallest holding them), right-padded,
+in one forward (recorded per capacity bucket where steps are compiled or recorded, else eager over the prompts' own
+columns); then per step the host
+1. drafts: a drafter with a static draft (``inference.static_draft``: every kind but lookup) runs its draft step at
+   the bucket's rows (``inference.batch_draft``: at one row the kind's own step, at more that step vmapped over the
+   rows' stacked states), compiled or recorded like the verify steps, writing the step's draft buffers on the device;
    rows near the end of their budget get token -1 past the tokens they still need, and a drafter that cuts its own
    chains (DSpark's confidence cut) is verified in the bucket of the longest row's cut (one read-back of every row's
-   kept count), as at batch 1. Where steps run uncompiled and unrecorded (a CPU by default: ``static_drafts``) and
-   for any other drafter (lookup, a drafter or setting without a static draft, one whose draft the batched verify
-   cannot take), the drafter proposes through its eager batch state (``drafter.rows(seeds)``,
-   ``inference.proposer.ProposerRows``: EAGLE one forward per tree level for every row, a draft model one forward per
-   draft step, DFlash and P-EAGLE one forward, the others per-row copies) and each row's chain or tree is copied into
-   the step's fixed buffers, padded with token -1. A plain step (γ = 0 from the load-aware policy) verifies nothing
-   drafted; a static draft step still runs before it, its catch-up keeping the rows' draft state in step;
-2. fills the sampling draws (one ``torch.rand`` into a static buffer);
-3. runs the step of the bucket (batch bucket, width, chain or tree, capacity bucket): eager,
-   ``torch.compile(fullgraph=True, dynamic=False)`` or a CUDA graph replay, as the batch-1 step decoder
-   (``inference.step_decoder``) runs its own, whose settings and compile / record machinery this decoder shares;
+   kept count). Uncompiled at more than one row (a CPU by default: ``static_drafts``), and for lookup or a draft the
+   verify cannot take, the drafter proposes through its eager batch state (``drafter.rows(seeds)``) and each row's
+   chain or tree is copied into the step's buffers, padded with token -1. A plain step (γ = 0 from the policy)
+   verifies nothing drafted; a static draft step still runs before it, keeping the rows' draft state in step;
+2. fills the sampling draws (one ``torch.rand`` into a static buffer: a replayed step draws nothing itself);
+3. runs the step of the bucket (batch bucket, width, chain or tree, capacity bucket) as ``inference.runner`` runs
+   it: eager, compiled (once per step kind: its capacity buckets share the compilation) or a CUDA graph replay;
 4. reads every row's packed verdict back at once, and does the host's bookkeeping (committed tokens, EOS, the
    drafter's ``observe`` / ``accepted``).
-A finished row (``max_new_tokens`` or EOS) stays in its bucket, inactive (its length no longer moves, its verdicts
-are ignored), until at most half the bucket is live: the live rows then move to the smallest bucket holding them
-(their cache rows, and a static draft's state rows, copied once). Each row is decoded losslessly: greedy rows are
-token-identical to batch-1 greedy decoding, sampled rows are distributed as the target (tests/test_batch_decoder.py).
+A finished row (``max_new_tokens`` or EOS) stays in its bucket, inactive, until at most half the bucket is live: the
+live rows then move to the smallest bucket holding them (their cache rows and draft state rows copied once). Every
+row is lossless: greedy rows are token-identical to plain greedy decoding, sampled rows are distributed as the target.
 
 Shapes: B prompts, R rows of the batch bucket, N draft nodes per row, V vocabulary.
 """
@@ -39,84 +32,31 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from inference.batch_draft import NotStackable, RowDrafts, static_of
-from inference.batch_steps import BatchSteps
-from inference.generation import Generation, check_prompt, check_vocab, finish, sync
+from inference.batch_cache import capacity_of
+from inference.batch_steps import BatchSteps, Bucket, cut_width, tree_nodes
+from inference.generation import (BatchGeneration, Generation, batch_bucket, check_batch, check_vocab, finish,
+                                  one_sampling, sync)
+from inference.masks import AttentionLayout
 from inference.proposer import Proposer, ProposerRows
+from inference.runner import StepClock, StepRunner
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
 from inference.static_cache import kv_shapes
-from inference.static_draft import DraftBuffers, weights_signature
-from inference.stats import AcceptStats
-from inference.step_decoder import MAX_NODES, STATIC_KEPT, StepDecoder, _capacity, clip_tree
-from inference.steps import Bucket, cut_width, tree_nodes
+from inference.static_draft import DraftBuffers, clip_tree, weights_signature
 from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 
 log = logging.getLogger(__name__)
 
+MAX_NODES = 64  # the widest draft the fixed buffers hold (a larger tree is refused with the fix)
+STATIC_KEPT = 16  # static drafts (and the steps made for them) a decoder keeps, oldest dropped first
+
 Policy = Callable[[int], int]  # live batch size -> draft tokens (γ) for this step; 0 = a plain step
-
-
-def check_batch(prompts: Sequence, max_new_tokens: int, lookahead: int, max_positions: int) -> list[Tensor]:
-    """Prompts as 1-D long tensors; errors name the prompt and the fix."""
-    if len(prompts) == 0:
-        raise ValueError("no prompts: a batch needs at least one")
-    out = []
-    for i, p in enumerate(prompts):
-        ids = torch.as_tensor(p, dtype=torch.long).reshape(1, -1)
-        try:
-            check_prompt(ids, max_new_tokens, lookahead, max_positions)
-        except ValueError as e:
-            raise ValueError(f"prompt {i} of the batch of {len(prompts)}: {e}") from None
-        out.append(ids[0])
-    return out
-
-
-def batch_bucket(rows: int) -> int:
-    """The batch bucket of ``rows`` live rows: the smallest power of two holding them."""
-    bucket = 1
-    while bucket < rows:
-        bucket *= 2
-    return bucket
-
-
-@dataclass
-class BatchGeneration:
-    """One batched decode. ``generations[i]`` is prompt i's (input order); its ``seconds`` is the time from the start
-    of the batch to that sequence leaving it (its latency)."""
-
-    generations: list[Generation]
-    seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    compile_seconds: float = 0.0  # first calls of compiled steps (left out of every time above)
-    steps: int = 0
-    stats: AcceptStats = field(default_factory=AcceptStats)
-    gamma_steps: Counter = field(default_factory=Counter)  # γ chosen -> steps
-    live_steps: Counter = field(default_factory=Counter)  # live batch size -> steps
-    bucket_steps: Counter = field(default_factory=Counter)  # batch bucket -> steps
-    step_log: list = field(default_factory=list)  # per step: (live rows, γ, draft seconds, verify seconds)
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(g.new_tokens) for g in self.generations)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def latency_ms_per_token(self) -> float:
-        """Mean over sequences of (time to leave the batch) / (its new tokens), in ms."""
-        per = [1000 * g.seconds / len(g.new_tokens) for g in self.generations if g.new_tokens]
-        return sum(per) / len(per) if per else 0.0
 
 
 @dataclass
@@ -145,17 +85,19 @@ class _Batch:
     num_draft: int = 0
 
 
-class BatchStepDecoder:
-    """Decodes a batch of prompts with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a drafter.
-    ``steps``: the batch-1 step decoder whose settings (CUDA graphs, compile) and generator this one shares (None: a
-    new one, on a generator seeded with ``seed`` unless ``generator`` is given). ``static_drafts``: True drafts
-    through the drafter's static draft step at the bucket's rows (``inference.batch_draft``) where it has one, False
-    through the eager rows; auto (the default): the static step where steps are compiled or recorded (a CUDA target
-    by default), the eager rows otherwise (uncompiled, the vmapped step costs ~1.7x the eager rows' time on a CPU)."""
+class BucketDecoder:
+    """Decodes prompts (one, or a batch) with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a
+    drafter: batch 1 is the one-row bucket. ``runner``: how the steps run (``inference.runner.StepRunner``: CUDA
+    graphs, compile) and the generator they draw from (None: a new one, on ``generator`` or one seeded with
+    ``seed``, with ``cuda_graphs`` / ``compile`` / ``compile_backend``). ``static_drafts``: True drafts through the
+    drafter's static draft step at the bucket's rows (``inference.batch_draft``) where it has one, False through its
+    eager rows; auto (the default): the static step at one row, and at every bucket where steps are compiled or
+    recorded (a CUDA target by default), the eager rows at more rows otherwise (uncompiled, the vmapped step costs
+    ~1.7x the eager rows' time on a CPU)."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
                  generator: torch.Generator | None = None, cuda_graphs: str = "auto", compile: str | bool = "auto",
-                 compile_backend: str | None = None, steps: StepDecoder | None = None,
+                 compile_backend: str | None = None, runner: StepRunner | None = None,
                  typical: tuple[float, float] | None = None, max_rows: int | None = None,
                  static_drafts: bool | str = "auto"):
         self.teacher = teacher
@@ -166,30 +108,39 @@ class BatchStepDecoder:
         self.eos_token_id = eos_token_id
         self.sampling = sampling
         self.max_positions = teacher.max_positions
-        if steps is None:
+        self.layout = AttentionLayout.of(self.model)
+        if runner is None:
             generator = generator or torch.Generator(device=self.device).manual_seed(seed)
-            steps = StepDecoder(teacher, eos_token_id, sampling, generator, cuda_graphs=cuda_graphs, compile=compile,
+            runner = StepRunner(self.device, generator, cuda_graphs=cuda_graphs, compile=compile,
                                 compile_backend=compile_backend)
-        self.owner = steps
-        self.static_drafts = (steps.compile or steps.graphs) if static_drafts == "auto" else static_drafts
+        self.runner = runner
+        # at more than one row; one row drafts through the static step whenever the drafter has one
+        self.static_drafts = (runner.compile or runner.graphs) if static_drafts == "auto" else static_drafts
+        self._eager_rows = static_drafts is False  # one row drafts eagerly too (a test's reference)
         self.typical = typical  # (threshold, alpha) of Medusa's typical acceptance (LOSSY), or None: the exact rule
         if max_rows is not None and (max_rows < 1 or max_rows & (max_rows - 1)):
             raise ValueError(f"decoder.max_batch_rows={max_rows}: the largest batch bucket must be a power of two "
                              f">= 1 (1, 2, 4, 8, ...), or null for no cap")
         self.max_rows = max_rows  # the largest batch bucket; more prompts are decoded in consecutive groups of it
-        self.generator = steps.generator
+        self.generator = runner.generator
         self._shapes = None
         self._states: dict[tuple, BatchSteps] = {}
         self._fns: dict[tuple, object] = {}  # keyed by (id(state), ...): dropped with the buffers they read
         self._drafts: dict[tuple, RowDrafts] = {}  # (id(state), id(batch-1 draft), weights) -> its rows
         self._committed: dict[tuple, object] = {}  # shape -> the batch-1 committed buffers static drafts are made for
 
+    # how the steps ran so far (``StepRunner``'s figures)
+    compile = property(lambda self: self.runner.compile)
+    graphs = property(lambda self: self.runner.graphs)
+    fallback_reason = property(lambda self: self.runner.fallback_reason)
+    compile_seconds = property(lambda self: self.runner.compile_seconds)
+
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
     def describe(self) -> dict:
-        """How the steps ran (the batch-1 step decoder's figures, which include these steps' compilation)."""
-        return {**self.owner.describe(), "batch_step_functions": len(self._fns)}
+        """How the steps ran (``StepRunner.describe``)."""
+        return self.runner.describe(self._fns.values())
 
     @torch.no_grad()
     def plain(self, prompts: Sequence, max_new_tokens: int, sampling=None) -> BatchGeneration:
@@ -219,16 +170,7 @@ class BatchStepDecoder:
             groups = [(prompts[i:i + n], sampling) for i in range(0, len(prompts), n)]
         out = BatchGeneration(generations=[])
         for group, group_sampling in groups:
-            part = self._run(drafter, group, max_new, num_draft, policy, group_sampling)
-            for g in part.generations:
-                g.seconds += out.seconds
-            out.generations += part.generations
-            for name in ("seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "compile_seconds", "steps"):
-                setattr(out, name, getattr(out, name) + getattr(part, name))
-            out.stats.merge(part.stats)
-            for name in ("gamma_steps", "live_steps", "bucket_steps"):
-                getattr(out, name).update(getattr(part, name))
-            out.step_log += part.step_log
+            out.extend(self._run(drafter, group, max_new, num_draft, policy, group_sampling))
         return out
 
     # --- state and step functions ------------------------------------------------------------------------------
@@ -239,20 +181,22 @@ class BatchStepDecoder:
             if self._shapes is None:
                 self._shapes = kv_shapes(self.model)
             hf = {i: self.teacher.resolve_layer(i) for i in layers}
-            state = BatchSteps(self.model, self.owner.layout, rows, _capacity(columns), self.teacher.vocab_size, hf,
+            state = BatchSteps(self.model, self.layout, rows, capacity_of(columns), self.teacher.vocab_size, hf,
                                max_nodes, committed, self._shapes, probs=probs, max_chain=max_chain,
-                               fine=not self.owner.static_prefill)
+                               fine=not self.runner.static_prefill)
             old = self._states.get((rows, *key))
             self._states[(rows, *key)] = state
             if old is not None:  # the steps and drafts made for the replaced buffers go with them
                 self._fns = {k: f for k, f in self._fns.items() if k[0] != id(old)}
                 self._drafts = {k: d for k, d in self._drafts.items() if k[0] != id(old)}
+                self.runner.forget({id(s) for s in self._states.values()})
         return state
 
     def _row_drafts(self, drafter, state: BatchSteps, sampling: SamplingConfig) -> RowDrafts | None:
         """The drafter's capture-safe draft step at ``state``'s rows (``inference.batch_draft``), or None: the eager
-        rows draft. One per (buffers, batch-1 static draft, weights), as the batch-1 decoder keeps its static drafts."""
-        if not self.static_drafts:
+        rows draft. One per (buffers, batch-1 static draft, weights). ``static_drafts`` auto: always at one row, at
+        more rows where steps are compiled or recorded."""
+        if self._eager_rows or not (self.static_drafts or state.R == 1):
             return None
         made = static_of(drafter, state, sampling, self.generator, self._committed)
         if made is None:
@@ -279,7 +223,7 @@ class BatchStepDecoder:
         fn = self._fns.get(key)
         if fn is None:
             label = f"batched draft step ({type(static.proto).__name__}, {static.R} rows)"
-            fn = self._fns[key] = self.owner._wrap(static.draft, label)
+            fn = self._fns[key] = self.runner.wrap(static.draft, label)
         return fn
 
     def _step(self, state: BatchSteps, bucket: Bucket, sampling: SamplingConfig) -> None:
@@ -289,70 +233,68 @@ class BatchStepDecoder:
         key = (id(state), bucket, sampling, self.typical)
         fn = self._fns.get(key)
         if fn is None:
+            # A step reads its key columns from the cache (``BatchKV.bucket``), never from ``bucket.columns``: the
+            # step of one kind is the same function, compiled once, at every capacity bucket.
+            shape = Bucket(bucket.nodes, bucket.chain, 0)
             step = (functools.partial(state.plain, sampling) if bucket.nodes == 0
-                    else functools.partial(state.verify, bucket, sampling, self.typical))
-            label = (f"batched {'plain' if bucket.nodes == 0 else 'verify'} step ({bucket.nodes} nodes, "
-                     f"{bucket.columns} columns)")
-            fn = self._fns[key] = self.owner._wrap(step, label)
+                    else functools.partial(state.verify, shape, sampling, self.typical))
+            label = (f"{'plain' if bucket.nodes == 0 else 'verify'} step ({state.R} rows, {bucket.nodes}-node "
+                     f"{'chain' if bucket.chain else 'tree'})")
+            fn = self._fns[key] = self.runner.wrap(step, label, (id(state), shape, sampling, self.typical))
         fn()
 
     # --- the loop ----------------------------------------------------------------------------------------------
     def _run(self, drafter, prompts, max_new: int, num_draft: int, policy: Policy | None, sampling) -> BatchGeneration:
         prompts = check_batch(prompts, max_new, num_draft, self.max_positions)
-        sampling = self._sampling(sampling, len(prompts))
+        sampling = one_sampling(sampling, len(prompts), self.sampling)
         if drafter is not None and policy is not None and policy(len(prompts)) == 0:
             # Too large a batch to speculate from the start: decode it plainly. Keeping the drafter in step anyway
             # (target hidden states, every row's observe) costs a feature drafter 5-10% of plain throughput here, to
             # buy drafting only in the short tail once most rows have finished.
             drafter = None
         result = BatchGeneration(generations=[None] * len(prompts))
-        owner = self.owner
-        with owner._pinned():
+        runner = self.runner
+        with runner.pinned():
             sync(self.device)
-            start, compiled = time.perf_counter(), owner.compile_seconds
+            start, compiled = time.perf_counter(), runner.compile_seconds
             batch = self._prefill(drafter, prompts, max_new, num_draft, sampling)
             sync(self.device)
             result.prefill_seconds = time.perf_counter() - start
+            prefilled = runner.compile_seconds
             self._retire(batch, result, max_new, start, compiled)
+            clock, shapes = StepClock(self.device), []
+            compiling = [0.0, 0.0]  # compilation inside draft steps, inside verify steps
             while batch.live:
                 self._rebucket(batch)
                 live = len(batch.live)
                 gamma = 0 if batch.draft is None and batch.static is None else (
                     num_draft if policy is None else max(0, min(int(policy(live)), num_draft)))
-                t0, before = time.perf_counter(), owner.compile_seconds
+                t0, before = clock.mark(), runner.compile_seconds
                 bucket, drafted = self._draft(batch, gamma, max_new)
-                t1, drafting = time.perf_counter(), owner.compile_seconds
+                t1, drafting = clock.mark(), runner.compile_seconds
                 self._step(batch.state, bucket, sampling)
                 self._commit(batch, bucket, drafted)
+                clock.step(t0, t1, clock.mark())
+                compiling[0] += drafting - before
+                compiling[1] += runner.compile_seconds - drafting
+                shapes.append((live, gamma, batch.state.R, drafting - before, runner.compile_seconds - drafting))
                 self._retire(batch, result, max_new, start, compiled)
-                sync(self.device)
-                t2 = time.perf_counter()
-                draft_s = t1 - t0 - (drafting - before)
-                verify_s = t2 - t1 - (owner.compile_seconds - drafting)
-                result.draft_seconds += draft_s
-                result.verify_seconds += verify_s
-                result.steps += 1
-                result.gamma_steps[gamma] += 1
-                result.live_steps[live] += 1
-                result.bucket_steps[batch.state.R] += 1
-                result.step_log.append((live, gamma, draft_s, verify_s))
-        result.compile_seconds = owner.compile_seconds - compiled
+            sync(self.device)
+        result.prefill_seconds -= prefilled - compiled
+        for (live, gamma, R, draft_c, verify_c), (draft_s, verify_s) in zip(shapes, clock.steps()):
+            draft_s, verify_s = max(draft_s - draft_c, 0.0), max(verify_s - verify_c, 0.0)
+            result.draft_seconds += draft_s
+            result.verify_seconds += verify_s
+            result.steps += 1
+            result.gamma_steps[gamma] += 1
+            result.live_steps[live] += 1
+            result.bucket_steps[R] += 1
+            result.step_log.append((live, gamma, draft_s, verify_s))
+        result.compile_seconds = runner.compile_seconds - compiled
         result.seconds = time.perf_counter() - start - result.compile_seconds
         for g in result.generations:
             result.stats.merge(g.stats)
         return result
-
-    def _sampling(self, sampling, n: int) -> SamplingConfig:
-        if sampling is None or isinstance(sampling, SamplingConfig):
-            return sampling or self.sampling
-        settings = list(sampling)
-        if len(settings) != n or not all(isinstance(s, SamplingConfig) for s in settings):
-            raise ValueError(f"sampling has {len(settings)} settings for {n} prompts; give one SamplingConfig for the "
-                             f"whole batch")
-        if len(set(settings)) > 1:
-            raise ValueError(f"sampling differs between the rows of one batch ({sorted({s.describe() for s in settings})}"
-                             f"); a batch decodes with one SamplingConfig: decode each setting as its own batch")
-        return settings[0]
 
     def _prefill(self, drafter, prompts: list[Tensor], max_new: int, num_draft: int,
                  sampling: SamplingConfig) -> _Batch:
@@ -364,7 +306,7 @@ class BatchStepDecoder:
         probs = drafter is not None and not sampling.greedy
         key = (layers, MAX_NODES if drafter is not None else 0, 1 + num_draft, probs, num_draft if probs else 0)
         state = self._state(batch_bucket(n), P + max_new + width + 1, key)
-        logits, hidden = state.prefill(prompts)
+        logits, hidden = self._prefill_state(state, prompts)
         first = logits.argmax(-1) if sampling.greedy else sample(warp(logits, sampling), self.generator)
         state.pending.zero_()
         state.pending[:n].copy_(first)
@@ -386,6 +328,22 @@ class BatchStepDecoder:
             seq[torch.arange(n), torch.tensor([p.shape[0] for p in prompts])] = first.to(seq.device)
         return _Batch(state, rows, draft, seq, sampling, key, static, drafter, num_draft)
 
+    def _prefill_state(self, state: BatchSteps, prompts: list[Tensor]) -> tuple[Tensor, dict[int, Tensor]]:
+        """The prompts into ``state``'s cache: (each prompt's last logits [n, V], hidden states {layer: [R, P, D]}).
+        Recorded or compiled like a step, one per capacity bucket, where steps are (graphs, compile); else eager over
+        the prompts' own columns (on a CPU, attention over a whole bucket would cost more than it saves)."""
+        if not self.runner.static_prefill:
+            return state.prefill(prompts)
+        B = state.load_prompts([p.to(self.device) for p in prompts])
+        key = (id(state), "prefill", B)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self.runner.wrap(functools.partial(state.prefill_bucket, B),
+                                                   f"prefill ({state.R} rows, {B} columns)")
+        fn()
+        n = len(prompts)
+        return state.first_logits[:n].clone(), {i: h.clone() for i, h in state.prefill_hidden[B].items()}
+
     def _draft(self, batch: _Batch, gamma: int, max_new: int) -> tuple[Bucket, list[tuple] | None]:
         """Every live row's proposal in the step's buffers: the draft step at the bucket's rows, or one call to the
         drafter's eager rows; (the step's bucket (0 nodes: a plain step), per live row (its draft's size, its
@@ -400,6 +358,12 @@ class BatchStepDecoder:
         depths = [min(gamma, max_new - len(r.new)) for r in batch.live]
         trees = batch.draft.propose([batch.seq[r.index: r.index + 1, : r.m] for r in batch.live], depths,
                                     [batch.sampling] * len(batch.live))
+        return self._load(batch, trees, gamma, width_of)
+
+    def _load(self, batch: _Batch, trees: list[DraftTree], gamma: int, width_of) -> tuple[Bucket, list[tuple]]:
+        """Every live row's eager proposal copied into the step's fixed buffers, padded with token -1: (the step's
+        bucket, per live row (its draft's size, its tree))."""
+        state = batch.state
         for tree in trees:
             tree.check_shape(self.teacher.vocab_size)
         drafted = [(t.size, t) for t in trees]
@@ -411,24 +375,7 @@ class BatchStepDecoder:
             N = tree_nodes(biggest)
         else:  # a drafter that cuts its chains (DSpark's confidence cut): the bucket of the longest row's chain
             N = cut_width(biggest, gamma) if getattr(batch.drafter, "variable_depth", False) else gamma
-        self._check(state, trees, N, chain, batch.sampling)
-        state.tokens_RT[:, :N].fill_(-1)
-        if not chain:
-            state.parents_RT[:, :N].fill_(-1)
-        P = state.probs_RTV
-        if P is not None and chain:
-            P[:, :N].zero_()
-        for r, t in zip(batch.live, trees):
-            if not t.size:
-                continue
-            state.tokens_RT[r.slot, : t.size].copy_(t.tokens)
-            if not chain:
-                state.parents_RT[r.slot, : t.size].copy_(t.parents)
-            if P is not None and chain:
-                if t.probs_NV is not None:
-                    P[r.slot, : t.size].copy_(t.probs_NV)
-                else:  # point masses: q(x) = 1 on each drafted token
-                    P[r.slot, : t.size].scatter_(1, t.tokens.view(-1, 1).clamp(0, P.shape[-1] - 1), 1.0)
+        state.load_trees([r.slot for r in batch.live], trees, N, chain, batch.sampling)
         return Bucket(N, chain, width_of(N)), drafted
 
     def _draft_static(self, batch: _Batch, gamma: int, max_new: int, width_of) -> tuple[Bucket, list[tuple] | None]:
@@ -461,24 +408,13 @@ class BatchStepDecoder:
             return Bucket(0, True, width_of(0)), None
         return Bucket(N, chain, width_of(N)), drafted
 
-    @staticmethod
-    def _check(state: BatchSteps, trees: list[DraftTree], N: int, chain: bool, sampling: SamplingConfig) -> None:
-        if N > state.max_nodes:
-            raise ValueError(f"a proposal of {N} nodes per row is wider than the batched decoder's {state.max_nodes}; "
-                             f"draft a smaller tree (drafter.total_tokens, decoder.tree)")
-        if not chain and any(t.size and t.depth_bound is not None and t.depth_bound > state.max_depth
-                             for t in trees):
-            raise ValueError(f"a tree deeper than eval.num_draft={state.max_depth} levels; raise eval.num_draft or "
-                             f"draft a shallower tree")
-        if not chain and not sampling.greedy and any(t.probs_NV is not None for t in trees):
-            raise ValueError("siblings sampled with draft probabilities are not verified by the batched decoder; "
-                             "draft a chain, or point-mass (top-k) siblings")
-
-    def _commit(self, batch: _Batch, bucket: Bucket, drafted: list[tuple] | None) -> None:
-        """The step's one read-back, then each live row's counts, tokens and its eager drafter's hand-off."""
+    def _commit(self, batch: _Batch, bucket: Bucket, drafted: list[tuple] | None) -> list[tuple]:
+        """The step's one read-back, then each live row's counts, tokens and its eager drafter's hand-off; per live
+        row (accepted path, committed tokens)."""
         state, N = batch.state, bucket.nodes
         values = state.out[:, : bucket.packed].tolist()
         host = state.cache.host_lengths
+        verdicts = []
         for i, r in enumerate(batch.live):
             v = values[r.slot]
             count, depth_seen, flags = v[:3]
@@ -499,12 +435,13 @@ class BatchStepDecoder:
             if batch.static is not None or batch.draft is not None:
                 gen.nodes_per_forward[size] += 1
                 if size not in gen.shapes:
-                    if batch.static is not None:
+                    if tree is not None:
+                        gen.shapes[size] = tree.parents[:size].cpu()
+                    elif batch.static is not None:
                         gen.shapes[size] = (torch.arange(-1, size - 1) if batch.static.chain
                                             else batch.static.parents_T[:size].clone())
                     else:
-                        gen.shapes[size] = (tree.parents.cpu() if tree is not None
-                                            else torch.empty(0, dtype=torch.long))
+                        gen.shapes[size] = torch.empty(0, dtype=torch.long)
                 gen.node_accepts[size].update(path)
                 gen.context_tokens += context + 1
             if batch.draft is not None:
@@ -514,6 +451,8 @@ class BatchStepDecoder:
                                         for layer, h in state.committed_hidden.items()})
                 batch.draft.accepted(i, path, committed)
             r.new.extend(committed)
+            verdicts.append((path, committed))
+        return verdicts
 
     def _retire(self, batch: _Batch, result: BatchGeneration, max_new: int, start: float, compiled: float) -> None:
         """Finished rows (max_new_tokens reached, or EOS committed) leave the live rows; their slots go inactive."""
@@ -521,7 +460,7 @@ class BatchStepDecoder:
         done = [i for i, r in enumerate(batch.live) if len(r.new) >= max_new or (eos is not None and eos in r.new)]
         if not done:
             return
-        now = time.perf_counter() - start - (self.owner.compile_seconds - compiled)
+        now = time.perf_counter() - start - (self.runner.compile_seconds - compiled)
         for i in done:
             r = batch.live[i]
             r.gen.new_tokens, r.gen.seconds = finish(r.new, max_new, eos), now

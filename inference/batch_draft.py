@@ -106,7 +106,7 @@ class RowDrafts:
     same ``proto``, whose state layout these share (so rows move between them)."""
 
     def __init__(self, drafter, proto, committed: CommittedBuffers, state, like: "RowDrafts | None" = None):
-        self.proto, self.committed, self.state, self.R = proto, committed, state, state.R
+        self.drafter, self.proto, self.committed, self.state, self.R = drafter, proto, committed, state, state.R
         if like is not None:
             self.slots = like.slots
         else:
@@ -121,7 +121,10 @@ class RowDrafts:
             unique.setdefault(id(t), t)
         self.index = {i: n for n, i in enumerate(unique)}  # a tensor's place in ``self.stacked``
         self.paths = {path: self.index[id(t)] for _, _, t, path in self.slots}  # the same, by path
-        self.stacked = [t.detach().unsqueeze(0).repeat(self.R, *([1] * t.dim())) for t in unique.values()]
+        # One row: views of the batch-1 object's own tensors (its state stays where it is, as its own counters
+        # and caches are read by the drafter); more rows: a copy per row.
+        self.stacked = [t.detach().unsqueeze(0).repeat(self.R, *([1] * t.dim())) if self.R > 1
+                        else t.detach().unsqueeze(0) for t in unique.values()]
         mark_static(*self.stacked)
         # Per-row scalars (lengths, flags, counters): put back on finished rows, reset on empty ones.
         self.scalars = [n for n, t in enumerate(unique.values()) if t.dim() == 0]
@@ -142,6 +145,9 @@ class RowDrafts:
         # row here, read back once per step to pick the verify bucket, as the batch-1 decoder reads its own.
         cuts = getattr(proto, "kept", None) is not None and "kept" in self.paths and b.chain
         self.kept_R = self.stacked[self.paths["kept"]] if cuts else None
+        # one row: the step's views of row 0 (of buffers that never move), made here, outside any traced step
+        self._row0 = None if self.R > 1 else (list(unique.values()), state.committed_ids[0],
+                                              {i: h[0] for i, h in state.committed_hidden.items()}, state.pending[0])
 
     # --- pointing the batch-1 object at rows -------------------------------------------------------------------
     def _point(self, values: list[Tensor], committed: tuple | None = None) -> None:
@@ -221,7 +227,6 @@ class RowDrafts:
         M = s.committed_ids.shape[1]
         count = (1 + s.out[:, 0]).clamp(1, M)  # what the last step committed per row (a plain step: 1)
         position = s.cache.length - count
-        kept = [self.stacked[k].clone() for k in self.scalars]
         own = self._own()
 
         def row(values, ids_M, hidden_M, count, position, pending):
@@ -231,11 +236,26 @@ class RowDrafts:
             finally:
                 self._restore(own)
 
+        if self.R == 1:  # the batch-1 step on row 0's views: vmap's fixed cost buys nothing here
+            values, ids, hidden, pending = self._row0
+            row(values, ids, hidden, count[0], position[0], pending)
+            # one row: it drafts until the decode ends (no finished row stays), straight into the verify's buffers
+            T = self.T
+            s.tokens_RT[:, :T].copy_(self.tokens_RT)
+            if not self.chain:
+                s.parents_RT[:, :T].copy_(self.parents_RT)
+            if s.probs_RTV is not None and self.chain:
+                if self.probs_RTV is not None:
+                    s.probs_RTV[:, :T].copy_(self.probs_RTV)
+                else:  # point masses: q(x) = 1 on each drafted token
+                    P = s.probs_RTV[:, :T]
+                    P.zero_()
+                    P.scatter_(2, self.tokens_RT.clamp(0, P.shape[-1] - 1)[:, :, None],
+                               (self.tokens_RT >= 0).to(P.dtype)[:, :, None])
+            return
+        kept = [self.stacked[k].clone() for k in self.scalars]
         args = (self.stacked, s.committed_ids, s.committed_hidden, count, position, s.pending)
-        if self.R == 1:  # the batch-1 step on row 0's slices: vmap's fixed cost buys nothing here
-            row(*torch.utils._pytree.tree_map(lambda t: t[0], args))
-        else:
-            torch.vmap(row, out_dims=None)(*args)
+        torch.vmap(row, out_dims=None)(*args)
         live = s.active.bool()
         for k, before in zip(self.scalars, kept):
             self.stacked[k].copy_(torch.where(live, self.stacked[k], before))

@@ -1,6 +1,11 @@
-"""Capture-safe decode steps at batch R (a batch bucket: 1, 2, 4, 8, ...): ``inference.steps`` with a row dimension.
-Each step is a function of preallocated buffers only, one per (batch bucket, step bucket), so it is recorded once
-(``torch.compile(fullgraph=True, dynamic=False)``, a CUDA graph) and replayed at every context length of every row.
+"""Capture-safe decode steps at batch R (a batch bucket: 1, 2, 4, 8, ...; batch 1 is the one-row bucket). Each step
+is a function of preallocated buffers only, one per (batch bucket, step bucket), so it is recorded once (a CUDA
+graph; ``torch.compile(fullgraph=True)`` once per step kind, its capacity buckets sharing the compilation) and
+replayed at every context length of every row.
+
+A bucket is (width, chain, key columns): width 1 is a plain step; width 1 + N verifies N draft nodes (a chain of
+γ: N = γ; a tree: N padded up to a multiple of ``TREE_BUCKET``). Nodes a drafter did not fill hold token -1, which
+is never accepted (and never removes a token from a sampling residual).
 
 Every row has its own committed length (``inference.batch_cache.BatchKV``); a step feeds each row
 [pending, nodes...] at positions ``length[b] + depth``, written at columns ``length[b] .. length[b] + W - 1``. The
@@ -21,6 +26,7 @@ Shapes: R rows, W step width (1 + N nodes), C key columns, V vocabulary, M commi
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,8 +37,44 @@ from inference.generation import cache_kwarg
 from inference.masks import AttentionLayout
 from inference.sampling import SamplingConfig, warp
 from inference.static_cache import _mark_static
-from inference.steps import Bucket
 from inference.tree import DraftTree
+
+TREE_BUCKET = 8  # tree widths are padded to a multiple of this many nodes
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One recorded step shape: ``nodes`` draft nodes (0: a plain step), a chain or a tree, over ``columns`` keys."""
+
+    nodes: int
+    chain: bool
+    columns: int
+
+    @property
+    def width(self) -> int:
+        return 1 + self.nodes
+
+    @property
+    def packed(self) -> int:
+        """Length of the packed verdict: [count, depth, flags, path (N), committed (N + 1)]."""
+        return 4 + 2 * self.nodes
+
+
+def cut_width(size: int, full: int) -> int:
+    """The chain bucket a drafter that cuts its own chain (``Proposer.variable_depth``) is verified in: 0 for a chain
+    cut to nothing (a plain step), else the smallest power of two holding ``size`` nodes, at most ``full``. A few
+    shapes per decode (0, 1, 2, 4, ..., full), each recorded once, instead of the full width for every cut chain."""
+    if size < 1:
+        return 0
+    width = 1
+    while width < size:
+        width *= 2
+    return min(width, max(full, 1))
+
+
+def tree_nodes(size: int) -> int:
+    """A tree of ``size`` nodes runs in the bucket of this many nodes."""
+    return -(-size // TREE_BUCKET) * TREE_BUCKET
 
 
 def batch_geometry(parents_RN: Tensor, depth_bound: int) -> tuple[Tensor, Tensor]:
@@ -89,13 +131,22 @@ class BatchSteps:
         self.committed_ids = torch.zeros(batch, M, **long)
         self.committed_hidden = {i: torch.zeros(batch, M, hidden, dtype=self.dtype, device=self.device)
                                  for i in self.layers}
+        # A recorded prefill's input (the prompts, padded to a capacity bucket), each row's last prompt index, and
+        # its outputs (``prefill_bucket``).
+        self.prompt_buf = torch.zeros(batch, capacity, **long)
+        self.prompt_last = torch.zeros(batch, **long)
+        out_features = getattr(model.get_output_embeddings(), "out_features", None) or vocab_size
+        self.first_logits = torch.zeros(batch, out_features, device=self.device)  # float32 holds any logits dtype
+        self.prefill_hidden: dict[int, dict[int, Tensor]] = {}
         for t in self.buffers():
             _mark_static(t)
 
     def buffers(self) -> list[Tensor]:
         """Every tensor a step reads or writes besides the model's weights (for address checks and marking)."""
         out = [self.pending, self.active, self.tokens_RT, self.parents_RT, self.chain_parents, self.uniforms,
-               self.out, self.committed_ids, *self.committed_hidden.values(), *self.cache.buffers()]
+               self.out, self.committed_ids, *self.committed_hidden.values(), *self.cache.buffers(),
+               self.prompt_buf, self.prompt_last, self.first_logits,
+               *(h for b in self.prefill_hidden.values() for h in b.values())]
         return out + ([self.probs_RTV] if self.probs_RTV is not None else [])
 
     # --- the step functions (capture-safe: static shapes, no read-back, writes only into the buffers) -------------
@@ -192,7 +243,7 @@ class BatchSteps:
                 verdict = rejection_verdict(tree, warp(logits_WV, sampling), uniforms=uniforms, valid_N=valid)
             return settle(tree, *verdict, self.vocab, valid_N=valid)
 
-        if self.cache.fine and self.R <= 2:
+        if self.R == 1 or (self.cache.fine and self.R <= 2):
             return torch.stack([row(*(a[b] for a in args)) for b in range(self.R)])
         return torch.vmap(row)(*args)
 
@@ -208,7 +259,86 @@ class BatchSteps:
         hidden = {i: out.hidden_states[j] for i, j in self.layers.items()}
         return out.logits, hidden  # [R, W, V], {layer: [R, W, D]}
 
+    def prefill_bucket(self, B: int) -> None:
+        """The prompts in ``prompt_buf`` (each row's last index in ``prompt_last``), padded to ``B`` positions,
+        through the model into the cache: a step of one shape per bucket, so it is recorded and replayed like the
+        others (CUDA graphs, compile). The pads sit after each prompt, so no prompt position sees them; their keys
+        land past the row's committed length, masked until a later step overwrites them. Writes each row's last
+        prompt position's logits into ``first_logits``, the hidden states into ``prefill_hidden[B]``, and the
+        committed lengths."""
+        cache, R = self.cache, self.R
+        q = cache._arange[:B]
+        where = cache.place(B)  # behind length 0 (``load_prompts``)
+        kw = {self._cache_kw: cache}
+        if self._cache_position:
+            kw["cache_position"] = where[0]
+        allowed = (q[None, :] <= q[:, None]).expand(R, B, B)  # causal over the bucket
+        mask = self.layout.additive(allowed, q.expand(R, B), q.expand(R, B), self.dtype)
+        keep = {"logits_to_keep": self.prompt_last} if self._keep else {}
+        out = self.model(input_ids=self.prompt_buf[:, :B], position_ids=q.expand(R, B), attention_mask=mask,
+                         use_cache=True, output_hidden_states=bool(self.layers), **kw, **keep)
+        rows = torch.arange(R, device=self.device)
+        # each row's own last position (kept: every row's last positions were computed for every row)
+        logits = out.logits[rows, rows] if keep else out.logits[rows, self.prompt_last]
+        self.first_logits[:, : logits.shape[-1]].copy_(logits)
+        for i, j in self.layers.items():
+            self.prefill_hidden[B][i].copy_(out.hidden_states[j])
+        cache.length.copy_((self.prompt_last + 1) * self.active)
+
     # --- eager, outside any recording ------------------------------------------------------------------------------
+    def load_trees(self, slots: list[int], trees: list[DraftTree], N: int, chain: bool, sampling: SamplingConfig):
+        """Host: each row's eager proposal (``trees[i]`` for row ``slots[i]``) copied into the draft buffers of a
+        step of ``N`` nodes, padded with token -1 (a chain's point masses, q = 1 on each drafted token, where no
+        distribution came with it); a proposal the step cannot take is refused with the fix."""
+        if N > self.max_nodes:
+            raise ValueError(f"a proposal of {N} nodes per row is wider than the decoder's {self.max_nodes}; draft a "
+                             f"smaller tree (drafter.total_tokens, decoder.tree)")
+        if not chain and any(t.size and t.depth_bound is not None and t.depth_bound > self.max_depth for t in trees):
+            raise ValueError(f"a tree deeper than eval.num_draft={self.max_depth} levels; raise eval.num_draft or "
+                             f"draft a shallower tree")
+        if not chain and not sampling.greedy and any(t.probs_NV is not None for t in trees):
+            raise ValueError("siblings sampled with draft probabilities are not verified by the decoder; draft a "
+                             "chain, or point-mass (top-k) siblings")
+        self.tokens_RT[:, :N].fill_(-1)
+        if not chain:
+            self.parents_RT[:, :N].fill_(-1)
+        P = self.probs_RTV if chain else None
+        if P is not None:
+            P[:, :N].zero_()
+        for slot, t in zip(slots, trees):
+            if not t.size:
+                continue
+            self.tokens_RT[slot, : t.size].copy_(t.tokens)
+            if not chain:
+                self.parents_RT[slot, : t.size].copy_(t.parents)
+            elif P is not None and t.probs_NV is not None:
+                P[slot, : t.size].copy_(t.probs_NV)
+            elif P is not None:
+                P[slot, : t.size].scatter_(1, t.tokens.view(-1, 1).clamp(0, P.shape[-1] - 1), 1.0)
+
+    def load_prompts(self, prompts: list[Tensor]) -> int:
+        """Host: the prompts into ``prompt_buf`` (rows 0 .. n - 1; the bucket's other rows get an empty, inactive
+        row) for ``prefill_bucket``; returns its bucket (the smallest capacity bucket holding the longest), whose
+        write positions are declared here, before any recording."""
+        n, R, cache = len(prompts), self.R, self.cache
+        lengths = [int(p.shape[0]) for p in prompts]
+        B = cache.use_bucket(max(lengths))
+        cache.declare(B)
+        cache.reset()
+        self.prompt_buf.zero_()
+        for b, p in enumerate(prompts):
+            self.prompt_buf[b, : lengths[b]].copy_(p)
+        self.prompt_last.copy_(torch.tensor([x - 1 for x in lengths] + [0] * (R - n), dtype=torch.long))
+        self.active.copy_(torch.tensor([1] * n + [0] * (R - n), dtype=torch.long))
+        cache.host_lengths = lengths + [0] * (R - n)
+        if B not in self.prefill_hidden:  # the outputs the step writes, allocated before it is traced or recorded
+            D = next(iter(self.committed_hidden.values())).shape[-1] if self.layers else 0
+            self.prefill_hidden[B] = {i: torch.empty(R, B, D, dtype=self.dtype, device=self.device)
+                                      for i in self.layers}
+            for t in self.prefill_hidden[B].values():
+                _mark_static(t)
+        return B
+
     def prefill(self, prompts: list[Tensor]) -> tuple[Tensor, dict[int, Tensor]]:
         """The prompts (rows 0 .. n - 1; the bucket's other rows get an empty, inactive row) through the model into
         the cache, right-padded to the longest (a pad sits after its row's prompt, so no prompt position sees it,

@@ -1,9 +1,9 @@
 """Cost model: predict the speedup of each draft length / tree size from measured parts, and pick the best.
 
 Parts, each measured in isolation (medians of repeated calls, nothing else running in between), each by calling the
-step that decoding runs (``measure``): at batch 1 the step decoder's steps on a moving context (``measure_steps``,
-``inference.step_decoder``):
-    t_plain      one plain decoding step (``Decoder.plain_step``: a 1-token target forward, the token read back)
+step that decoding runs (``measure``): at batch 1 the decoder's one-row steps on a moving context (``measure_steps``,
+``inference.session.Session``):
+    t_plain      one plain decoding step (``Session.plain_step``: a 1-token target forward, the token read back)
     t_verify(n)  one verification of n draft nodes (+ the pending token): inputs and mask, forward, acceptance with
                  its one read-back, a tree's compaction, the hand-off to the drafter (t_verify(0): nothing drafted)
     t_draft(d)   one drafter proposal of depth d, with the catch-up a real step gives the drafter
@@ -30,7 +30,6 @@ import torch
 from inference.decoder import Decoder
 from inference.generation import sync
 from inference.proposer import Proposer
-from inference.step_decoder import NeedsEagerLoop
 from inference.stats import AcceptStats, chain_tau
 from inference.tree import DraftTree
 
@@ -61,7 +60,7 @@ def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
                   shapes: Mapping[int, torch.Tensor], repeats: int = 15, chain_nodes: int | None = None,
                   max_new_tokens: int | None = None) -> dict:
     """t_prefill, t_plain, t_verify(n) for each tree shape (n -> parents), t_draft(d) for each depth (medians) of
-    the batch-1 step decoder (``inference.step_decoder``), timed on a moving
+    the decoder's one-row bucket (``inference.session.Session``), timed on a moving
     context: each part is one step of a running sequence (``Session``), which commits what it accepts, so no two
     repeats see the same context length (and no per-length state of an attention backend stays warm for free, as it
     does over a rewound context). t_prefill: a session's prefill and first token; t_plain: a plain step; t_verify(n):
@@ -71,7 +70,7 @@ def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
     it). Every part is run once before the timed repeats (a bucket's first step compiles or records it). The
     contexts stay within those of a real decode of ``max_new_tokens`` (default 64): a sequence that would pass them
     starts over from the prompt (untimed)."""
-    sd, device = decoder.steps, decoder.device
+    device = decoder.device
     vocab = decoder.teacher.vocab_size
     shapes = {0: torch.empty(0, dtype=torch.long), **shapes}
     trees = {}
@@ -86,10 +85,10 @@ def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
 
     def fresh(drafting: bool):
         if drafting:
-            return sd.session(drafter, prompt_ids, room + widest, deepest)
-        return sd.session(None, prompt_ids, room + 1, 0)
+            return decoder.session(drafter, prompt_ids, room + widest, deepest)
+        return decoder.session(None, prompt_ids, room + 1, 0)
 
-    with sd._pinned():
+    with decoder.runner.pinned():
         plain, run = fresh(False), fresh(True)
         for r in range(repeats + 1):
             if len(plain.new) >= room:
@@ -111,7 +110,8 @@ def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
                 for key, t in timed.items():
                     times[key].append(t)
         # Last: a prefill starts its state's sequence over (the plain steps above share that state).
-        times["prefill"] = [_seconds(lambda: sd.session(None, prompt_ids, 1, 0), device) for _ in range(repeats)]
+        times["prefill"] = [_seconds(lambda: decoder.session(None, prompt_ids, 1, 0), device)
+                            for _ in range(repeats)]
     median = {key: statistics.median(v) for key, v in times.items()}
     measured = {n: median[("v", n)] for n in shapes}
     return {"t_prefill": median["prefill"], "t_plain": median["plain"], "t_verify": _fit_linear(measured),
@@ -121,14 +121,10 @@ def measure_steps(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor,
 def measure(decoder: Decoder, drafter: Proposer, prompt_ids: torch.Tensor, depths: Sequence[int],
             shapes: Mapping[int, torch.Tensor], repeats: int = 15, catch_up: int = 1,
             max_new_tokens: int | None = None, chain_nodes: int | None = None) -> dict:
-    """The parts of the decode that runs: the step decoder's (``measure_steps``). Medusa's typical acceptance
+    """The parts of the decode that runs: the decoder's one-row steps (``measure_steps``). Medusa's typical acceptance
     (lossy) is timed as the exact rule's steps, which cost the same forward and a like verdict. ``catch_up`` is
-    what a step feeds the drafter; the step decoder's own steps feed it what they accepted."""
-    try:
-        return measure_steps(decoder, drafter, prompt_ids, depths, shapes, repeats, chain_nodes, max_new_tokens)
-    except NeedsEagerLoop as e:
-        raise ValueError(f"the cost model times the step decoder's steps, which cannot verify this drafter's "
-                         f"proposals ({e}); turn decoder.auto_tune off for {drafter.name}") from None
+    what a step feeds the drafter; the decoder's own steps feed it what they accepted."""
+    return measure_steps(decoder, drafter, prompt_ids, depths, shapes, repeats, chain_nodes, max_new_tokens)
 
 
 def tree_tau(node_accept_rate: Sequence[float], num_nodes: int) -> float:

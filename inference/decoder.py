@@ -1,17 +1,13 @@
-"""Batch-1 decoding: plain (one target forward per token) and speculative, for every drafter and any Hugging Face
-causal LM.
+"""Decoding: plain (one target forward per token) and speculative, for every drafter and any Hugging Face causal LM,
+of one prompt (``Decoder.plain`` / ``speculative``) or a batch (``Decoder.batch``).
 
-Both run as recorded steps over a static cache (``inference.step_decoder``, docs/gpu-decoding.md): per step the
+Both run as recorded steps over a static cache (``inference.batch_decoder``, docs/gpu-decoding.md): per step the
 drafter proposes a chain or tree of candidates continuing the committed sequence (or runs its own static step); the
 target runs ONE forward over [pending token, candidates...] on top of its KV cache (tree attention through a 4D mask
 and explicit position ids); the acceptance rule picks the accepted path and one target token on the device, read back
-once; the drafter is handed the accepted path's hidden states; rejected entries leave the cache. On CUDA each step
-is a CUDA graph replay (``decoder.cuda_graphs``).
-
-What the batch-1 steps do not verify (Medusa's typical acceptance, lossy; a proposal wider or deeper than their
-buffers) decodes through the batched steps (``inference.batch_decoder``) with a batch of one, which also decodes
-batches of prompts (``Decoder.batch``). ``plain_eager`` (the model's own forward over a ``DynamicCache``) is the
-reference the steps are tested against.
+once; the drafter is handed the accepted path's hidden states; rejected entries leave the cache. A single prompt is
+the one-row bucket of the same steps. On CUDA each step is a CUDA graph replay (``decoder.cuda_graphs``).
+``plain_eager`` (the model's own forward over a ``DynamicCache``) is the reference the steps are tested against.
 
 Shapes: a single sequence (batch 1): ``tokens`` [1, n]. The pending token is the last committed token, predicted by
 the target but not yet fed to it.
@@ -29,7 +25,8 @@ from torch import Tensor
 from transformers import Cache, DynamicCache
 
 from inference.acceptance import TYPICAL_ALPHA, TYPICAL_THRESHOLD
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
+from inference.session import Session
 from inference.generation import (  # noqa: F401  (re-exported: callers import them from here)
     ACCEPTANCE_RULES,
     Generation,
@@ -43,7 +40,7 @@ from inference.generation import (  # noqa: F401  (re-exported: callers import t
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer
 from inference.sampling import SamplingConfig, sample, warp
-from inference.step_decoder import NeedsEagerLoop, StepDecoder
+from inference.runner import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +65,7 @@ class DecoderConfig:
     # The largest batch bucket (a power of two): a batch of more prompts is decoded in consecutive groups of this many
     # rows, bounding the buffers and the steps compiled / recorded per bucket; null: the next power of two, uncapped.
     max_batch_rows: Optional[int] = None
-    # Batch 1 decodes through recorded steps over a static cache (inference.step_decoder, docs/gpu-decoding.md).
+    # Every batch decodes through recorded steps over a static cache (inference.batch_decoder, docs/gpu-decoding.md).
     # cuda_graphs: auto (on for a CUDA target) | on | off: record each step bucket as a CUDA graph and replay it.
     cuda_graphs: str = "auto"
     # compile: auto (on for a CUDA target) | on | off: torch.compile each step function (fullgraph=True; one graph per
@@ -106,14 +103,12 @@ class Decoder:
             raise ValueError(f"decoder.acceptance={config.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is "
                              f"lossy)")
         self._cache_kw = cache_kwarg(self.model)
-        # Batch-1 decoding: recorded steps over a static cache.
-        self.steps = StepDecoder(teacher, eos_token_id, sampling, self.generator, cuda_graphs=config.cuda_graphs,
-                                 compile=config.compile)
-        # Batches of prompts: the same steps with a batch dimension (inference.batch_decoder), sharing these settings
-        # and this generator.
+        # How the steps run (CUDA graphs, compile), drawing from this generator.
+        self.runner = StepRunner(self.device, self.generator, cuda_graphs=config.cuda_graphs, compile=config.compile)
+        # One prompt or a batch: the same steps, in batch buckets (a single prompt is the one-row bucket).
         typical = (config.typical_threshold, config.typical_alpha) if config.acceptance == "typical" else None
-        self.batch = BatchStepDecoder(teacher, eos_token_id, sampling, steps=self.steps, typical=typical,
-                                      max_rows=config.max_batch_rows)
+        self.batch = BucketDecoder(teacher, eos_token_id, sampling, runner=self.runner, typical=typical,
+                                   max_rows=config.max_batch_rows)
 
     @property
     def typical(self) -> tuple[float, float] | None:
@@ -144,7 +139,23 @@ class Decoder:
     @torch.no_grad()
     def plain(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
         """Autoregressive decoding (greedy or sampling, per ``self.sampling``): one target forward per token."""
-        return self.steps.plain(prompt_ids, max_new_tokens)
+        check_prompt(prompt_ids, max_new_tokens, 0, self.max_positions)
+        return self._one(self.batch.plain([prompt_ids[0]], max_new_tokens))
+
+    @staticmethod
+    def _one(out) -> Generation:
+        """A batch of one's generation, with the decode's times."""
+        gen = out.generations[0]
+        gen.seconds, gen.prefill_seconds = out.seconds, out.prefill_seconds
+        gen.draft_seconds, gen.verify_seconds = out.draft_seconds, out.verify_seconds
+        gen.compile_seconds = out.compile_seconds
+        return gen
+
+    def session(self, drafter: Proposer | None, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Session:
+        """A sequence prefilled and ready to step (``inference.session.Session``): room for ``max_new_tokens``
+        committed tokens; a drafter (None: plain steps only) drafting at most ``num_draft`` deep. The caller pins the
+        attention backend (``self.runner.pinned()``) around it."""
+        return Session(self.batch, drafter, prompt_ids, max_new_tokens, num_draft)
 
     @torch.no_grad()
     def plain_eager(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
@@ -171,24 +182,9 @@ class Decoder:
     @torch.no_grad()
     def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:
         """Speculative decoding; with ``acceptance="exact"`` the output is distributed exactly as ``plain``'s (and is
-        token-identical to it when greedy). ``num_draft`` bounds the depth of each proposal."""
+        token-identical to it when greedy). ``num_draft`` bounds the depth of each proposal (0: ``plain``)."""
+        check_vocab(drafter, self.teacher.vocab_size)
         check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
-        if self.acceptance == "exact":
-            try:
-                return self.steps.speculative(drafter, prompt_ids, max_new_tokens, num_draft)
-            except NeedsEagerLoop as e:
-                log.info("decoding %s through the batched steps: %s", drafter.name, e)
-        return self.speculative_rows(drafter, prompt_ids, max_new_tokens, num_draft)
-
-    @torch.no_grad()
-    def speculative_rows(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int,
-                         num_draft: int) -> Generation:
-        """``speculative`` through the batched steps with a batch of one (``inference.batch_decoder``: the drafter's
-        static draft at one row, or its eager drafting through ``drafter.rows``; Medusa's typical acceptance)."""
-        check_prompt(prompt_ids, max_new_tokens, num_draft, self.max_positions)
-        out = self.batch.speculative(drafter, [prompt_ids[0]], max_new_tokens, num_draft)
-        gen = out.generations[0]
-        gen.seconds, gen.prefill_seconds = out.seconds, out.prefill_seconds
-        gen.draft_seconds, gen.verify_seconds = out.draft_seconds, out.verify_seconds
-        gen.compile_seconds = out.compile_seconds
-        return gen
+        if num_draft < 1:
+            return self.plain(prompt_ids, max_new_tokens)
+        return self._one(self.batch.speculative(drafter, [prompt_ids[0]], max_new_tokens, num_draft))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,3 +107,89 @@ def cache_kwarg(model) -> str:
     (``past_key_values`` is deprecated there), else ``past_key_values`` (older releases)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def check_batch(prompts: Sequence, max_new_tokens: int, lookahead: int, max_positions: int) -> list[Tensor]:
+    """Prompts as 1-D long tensors; errors name the prompt and the fix."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts: a batch needs at least one")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = torch.as_tensor(p, dtype=torch.long).reshape(1, -1)
+        try:
+            check_prompt(ids, max_new_tokens, lookahead, max_positions)
+        except ValueError as e:
+            raise ValueError(f"prompt {i} of the batch of {len(prompts)}: {e}") from None
+        out.append(ids[0])
+    return out
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch bucket of ``rows`` live rows: the smallest power of two holding them."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return bucket
+
+
+@dataclass
+class BatchGeneration:
+    """One batched decode. ``generations[i]`` is prompt i's (input order); its ``seconds`` is the time from the start
+    of the batch to that sequence leaving it (its latency)."""
+
+    generations: list[Generation]
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    compile_seconds: float = 0.0  # first calls of compiled steps (left out of every time above)
+    steps: int = 0
+    stats: AcceptStats = field(default_factory=AcceptStats)
+    gamma_steps: Counter = field(default_factory=Counter)  # γ chosen -> steps
+    live_steps: Counter = field(default_factory=Counter)  # live batch size -> steps
+    bucket_steps: Counter = field(default_factory=Counter)  # batch bucket -> steps
+    step_log: list = field(default_factory=list)  # per step: (live rows, γ, draft seconds, verify seconds)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(g.new_tokens) for g in self.generations)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def latency_ms_per_token(self) -> float:
+        """Mean over sequences of (time to leave the batch) / (its new tokens), in ms."""
+        per = [1000 * g.seconds / len(g.new_tokens) for g in self.generations if g.new_tokens]
+        return sum(per) / len(per) if per else 0.0
+
+    def extend(self, part: "BatchGeneration") -> None:
+        """Append ``part``, decoded after this one (the next group of prompts): its latencies then count from the
+        start of this decode."""
+        for gen in part.generations:
+            gen.seconds += self.seconds
+        self.generations += part.generations
+        for name in ("seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "compile_seconds", "steps"):
+            setattr(self, name, getattr(self, name) + getattr(part, name))
+        self.stats.merge(part.stats)
+        for name in ("gamma_steps", "live_steps", "bucket_steps"):
+            getattr(self, name).update(getattr(part, name))
+        self.step_log += part.step_log
+
+
+def one_sampling(sampling, n: int, default):
+    """The one ``SamplingConfig`` a batch of ``n`` prompts decodes with: ``sampling`` (None: ``default``), or a list
+    of one per prompt, all equal."""
+    from inference.sampling import SamplingConfig
+
+    if sampling is None or isinstance(sampling, SamplingConfig):
+        return sampling or default
+    settings = list(sampling)
+    if len(settings) != n or not all(isinstance(s, SamplingConfig) for s in settings):
+        raise ValueError(f"sampling has {len(settings)} settings for {n} prompts; give one SamplingConfig for the "
+                         f"whole batch")
+    if len(set(settings)) > 1:
+        raise ValueError(f"sampling differs between the rows of one batch ({sorted({s.describe() for s in settings})}"
+                         f"); a batch decodes with one SamplingConfig: decode each setting as its own batch")
+    return settings[0]

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.cost import _fit_linear
 from inference.stats import AcceptStats
 
@@ -126,7 +126,7 @@ def _interpolate(by_batch: dict[int, dict[int, float]], batch: int, key: int) ->
 
 
 class LoadAwarePolicy:
-    """``policy(live_batch_size) -> γ`` for ``BatchStepDecoder.speculative``: the best γ <= ``max_gamma`` by the table,
+    """``policy(live_batch_size) -> γ`` for ``BucketDecoder.speculative``: the best γ <= ``max_gamma`` by the table,
     speculating only where that beats a plain step by more than ``margin`` (default 3%: calibration noise)."""
 
     def __init__(self, table: CostTable, max_gamma: int, margin: float = 0.03):
@@ -165,7 +165,7 @@ def tau_by_gamma(stats: AcceptStats, max_gamma: int) -> dict[int, float]:
 
 
 @torch.no_grad()
-def measure_steps(decoder: BatchStepDecoder, drafter, prompts: Sequence, batch_sizes: Sequence[int], max_gamma: int,
+def measure_steps(decoder: BucketDecoder, drafter, prompts: Sequence, batch_sizes: Sequence[int], max_gamma: int,
                   tokens: int = 16, repeats: int = 2, min_rows: int = 16) -> tuple[dict, dict, AcceptStats, dict, dict]:
     """Step costs measured in the decode loop itself, so they include everything a real step pays (the drafter's
     catch-up on accepted tokens, cache bookkeeping, a cache warmed by the other model's last call).
@@ -211,7 +211,7 @@ def measure_steps(decoder: BatchStepDecoder, drafter, prompts: Sequence, batch_s
     return verify, {g: statistics.fmean(t) for g, t in draft.items() if t}, stats, draft_batch, life
 
 
-def calibrate(decoder: BatchStepDecoder, drafter, prompts: Sequence, max_gamma: int, batch_sizes: Sequence[int],
+def calibrate(decoder: BucketDecoder, drafter, prompts: Sequence, max_gamma: int, batch_sizes: Sequence[int],
               tokens: int = 16, repeats: int = 2) -> CostTable:
     """The policy's cost table for ``drafter``: ``measure_steps`` at every batch size, τ(γ) from its γ = max runs."""
     if max_gamma < 1:

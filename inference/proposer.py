@@ -47,7 +47,7 @@ class Proposer(Protocol):
     dynamic_tree: bool
     tree: DraftTree | None
     # A drafter that cuts its own chain short (DSpark's confidence cut): its chains are verified in the bucket of
-    # their length (``inference.steps.cut_width``), not the full depth's, so a cut saves verification work.
+    # their length (``inference.batch_steps.cut_width``), not the full depth's, so a cut saves verification work.
     variable_depth: bool
 
     @property

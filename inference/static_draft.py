@@ -173,3 +173,14 @@ def draw_chain(static, logits_TV: Tensor) -> None:
     static.buffers.probs_TV.copy_(probs)
     static.buffers.tokens_T.copy_(torch.cat([sample_uniform(probs[k], uniforms[k: k + 1])
                                              for k in range(static.depth)]))
+
+
+def clip_tree(buffers, depth: int) -> None:
+    """Nodes of a static draft's tree deeper than ``depth`` (a root child has depth 1) get token -1, which is never
+    accepted: the step's bucket stays, the accepted path stays within the tokens a decode still needs. On the
+    device, ``depth - 1`` gathers; the next draft rewrites every node."""
+    parents = buffers.parents_T
+    up = parents.clone()  # each node's ancestor 1, then 2, ... levels up (-1 once past a root child)
+    for _ in range(depth - 1):
+        up = torch.where(up >= 0, parents[up.clamp(min=0)], up)
+    buffers.tokens_T.masked_fill_(up >= 0, -1)  # still below a node after ``depth`` levels: deeper than ``depth``

@@ -70,7 +70,7 @@ def decode_mode(teacher, drafter, prompts, max_new: int, num_draft: int, setting
             same += gen.new_tokens == ref.new_tokens
             outputs["eagle1"].append(gen.new_tokens)
     out = {"settings": settings, "warmup_seconds": warm, "plain_tokens_per_s": tokens / plain_s,
-           "timed_prompts": len(prompts) - 1, "steps": decoder.steps.describe()}
+           "timed_prompts": len(prompts) - 1, "steps": decoder.batch.describe()}
     if drafter is not None:
         spec_tps = spec_tokens / spec_s
         out.update(eagle1_tokens_per_s=spec_tps, eagle1_speedup=spec_tps / out["plain_tokens_per_s"],

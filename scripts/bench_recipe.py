@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 E1, E3 = ["drafter=eagle1"], ["drafter=eagle3"]
 E31 = [*E3, "drafter.ttt_steps=3", "drafter.draft_vocab_size=1024"]  # the base of the EAGLE-3.1 rows
+DFD = ["experiment=dflash_toy", "drafter.objective=distill"]  # DFlash toy, trained against the target's distribution
 # DFlash as experiment=dflash_toy builds it (its data aside: each row says which): 1 draft layer on layers 1-3, blocks
 # of 8, 32 anchors per row (~0.5 CPU s per step of 8 x 256 tokens on the toy, as EAGLE-1's)
 DF = ["drafter=dflash", "drafter.block_size=8", "drafter.num_layers=1", "drafter.layers=[1,2,3]",
@@ -153,6 +154,14 @@ ROWS = {
     "eagle3_lk_alpha_600": ([*E3, "loss=lk"], 600),
     "eagle3_lk_lambda_600": ([*E3, "loss=lk", "loss.variant=lambda"], 600),
     "eagle3_acceptance_weighted_fkl_600": ([*E3, "loss=acceptance_weighted"], 600),
+    # The same objectives on DFlash (experiment=dflash_toy's drafter, its slots trained against the target's
+    # distribution: drafter.objective=distill) beside its default cross-entropy on the target's tokens, at EAGLE-3's
+    # budget (GROUPS["losses_dflash"] runs the five)
+    "dflash_ce_600": (["experiment=dflash_toy"], 600),
+    "dflash_fkl_600": ([*DFD, "loss=fkl"], 600),
+    "dflash_lk_alpha_600": ([*DFD, "loss=lk"], 600),
+    "dflash_lk_lambda_600": ([*DFD, "loss=lk", "loss.variant=lambda"], 600),
+    "dflash_acceptance_weighted_fkl_600": ([*DFD, "loss=acceptance_weighted"], 600),
     # The block-parallel drafters at experiment=dflash_toy's budget (2000 steps on the same regenerated answers):
     # DFlash, DSpark and DFlash2 as their toy experiments build them, and DFlash2 without each of its two modules
     # (GROUPS["dflash2"] runs the five)
@@ -165,6 +174,8 @@ ROWS = {
 # --group NAME: these rows side by side (the same as naming them in --rows)
 GROUPS = {
     "losses": ["eagle3_fkl_600", "eagle3_lk_alpha_600", "eagle3_lk_lambda_600", "eagle3_acceptance_weighted_fkl_600"],
+    "losses_dflash": ["dflash_ce_600", "dflash_fkl_600", "dflash_lk_alpha_600", "dflash_lk_lambda_600",
+                      "dflash_acceptance_weighted_fkl_600"],
     "dflash2": ["dflash_toy", "dspark_toy", "dflash2_toy", "dflash2_toy_no_selector", "dflash2_toy_no_conv"],
 }
 # Tree budgets: (tree mode, top_k, total_tokens, depth). depth is also γ, the decoder's bound on proposal depth.

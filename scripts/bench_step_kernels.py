@@ -9,8 +9,8 @@ step, for a random-weight target of ``scripts/bench_decode.py``'s ``gpu`` preset
 layers, 16 heads, MLP 2.75x the hidden size, the toy's 4,096-token vocabulary) made narrow (hidden 256 by default):
 the number of kernels depends on the layer structure (layers, ops per layer), not on the width (hidden 64 and 256
 count the same plain and verify steps), so a narrow target counts like the 2,048-wide one at a fraction of the
-compile time. Steps, as the step decoder runs them
-(``inference.step_decoder``, eager, no CUDA graphs): the plain step, EAGLE-1's verify step over its default 16-node
+compile time. Steps, as the decoder runs them at batch 1
+(``inference.batch_decoder``'s one-row bucket, eager, no CUDA graphs): the plain step, EAGLE-1's verify step over its default 16-node
 dynamic tree, and EAGLE-1's static draft step (an untrained drafter of the target's width, conf/drafter/eagle1.yaml).
 
 Per step:
@@ -50,7 +50,8 @@ from distill.atomic import write_text_atomically  # noqa: E402
 from distill.teacher import Teacher  # noqa: E402
 from eval.report import machine_info  # noqa: E402
 from inference.sampling import GREEDY  # noqa: E402
-from inference.step_decoder import StepDecoder  # noqa: E402
+from inference.batch_decoder import BucketDecoder  # noqa: E402
+from inference.runner import StepRunner  # noqa: E402
 
 OUT = ROOT / "scripts" / "results" / "bench_step_kernels_cpu.json"
 # The gpu preset of scripts/bench_decode.py: 22 layers, 16 heads, MLP 5632 / 2048 = 2.75x hidden; vocabulary 4,096.
@@ -157,21 +158,23 @@ class Probe:
             self.fn()
 
 
-class ProbingDecoder(StepDecoder):
-    """The step decoder (eager steps, no graphs) with every step function it makes run through a ``Probe``."""
+class ProbingRunner(StepRunner):
+    """The decoder's step runner (eager steps, no graphs) with every step function it is handed run through a
+    ``Probe``."""
 
-    def __init__(self, teacher):
-        super().__init__(teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off")
+    def __init__(self, device):
+        super().__init__(device, torch.Generator().manual_seed(0), cuda_graphs="off")
         self.probes: dict[str, Probe] = {}
 
-    def _wrap(self, fn, label: str = "step", kind: tuple | None = None):
+    def wrap(self, fn, label: str = "step", kind: tuple | None = None):
         if isinstance(fn, functools.partial) and fn.func.__name__ == "verify":
             bucket = fn.args[0]
             name = f"verify_{'chain' if bucket.chain else 'tree'}_{bucket.nodes}"
         elif isinstance(fn, functools.partial):
             name = fn.func.__name__
-        else:
-            name = f"{getattr(fn, '__self__', fn).__class__.__name__}.{fn.__name__}"
+        else:  # a draft step: the drafter's static draft at the bucket's rows
+            owner = getattr(fn, "__self__", fn)
+            name = f"{getattr(owner, 'proto', owner).__class__.__name__}.{fn.__name__}"
         probe = self.probes.setdefault(name, Probe(fn, name))
         return probe if probe.fn is fn else fn  # one probe per kind of step (the first bucket of it)
 
@@ -192,16 +195,17 @@ def eagle1(teacher, seed: int = 0):
 def count_steps(model, drafter: bool = True, new_tokens: int = 8) -> dict:
     """{step name: counts} for the plain step and (``drafter``) EAGLE-1's verify and static draft steps."""
     teacher = Teacher(model, tokenizer=None, name="bench-step-kernels")
-    dec = ProbingDecoder(teacher)
-    prompt = torch.randint(0, teacher.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    runner = ProbingRunner(teacher.device)
+    dec = BucketDecoder(teacher, sampling=GREEDY, runner=runner)
+    prompt = torch.randint(0, teacher.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
-        dec.plain(prompt, new_tokens)
+        dec.plain([prompt], new_tokens)
         if drafter:
-            dec.speculative(eagle1(teacher), prompt, new_tokens, num_draft=4)  # eval.num_draft's default depth
-    unfinished = [name for name, p in dec.probes.items() if p.calls < 3]
+            dec.speculative(eagle1(teacher), [prompt], new_tokens, num_draft=4)  # eval.num_draft's default depth
+    unfinished = [name for name, p in runner.probes.items() if p.calls < 3]
     if unfinished:
         raise RuntimeError(f"steps {unfinished} ran fewer than 3 times; raise new_tokens ({new_tokens})")
-    return {name: p.result for name, p in dec.probes.items()}
+    return {name: p.result for name, p in runner.probes.items()}
 
 
 def count_step(model, name: str = "plain") -> dict:

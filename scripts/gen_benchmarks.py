@@ -565,6 +565,17 @@ SOURCES: dict[str, Source] = {
         "`loss=acceptance_weighted`. Greedy, 20 held-out prompts of 48 tokens, 64 new tokens, every output checked "
         "token-identical to plain decoding. CPU s is the training process's, one thread ([draft models and "
         "losses](draft-models.md))."),
+    "bench_recipe_losses_dflash_tiny_cpu.json": Source(
+        "Acceptance-aligned losses against forward KL on DFlash at equal steps (CPU, tiny target)",
+        "python scripts/bench_recipe.py --group losses_dflash --seeds 0 1 --out "
+        "scripts/results/bench_recipe_losses_dflash_tiny_cpu.json target=tiny target.toy.num_layers=8 "
+        "data.max_length=128 eval.prompt_tokens=48 eval.max_new_tokens=64", render_recipe,
+        "Every row: `experiment=dflash_toy` (its regenerated answers), 600 steps, on the 8-layer tiny toy target; "
+        "`ce` = its default cross-entropy on the target's tokens, every other row `drafter.objective=distill` with "
+        "`loss=fkl`, `loss=lk` (`lk_alpha`), `loss=lk loss.variant=lambda` (`lk_lambda`) or "
+        "`loss=acceptance_weighted` (`acceptance_weighted_fkl`). Greedy, 20 held-out prompts of 48 tokens, 64 new "
+        "tokens, every output checked token-identical to plain decoding; `chain` drafts 4 tokens, `block` 7. CPU s "
+        "is the training process's, one thread on a shared machine ([draft models and losses](draft-models.md))."),
     "bench_recipe_dflash2_tiny_cpu.json": Source(
         "DFlash2 against DSpark and DFlash at the toy experiments' budget (CPU, tiny target)",
         "python scripts/bench_recipe.py --group dflash2 --seeds 0 1 --out "

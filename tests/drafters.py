@@ -218,13 +218,13 @@ def assert_reloaded_alike(drafter, reloaded, teacher: Teacher) -> None:
 
 
 def assert_sampling_keeps_the_target_distribution(node: dict, batch: int, samples: int = 3000) -> None:
-    """Temperature-1 sampling through the decode loop (batch 1: ``Decoder``; batch > 1: ``BatchStepDecoder``, one
+    """Temperature-1 sampling through the decode loop (batch 1: ``Decoder``; batch > 1: ``BucketDecoder``, one
     prompt per row) with the drafter ``node`` builds, its weights random, draws each 3-token continuation of a 4-token
     vocabulary with the target's own probability (total variation within twice the expected sampling error), and
     the drafter's drafts are accepted often enough for the acceptance rule to be what is tested."""
     import itertools
 
-    from inference.batch_decoder import BatchStepDecoder
+    from inference.batch_decoder import BucketDecoder
     from inference.decoder import Decoder, DecoderConfig
     from inference.sampling import SamplingConfig
 
@@ -252,7 +252,7 @@ def assert_sampling_keeps_the_target_distribution(node: dict, batch: int, sample
             counts[tuple(gen.new_tokens)] += 1
             accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
     else:
-        batched = BatchStepDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0, static_drafts=True)
+        batched = BucketDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0, static_drafts=True)
         for _ in range(samples // batch):
             result = batched.speculative(drafter, [prompt[0]] * batch, length, 2)
             for gen in result.generations:

@@ -1,4 +1,4 @@
-"""A stand-in for the step decoder in static-draft tests: it plays a greedy continuation of a tiny target back into
+"""A stand-in for the decoder in static-draft tests: it plays a greedy continuation of a tiny target back into
 ``inference.static_draft.CommittedBuffers`` step by step, a varying number of tokens accepted each time, and runs the
 eager ``propose`` on the same context for comparison; plus recorders for what a compiled step must keep fixed."""
 

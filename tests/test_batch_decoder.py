@@ -16,7 +16,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from heads.base import build_drafter
-from inference.batch_decoder import BatchStepDecoder, batch_bucket
+from inference.batch_decoder import BucketDecoder
+from inference.generation import batch_bucket
 from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig
 from inference.transfers import TransferCounter
@@ -74,7 +75,7 @@ def test_batches_of_1_3_and_8_are_token_identical_to_batch1(teacher, prompts, re
     drafter = drafter_of(kind, teacher)
     accepted, buckets = set(), set()
     for static in (True, False) if kind not in ("plain", "lookup") else (True,):
-        decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=static)
+        decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=static)
         for batch in (1, 3, 8):
             outputs = []
             for i in range(0, len(prompts), batch):
@@ -99,7 +100,7 @@ def test_eos_finishes_rows_at_different_steps(teacher, prompts, references):
     single = Decoder(teacher, eos_token_id=eos)
     refs = [single.plain(p[None], NEW).new_tokens for p in prompts]
     assert len({len(r) for r in refs}) > 1, "the test needs rows that stop at different lengths"
-    decoder = BatchStepDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off")
+    decoder = BucketDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off")
     for gen in (decoder.plain(prompts, NEW), decoder.speculative(drafter_of("draft_model", teacher), prompts, NEW, 3)):
         assert [g.new_tokens for g in gen.generations] == refs
         assert len(gen.live_steps) > 1  # finished rows left the live batch
@@ -115,7 +116,7 @@ def graphs_over_long_decodes(teacher, kind, prompts):
     torch._dynamo.reset()
     counters.clear()
     drafter = drafter_of(kind, teacher)
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager")
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager")
     batches = (prompts[:3],)  # buckets 4 -> 2 -> 1 as rows finish
     for batch in batches:
         decode(decoder, drafter, batch, 100)
@@ -142,7 +143,7 @@ def test_one_graph_per_bucket_and_no_recompile_over_long_decodes(teacher, prompt
 
 
 def test_one_read_back_per_step(teacher, prompts):
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off")
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off")
     drafter = drafter_of("lookup", teacher)
     counts = []
     for new in (8, 40):
@@ -154,7 +155,7 @@ def test_one_read_back_per_step(teacher, prompts):
 
 
 def test_one_sampling_setting_per_batch(teacher, prompts):
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off")
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off")
     hot = SamplingConfig(temperature=1.0, top_k=20)
     out = decoder.plain(prompts[:2], 5, sampling=[hot, hot])
     assert all(len(g.new_tokens) == 5 for g in out.generations)
@@ -168,7 +169,7 @@ def test_max_batch_rows_decodes_larger_batches_in_groups_of_the_largest_bucket(t
     """``decoder.max_batch_rows``: 8 prompts under a cap of 2 run as four groups, no bucket above 2, every row still its
     batch-1 greedy decode, the groups' figures merged (latencies from the start of the whole decode)."""
     drafter = drafter_of("lookup", teacher)
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off", max_rows=2)
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off", max_rows=2)
     gen = decode(decoder, drafter, prompts)
     assert [g.new_tokens for g in gen.generations] == references
     assert gen.bucket_steps and max(gen.bucket_steps) <= 2
@@ -177,4 +178,4 @@ def test_max_batch_rows_decodes_larger_batches_in_groups_of_the_largest_bucket(t
     assert gen.generations[-1].seconds > min(g.seconds for g in gen.generations[:2])
     for bad in (0, 3):
         with pytest.raises(ValueError, match=rf"decoder.max_batch_rows={bad}: .*power of two"):
-            BatchStepDecoder(teacher, max_rows=bad)
+            BucketDecoder(teacher, max_rows=bad)

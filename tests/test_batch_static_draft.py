@@ -21,7 +21,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from distill.teacher import Teacher
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.batch_draft import RowDrafts
 from inference.decoder import Decoder
 from inference.sampling import GREEDY
@@ -162,7 +162,7 @@ def test_batches_of_1_3_and_8_accept_what_batch1_static_drafts_get_accepted(teac
     refs = [single.speculative(drafter, p[None], NEW, 3) for p in prompts]
     assert [r.new_tokens for r in refs] == [single.plain(p[None], NEW).new_tokens for p in prompts]
     assert len({len(r.new_tokens) for r in refs}) > 1, "the test needs rows that stop at different lengths"
-    decoder = BatchStepDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off", static_drafts=True)
+    decoder = BucketDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off", static_drafts=True)
     buckets = set()
     for batch in (1, 3, 8):
         for i in range(0, len(prompts), batch):
@@ -182,7 +182,7 @@ def test_rows_move_into_a_bucket_allocated_for_longer_decodes(teacher, prompts, 
     decode's rows then move into buffers of another size (another batch-1 draft of the same kind) and still draft
     what the batch-1 static draft drafts."""
     drafter = eager_rows_refused(drafter_of(kind, teacher))
-    decoder = BatchStepDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off", static_drafts=True)
+    decoder = BucketDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off", static_drafts=True)
     decoder.speculative(drafter, prompts[:3], 200, 3)
     gen = decoder.speculative(drafter, prompts, NEW, 3)
     capacities = {rows: state.cache.capacity for (rows, *_), state in decoder._states.items()}
@@ -211,13 +211,13 @@ def test_plain_steps_keep_the_static_draft_in_step(teacher, prompts, kind):
     the end of a row's budget is counted by its full depth on the static path, as at batch 1, by the clipped one on
     the eager rows.)"""
     drafter = drafter_of(kind, teacher)
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True)
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True)
     static = decoder.speculative(drafter, prompts, NEW, 3, policy=Alternating())
     assert any(key[1] == "draft" for key in decoder._fns)
     refs = [Decoder(teacher).plain(p[None], NEW).new_tokens for p in prompts]
     assert [g.new_tokens for g in static.generations] == refs
     assert static.gamma_steps[0] > 0 and static.gamma_steps[3] > 0
-    eager = BatchStepDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=False)
+    eager = BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=False)
     rows = eager.speculative(drafter, prompts, NEW, 3, policy=Alternating())
     assert not any(key[1] == "draft" for key in eager._fns)
     assert [g.stats.counts for g in static.generations] == [g.stats.counts for g in rows.generations]
@@ -230,7 +230,7 @@ def test_a_drafter_without_a_static_draft_drafts_through_its_eager_rows(teacher,
     asked = []
     rows = drafter.rows
     drafter.rows = lambda seeds: asked.append(len(seeds)) or rows(seeds)
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True)
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True)
     gen = decoder.speculative(drafter, prompts[:3], NEW, 3)
     assert asked == [3]
     assert [g.new_tokens for g in gen.generations] == [Decoder(teacher).plain(p[None], NEW).new_tokens
@@ -248,7 +248,7 @@ def test_one_draft_graph_per_bucket_and_no_recompile_over_long_decodes(teacher, 
     torch._dynamo.reset()
     counters.clear()
     drafter = eager_rows_refused(drafter_of(kind, teacher))
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager",
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager",
                                static_drafts=True)
     batch = prompts[:3]
     first = decoder.speculative(drafter, batch, 100, 3)
@@ -270,9 +270,9 @@ def test_inductor_compiled_draft_steps_draft_what_batch1_drafts(teacher, prompts
     """The draft step at every bucket compiled by inductor (the default backend), no fallback: each row its batch-1
     greedy decode, with the batch-1 static draft's accepted counts."""
     drafter = eager_rows_refused(drafter_of("dflash", teacher))
-    decoder = BatchStepDecoder(teacher, cuda_graphs="off", compile="on", static_drafts=True)
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="on", static_drafts=True)
     gen = decoder.speculative(drafter, prompts, NEW, 3)
-    assert decoder.owner.fallback_reason is None
+    assert decoder.runner.fallback_reason is None
     assert any(key[1] == "draft" for key in decoder._fns)
     single = Decoder(teacher)
     for p, g in zip(prompts, gen.generations):
@@ -283,8 +283,8 @@ def test_inductor_compiled_draft_steps_draft_what_batch1_drafts(teacher, prompts
 def test_static_drafts_auto_follows_compiled_or_recorded_steps(teacher):
     """auto: the static draft step where steps are compiled or recorded (what it is for), the eager rows where
     steps run uncompiled (cheaper there); True / False force either; anything else is refused with the values."""
-    assert BatchStepDecoder(teacher, cuda_graphs="off", compile="off").static_drafts is False
-    assert BatchStepDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager").static_drafts is True
-    assert BatchStepDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True).static_drafts is True
+    assert BucketDecoder(teacher, cuda_graphs="off", compile="off").static_drafts is False
+    assert BucketDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager").static_drafts is True
+    assert BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True).static_drafts is True
     with pytest.raises(ValueError, match="static_drafts='yes'; valid: True, False, 'auto'"):
-        BatchStepDecoder(teacher, static_drafts="yes")
+        BucketDecoder(teacher, static_drafts="yes")

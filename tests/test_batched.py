@@ -20,7 +20,7 @@ from heads.base import TargetDims, build_drafter
 from heads.draft_model.model import DraftModel
 from heads.eagle.model import EagleDrafter
 from heads.base import fork_drafter
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder, DecoderConfig
 from inference.policy import (
     CostTable,
@@ -113,7 +113,7 @@ def decode_in_batches(decode, prompts, batch):
 
 
 def test_plain_batch8_is_identical_to_batch1(teacher, prompts, references):
-    gens = decode_in_batches(lambda chunk: BatchStepDecoder(teacher).plain(chunk, NEW), prompts, 8)
+    gens = decode_in_batches(lambda chunk: BucketDecoder(teacher).plain(chunk, NEW), prompts, 8)
     assert [g.new_tokens for b in gens for g in b.generations] == references
     assert all(set(b.gamma_steps) == {0} for b in gens)
 
@@ -123,7 +123,7 @@ def test_plain_batch8_is_identical_to_batch1(teacher, prompts, references):
 @pytest.mark.parametrize("kind", ["lookup", "draft_model", "medusa_tree", "eagle_chain", "eagle_tree"])
 def test_speculative_batch8_is_identical_to_batch1(teacher, prompts, references, kind):
     drafter = make_drafter(kind, teacher)
-    decoder = BatchStepDecoder(teacher)
+    decoder = BucketDecoder(teacher)
     gens = decode_in_batches(lambda chunk: decoder.speculative(drafter, chunk, NEW, num_draft=3), prompts, 8)
     outputs = [g.new_tokens for b in gens for g in b.generations]
     for i, (ours, ref) in enumerate(zip(outputs, references)):
@@ -140,7 +140,7 @@ def test_speculative_batch8_is_identical_to_batch1(teacher, prompts, references,
 
 def test_batch_of_one_matches_the_batch1_decoder(teacher, prompts, references):
     drafter = make_drafter("draft_model", teacher)
-    ours = BatchStepDecoder(teacher).speculative(drafter, prompts[:1], NEW, 3)
+    ours = BucketDecoder(teacher).speculative(drafter, prompts[:1], NEW, 3)
     theirs = Decoder(teacher).speculative(drafter, prompts[0][None], NEW, 3)
     assert ours.generations[0].new_tokens == theirs.new_tokens == references[0]
     assert ours.stats.counts == theirs.stats.counts  # same proposals, same verdicts
@@ -153,7 +153,7 @@ def test_eos_finishes_rows_at_different_steps(teacher, prompts, references):
     single = Decoder(teacher, eos_token_id=eos)
     refs = [single.plain(p[None], NEW).new_tokens for p in prompts[:16]]
     assert len({len(r) for r in refs}) > 1, "the test needs rows that stop at different lengths"
-    decoder = BatchStepDecoder(teacher, eos_token_id=eos)
+    decoder = BucketDecoder(teacher, eos_token_id=eos)
     drafter = make_drafter("draft_model", teacher)
     for gen in (decoder.plain(prompts[:16], NEW), decoder.speculative(drafter, prompts[:16], NEW, 3)):
         assert [g.new_tokens for g in gen.generations] == refs
@@ -169,7 +169,7 @@ def test_forks_share_weights_not_state(teacher, prompts):
 
 
 def test_bad_inputs(teacher, prompts):
-    decoder = BatchStepDecoder(teacher)
+    decoder = BucketDecoder(teacher)
     with pytest.raises(ValueError, match="no prompts"):
         decoder.plain([], 5)
     with pytest.raises(ValueError, match="prompt 0 of the batch of 3: empty prompt"):
@@ -204,8 +204,8 @@ def test_sliding_window_target_batch8_is_identical_to_batch1_past_the_window(pro
     references = [Decoder(teacher).plain(p[None], NEW).new_tokens for p in prompts]
     drafter = noisy_medusa(teacher, scale=0.05)
     drafter.set_tree("default")
-    for decode in (lambda c: BatchStepDecoder(teacher).plain(c, NEW),
-                   lambda c: BatchStepDecoder(teacher).speculative(drafter, c, NEW, 4)):
+    for decode in (lambda c: BucketDecoder(teacher).plain(c, NEW),
+                   lambda c: BucketDecoder(teacher).speculative(drafter, c, NEW, 4)):
         gens = decode_in_batches(decode, prompts, 8)
         assert [g.new_tokens for b in gens for g in b.generations] == references
     assert Decoder(teacher).speculative(drafter, prompts[-1][None], NEW, 4).new_tokens == references[-1]
@@ -218,7 +218,7 @@ def test_unsupported_attention_layer_types_are_refused_with_the_list():
                                   num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                   vocab_size=128, num_local_experts=2, attention_chunk_size=8)
     teacher = Teacher(AutoModelForCausalLM.from_config(config).eval(), tokenizer=None, name="tiny-llama4")
-    for decoder in (Decoder, BatchStepDecoder):
+    for decoder in (Decoder, BucketDecoder):
         with pytest.raises(ValueError, match=r"chunked_attention.*supports \['full_attention', 'sliding_attention'\]"):
             decoder(teacher)
 
@@ -237,7 +237,7 @@ def test_sampling_distribution_at_batch_4(batches, kind):
     distribution."""
     teacher, drafter = _decoder_setup(kind)
     short, long = torch.tensor([[1, 2, 3]]), torch.tensor([[3, 0, 2, 1, 1, 0, 2]])
-    decoder = BatchStepDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0, static_drafts=True)
+    decoder = BucketDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0, static_drafts=True)
     counts = {0: torch.zeros((4,) * LENGTH), 1: torch.zeros((4,) * LENGTH)}
     accepted = 0
     for _ in range(batches):
@@ -277,7 +277,7 @@ def test_policy_picks_gamma_from_costs():
 
 def test_policy_drives_the_decoder(teacher, prompts, references):
     drafter = make_drafter("draft_model", teacher)
-    decoder = BatchStepDecoder(teacher)
+    decoder = BucketDecoder(teacher)
     for t, expected in ((table(verify_per_token=1e-2), {0}), (table(verify_per_token=1e-6), {3})):
         gen = decoder.speculative(drafter, prompts[:8], NEW, 3, policy=make_policy("auto", t, 3))
         assert set(gen.gamma_steps) - {0} <= expected and max(gen.gamma_steps) == max(expected)
@@ -294,7 +294,7 @@ def test_tau_by_gamma_and_calibration(teacher, prompts):
         stats.update(3, accepted)
     assert tau_by_gamma(stats, 3) == {0: 1.0, 1: 1.75, 2: 2.25, 3: 2.75}
     drafter = make_drafter("draft_model", teacher)
-    t = calibrate(BatchStepDecoder(teacher), drafter, prompts, 3, [1, 2], tokens=6, repeats=1)
+    t = calibrate(BucketDecoder(teacher), drafter, prompts, 3, [1, 2], tokens=6, repeats=1)
     assert set(t.t_verify) == {1, 2} and set(t.t_verify[1]) == {1, 2, 3, 4}
     assert set(t.t_draft) == {0, 1, 2, 3} and t.tau[0] == 1.0 and t.tau[3] >= t.tau[1] >= 1.0
     assert all(s > 0 for row in t.t_verify.values() for s in row.values())

@@ -1,4 +1,5 @@
-"""Compiling the batch-1 step decoder's steps (``decoder.compile``), the fast checks (dynamo only: backend "eager"):
+"""Compiling the decoder's steps at batch 1, its one-row bucket (``decoder.compile``), the fast checks (dynamo only:
+backend "eager"):
 
 - ``compiled_steps`` (also used by the slow inductor test, tests/test_decoder_compile.py) counts the step functions a
   decoder ran compiled and names those that fell back; a step with a graph break is caught;
@@ -19,20 +20,19 @@ import os
 import pytest
 import torch
 
+from inference.batch_decoder import BucketDecoder
+from inference.batch_steps import cut_width
+from inference.runner import compiled_of
 from inference.sampling import GREEDY, SamplingConfig
-from inference.step_decoder import StepDecoder, compiled_of
-from inference.steps import cut_width
 from tests.drafters import dflash, dspark, varied_teacher
 from tests.static_harness import committed_for, layout, one_graph_over_plays, tensors_of
 from tests.test_decoder_transfers import make
 
 
 def step_kind(key: tuple) -> str:
-    """A ``StepDecoder._fns`` key -> "draft", "prefill", "plain" or "verify"."""
-    if key[0] == "draft":
-        return "draft"
-    if key[1] == "prefill":
-        return "prefill"
+    """A ``BucketDecoder._fns`` key -> "draft", "prefill", "plain" or "verify"."""
+    if key[1] in ("draft", "prefill"):
+        return key[1]
     return "plain" if key[1].nodes == 0 else "verify"
 
 
@@ -40,7 +40,7 @@ def compiled_steps(decoder) -> tuple[collections.Counter, list[str]]:
     """(step functions that ran compiled, by ``step_kind``; the steps that did not, with the reason): a step counts as
     compiled once it ran at least once through its compiled function (``_Compiled`` keeps the compiled function
     unless compiling failed, then it holds the eager step)."""
-    steps = getattr(decoder, "steps", decoder)
+    steps = getattr(decoder, "batch", decoder)  # a ``Decoder``'s steps are its ``BucketDecoder``'s
     done, failed = collections.Counter(), []
     for key, fn in steps._fns.items():
         fn = compiled_of(fn)  # under a CUDA graph: the compiled step
@@ -53,9 +53,19 @@ def compiled_steps(decoder) -> tuple[collections.Counter, list[str]]:
     return done, failed
 
 
-def eager_compiled(teacher) -> StepDecoder:
-    return StepDecoder(teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
-                       compile_backend="eager")
+def eager_compiled(teacher) -> BucketDecoder:
+    return BucketDecoder(teacher, generator=torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
+                         compile_backend="eager")
+
+
+def decode_plain(dec: BucketDecoder, prompt_ids: torch.Tensor, n: int) -> list[int]:
+    """Plain decoding of one prompt ([1, P]) through the decoder's one-row bucket: its new tokens."""
+    return dec.plain([prompt_ids[0]], n).generations[0].new_tokens
+
+
+def decode_speculative(dec: BucketDecoder, drafter, prompt_ids: torch.Tensor, n: int, num_draft: int) -> list[int]:
+    """Speculative decoding of one prompt ([1, P]) through the decoder's one-row bucket: its new tokens."""
+    return dec.speculative(drafter, [prompt_ids[0]], n, num_draft).generations[0].new_tokens
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +98,8 @@ def test_a_step_with_a_graph_break_is_caught(teacher, monkeypatch):
 
     monkeypatch.setattr(drafter, "static_draft", broken)
     dec = eager_compiled(teacher)
-    ref = dec.plain(prompt(9), 12).new_tokens
-    assert dec.speculative(drafter, prompt(9), 12, 3).new_tokens == ref  # decoded uncompiled, still identical
+    ref = decode_plain(dec, prompt(9), 12)
+    assert decode_speculative(dec, drafter, prompt(9), 12, 3) == ref  # decoded uncompiled, still identical
     done, failed = compiled_steps(dec)
     assert failed == [f"draft: fell back ({dec.fallback_reason})"] and "graph_break" in dec.fallback_reason.lower()
     assert done["verify"] == 1 and done["plain"] == 1 and not done["draft"]
@@ -103,9 +113,9 @@ def test_more_steps_than_the_recompile_limit_all_compile(teacher):
     uncompiled."""
     torch._dynamo.reset()
     dec = eager_compiled(teacher)
-    want = dec.plain(prompt(9, 9), 16).new_tokens
+    want = decode_plain(dec, prompt(9, 9), 16)
     for kind in ("medusa_chain", "medusa_tree", "draft_model"):
-        assert dec.speculative(make(kind, teacher), prompt(9, 9), 16, 3).new_tokens == want, kind
+        assert decode_speculative(dec, make(kind, teacher), prompt(9, 9), 16, 3) == want, kind
     done, failed = compiled_steps(dec)
     assert not failed and dec.fallback_reason is None
     assert torch._dynamo.config.recompile_limit == 3 and sum(done.values()) > 3, done
@@ -202,20 +212,20 @@ def test_one_compilation_per_step_kind_across_capacity_buckets():
     torch._dynamo.reset()
     counters.clear()
     # aot_eager: AOTAutograd's checks (contiguity among them) run, as under inductor
-    dec = StepDecoder(long_teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
-                      compile_backend="aot_eager")
+    dec = BucketDecoder(long_teacher, generator=torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
+                        compile_backend="aot_eager")
     want = Decoder(long_teacher).plain(prompt(250), 20).new_tokens
-    assert dec.plain(prompt(250), 20).new_tokens == want
+    assert decode_plain(dec, prompt(250), 20) == want
     (steps,) = dec._states.values()
     plain = [key[1].columns for key in dec._fns if key[1] != "prefill"]
     assert steps.cache.capacity == 512 and sorted(plain) == [256, 512], plain
     assert counters["stats"]["unique_graphs"] == 2 and dec.describe()["compiled_steps"] == 2  # prefill, plain
     with torch.compiler.set_stance("fail_on_recompile"):
-        assert dec.plain(prompt(250), 20).new_tokens == want
+        assert decode_plain(dec, prompt(250), 20) == want
 
 
 def test_inductor_cache_lives_under_the_project_cache_unless_set(monkeypatch, tmp_path):
-    from inference.step_decoder import inductor_cache_dir, use_inductor_cache
+    from inference.runner import inductor_cache_dir, use_inductor_cache
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))

@@ -56,7 +56,7 @@ def drafter_for(kind: str, teacher):
 @pytest.mark.parametrize("kind", KINDS)
 def test_compiled_decoder_is_token_identical_and_nothing_falls_back(teacher, decoders, kind):
     compiled, eager = decoders
-    assert compiled.steps.compile and not eager.steps.compile
+    assert compiled.runner.compile and not eager.runner.compile
     before, _ = compiled_steps(compiled)
     drafter = None if kind == "plain" else drafter_for(kind, teacher)
     gen = torch.Generator().manual_seed(len(kind))
@@ -66,8 +66,8 @@ def test_compiled_decoder_is_token_identical_and_nothing_falls_back(teacher, dec
         out = compiled.plain(prompt, NEW) if drafter is None else compiled.speculative(drafter, prompt, NEW, 3)
         assert out.new_tokens == want, f"{kind}, prompt of {length}"
     done, failed = compiled_steps(compiled)
-    assert not failed and compiled.steps.fallback_reason is None, failed
-    assert compiled.steps.describe()["compile"]
+    assert not failed and compiled.runner.fallback_reason is None, failed
+    assert compiled.batch.describe()["compile"]
     new = done - before
     if kind == "plain":
         assert done["plain"] >= 1 and done["prefill"] >= 1
@@ -100,10 +100,10 @@ def test_sampled_static_steps_compile_and_draw_as_uncompiled(teacher, sampled_de
         out = compiled.speculative(drafter, prompt, NEW, 3)
         assert out.new_tokens == uncompiled.speculative(drafter, prompt, NEW, 3).new_tokens, f"{kind}, {length}"
     done, failed = compiled_steps(compiled)
-    assert not failed and compiled.steps.fallback_reason is None, failed
+    assert not failed and compiled.runner.fallback_reason is None, failed
     new = done - before
     assert new["draft"] >= 1 and new["verify"] >= 1, new
-    statics = [static for d, static in compiled.steps._static.values() if d is drafter]
+    statics = [rows.proto for rows in compiled.batch._drafts.values() if rows.drafter is drafter]
     assert statics and all(s.buffers.probs_TV is not None for s in statics)  # it drafted a sampled chain
 
 
@@ -124,6 +124,6 @@ def test_compiled_bf16_plain_decoding_is_eager_decoding_or_parts_at_a_near_tie()
     reference = [eager.plain(p, 48).new_tokens for p in prompts]
     check = against_reference(teacher.model, prompts, reference,
                               {"plain": [compiled.plain(p, 48).new_tokens for p in prompts]})["plain"]
-    assert compiled.steps.fallback_reason is None and compiled.steps.describe()["compiled_steps"] == 2
+    assert compiled.runner.fallback_reason is None and compiled.batch.describe()["compiled_steps"] == 2
     assert all(abs(m["logit_gap"]) <= 0.05 for m in check["mismatches"]), check
     assert check["identical"] >= len(prompts) // 2, check

@@ -102,13 +102,13 @@ def test_transfers_per_decode_step_within_budget(tiny_teacher, kind, sampling):
 def test_batched_transfers_per_step_do_not_grow_with_the_drafter(tiny_teacher, kind):
     """Batch 3: one read-back of every row's verdict, plus the step's own bookkeeping (positions, kept columns);
     drafting adds nothing (lookup, which searches on the host, gets the committed tokens handed over there)."""
-    from inference.batch_decoder import BatchStepDecoder
+    from inference.batch_decoder import BucketDecoder
 
     drafter = make(kind, tiny_teacher)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (9, 14, 20)]
     prompts = [torch.cat([p, p[:6]]) for p in prompts]
-    decoder = BatchStepDecoder(tiny_teacher, seed=1)
+    decoder = BucketDecoder(tiny_teacher, seed=1)
     decoder.speculative(drafter, prompts, 30, num_draft=4)
     counts, steps = [], []
     for n in (6, 30):

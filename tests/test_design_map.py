@@ -43,12 +43,21 @@ def test_the_map_names_every_module_and_a_new_one_would_show(tmp_path, monkeypat
     assert "heads/newkind/" in gen.render() and "model.py" in gen.render()
 
 
-def test_every_drafter_kind_is_a_folder_with_its_model_and_no_module_is_over_500_lines():
+def test_every_drafter_kind_is_a_folder_and_no_module_of_heads_or_inference_is_over_500_lines():
     kinds = [p for p in (ROOT / "heads").iterdir() if p.is_dir() and (p / "__init__.py").exists()]
     assert {p.name for p in kinds} >= {"eagle", "medusa", "draft_model", "dflash", "dspark", "peagle"}
     assert all((p / "model.py").exists() for p in kinds)
     flat = {p.stem for p in (ROOT / "heads").glob("*.py")}
     assert not flat & {"eagle", "medusa", "medusa2", "draft_model", "dflash", "dspark", "peagle"}
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "heads").rglob("*.py")
+    long = {str(p.relative_to(ROOT)): n for package in ("heads", "inference") for p in (ROOT / package).rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
     assert not long, long
+
+
+def test_one_decoder_decodes_every_batch_size():
+    """Batch 1 is the decoder's one-row bucket: no second decoder, step module or cache of its own."""
+    inference = {p.stem for p in (ROOT / "inference").glob("*.py")}
+    assert not inference & {"step_decoder", "steps"}
+    code = "\n".join(p.read_text(encoding="utf-8") for package in ("inference", "heads", "eval")
+                     for p in (ROOT / package).rglob("*.py"))
+    assert "StepDecoder" not in code

@@ -14,7 +14,7 @@ from heads.base import build_drafter
 from heads.dflash.model import DFlashDrafter, block_mask, default_feature_layers
 from heads.dflash.rows import DFlashRows
 from heads.saved import load_drafter
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
 from serve.export import check_export, export_drafter, load_export
 from tests.drafters import (DFLASH_NODE, DIMS, assert_reloaded_alike, assert_rows_draft_what_each_row_drafts_alone,
@@ -116,7 +116,7 @@ def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
     assert [g.new_tokens for g in gens] == refs
     accepted = sum(a * c for g in gens for row in g.stats.counts.values() for a, c in row.items())
     assert accepted > 0  # trained drafts are accepted: the identity covers accepted chains, not only rejections
-    result = BatchStepDecoder(teacher).speculative(drafter, prompts, 24, 5)
+    result = BucketDecoder(teacher).speculative(drafter, prompts, 24, 5)
     assert [g.new_tokens for g in result.generations] == refs
     assert result.stats.forwards < len(prompts) * 24
 

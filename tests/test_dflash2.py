@@ -15,7 +15,7 @@ from heads.dflash2.conv import BlockConv
 from heads.dflash2.draft import DFlash2Rows
 from heads.dflash2.model import DFlash2Drafter
 from heads.saved import load_drafter
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
 from tests.drafters import (DFLASH2_NODE, DFLASH_NODE, assert_rows_draft_what_each_row_drafts_alone,
                             assert_sampling_keeps_the_target_distribution, dflash2, save, varied_teacher)
@@ -130,7 +130,7 @@ def test_greedy_is_identical_to_plain_static_eager_and_batched(teacher, node):
     eager = dflash2(teacher, **node)
     eager.static_draft = lambda *args, **kwargs: None
     assert [decoder.speculative(eager, p[None], 20, 5).new_tokens for p in prompts] == refs
-    result = BatchStepDecoder(teacher).speculative(drafter, prompts, 20, 5)
+    result = BucketDecoder(teacher).speculative(drafter, prompts, 20, 5)
     assert [gen.new_tokens for gen in result.generations] == refs
 
 

@@ -15,7 +15,7 @@ from transformers import MistralConfig, MistralForCausalLM
 from heads.base import ForkedRows, TargetDims
 from heads.draft_model.model import DraftModel
 from heads.draft_model.rows import DraftModelRows
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig
 from tests.conftest import make_tiny_llama
@@ -125,7 +125,7 @@ def test_decoding_is_identical_to_plain_greedy_with_one_draft_forward_per_step(t
     calls = []
     drafter.model.register_forward_hook(lambda *_: calls.append(1))
     monkeypatch.setattr(DraftModel, "static_draft", lambda *args, **kwargs: None)  # the rows, not the static step
-    decoder = BatchStepDecoder(teacher, eos_token_id=eos)
+    decoder = BucketDecoder(teacher, eos_token_id=eos)
 
     def decode():
         calls.clear()
@@ -158,7 +158,7 @@ def test_sliding_window_draft_models_keep_per_row_copies(teacher):
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (5, 21, 13)]
     refs = [Decoder(teacher).plain(p[None], 16).new_tokens for p in prompts]  # past the window
-    out = BatchStepDecoder(teacher).speculative(drafter, prompts, 16, num_draft=3)
+    out = BucketDecoder(teacher).speculative(drafter, prompts, 16, num_draft=3)
     assert [g.new_tokens for g in out.generations] == refs
 
 

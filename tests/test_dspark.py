@@ -13,9 +13,9 @@ from heads.base import build_drafter
 from heads.dspark.model import DSparkDrafter
 from heads.dspark.draft import DSparkRows
 from heads.saved import load_drafter
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
-from inference.steps import cut_width
+from inference.batch_steps import cut_width
 from tests.drafters import (DFLASH_NODE, DSPARK_NODE, assert_rows_draft_what_each_row_drafts_alone,
                             assert_sampling_keeps_the_target_distribution, dspark, save, varied_teacher)
 
@@ -107,7 +107,7 @@ def test_greedy_is_identical_to_plain_static_eager_and_batched(teacher, threshol
     eager = drafter.with_threshold(threshold)
     eager.static_draft = lambda *args, **kwargs: None
     assert [decoder.speculative(eager, p[None], 20, 5).new_tokens for p in prompts] == refs
-    result = BatchStepDecoder(teacher).speculative(drafter, prompts, 20, 5)
+    result = BucketDecoder(teacher).speculative(drafter, prompts, 20, 5)
     assert [gen.new_tokens for gen in result.generations] == refs
     if threshold is None:
         assert static_offered % 5 == 0

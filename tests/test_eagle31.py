@@ -143,7 +143,7 @@ def _peagle(teacher, **kw):
 def test_flagged_peagle_training_equals_decoding_and_decodes_losslessly(teacher, kw):
     """Depth d of the chain at anchor a in training computes what ``propose`` computes after a + 2 tokens (all
     anchors sampled at every depth); the eager, batched and static paths decode plain greedy decoding's tokens."""
-    from inference.batch_decoder import BatchStepDecoder
+    from inference.batch_decoder import BucketDecoder
 
     drafter = _peagle(teacher, down_sample_ratio=1.0, down_sample_ratio_min=1.0, **kw)
     T = 20
@@ -163,8 +163,9 @@ def test_flagged_peagle_training_equals_decoding_and_decodes_losslessly(teacher,
     dec = Decoder(teacher)
     want = [dec.plain(p, 24).new_tokens for p in prompts]
     assert [dec.speculative(drafter, p, 24, 4).new_tokens for p in prompts] == want
-    assert [dec.steps.speculative(drafter, p, 24, 4).new_tokens for p in prompts] == want
-    batched = BatchStepDecoder(teacher).speculative(drafter, prompts, 24, 4)
+    eager_rows = BucketDecoder(teacher, static_drafts=False)  # one row through the eager batch state
+    assert [eager_rows.speculative(drafter, [p[0]], 24, 4).generations[0].new_tokens for p in prompts] == want
+    batched = BucketDecoder(teacher).speculative(drafter, prompts, 24, 4)
     assert [g.new_tokens for g in batched.generations] == want
 
 

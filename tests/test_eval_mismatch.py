@@ -88,20 +88,22 @@ def test_evaluate_checks_compiled_steps_against_eager_plain_decoding(monkeypatch
     from eval.run import evaluate
     from heads.base import build_drafter
     from inference.decoder import DecoderConfig
-    from inference.step_decoder import StepDecoder, _own_code
+    from inference.batch_decoder import BucketDecoder
+    from inference.runner import StepRunner, _own_code
     from train.config import EvalConfig
 
     teacher = Teacher(tiny_llama(1), tokenizer=None, name="tiny")
-    monkeypatch.setattr(StepDecoder, "_compile", lambda self, fn, shared: _own_code(fn))  # no compiler: fast
-    real = StepDecoder.plain
+    monkeypatch.setattr(StepRunner, "_compile", lambda self, fn, shared: _own_code(fn))  # no compiler: fast
+    real = BucketDecoder.plain
 
-    def corrupt(self, prompt, max_new, sampling=None):
-        gen = real(self, prompt, max_new, sampling)
-        if self.compile:  # the compiled decoder's plain decoding parts from eager decoding at token 3
-            gen.new_tokens = gen.new_tokens[:3] + [(gen.new_tokens[3] + 1) % 64] + gen.new_tokens[4:]
-        return gen
+    def corrupt(self, prompts, max_new, sampling=None):
+        out = real(self, prompts, max_new, sampling)
+        if self.runner.compile:  # the compiled decoder's plain decoding parts from eager decoding at token 3
+            for gen in out.generations:
+                gen.new_tokens = gen.new_tokens[:3] + [(gen.new_tokens[3] + 1) % 64] + gen.new_tokens[4:]
+        return out
 
-    monkeypatch.setattr(StepDecoder, "plain", corrupt)
+    monkeypatch.setattr(BucketDecoder, "plain", corrupt)
     prompts = [[3, 9, 27, 17, 51, 3, 9, 27], [5, 6, 7, 8, 5, 6, 7, 8]]
     cfg = EvalConfig(num_prompts=2, max_new_tokens=8, num_draft=3, warmup_prompts=0, hf_baselines=False,
                      drafter_dtype="float32")

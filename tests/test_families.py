@@ -21,7 +21,7 @@ from distill.teacher import TESTED_FAMILIES, Teacher, check_family
 from heads.base import build_drafter
 from heads.saved import save_drafter
 from serve.export import check_export, export_drafter, load_export
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
 from tests.families import FAMILIES, VOCAB, WINDOW
 
@@ -302,18 +302,18 @@ def test_the_bucketed_prefill_decodes_identically(family, kind):
     drafter = family.drafters[kind]
     drafter.set_tree(next(iter(TREES[kind].values())))
     decoder = Decoder(family.teacher)
-    decoder.steps.static_prefill = True
+    decoder.runner.static_prefill = True
     assert [decoder.plain(p[None], NEW).new_tokens for p in family.prompts] == family.references
     gens = [decoder.speculative(drafter, p[None], NEW, GAMMA) for p in family.prompts]
     assert [g.new_tokens for g in gens] == family.references
-    assert any(k[1] == "prefill" for k in decoder.steps._fns)  # the bucketed step ran
+    assert any(k[1] == "prefill" for k in decoder.batch._fns)  # the bucketed step ran
 
 
 @pytest.mark.parametrize("kind,mode", _modes(), ids=[f"{k}-{m}" for k, m in _modes()])
 def test_lossless_batch4(family, kind, mode):
     drafter = family.drafters[kind]
     drafter.set_tree(TREES[kind][mode])
-    result = BatchStepDecoder(family.teacher).speculative(drafter, family.prompts, NEW, GAMMA)
+    result = BucketDecoder(family.teacher).speculative(drafter, family.prompts, NEW, GAMMA)
     assert [g.new_tokens for g in result.generations] == family.references
     assert result.stats.forwards < len(family.prompts) * NEW  # drafts were accepted
 

@@ -12,7 +12,7 @@ from heads.base import build_drafter
 from heads.peagle.model import PEagleDrafter, parallel_mask
 from heads.peagle.rows import PEagleRows
 from heads.saved import load_drafter
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
 from inference.sampling import SamplingConfig
 from heads.layers import vocab_maps
@@ -194,7 +194,7 @@ def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
     assert [g.new_tokens for g in gens] == refs
     deep = sum(c for g in gens for row in g.stats.counts.values() for a, c in row.items() if a >= 2)
     assert deep > 0  # parallel slots' drafts are accepted too, not only depth 0's
-    result = BatchStepDecoder(teacher).speculative(drafter, prompts, 24, 4)
+    result = BucketDecoder(teacher).speculative(drafter, prompts, 24, 4)
     assert [g.new_tokens for g in result.generations] == refs
     assert result.stats.forwards < len(prompts) * 24
 

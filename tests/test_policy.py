@@ -3,7 +3,7 @@ row needs, which the per-step model (t_verify, t_draft, τ) cannot see; calibrat
 
 import pytest
 
-from inference.batch_decoder import BatchGeneration
+from inference.generation import BatchGeneration
 from inference.generation import Generation
 from inference.policy import CostTable, LoadAwarePolicy, calibrate, measure_steps
 

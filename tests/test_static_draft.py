@@ -1,6 +1,6 @@
-"""Drafters' static draft steps (``inference.static_draft.StaticDraft``): played through a stand-in for the step
-decoder (``tests.static_harness``) over a greedy continuation of a tiny target, with a varying accepted length per
-step and two prompt lengths in one capacity bucket. Each step compiles to one graph with no break and no recompile,
+"""Drafters' static draft steps (``inference.static_draft.StaticDraft``): played through a stand-in for the decoder
+(``tests.static_harness``) over a greedy continuation of a tiny target, with a varying accepted length per step and
+two prompt lengths in one capacity bucket. Each step compiles to one graph with no break and no recompile,
 keeps every tensor it touches at one address, shape and stride, runs attention at a bounded set of shapes and a fixed
 number of ops, and drafts exactly what the eager ``propose`` drafts on the same context (greedy). A sampled draft-model
 chain draws from its own warped distributions with uniforms made in the step; decoding through ``Decoder`` with each
@@ -20,9 +20,10 @@ from inference.static_draft import hashed_uniforms
 from heads.medusa.model import MedusaHeads
 from heads.medusa.medusa2 import Medusa2
 from inference.acceptance import sample_uniform
+from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
+from inference.runner import compiled_of
 from inference.sampling import GREEDY, SamplingConfig, warp
-from inference.step_decoder import StepDecoder, compiled_of
 from tests.conftest import make_tiny_llama
 from tests.static_harness import Recorder, Replay, committed_for, counts, layout, play_steps, tensors_of
 from tests.drafters import truncated
@@ -451,8 +452,9 @@ def test_eagle_draft_attends_over_a_growing_bucket_and_drafts_what_propose_does(
 
 
 def _decode_through(dec, teacher, drafter, prompts, new_tokens, rows, keys=None):
-    """Decode each prompt through ``dec`` (a ``StepDecoder``) and assert plain greedy decoding's tokens; return the
-    static draft and its (context, bucket) per step; with ``keys``, each draft step's attention key lengths too."""
+    """Decode each prompt ([1, P]) through ``dec`` (a ``BucketDecoder``: its one-row bucket) and assert plain greedy
+    decoding's tokens; return the static draft and its (context, bucket) per step; with ``keys``, each draft step's
+    attention key lengths too."""
     used, made = [], []
     build = drafter.static_draft
 
@@ -481,8 +483,8 @@ def _decode_through(dec, teacher, drafter, prompts, new_tokens, rows, keys=None)
     drafter.static_draft = recorded
     plain = Decoder(teacher)
     for prompt in prompts:
-        assert dec.speculative(drafter, prompt, new_tokens, rows - 1).new_tokens == \
-            plain.plain(prompt, new_tokens).new_tokens
+        got = dec.speculative(drafter, [prompt[0]], new_tokens, rows - 1).generations[0].new_tokens
+        assert got == plain.plain(prompt, new_tokens).new_tokens
     drafter.static_draft = build
     assert made and all(s is made[0] for s in made)  # one static draft for every prompt
     return made[0], used
@@ -490,13 +492,14 @@ def _decode_through(dec, teacher, drafter, prompts, new_tokens, rows, keys=None)
 
 @pytest.mark.parametrize("kind", [*EAGLE_KINDS, "peagle"])
 def test_decoder_drafts_eagle_over_growing_buckets_as_plain_greedy(long_target, kind):
-    """Through the step decoder (batch 1): the EAGLE static draft's buckets grow across the boundary, each the
-    smallest holding the draft, its attention keys are the bucket, and the tokens are plain greedy decoding's."""
+    """Through the decoder at batch 1 (its one-row bucket): the EAGLE static draft's buckets grow across the
+    boundary, each the smallest holding the draft, its attention keys are the bucket, and the tokens are plain greedy
+    decoding's."""
     drafter, rows = _with_peagle(kind, long_target)
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in LONG_PROMPTS]
     keys = []
-    static, used = _decode_through(Decoder(long_target).steps, long_target, drafter, prompts, 40, rows, keys)
+    static, used = _decode_through(Decoder(long_target).batch, long_target, drafter, prompts, 40, rows, keys)
     assert len(keys) == len(used) >= 2 * 8
     assert keys == [{b} for _, b in used]
     for context, bucket in used:
@@ -508,17 +511,18 @@ def test_decoder_drafts_eagle_over_growing_buckets_as_plain_greedy(long_target, 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "eagle3-chain" else k
                                   for k in [*EAGLE_KINDS, "peagle"]])
 def test_eagle_draft_steps_compile_one_graph_per_bucket(long_target, kind):
-    """Compiled (``fullgraph=True``) through the step decoder: one draft graph per bucket used, one verify graph for
-    both buckets, none recompiled after a warm-up decode across the boundary, and plain greedy decoding's tokens."""
+    """Compiled (``fullgraph=True``) through the decoder at batch 1: one draft graph per bucket used, one verify graph
+    for both buckets, none recompiled after a warm-up decode across the boundary, and plain greedy decoding's
+    tokens."""
     drafter, rows = _with_peagle(kind, long_target)
     gen = torch.Generator().manual_seed(17)
     warm, *later = [torch.randint(0, 128, (1, n), generator=gen) for n in (*LONG_PROMPTS, 239)]
     torch._dynamo.reset()
     counters.clear()
-    dec = StepDecoder(long_target, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
-                      compile_backend="eager")
+    dec = BucketDecoder(long_target, generator=torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
+                        compile_backend="eager")
     _, used = _decode_through(dec, long_target, drafter, [warm], 40, rows)
-    drafts = sorted(k[2] for k in dec._fns if k[0] == "draft")
+    drafts = sorted(k[3] for k in dec._fns if k[1] == "draft")
     assert drafts == [(256,), (512,)] and {b for _, b in used} == {256, 512}
     graphs = counters["stats"]["unique_graphs"]
     compiled = {id(compiled_of(f)) for f in dec._fns.values()}  # a verify step's buckets share one compilation
@@ -527,4 +531,4 @@ def test_eagle_draft_steps_compile_one_graph_per_bucket(long_target, kind):
         _, used = _decode_through(dec, long_target, drafter, later, 40, rows)
     assert {b for _, b in used} == {256, 512}
     assert counters["stats"]["unique_graphs"] == graphs
-    assert sorted(k[2] for k in dec._fns if k[0] == "draft") == drafts
+    assert sorted(k[3] for k in dec._fns if k[1] == "draft") == drafts

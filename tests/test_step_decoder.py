@@ -1,12 +1,14 @@
-"""The batch-1 step decoder (inference.steps, inference.step_decoder, inference.static_cache): what makes its steps
-recordable as CUDA graphs, checked on the CPU.
+"""Batch 1 as the decoder runs it: the one-row bucket of the batched steps (inference.batch_decoder's
+``BucketDecoder``, inference.batch_steps, inference.batch_cache, inference.runner), what makes its steps recordable as
+CUDA graphs, checked on the CPU.
 
 - every step function compiles with ``torch.compile(fullgraph=True, dynamic=False)`` (no graph break), and a decode
   of >= 64 steps over two prompt lengths with varying accepted lengths makes one graph per bucket used and no
   recompile after warm-up (``set_stance("fail_on_recompile")``): plain, lookup, a static drafter;
 - every tensor a step reads or writes keeps its address, shape and stride for the whole decode;
 - the distinct attention (query, key) shapes of the steps are at most the buckets used;
-- greedy output token-identical to plain decoding and to the eager loop, for every drafter kind;
+- greedy output token-identical to plain decoding and to the one-row bucket drafting through the drafter's eager rows,
+  for every drafter kind;
 - one read-back per step, and the host's own ops outside the steps bounded.
 """
 
@@ -17,12 +19,13 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from heads.base import TargetDims
+from inference.batch_decoder import BucketDecoder
+from inference.batch_steps import BatchSteps, Bucket
 from inference.decoder import Decoder, DecoderConfig
+from inference.runner import resolve_compile, resolve_graphs
 from inference.sampling import GREEDY, SamplingConfig
 from inference.static_cache import StaticKV, capacity_buckets, kv_shapes
 from inference.static_draft import DraftBuffers
-from inference.step_decoder import StepDecoder, resolve_compile, resolve_graphs
-from inference.steps import Bucket, Steps
 from inference.transfers import TransferCounter
 from inference.tree import DraftTree
 from tests.test_decoder_transfers import make
@@ -103,11 +106,13 @@ class TableDrafter:
         drafter = self
 
         class Static:
-            device = drafter.table.device
-            buffers = DraftBuffers(tokens_T=torch.zeros(drafter.gamma, dtype=torch.long, device=device),
-                                   parents_T=torch.arange(-1, drafter.gamma - 1, device=device), chain=True)
+            """Its state in tensors the instance holds (a row of a batch bucket points them at its own)."""
 
-            step = torch.zeros((), dtype=torch.long, device=device)
+            def __init__(self):
+                device = drafter.table.device
+                self.buffers = DraftBuffers(tokens_T=torch.zeros(drafter.gamma, dtype=torch.long, device=device),
+                                            parents_T=torch.arange(-1, drafter.gamma - 1, device=device), chain=True)
+                self.step = torch.zeros((), dtype=torch.long, device=device)
 
             def prefill(self, prompt_ids_P, hidden_P, pending):
                 self.step.zero_()
@@ -129,17 +134,41 @@ def prompts(lengths=(11, 37, 23), seed=2):
     return out
 
 
-def compiled(teacher, sampling=GREEDY, seed=0):
-    return StepDecoder(teacher, None, sampling, torch.Generator().manual_seed(seed), cuda_graphs="off", compile=True,
-                       compile_backend="eager")
+def one_row(teacher, sampling=GREEDY, seed=0, **kw):
+    """A decoder whose single prompts run in the one-row bucket, with its own generator (steps as they are unless
+    ``kw`` says otherwise; a drafter with a static draft drafts through it)."""
+    kw = {"cuda_graphs": "off", "compile": "off", "static_drafts": True, **kw}
+    return BucketDecoder(teacher, sampling=sampling, generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def compiled(teacher, sampling=GREEDY, seed=0, **kw):
+    return one_row(teacher, sampling, seed, compile=True, compile_backend="eager", **kw)
 
 
 def drafter_for(kind, teacher):
     return TableDrafter(teacher) if kind == "table" else make(kind, teacher)
 
 
+def single(out):
+    """The one prompt's ``Generation`` of a one-row decode, with the decode's times (as ``Decoder`` reports it)."""
+    (gen,) = out.generations
+    gen.seconds, gen.prefill_seconds = out.seconds, out.prefill_seconds
+    gen.draft_seconds, gen.verify_seconds, gen.compile_seconds = out.draft_seconds, out.verify_seconds, \
+        out.compile_seconds
+    return gen
+
+
 def decode(dec, kind, drafter, prompt, n):
-    return dec.plain(prompt, n) if kind == "plain" else dec.speculative(drafter, prompt, n, num_draft=GAMMA)
+    """``prompt`` [1, P] through ``dec`` (a ``BucketDecoder``: its one-row bucket; or a ``Decoder``)."""
+    if isinstance(dec, Decoder):
+        return dec.plain(prompt, n) if kind == "plain" else dec.speculative(drafter, prompt, n, num_draft=GAMMA)
+    out = dec.plain([prompt[0]], n) if kind == "plain" else dec.speculative(drafter, [prompt[0]], n, GAMMA)
+    return single(out)
+
+
+def static_steps(dec) -> bool:
+    """Whether ``dec`` (a ``BucketDecoder``) ran a drafter's static draft step."""
+    return any(k[1] == "draft" for k in dec._fns)
 
 
 # Drafters whose static step drafts a tree: near the end of a decode it is clipped in place (nodes deeper than the
@@ -179,16 +208,16 @@ def test_one_graph_per_bucket_and_no_recompile(tiny_teacher, kind):
                                   pytest.param("eagle3_chain", marks=pytest.mark.slow),
                                   pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_eager_drafters_verify_steps_compile_one_graph_per_bucket(tiny_teacher, kind):
-    """Drafters proposing eagerly (their static steps are theirs to test): every verify bucket their proposals use
-    (chains padded to γ; trees rounded up to multiples of 8, smaller near the end) is one graph, token-identical."""
+    """Drafters proposing eagerly (their eager rows; their static steps are theirs to test): every verify bucket
+    their proposals use (chains padded to γ; trees rounded up to multiples of 8, smaller near the end) is one graph,
+    token-identical."""
     torch._dynamo.reset()
     counters.clear()
-    dec, ref = compiled(tiny_teacher), Decoder(tiny_teacher)
+    dec, ref = compiled(tiny_teacher, static_drafts=False), Decoder(tiny_teacher)
     drafter = make(kind, tiny_teacher)
     for prompt in prompts()[:2]:
-        assert dec.speculative(drafter, prompt, 24, num_draft=GAMMA).new_tokens == \
-            ref.plain_eager(prompt, 24).new_tokens
-    assert not counters["graph_break"]
+        assert decode(dec, kind, drafter, prompt, 24).new_tokens == ref.plain_eager(prompt, 24).new_tokens
+    assert not counters["graph_break"] and not static_steps(dec)
     assert counters["stats"]["unique_graphs"] == len(dec._fns) <= 4, [k[1] for k in dec._fns]  # prefill + <= 3
 
 
@@ -207,51 +236,59 @@ class Shapes:
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
 
 
-def _watch(steps: Steps):
-    """Address, shape and stride of every buffer a step reads or writes."""
-    return {i: (t.data_ptr(), tuple(t.shape), t.stride()) for i, t in enumerate(steps.buffers())}
+def _watch(dec: BucketDecoder, state: BatchSteps):
+    """Address, shape and stride of every buffer a step reads or writes: the one-row state's, and a static draft
+    step's own state at its rows."""
+    drafts = [t for d in dec._drafts.values() if d.state is state for t in d.stacked]
+    return {i: (t.data_ptr(), tuple(t.shape), t.stride()) for i, t in enumerate([*state.buffers(), *drafts])}
 
 
 @pytest.mark.parametrize("kind", ["plain", "lookup", "table", "medusa_tree"])
 def test_buffers_keep_their_addresses_and_attention_shapes_are_the_buckets(tiny_teacher, kind, monkeypatch):
-    dec = StepDecoder(tiny_teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off")
+    dec = one_row(tiny_teacher)
     drafter = drafter_for(kind, tiny_teacher)
     short, long, _ = prompts()
     decode(dec, kind, drafter, short, 4)
     (steps,) = dec._states.values()
-    before = _watch(steps)
+    assert steps.R == 1 and static_steps(dec) == (kind in ("table", "medusa_tree"))
+    before = _watch(dec, steps)
     buckets, shapes = set(), Shapes(monkeypatch)
     original = dec._step
 
     def step(s, bucket, sampling):
         buckets.add(bucket)
-        assert _watch(s) == before
+        assert _watch(dec, s) == before
         shapes.on = True
         original(s, bucket, sampling)
         shapes.on = False
-        assert _watch(s) == before
+        assert _watch(dec, s) == before
 
     monkeypatch.setattr(dec, "_step", step)
     for prompt in (short, long):
         decode(dec, kind, drafter, prompt, 40)
-    assert _watch(steps) == before
+    assert _watch(dec, steps) == before
     assert shapes.seen and {(b.width, b.columns) for b in buckets} == shapes.seen, (buckets, shapes.seen)
 
 
 @pytest.mark.parametrize("kind", ["medusa_chain", "medusa_tree", "eagle1_chain", "eagle1_dynamic", "eagle3_chain",
                                   "eagle3_dynamic", "draft_model", "lookup", "table"])
 def test_greedy_step_path_is_token_identical(tiny_teacher, kind):
+    """``Decoder``'s one-row bucket (a drafter's static draft step where it has one) gives plain greedy decoding's
+    tokens, and the accepted lengths of the same bucket drafting through the drafter's eager rows."""
     decoder = Decoder(tiny_teacher, DecoderConfig(seed=1))
+    rows = BucketDecoder(tiny_teacher, seed=1, static_drafts=False)
     drafter = drafter_for(kind, tiny_teacher)
     for prompt in prompts()[:2]:
         ref = decoder.plain_eager(prompt, 30).new_tokens
         assert decoder.plain(prompt, 30).new_tokens == ref
         out = decoder.speculative(drafter, prompt, 30, num_draft=GAMMA)
-        eager = decoder.speculative_rows(drafter, prompt, 30, num_draft=GAMMA)
+        eager = decode(rows, kind, drafter, prompt, 30)
         assert out.new_tokens == eager.new_tokens == ref
         if kind not in STATIC_TREES:  # a static tree keeps its width to the end (the eager one shrinks)
             assert out.stats.counts == eager.stats.counts
             assert dict(out.nodes_per_forward) == dict(eager.nodes_per_forward)
+    assert static_steps(decoder.batch) == (kind != "lookup"), list(decoder.batch._fns)  # the static draft step ran
+    assert not static_steps(rows)
 
 
 class HostOps(TorchDispatchMode):
@@ -271,24 +308,37 @@ class HostOps(TorchDispatchMode):
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.8)], ids=["greedy", "t0.8"])
 @pytest.mark.parametrize("kind", ["plain", "table", "lookup"])
 def test_one_read_back_and_few_host_ops_per_step(tiny_teacher, kind, sampling, monkeypatch):
-    dec = StepDecoder(tiny_teacher, None, sampling, torch.Generator().manual_seed(0), cuda_graphs="off")
+    """The verdict read back once per step, nothing synced inside a step (the verify or plain step, and a static
+    drafter's draft step, each a step function the decoder compiles or records), and the host's own ops outside
+    them bounded."""
+    dec = one_row(tiny_teacher, sampling)
     drafter = drafter_for(kind, tiny_teacher)
     prompt = prompts()[0]
     decode(dec, kind, drafter, prompt, 8)
+    assert static_steps(dec) == (kind == "table")
     ops, calls = HostOps(), []
-    original = dec._step
 
-    def step(s, bucket, sampling):
-        calls.append(bucket)
+    def inside_a_step(run):
         ops.inside = True
         try:
             with TransferCounter() as inside:
-                original(s, bucket, sampling)
+                run()
         finally:
             ops.inside = False
         assert inside.total == 0, dict(inside.counts)  # nothing syncs inside a step
 
+    original, original_draft = dec._step, dec._draft_step
+
+    def step(s, bucket, sampling):
+        calls.append(bucket)
+        inside_a_step(lambda: original(s, bucket, sampling))
+
+    def draft_step(static, shape):
+        fn = original_draft(static, shape)
+        return lambda: inside_a_step(fn)
+
     monkeypatch.setattr(dec, "_step", step)
+    monkeypatch.setattr(dec, "_draft_step", draft_step)
     totals = []
     for n in (10, 50):
         calls.clear()
@@ -305,24 +355,32 @@ def test_one_read_back_and_few_host_ops_per_step(tiny_teacher, kind, sampling, m
 
 
 def test_static_cache_decodes_like_the_models_own_cache(tiny_teacher):
-    """The model's own forward over StaticKV (whole bucket, mask) gives the logits it gives over a DynamicCache."""
+    """The model's own forward over the one-row static cache (the prompt's own columns, and a whole capacity bucket
+    under the mask) gives the logits it gives over a DynamicCache."""
     model = tiny_teacher.model
     cache = StaticKV(kv_shapes(model), 300, "cpu", widths=(1,))
     assert capacity_buckets(300) == [256, 300] and cache.use_bucket(257) == 300
-    steps = Steps(model, Decoder(tiny_teacher).layout, 256, 128, {}, 0, 1)
+    steps = BatchSteps(model, Decoder(tiny_teacher).layout, 1, 256, 128, {}, 0, 1, kv_shapes(model))
     prompt = prompts()[0][0]
-    logits, _ = steps.prefill(prompt, {})
     with torch.no_grad():
         ref = model(prompt[None]).logits[0, -1]
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+        logits, _ = steps.prefill([prompt])
+        torch.testing.assert_close(logits[0], ref, rtol=1e-4, atol=1e-4)
+        B = steps.load_prompts([prompt])
+        assert B == 256
+        steps.prefill_bucket(B)
+    torch.testing.assert_close(steps.first_logits[0], ref, rtol=1e-4, atol=1e-4)
+    assert steps.cache.host_lengths == [prompt.shape[0]] and int(steps.cache.length[0]) == prompt.shape[0]
     with pytest.raises(ValueError, match="capacity"):
         cache.use_bucket(301)
+    with pytest.raises(ValueError, match="capacity"):
+        steps.cache.use_bucket(257)
 
 
 def test_step_clock_reads_cuda_events_once_after_the_decode(monkeypatch):
     """On CUDA the draft / verify split comes from events read after the decode (no sync between a step's draft and
     its verification); on a CPU from the host clock. Fake events stand in for CUDA's."""
-    from inference.step_decoder import StepClock
+    from inference.runner import StepClock
 
     made = []
 
@@ -345,10 +403,13 @@ def test_step_clock_reads_cuda_events_once_after_the_decode(monkeypatch):
         start, drafted = clock.mark(), clock.mark()
         clock.step(start, drafted, clock.mark())
     assert all(e.read == 0 for e in made)  # nothing read while decoding
-    assert clock.totals() == pytest.approx((0.03, 0.03))  # 10 ms each, 3 steps
+    steps = clock.steps()
+    assert steps == [pytest.approx((0.01, 0.01))] * 3  # 10 ms each
+    assert (sum(d for d, _ in steps), sum(v for _, v in steps)) == pytest.approx((0.03, 0.03))  # 3 steps
+    assert sum(e.read for e in made) == 2 * 3  # each step's two spans, read once, after the decode
     cpu = StepClock(torch.device("cpu"))
     cpu.step(1.0, 1.5, 3.0)
-    assert cpu.totals() == (0.5, 1.5)
+    assert cpu.steps() == [(0.5, 1.5)]
 
 
 def test_cuda_graphs_key_is_checked():
@@ -386,14 +447,13 @@ def test_compilation_is_left_out_of_decode_times_and_reported(tiny_teacher):
         return gm.forward
 
     torch._dynamo.reset()
-    dec = StepDecoder(tiny_teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile="on",
-                      compile_backend=slow)
+    dec = one_row(tiny_teacher, compile="on", compile_backend=slow)
     prompt, drafter = prompts()[0], TableDrafter(tiny_teacher)
-    first, second = dec.plain(prompt, 20), dec.plain(prompt, 20)
+    first, second = decode(dec, "plain", None, prompt, 20), decode(dec, "plain", None, prompt, 20)
     assert first.compile_seconds >= 0.8 and second.compile_seconds == 0  # the prefill's step and the plain step
     assert first.seconds < 0.4 + 2 * second.seconds, (first.seconds, second.seconds)
-    spec = dec.speculative(drafter, prompt, 20, GAMMA)
-    assert spec.compile_seconds >= 0.8  # its draft step and its verify step
+    spec = decode(dec, "table", drafter, prompt, 20)
+    assert spec.compile_seconds >= 0.8 and static_steps(dec)  # its draft step and its verify step
     assert spec.seconds < 0.4 and spec.draft_seconds < 0.4 and spec.verify_seconds < 0.4, spec
     assert spec.draft_seconds > 0 and spec.verify_seconds > 0
     described = dec.describe()
@@ -450,44 +510,56 @@ def test_a_failed_compilation_falls_back_to_the_step_as_it_is_and_says_why(tiny_
     def broken(gm, example_inputs):
         raise RuntimeError("no kernels for this step")
 
-    dec = StepDecoder(tiny_teacher, None, GREEDY, torch.Generator().manual_seed(0), cuda_graphs="off", compile=True,
-                      compile_backend=broken)
+    dec = one_row(tiny_teacher, compile=True, compile_backend=broken)
     ref = Decoder(tiny_teacher)
     prompt = prompts()[0]
     drafter = TableDrafter(tiny_teacher)
-    assert dec.plain(prompt, 20).new_tokens == ref.plain_eager(prompt, 20).new_tokens
-    assert dec.speculative(drafter, prompt, 20, GAMMA).new_tokens == ref.plain_eager(prompt, 20).new_tokens
-    assert "no kernels for this step" in dec.fallback_reason
+    assert decode(dec, "plain", None, prompt, 20).new_tokens == ref.plain_eager(prompt, 20).new_tokens
+    assert decode(dec, "table", drafter, prompt, 20).new_tokens == ref.plain_eager(prompt, 20).new_tokens
+    assert static_steps(dec) and "no kernels for this step" in dec.fallback_reason
     assert dec.describe()["fallback_reason"] == dec.fallback_reason
 
 
 def test_a_failed_recording_falls_back_to_the_eager_step_and_says_why(tiny_teacher, monkeypatch):
+    """Every step the one-row bucket records (plain, a static draft step, verify) falls back to the step as it is
+    when its recording fails, token-identically, and the decoder says why."""
     dec = Decoder(tiny_teacher)
-    dec.steps.graphs = True  # as on CUDA; the recording below fails
+    dec.runner.graphs = True  # as on CUDA; the recording below fails
     for name in ("Stream", "stream", "current_stream", "CUDAGraph", "graph_pool_handle", "graph"):
         monkeypatch.setattr(torch.cuda, name, getattr(_FakeCuda, name))
     drafter = TableDrafter(tiny_teacher)
     prompt = prompts()[0]
     ref = dec.plain_eager(prompt, 20).new_tokens
     assert dec.plain(prompt, 20).new_tokens == ref
-    assert "operation not permitted" in dec.steps.fallback_reason
+    assert "operation not permitted" in dec.runner.fallback_reason
+    dec.runner.fallback_reason = None
     assert dec.speculative(drafter, prompt, 20, num_draft=GAMMA).new_tokens == ref
+    assert "operation not permitted" in dec.runner.fallback_reason and static_steps(dec.batch)
+    assert dec.batch.describe()["fallback_reason"] == dec.runner.fallback_reason
 
 
 def test_cost_model_times_the_step_that_runs_on_a_moving_context(tiny_teacher, monkeypatch):
-    """``measure_steps`` times the step decoder's own steps, and no two timed verifications see the same context."""
+    """``measure_steps`` times the decoder's own one-row steps, and no two timed verifications see the same
+    context."""
+    from inference.session import Session
     from inference.cost import measure_steps
-    from inference.step_decoder import Session
 
     contexts, plain_contexts, original, original_plain = [], [], Session.verify, Session.plain_step
+    plain = []  # inside a plain step (which runs its own verification of nothing drafted)
 
     def verify(self):
-        contexts.append(self.steps.cache.host_length)
+        assert self.batch.state.R == 1
+        if not plain:
+            contexts.append(self.batch.state.cache.host_lengths[0])
         return original(self)
 
     def plain_step(self):
-        plain_contexts.append(self.steps.cache.host_length)
-        return original_plain(self)
+        plain_contexts.append(self.batch.state.cache.host_lengths[0])
+        plain.append(True)
+        try:
+            return original_plain(self)
+        finally:
+            plain.pop()
 
     monkeypatch.setattr(Session, "verify", verify)
     monkeypatch.setattr(Session, "plain_step", plain_step)
@@ -503,7 +575,7 @@ def test_cost_model_times_the_step_that_runs_on_a_moving_context(tiny_teacher, m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by the GPU recipe)")
 def test_cuda_graphs_replay_token_identically_on_cuda():
     from distill.teacher import Teacher
-    from inference.step_decoder import _Recorded
+    from inference.runner import _Recorded
     from tests.conftest import make_tiny_llama
 
     teacher = Teacher(make_tiny_llama().cuda(), tokenizer=None, name="tiny-cuda")
@@ -511,8 +583,8 @@ def test_cuda_graphs_replay_token_identically_on_cuda():
     default = Decoder(teacher)
     graphed = Decoder(teacher, DecoderConfig(compile="off"))
     eager = Decoder(teacher, DecoderConfig(cuda_graphs="off", compile="off"))
-    assert default.steps.graphs and default.steps.compile and graphed.steps.graphs and not graphed.steps.compile
-    assert not eager.steps.graphs and not eager.steps.compile
+    assert default.runner.graphs and default.runner.compile and graphed.runner.graphs and not graphed.runner.compile
+    assert not eager.runner.graphs and not eager.runner.compile
     drafters = {"table": TableDrafter(teacher), "lookup": make("lookup", teacher),
                 "medusa_tree": make("medusa_tree", teacher).cuda()}
     for prompt in prompts()[:2]:
@@ -522,9 +594,10 @@ def test_cuda_graphs_replay_token_identically_on_cuda():
             for name, drafter in drafters.items():
                 assert dec.speculative(drafter, prompt, 40, num_draft=GAMMA).new_tokens == ref, name
     for dec in (graphed, default):
-        assert dec.steps.fallback_reason is None
-        assert any(isinstance(f, _Recorded) and f.graph is not None for f in dec.steps._fns.values())
-    assert default.steps.describe()["compiled_steps"] > 0
+        assert dec.runner.fallback_reason is None and static_steps(dec.batch)
+        assert all(state.R == 1 for state in dec.batch._states.values())
+        assert any(isinstance(f, _Recorded) and f.graph is not None for f in dec.batch._fns.values())
+    assert default.batch.describe()["compiled_steps"] > 0
 
 
 # table (slow): the sampled verify step plain decoding takes too, through a static tree
@@ -548,7 +621,7 @@ def test_sampling_through_the_steps_is_distributed_as_the_target(kind):
             gen = decoder.speculative(drafter, prompt, LENGTH, num_draft=2)
         counts[tuple(gen.new_tokens)] += 1
         accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
-    assert kind == "plain" or accepted > samples // 10
+    assert kind == "plain" or (accepted > samples // 10 and static_steps(decoder.batch))
     tol = 2 * 0.5 * float(torch.sqrt(2 * exact * (1 - exact) / (torch.pi * samples)).sum())
     assert tv(counts / samples, exact) < tol
 
@@ -560,18 +633,19 @@ def test_a_longer_decode_moves_to_a_larger_cache_and_its_buckets():
     from tests.conftest import make_tiny_llama
 
     dec = Decoder(Teacher(make_tiny_llama(max_position_embeddings=1024), tokenizer=None, name="tiny-1024"))
+    dec.runner.static_prefill = True  # as where steps are compiled or recorded: attention reads capacity buckets
     short = prompts()[0]
     assert dec.plain(short, 10).new_tokens == dec.plain_eager(short, 10).new_tokens
-    (small,) = dec.steps._states.values()
-    assert small.cache.capacity == 256
+    (small,) = dec.batch._states.values()
+    assert small.cache.capacity == 256 and small.R == 1
     long = torch.randint(0, 128, (1, 230), generator=torch.Generator().manual_seed(5))
     buckets = set()
-    original = dec.steps._step
-    dec.steps._step = lambda s, bucket, sampling: (buckets.add(bucket.columns), original(s, bucket, sampling))
+    original = dec.batch._step
+    dec.batch._step = lambda s, bucket, sampling: (buckets.add(bucket.columns), original(s, bucket, sampling))
     assert dec.plain(long, 50).new_tokens == dec.plain_eager(long, 50).new_tokens
-    (large,) = dec.steps._states.values()
+    (large,) = dec.batch._states.values()
     assert large is not small and large.cache.capacity == 512 and buckets == {256, 512}
-    assert all(k[0] == id(large) for k in dec.steps._fns)
+    assert all(k[0] == id(large) for k in dec.batch._fns)
 
 
 class TreeTableDrafter(TableDrafter):
@@ -586,8 +660,9 @@ class TreeTableDrafter(TableDrafter):
         chain_parents = torch.arange(-1, g - 1)
 
         class Static:
-            buffers = DraftBuffers(tokens_T=torch.zeros(2 * g, dtype=torch.long),
-                                   parents_T=torch.cat([chain_parents, chain_parents]), chain=False)
+            def __init__(self):
+                self.buffers = DraftBuffers(tokens_T=torch.zeros(2 * g, dtype=torch.long),
+                                            parents_T=torch.cat([chain_parents, chain_parents]), chain=False)
 
             def prefill(self, prompt_ids_P, hidden_P, pending):
                 ...
@@ -600,7 +675,7 @@ class TreeTableDrafter(TableDrafter):
 
 
 def test_clip_tree_drops_exactly_the_nodes_deeper_than_asked():
-    from inference.step_decoder import clip_tree
+    from inference.static_draft import clip_tree
 
     parents = torch.tensor([-1, -1, 0, 2, 1, -1])  # depths 1, 1, 2, 3, 2, and a padding node
     for depth, kept in ((1, [10, 11, -1, -1, -1, -1]), (2, [10, 11, 12, -1, 14, -1]), (3, [10, 11, 12, 13, 14, -1])):
@@ -622,6 +697,7 @@ def test_a_static_tree_accepts_no_more_than_the_tokens_left(tiny_teacher, max_ne
     committed = sum((a + 1) * c for row in gen.stats.counts.values() for a, c in row.items())
     assert committed <= max_new, dict(gen.stats.counts)  # + the prefill's token: at most one past max_new
     assert set(gen.nodes_per_forward) == {2 * GAMMA}  # clipped in place: the tree's one bucket throughout
+    assert static_steps(dec.batch)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.8)], ids=["greedy", "t0.8"])
@@ -629,8 +705,8 @@ def test_a_chain_step_attends_and_commits_as_the_tree_step_of_its_chain(tiny_tea
     """A chain's verify step builds its mask and positions straight from the context length; they, its verdict, the
     committed rows it hands the drafter and the cache length equal the general tree step's on the same chain."""
     model = tiny_teacher.model
-    steps = Steps(model, Decoder(tiny_teacher).layout, 256, tiny_teacher.vocab_size, {-1: -1}, 8, 1 + GAMMA,
-                  probs=not sampling.greedy)
+    steps = BatchSteps(model, Decoder(tiny_teacher).layout, 1, 256, tiny_teacher.vocab_size, {-1: -1}, 8, 1 + GAMMA,
+                       kv_shapes(model), probs=not sampling.greedy, max_chain=GAMMA)
     prompt = prompts()[1][0]
     seen = []
     forward = steps._forward
@@ -639,24 +715,24 @@ def test_a_chain_step_attends_and_commits_as_the_tree_step_of_its_chain(tiny_tea
         ref = model(prompt[None]).logits[0, -1].argmax()
     results = []
     for chain in (True, False):
-        steps.prefill(prompt, {})
+        with torch.no_grad():
+            steps.prefill([prompt])
         steps.pending.fill_(int(ref))
         steps.uniforms.fill_(1e-4)  # sampling: the drafted nodes kept, the spoiled last one rejected
-        steps.uniforms[GAMMA - 1: GAMMA + 1] = torch.tensor([0.9999, 0.5])
+        steps.uniforms[0, GAMMA - 1: GAMMA + 1] = torch.tensor([0.9999, 0.5])
         table = TableDrafter(tiny_teacher, GAMMA, spoil=False, context=prompt)
         drafted = table.table[int(ref)].clone()
         drafted[-1] = (drafted[-1] + 1) % tiny_teacher.vocab_size  # the last node rejected: a partial path
-        steps.own_draft.tokens_T[:GAMMA].copy_(drafted)
-        steps.own_draft.parents_T[:GAMMA].copy_(torch.arange(-1, GAMMA - 1))
-        if steps.own_draft.probs_TV is not None:
-            steps.own_draft.probs_TV.zero_().scatter_(1, steps.own_draft.tokens_T.clamp(min=0).view(-1, 1), 1.0)
+        steps.tokens_RT[0, :GAMMA].copy_(drafted)
+        steps.parents_RT[0, :GAMMA].copy_(torch.arange(-1, GAMMA - 1))
+        if steps.probs_RTV is not None:
+            steps.probs_RTV[0].zero_().scatter_(1, steps.tokens_RT[0, :GAMMA].clamp(min=0).view(-1, 1), 1.0)
         steps.cache.bucket = 256  # as the decoder sets it before a step
         with torch.no_grad():
             steps.verify(Bucket(GAMMA, chain, 256), sampling)
-        c = steps.committed
-        count = int(c.count)
-        results.append((steps.out.clone(), int(steps.cache.length), count, c.ids_M[:count].clone(),
-                        c.hidden_M[-1][:count].clone(), int(steps.pending)))
+        count = 1 + int(steps.out[0, 0])  # the committed rows: the pending token's, then the accepted path's
+        results.append((steps.out.clone(), int(steps.cache.length[0]), count, steps.committed_ids[0, :count].clone(),
+                        steps.committed_hidden[-1][0, :count].clone(), int(steps.pending[0])))
     (out_c, len_c, n_c, ids_c, h_c, p_c), (out_t, len_t, n_t, ids_t, h_t, p_t) = results
     for a, b in zip(*seen):
         torch.testing.assert_close(a, b)

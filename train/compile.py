@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from inference.step_decoder import compile_setting as decoder_compile_setting
+from inference.runner import compile_setting as decoder_compile_setting
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ ZERO3_REFUSAL = ("trainer.compile=on cannot run under DeepSpeed ZeRO-3 (trainer=
 
 
 def compile_setting(value: str | bool) -> str:
-    """``trainer.compile`` as auto / on / off (``inference.step_decoder.compile_setting``'s reading)."""
+    """``trainer.compile`` as auto / on / off (``inference.runner.compile_setting``'s reading)."""
     return decoder_compile_setting(value, key="trainer.compile")
 
 

@@ -42,7 +42,7 @@ from distill.fused_kernels import check_kernel
 from heads.train_attention import check_attention
 from distill.teacher import TargetConfig
 from inference.decoder import ACCEPTANCE_RULES, DecoderConfig
-from inference.step_decoder import CUDA_GRAPHS, compile_setting
+from inference.runner import CUDA_GRAPHS, compile_setting
 from inference.policy import POLICIES, check_batch_sizes
 from inference.tree import parse_tree
 from train.compile import check_compile

@@ -8,7 +8,7 @@ bytes.
 - ``auto`` (the default): ``vllm`` where vLLM is installed, the target is on CUDA, was loaded from ``target.name``
   (a hub id or a directory vLLM can load too) and one process holds it whole (``regenerate.shard=none``); else the
   engine measured faster on the target's device type (``FASTEST``), so every rank of a launch picks the same one. The file's sidecar records the engine it resolved to.
-- ``batched``: ``inference.batch_decoder.BatchStepDecoder``, this project's batched decoder (one recorded target
+- ``batched``: ``inference.batch_decoder.BucketDecoder``, this project's batched decoder (one recorded target
   step per token for every row of a batch bucket; finished rows masked, the batch moved to smaller buckets as they
   finish; compiled and recorded as CUDA graphs on CUDA, as ``decoder.compile`` / ``decoder.cuda_graphs=auto`` do).
 - ``hf``: transformers' ``generate()``, left-padded, on CUDA with a static KV cache (which transformers compiles).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from inference.batch_decoder import BatchStepDecoder
+from inference.batch_decoder import BucketDecoder
 from inference.batch_memory import check_rows_fit, row_bytes
 from inference.sampling import SamplingConfig
 
@@ -98,7 +98,7 @@ def _cut_at_eos(tokens: Sequence[int], eos: int | None) -> list[int]:
 
 class BatchedEngine:
     def __init__(self, teacher, eos: int | None, sampling: SamplingConfig):
-        self.decoder = BatchStepDecoder(teacher, eos_token_id=eos, sampling=sampling)
+        self.decoder = BucketDecoder(teacher, eos_token_id=eos, sampling=sampling)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int) -> list[list[int]]:
         self.decoder.reseed(seed)

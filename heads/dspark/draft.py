@@ -19,7 +19,7 @@ from heads.dflash.draft import DFlashStaticDraft
 from inference.acceptance import sample_uniform
 from inference.sampling import SamplingConfig, sample, warp
 from inference.static_draft import hashed_uniforms, mark_static
-from inference.steps import cut_width
+from inference.batch_steps import cut_width
 from inference.tree import DraftTree
 
 
@@ -28,7 +28,7 @@ def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sam
     """Every row's drafts from its slots' states ``out_BTD``, slot by slot (the Markov bias of the token before):
     (drafts [B, T], the sampled rows' draft distributions [B, T, V] (None when every row is greedy), the slots each
     row's confidence cut keeps: T without ``confidence_threshold``). A cut chain offers its verify bucket
-    (``inference.steps.cut_width``) filled with drafted tokens, since the bucket's width is paid either way; so with
+    (``inference.batch_steps.cut_width``) filled with drafted tokens, since the bucket's width is paid either way; so with
     the cut the loop stops once every row is cut and the widest row's bucket is drafted; later slots stay -1."""
     B, T, _ = out_BTD.shape
     prev = anchors_B.to(out_BTD.device)

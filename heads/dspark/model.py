@@ -43,7 +43,7 @@ from heads.base import DraftOutput, DraftTerm, TargetDims
 from heads.dflash.model import DFlashDrafter
 from heads.dspark.draft import DSparkRows, DSparkStaticDraft, draft_chain
 from inference.sampling import GREEDY, SamplingConfig
-from inference.steps import cut_width
+from inference.batch_steps import cut_width
 from inference.tree import DraftTree
 
 
