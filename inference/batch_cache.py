@@ -91,21 +91,6 @@ class BatchKV(FixedBuffers, Cache):
         for t in (self.length, self._arange, *(x for layer in layers for x in (layer.keys, layer.values))):
             _mark_static(t)
 
-    @property
-    def bucket(self) -> int:
-        """Key columns attention reads: the length of ``columns``, a view of ``arange(capacity)`` per bucket. A step
-        reads the bucket as that view's size, which a compiled step takes as a symbolic size (the view is marked
-        dynamic), so one compilation serves every capacity bucket; a CUDA graph still records one per bucket."""
-        return self.columns.shape[0]
-
-    @bucket.setter
-    def bucket(self, columns: int) -> None:
-        view = self._columns.get(columns)
-        if view is None:
-            view = self._columns[columns] = self._arange[:columns]
-            torch._dynamo.maybe_mark_dynamic(view, 0)
-        self.columns = view
-
     def declare(self, n: int) -> Tensor:
         """Allocate (once) the ``[R, n]`` write positions of a step width, before any recording that uses it."""
         buf = self._positions.get(n)

@@ -98,6 +98,21 @@ class FixedBuffers:
     """What transformers asks of a cache whose buffers never move (``StaticKV``, the batched
     ``inference.batch_cache.BatchKV``): attention over the bucket's columns, the capacity, compilable."""
 
+    @property
+    def bucket(self) -> int:
+        """Key columns attention reads: the length of ``columns``, a view of ``arange(capacity)`` per bucket. A step
+        reads the bucket as that view's size, which a compiled step takes as a symbolic size (the view is marked
+        dynamic), so one compilation serves every capacity bucket; a CUDA graph still records one per bucket."""
+        return self.columns.shape[0]
+
+    @bucket.setter
+    def bucket(self, columns: int) -> None:
+        view = self._columns.get(columns)
+        if view is None:
+            view = self._columns[columns] = self._arange[:columns]
+            torch._dynamo.maybe_mark_dynamic(view, 0)
+        self.columns = view
+
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
         return self.bucket, 0
 
@@ -148,22 +163,6 @@ class StaticKV(FixedBuffers, Cache):
             self.declare(n)
         for t in (self.length, self._arange, *(x for layer in layers for x in (layer.keys, layer.values))):
             _mark_static(t)
-
-    # --- the key columns attention reads ----------------------------------------------------------------------------
-    @property
-    def bucket(self) -> int:
-        """Key columns attention reads: the length of ``columns``, a view of ``arange(capacity)`` per bucket. A step
-        reads the bucket as that view's size, which a compiled step takes as a symbolic size (the view is marked
-        dynamic), so one compilation serves every capacity bucket; a CUDA graph still records one per bucket."""
-        return self.columns.shape[0]
-
-    @bucket.setter
-    def bucket(self, columns: int) -> None:
-        view = self._columns.get(columns)
-        if view is None:
-            view = self._columns[columns] = self._arange[:columns]
-            torch._dynamo.maybe_mark_dynamic(view, 0)
-        self.columns = view
 
     # --- positions and lengths -------------------------------------------------------------------------------------
     def declare(self, n: int) -> Tensor:
