@@ -26,7 +26,7 @@ from hydra.utils import instantiate
 from torch import Tensor, nn
 
 from distill.chunked import TeacherRows, chunked_divergence
-from inference.sampling import GREEDY, SamplingConfig, sample, warp
+from inference.sampling import GREEDY, SamplingConfig
 from inference.static_draft import weights_signature
 from inference.tree import DraftTree
 
@@ -247,7 +247,7 @@ class DecodingHooks:
 
     def rows(self, seeds: list[int]) -> "ForkedRows":
         """The decoding state of a batch of ``len(seeds)`` new sequences (``inference.proposer.ProposerRows``).
-        This default drafts row by row with per-row copies; drafters with a batched forward override it."""
+        Per-row copies, drafted row by row: what a batch runs where the drafter has no static draft the verify takes."""
         return ForkedRows(self, seeds)
 
     def set_tree(self, spec) -> None:
@@ -337,39 +337,6 @@ class ForkedRows:
 
     def keep(self, rows: list[int]) -> None:
         self.forks = [self.forks[r] for r in rows]
-
-
-def row_chains(logits: Tensor, tokens: list[Tensor], wants: list[int], samplings: list[SamplingConfig],
-               sampler: Callable[[int, torch.device], torch.Generator]) -> list[DraftTree]:
-    """One chain per row of a batched drafter forward: row b's first ``wants[b]`` drafts from ``logits[b]`` ([B, n, V]),
-    on ``tokens[b]``'s device; an empty tree for 0. Greedy rows take the argmax; sampled rows draw from the warped
-    distribution with ``sampler(b, device)`` and keep it (rejection sampling needs q)."""
-    trees = []
-    for b, (t, n, sampling) in enumerate(zip(tokens, wants, samplings)):
-        if n < 1:
-            trees.append(DraftTree.empty(t.device))
-        elif sampling.greedy:
-            trees.append(DraftTree.chain(logits[b, :n].argmax(-1).to(t.device)))
-        else:
-            probs = warp(logits[b, :n], sampling)
-            drafts = sample(probs, sampler(b, probs.device))
-            trees.append(DraftTree.chain(drafts.to(t.device), probs.to(t.device)))
-    return trees
-
-
-def drafted_chains(drafts_BT: Tensor, probs_BTV: Tensor | None, tokens: list[Tensor], wants: list[int],
-                   samplings: list[SamplingConfig]) -> list[DraftTree]:
-    """``row_chains`` for rows already drafted (a drafter that walks its block slot by slot): row b's first
-    ``wants[b]`` drafts of ``drafts_BT``, with their distributions ``probs_BTV`` when the row is sampled."""
-    trees = []
-    for b, (t, n, sampling) in enumerate(zip(tokens, wants, samplings)):
-        if n < 1:
-            trees.append(DraftTree.empty(t.device))
-        elif probs_BTV is None or sampling.greedy:
-            trees.append(DraftTree.chain(drafts_BT[b, :n].to(t.device)))
-        else:
-            trees.append(DraftTree.chain(drafts_BT[b, :n].to(t.device), probs_BTV[b, :n].to(t.device)))
-    return trees
 
 
 def build_drafter(drafter_cfg: Mapping[str, Any], teacher) -> Drafter:

@@ -1,7 +1,7 @@
 """Acceptance rules: pure functions of the draft (tokens, tree shape, draft probabilities) and the target's verdict.
 
-Every rule returns ``(path, committed)``: the accepted draft nodes, root side first, and the tokens committed this
-step — the accepted drafts plus one token from the target (the bonus, or the correction at the first rejection).
+Each rule decides the accepted draft nodes (one root-to-node path) and the tokens committed this step — the
+accepted drafts plus one token from the target (the bonus, or the correction at the first rejection).
 
 - Greedy (temperature 0): a node is accepted when its token is the target's argmax after its ancestors. The output
   is exactly plain greedy decoding of the target.
@@ -21,105 +21,11 @@ Rows of ``p_N1V`` / ``argmax_N1``: row 0 is the target after the pending token, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from inference.sampling import SamplingConfig, sample, warp
-from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
-
-
-def greedy_accept(draft_K: Tensor, target_argmax_K1: Tensor) -> tuple[int, Tensor]:
-    """Chain form: (accepted count a, committed = draft[:a] + [target_argmax[a]])."""
-    K = draft_K.shape[0]
-    if target_argmax_K1.shape[0] != K + 1:
-        raise ValueError(f"target verdict has {target_argmax_K1.shape[0]} tokens for a draft of {K}; expected {K + 1}")
-    mismatch = (draft_K != target_argmax_K1[:K]).nonzero()
-    accepted = int(mismatch[0]) if mismatch.numel() else K
-    return accepted, target_argmax_K1[: accepted + 1]
-
-
-def tree_greedy_accept(tree: DraftTree, target_argmax_N1: Tensor) -> tuple[list[int], Tensor]:
-    if tree.is_chain:
-        a, committed = greedy_accept(tree.tokens, target_argmax_N1)
-        return list(range(a)), committed
-    tokens, argmax = tree.tokens.tolist(), target_argmax_N1.tolist()
-    kids = tree.children()
-    path: list[int] = []
-    node = -1
-    while True:
-        want = argmax[node + 1]
-        match = next((c for c in kids[node + 1] if tokens[c] == want), None)
-        if match is None:
-            break
-        path.append(match)
-        node = match
-    return path, torch.tensor([tokens[i] for i in path] + [argmax[node + 1]], device=target_argmax_N1.device)
-
-
-def chain_rejection_accept(draft_K: Tensor, q_KV: Tensor | None, p_K1V: Tensor,
-                           generator: torch.Generator | None = None) -> tuple[int, Tensor]:
-    """Leviathan/Chen speculative sampling for one chain, vectorised (gpt-fast's ``speculative_decode``)."""
-    K = draft_K.shape[0]
-    if p_K1V.shape[0] != K + 1:
-        raise ValueError(f"target distributions have {p_K1V.shape[0]} rows for a draft of {K}; expected {K + 1}")
-    idx = torch.arange(K, device=draft_K.device)
-    p_x = p_K1V[idx, draft_K]
-    q_x = q_KV[idx, draft_K] if q_KV is not None else torch.ones_like(p_x)
-    u = torch.rand(K, generator=generator, device=p_x.device)
-    rejected = (u >= (p_x / q_x).clamp(max=1)).nonzero()
-    if not rejected.numel():
-        return K, torch.cat([draft_K, sample(p_K1V[K:], generator)])
-    a = int(rejected[0])
-    residual = _residual(p_K1V[a], q_KV[a] if q_KV is not None else None, draft_K[a])
-    return a, torch.cat([draft_K[:a], sample(residual[None], generator)])
-
-
-def _residual(p_V: Tensor, q_V: Tensor | None, rejected: Tensor) -> Tensor:
-    """norm(max(0, p − q)); for a point-mass draft that is p with the rejected token removed."""
-    if q_V is None:
-        r = p_V.clone()
-        r[rejected] = 0
-    else:
-        r = (p_V - q_V).clamp(min=0)
-    total = r.sum()
-    # Zero only when p == q (a rejection of probability 0, reachable only through float rounding): keep p.
-    return r / total if total > 0 else p_V
-
-
-def tree_rejection_accept(tree: DraftTree, p_N1V: Tensor, generator: torch.Generator | None = None) -> tuple[list[int], Tensor]:
-    """Multi-candidate recursive rejection sampling down the tree; a chain reduces to Leviathan/Chen."""
-    if p_N1V.shape[0] != tree.size + 1:
-        raise ValueError(f"target distributions have {p_N1V.shape[0]} rows for a tree of {tree.size}; expected {tree.size + 1}")
-    if tree.is_chain:
-        a, committed = chain_rejection_accept(tree.tokens, tree.probs_NV, p_N1V, generator)
-        return list(range(a)), committed
-    kids = tree.children()
-    tokens = tree.tokens
-    path: list[int] = []
-    node = -1
-    while True:
-        p = p_N1V[node + 1]
-        candidates = kids[node + 1]
-        q = tree.probs_NV[candidates[0]].clone() if candidates and tree.probs_NV is not None else None
-        chosen = None
-        u = torch.rand(len(candidates), generator=generator, device=p.device).tolist()
-        for c, u_c in zip(candidates, u):
-            x = tokens[c]
-            accept = p[x] if q is None else (p[x] / q[x]).clamp(max=1)
-            if u_c < float(accept):
-                chosen = c
-                break
-            p = _residual(p, q, x)
-            if q is not None:  # siblings were drawn without replacement: the next one came from q without x
-                q[x] = 0
-                q = q / q.sum() if q.sum() > 0 else q
-        if chosen is None:
-            committed = [tokens[path]] if path else []
-            return path, torch.cat([*committed, sample(p[None], generator)])
-        path.append(chosen)
-        node = chosen
+from inference.sampling import sample
+from inference.tree import DraftTree
 
 
 # Medusa's typical acceptance: ε and δ of p(x) > min(ε, δ·exp(-H(p))), the values Medusa's paper and code use. The one
@@ -127,30 +33,10 @@ def tree_rejection_accept(tree: DraftTree, p_N1V: Tensor, generator: torch.Gener
 TYPICAL_THRESHOLD, TYPICAL_ALPHA = 0.09, 0.3
 
 
-def typical_accept(tree: DraftTree, p_N1V: Tensor, threshold: float = TYPICAL_THRESHOLD, alpha: float = TYPICAL_ALPHA,
-                   generator: torch.Generator | None = None) -> tuple[list[int], Tensor]:
-    """Medusa's typical acceptance (LOSSY): a candidate passes when p(x) > min(threshold, alpha * exp(-H(p)))."""
-    entropy_N1 = -(p_N1V * p_N1V.clamp(min=1e-12).log()).sum(-1)
-    bar_N1 = torch.minimum(torch.full_like(entropy_N1, threshold), alpha * torch.exp(-entropy_N1))
-    kids = tree.children()
-    tokens = tree.tokens.tolist()
-    path: list[int] = []
-    node = -1
-    while True:
-        row = node + 1
-        chosen = next((c for c in kids[row] if float(p_N1V[row, tokens[c]]) > float(bar_N1[row])), None)
-        if chosen is None:
-            break
-        path.append(chosen)
-        node = chosen
-    bonus = sample(p_N1V[node + 1][None], generator)
-    return path, torch.cat([tree.tokens[path], bonus]) if path else bonus
-
-
 # --- the whole tree at once, on the device (the decoder's path: one transfer per step) -------------------------
 #
-# The rules above walk the tree on the host, reading each verdict back. The functions below decide every node at
-# once and leave the result on the device: ``on_path_N`` (the accepted nodes: one root-to-node path), ``last_1``
+# Every node is decided at once and the result left on the device (the host walks of the rules are the tests'
+# readable references, tests/host_acceptance.py): ``on_path_N`` (the accepted nodes: one root-to-node path), ``last_1``
 # (the target row after the path's last node: 0 = the pending token, 1 + i = node i) and ``bonus_1`` (the token the
 # target commits there). ``settle`` packs them into one tensor the decoder reads back once.
 
@@ -179,19 +65,6 @@ def _siblings_before(tree: DraftTree) -> tuple[Tensor, Tensor]:
     idx = torch.arange(tree.size, device=tree.tokens.device)
     earlier = (tree.parents[:, None] == tree.parents[None, :]) & (idx[None, :] < idx[:, None])
     return earlier, (earlier & (tree.tokens[:, None] == tree.tokens[None, :])).any(1)
-
-
-def refuse_repeated_sampled_siblings(tree: DraftTree) -> None:
-    """Siblings drawn from draft probabilities with replacement (a token repeated under one parent) make
-    multi-candidate rejection inexact (an exact enumeration finds the first token off by up to 0.5 in total variation
-    on small vocabularies): refused. Deterministic candidates (top-k, n-grams) may repeat: a repeat is never accepted."""
-    if tree.probs_NV is None or tree.is_chain or not tree.size:
-        return
-    if bool(_siblings_before(tree)[1].any()):
-        raise ValueError(
-            f"the drafter sampled sibling candidates with replacement (a token repeats under one parent: tokens "
-            f"{tree.tokens.tolist()}, parents {tree.parents.tolist()}); lossless tree rejection needs siblings drawn "
-            f"without replacement: draw them with torch.multinomial(q, k, replacement=False), or draft a chain")
 
 
 def greedy_verdict(tree: DraftTree, target_argmax_N1: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -310,71 +183,3 @@ def settle(tree: DraftTree, on_path_N: Tensor, last_1: Tensor, bonus_1: Tensor, 
         flags = bad_tokens + 2 * tree.bad_parents().long().view(1)
     committed = torch.cat([tree.tokens[path], bonus_1.new_zeros(1)]).scatter(0, count, bonus_1.long())
     return torch.cat([count, depth.long(), flags, path, committed])
-
-
-def decide(tree: DraftTree, logits_N1V: Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
-           vocab_size: int) -> Tensor | None:
-    """The exact (lossless) rule for ``sampling``, on the device: ``settle``'s packed verdict, or None for the one
-    case walked on the host (siblings drawn from draft probabilities: no drafter here proposes those)."""
-    if sampling.greedy:
-        return settle(tree, *greedy_verdict(tree, logits_N1V.argmax(-1)), vocab_size)
-    if tree.probs_NV is not None and not tree.is_chain:
-        return None
-    return settle(tree, *rejection_verdict(tree, warp(logits_N1V, sampling), generator), vocab_size)
-
-
-@dataclass
-class Verdict:
-    """A verification's outcome on the host, with the device tensors the decoder keeps using."""
-
-    path: list[int]  # accepted nodes, root side first
-    committed: list[int]  # their tokens + the target's token
-    depth: int  # the tree's depth (the acceptance histogram's row)
-    path_index: Tensor  # [N] long on the device: the path in its first len(path) entries
-    committed_ids: Tensor  # [len(committed)] long on the device
-
-
-def read_verdict(tree: DraftTree, values: list[int], packed: Tensor, vocab_size: int) -> Verdict:
-    """``settle``'s packed tensor, read back once into ``values``; raises ``DraftTree.check``'s errors."""
-    count, depth, flags = values[:3]
-    if flags & 2:
-        raise_bad_parents(tree.parents)
-    if flags & 1:
-        raise_bad_tokens(tree.tokens, vocab_size)
-    N = tree.size
-    return Verdict(values[3: 3 + count], values[3 + N: 4 + N + count], depth, packed[3: 3 + N],
-                   packed[3 + N: 4 + N + count])
-
-
-def walked(tree: DraftTree, path: list[int], committed: Tensor) -> Verdict:
-    """A host rule's (path, committed) as a ``Verdict``."""
-    index = torch.tensor(path, dtype=torch.long, device=committed.device)
-    return Verdict(list(path), committed.tolist(), tree.depth, index, committed)
-
-
-def verdicts(trees: list[DraftTree], logits_BnV: Tensor, samplings: list[SamplingConfig],
-             generator: torch.Generator | None, vocab_size: int,
-             typical: tuple[float, float] | None = None) -> list[Verdict]:
-    """Every row's verdict for one verification forward (row b's logits: ``logits_BnV[b, :1 + trees[b].size]``), the
-    one acceptance dispatch of the decode loop. Exact rules are decided on the device and read back once for the
-    whole batch; a row walked on the host (``typical``: Medusa's lossy rule, given as (threshold, alpha); or sampled
-    siblings with draft probabilities) is refused here if malformed, after the forward that saw it clamped."""
-    packed: list[Tensor | None] = []
-    for b, t in enumerate(trees):
-        packed.append(None if typical else decide(t, logits_BnV[b, :1 + t.size], samplings[b], generator, vocab_size))
-    ready = [p for p in packed if p is not None]
-    values = torch.cat(ready).tolist() if ready else []  # the step's one read-back
-    out, at = [], 0
-    for b, (t, p) in enumerate(zip(trees, packed)):
-        if p is not None:
-            out.append(read_verdict(t, values[at: at + p.shape[0]], p, vocab_size))
-            at += p.shape[0]
-            continue
-        t.check(vocab_size)
-        if not typical:
-            refuse_repeated_sampled_siblings(t)
-        p_N1V = warp(logits_BnV[b, :1 + t.size], samplings[b])
-        rule = typical_accept(t, p_N1V, *typical, generator=generator) if typical else \
-            tree_rejection_accept(t, p_N1V, generator)
-        out.append(walked(t, *rule))
-    return out

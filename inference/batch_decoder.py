@@ -11,9 +11,9 @@ columns); then per step the host
    rows' stacked states), compiled or recorded like the verify steps, writing the step's draft buffers on the device;
    rows near the end of their budget get token -1 past the tokens they still need, and a drafter that cuts its own
    chains (DSpark's confidence cut) is verified in the bucket of the longest row's cut (one read-back of every row's
-   kept count). Uncompiled at more than one row (a CPU by default: ``static_drafts``), and for lookup or a draft the
-   verify cannot take, the drafter proposes through its eager batch state (``drafter.rows(seeds)``) and each row's
-   chain or tree is copied into the step's buffers, padded with token -1. A plain step (γ = 0 from the policy)
+   kept count). Lookup, and a draft the verify cannot take (wider than its buffers, sampled siblings), propose
+   through per-row copies of the drafter (``drafter.rows(seeds)``), each row's chain or tree copied into the step's
+   buffers, padded with token -1. A plain step (γ = 0 from the policy)
    verifies nothing drafted; a static draft step still runs before it, keeping the rows' draft state in step;
 2. fills the sampling draws (one ``torch.rand`` into a static buffer: a replayed step draws nothing itself);
 3. runs the step of the bucket (batch bucket, width, chain or tree, capacity bucket) as ``inference.runner`` runs
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from inference.batch_draft import NotStackable, RowDrafts, static_of
-from inference.batch_cache import capacity_of
+from inference.batch_cache import capacity_of, kv_shapes
 from inference.batch_steps import BatchSteps, Bucket, cut_width, tree_nodes
 from inference.generation import (BatchGeneration, Generation, batch_bucket, check_batch, check_vocab, finish,
                                   one_sampling, sync)
@@ -47,7 +47,6 @@ from inference.masks import AttentionLayout
 from inference.proposer import Proposer, ProposerRows
 from inference.runner import StepClock, StepRunner
 from inference.sampling import GREEDY, SamplingConfig, sample, warp
-from inference.static_cache import kv_shapes
 from inference.static_draft import DraftBuffers, clip_tree, weights_signature
 from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 
@@ -76,7 +75,7 @@ class _Batch:
 
     state: BatchSteps
     live: list[_Row]  # in the drafter state's row order
-    draft: ProposerRows | None  # the eager rows (a drafter without a static draft here)
+    draft: ProposerRows | None  # per-row copies (a drafter without a static draft here)
     seq: Tensor | None  # [B, prompt + new + room]: each prompt's committed tokens (eager drafting only)
     sampling: SamplingConfig
     key: tuple  # the state's shape apart from its batch bucket
@@ -89,20 +88,15 @@ class BucketDecoder:
     """Decodes prompts (one, or a batch) with a frozen target (a ``distill.teacher.Teacher``) and, optionally, a
     drafter: batch 1 is the one-row bucket. ``runner``: how the steps run (``inference.runner.StepRunner``: CUDA
     graphs, compile) and the generator they draw from (None: a new one, on ``generator`` or one seeded with
-    ``seed``, with ``cuda_graphs`` / ``compile`` / ``compile_backend``). ``static_drafts``: True drafts through the
-    drafter's static draft step at the bucket's rows (``inference.batch_draft``) where it has one, False through its
-    eager rows; auto (the default): the static step at one row, and at every bucket where steps are compiled or
-    recorded (a CUDA target by default), the eager rows at more rows otherwise (uncompiled, the vmapped step costs
-    ~1.7x the eager rows' time on a CPU)."""
+    ``seed``, with ``cuda_graphs`` / ``compile`` / ``compile_backend``). A drafter drafts through its static draft
+    step at the bucket's rows (``inference.batch_draft``) wherever it has one; else through per-row copies of its
+    eager ``propose`` (``heads.base.ForkedRows``: lookup, a draft the verify cannot take)."""
 
     def __init__(self, teacher, eos_token_id: int | None = None, sampling: SamplingConfig = GREEDY, seed: int = 0,
                  generator: torch.Generator | None = None, cuda_graphs: str = "auto", compile: str | bool = "auto",
                  compile_backend: str | None = None, runner: StepRunner | None = None,
-                 typical: tuple[float, float] | None = None, max_rows: int | None = None,
-                 static_drafts: bool | str = "auto"):
+                 typical: tuple[float, float] | None = None, max_rows: int | None = None):
         self.teacher = teacher
-        if static_drafts not in (True, False, "auto"):
-            raise ValueError(f"static_drafts={static_drafts!r}; valid: True, False, 'auto'")
         self.model = teacher.model
         self.device = teacher.device
         self.eos_token_id = eos_token_id
@@ -114,9 +108,6 @@ class BucketDecoder:
             runner = StepRunner(self.device, generator, cuda_graphs=cuda_graphs, compile=compile,
                                 compile_backend=compile_backend)
         self.runner = runner
-        # at more than one row; one row drafts through the static step whenever the drafter has one
-        self.static_drafts = (runner.compile or runner.graphs) if static_drafts == "auto" else static_drafts
-        self._eager_rows = static_drafts is False  # one row drafts eagerly too (a test's reference)
         self.typical = typical  # (threshold, alpha) of Medusa's typical acceptance (LOSSY), or None: the exact rule
         if max_rows is not None and (max_rows < 1 or max_rows & (max_rows - 1)):
             raise ValueError(f"decoder.max_batch_rows={max_rows}: the largest batch bucket must be a power of two "
@@ -194,10 +185,7 @@ class BucketDecoder:
 
     def _row_drafts(self, drafter, state: BatchSteps, sampling: SamplingConfig) -> RowDrafts | None:
         """The drafter's capture-safe draft step at ``state``'s rows (``inference.batch_draft``), or None: the eager
-        rows draft. One per (buffers, batch-1 static draft, weights). ``static_drafts`` auto: always at one row, at
-        more rows where steps are compiled or recorded."""
-        if self._eager_rows or not (self.static_drafts or state.R == 1):
-            return None
+        rows draft. One per (buffers, batch-1 static draft, weights)."""
         made = static_of(drafter, state, sampling, self.generator, self._committed)
         if made is None:
             return None
@@ -212,7 +200,7 @@ class BucketDecoder:
             try:
                 rows = self._drafts[key] = RowDrafts(drafter, proto, committed, state, like)
             except NotStackable as e:
-                log.info("drafting %s through its eager rows: %s", drafter.name, e)
+                log.info("drafting %s through per-row copies: %s", drafter.name, e)
                 return None
         return rows
 
@@ -346,7 +334,7 @@ class BucketDecoder:
 
     def _draft(self, batch: _Batch, gamma: int, max_new: int) -> tuple[Bucket, list[tuple] | None]:
         """Every live row's proposal in the step's buffers: the draft step at the bucket's rows, or one call to the
-        drafter's eager rows; (the step's bucket (0 nodes: a plain step), per live row (its draft's size, its
+        drafter's per-row copies; (the step's bucket (0 nodes: a plain step), per live row (its draft's size, its
         eager tree or None))."""
         state = batch.state
         cache = state.cache

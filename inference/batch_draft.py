@@ -42,7 +42,7 @@ _DEPTH = 6  # how deep the walk goes (a draft's cache, its layers, their buffers
 
 class NotStackable(ValueError):
     """A static draft whose state this module cannot find (its draft buffers are not among the tensors it holds:
-    kept on its class, say): the batched decoder drafts through the drafter's eager rows instead."""
+    kept on its class, say): the batched decoder drafts through per-row copies of the drafter instead."""
 
 
 def state_slots(obj, shared: set[int]) -> list[tuple[object, object, Tensor, str]]:
@@ -275,8 +275,8 @@ class RowDrafts:
 
 def static_of(drafter, state, sampling, generator, committed: dict) -> tuple | None:
     """(the drafter's batch-1 static draft for ``state``'s verify, the ``CommittedBuffers`` it reads), or None (the
-    eager rows then draft): no static draft for this drafter or setting, or one the batched verify cannot take (wider
-    than its buffers, sampled siblings). ``committed``: the caller's batch-1 committed buffers by shape, kept so a
+    per-row copies then draft): no static draft for this drafter or setting, or one the batched verify cannot take
+    (wider than its buffers, sampled siblings). ``committed``: the caller's batch-1 committed buffers by shape, kept so a
     drafter asked again for the same settings hands back the same object (``Drafter.reuse_static_draft``), whatever
     the batch bucket: every bucket's rows run the one batch-1 object, each pointing it at its own state."""
     if not hasattr(drafter, "static_draft"):

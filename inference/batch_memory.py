@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from inference.static_cache import kv_shapes
+from inference.batch_cache import kv_shapes
 
 _CGROUP = Path("/sys/fs/cgroup")
 

@@ -33,10 +33,10 @@ from torch import Tensor
 
 from inference.acceptance import greedy_verdict, rejection_verdict, sample_uniform, settle, typical_verdict
 from inference.batch_cache import BatchKV
+from inference.static_draft import mark_static
 from inference.generation import cache_kwarg
 from inference.masks import AttentionLayout
 from inference.sampling import SamplingConfig, warp
-from inference.static_cache import _mark_static
 from inference.tree import DraftTree
 
 TREE_BUCKET = 8  # tree widths are padded to a multiple of this many nodes
@@ -139,7 +139,7 @@ class BatchSteps:
         self.first_logits = torch.zeros(batch, out_features, device=self.device)  # float32 holds any logits dtype
         self.prefill_hidden: dict[int, dict[int, Tensor]] = {}
         for t in self.buffers():
-            _mark_static(t)
+            mark_static(t)
 
     def buffers(self) -> list[Tensor]:
         """Every tensor a step reads or writes besides the model's weights (for address checks and marking)."""
@@ -336,7 +336,7 @@ class BatchSteps:
             self.prefill_hidden[B] = {i: torch.empty(R, B, D, dtype=self.dtype, device=self.device)
                                       for i in self.layers}
             for t in self.prefill_hidden[B].values():
-                _mark_static(t)
+                mark_static(t)
         return B
 
     def prefill(self, prompts: list[Tensor]) -> tuple[Tensor, dict[int, Tensor]]:

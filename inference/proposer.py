@@ -9,9 +9,8 @@ holds them, so a drafter that works on the host never reads the sequence back). 
 
 A batch of sequences (``inference.batch_decoder``) is drafted through the drafter's static draft run at every row
 (``inference.batch_draft``) where it has one, else through ``rows(seeds)``: a ``ProposerRows`` holding every row's
-state, whose ``propose`` drafts all rows at once (EAGLE: one drafter forward per tree level for the whole
-batch; a draft model: one forward per draft step; drafters without a batched path loop over per-row copies,
-``heads.base.ForkedRows``).
+state, whose ``propose`` drafts all rows in one call (``heads.base.ForkedRows``: per-row copies of the drafter, each
+proposing in turn).
 """
 
 from __future__ import annotations

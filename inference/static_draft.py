@@ -74,7 +74,7 @@ class StaticDraft(Protocol):
 
 class ShapedDraft(Protocol):
     """Optional on a ``StaticDraft`` whose step has more than one static shape: attention over a capacity bucket
-    that grows with the sequence (as the target's ``inference.static_cache.StaticKV``), a catch-up no wider than
+    that grows with the sequence (as the target's ``inference.batch_cache.BatchKV``), a catch-up no wider than
     what the last verification left to feed. The decoder calls ``use_shape`` on the host before each draft and keeps
     one recorded draft step per key it returns."""
 

@@ -1,16 +1,13 @@
-"""Draft trees and how any Hugging Face causal LM verifies one in a single forward.
+"""Draft trees: the candidates a drafter proposes, their shape, and the static trees of top-k paths (Medusa).
 
 A proposal is a tree of N candidate tokens rooted at the *pending* token (the last committed token, whose KV entry
 is not cached yet). A chain is the tree whose node i has parent i - 1. Nodes are stored in topological order (a
 parent's index is below its children's), siblings in the order the acceptance rule should try them.
 
-Verification feeds [pending, node_0 .. node_{N-1}] through the model's own forward with
-- position ids   past_len + depth (the pending token has depth 0, a root child depth 1, ...), and
-- a 4D additive attention mask [1, 1, 1 + N, past_len + 1 + N]: every row sees the whole cached past, and in the
-  new block only itself and its ancestors (the pending token is everyone's ancestor).
-Row 0 of the output is the target's prediction after the pending token; row 1 + i its prediction after node i.
-Afterwards ``compact_cache`` keeps the cached past, the pending token and the accepted path, in path order, so the
-cache is exactly what plain decoding of the committed tokens would have built.
+The batched verify (``inference.batch_steps``) feeds [pending, node_0 .. node_{N-1}] at positions past_len + depth
+(the pending token has depth 0, a root child depth 1, ...), every row seeing the whole cached past and, in the new
+block, only itself and its ancestors (``DraftTree.geometry``). Row 0 of the output is the target's prediction after
+the pending token; row 1 + i its prediction after node i.
 
 Shapes: N nodes, V vocabulary. tokens [N], parents [N] (-1 = pending token), probs_NV [N, V].
 """
@@ -19,13 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicLayer
-
-from inference.masks import FULL, AttentionLayout
 
 
 @dataclass
@@ -145,72 +138,6 @@ def tree_geometry(parents_N: Tensor, depth_bound: int) -> tuple[Tensor, Tensor]:
         ancestors = eye | (ancestors[up] & has_parent[:, None])
         depth = 1 + torch.where(has_parent, depth[up], 0)
     return depth, ancestors
-
-
-def ancestor_mask(parents: Tensor) -> Tensor:
-    """[1 + N, 1 + N] bool: row r may attend to column c (c is r itself or an ancestor; index 0 = pending token)."""
-    n = parents.shape[0] + 1
-    allowed = torch.eye(n, dtype=torch.bool, device=parents.device)
-    allowed[:, 0] = True
-    allowed[1:, 1:] = tree_geometry(parents, n - 1)[1]
-    return allowed
-
-
-def verify_inputs(tree: DraftTree, pending: Tensor, past_len: int, dtype: torch.dtype,
-                  layout: AttentionLayout | None = None, vocab_size: int | None = None) -> dict[str, Tensor]:
-    """Keyword arguments for ``model(**inputs, past_key_values=cache)`` that verify ``tree`` in one forward.
-    ``layout``: the target's attention layer types (``inference.masks``); a tree's mask is built per type, so
-    sliding-window layers keep to their window. Built on the device from the tree's ``geometry``: nothing is read
-    back. ``vocab_size``: clamp the drafts into the vocabulary (an out-of-range draft is reported with the step's
-    verdict instead of failing inside the embedding)."""
-    device = tree.tokens.device
-    drafts = tree.tokens if vocab_size is None else tree.tokens.clamp(0, vocab_size - 1)
-    input_ids = torch.cat([pending.reshape(1).to(device), drafts]).view(1, -1)
-    depth_N, ancestors_NN = tree.geometry
-    depth = torch.cat([depth_N.new_zeros(1), depth_N])
-    inputs = {"input_ids": input_ids, "position_ids": (past_len + depth).view(1, -1)}
-    if not tree.is_chain:  # a chain is plain causal attention: let the model use its own fast path
-        n = 1 + tree.size
-        allowed = torch.ones(1, n, past_len + n, dtype=torch.bool, device=device)
-        block = allowed[0, :, past_len:]
-        block[0, 1:].fill_(False)  # the pending token sees only itself in the block; every node sees it
-        block[1:, 1:] = ancestors_NN
-        layout = layout or AttentionLayout((FULL,), None)
-        k_pos = torch.cat([torch.arange(past_len, device=device), past_len + depth])[None]
-        inputs["attention_mask"] = layout.additive(allowed, inputs["position_ids"], k_pos, dtype)
-    return inputs
-
-
-def compact_cache(cache, num_nodes: int, path: Sequence[int], path_index: Tensor | None = None) -> None:
-    """Drop the verified nodes' KV entries except the accepted ``path``, which moves up behind the pending token.
-
-    The last ``num_nodes`` entries of every layer belong to the tree's nodes. A prefix path (a chain's accepted
-    drafts) is a plain crop, which every cache class supports; anything else gathers a new tensor per layer
-    (``DynamicCache``).
-    ``path_index``: the same path as a long tensor on the cache's device (saves building it from the list).
-    """
-    path = list(path)
-    rejected = num_nodes - len(path)
-    if path == list(range(len(path))):
-        if rejected:
-            cache.crop(-rejected)
-        return
-    for layer in cache.layers:
-        # DynamicLayer and its sliding-window subclass keep plain growing tensors; static / quantised layers do not.
-        if not isinstance(layer, DynamicLayer):
-            raise ValueError(
-                f"tree verification cannot compact a {type(layer).__name__} cache layer; decode with a chain "
-                f"(decoder.tree=chain) for this target"
-            )
-        keys, values = layer.keys, layer.values
-        start = keys.shape[-2] - num_nodes
-        if path_index is None:
-            path_index = torch.tensor(path, device=keys.device, dtype=torch.long)
-        keep = torch.cat([torch.arange(start, device=keys.device), start + path_index[: len(path)]])
-        layer.keys = keys.index_select(-2, keep)
-        layer.values = values.index_select(-2, keep)
-        if hasattr(layer, "cumulative_length"):  # sliding-window layers count what they have seen
-            layer.cumulative_length -= rejected
 
 
 # --- static trees (Medusa): a list of top-k index paths --------------------------------------------------------

@@ -4,14 +4,15 @@ by side in one run: batch 1 and batch 8 on the tests' tiny target, 1 thread.
     python scripts/bench_decode_base.py --base ../before --rounds 3
 
 Each checkout runs in its own worker process (``PYTHONPATH`` pointing at it), which builds the same tiny target
-(``tests.drafters.varied_teacher``: 2 layers, hidden 32, vocabulary 128) and the same seeded drafters
+(``tests.drafters.tiny_llama`` at init 0.2: 4 layers, as EAGLE-3 and P-EAGLE read layers 1..3; hidden 32,
+vocabulary 128) and the same seeded drafters
 (``tests.drafters.build``: every kind's test-sized drafter, its weights moved off their init, so drafts are accepted
 and rejected) and decodes the same prompts, greedy, γ = 4: at batch 1 through ``Decoder.speculative`` (one prompt
 at a time), at batch 8 through ``Decoder.batch.speculative`` (all prompts at once). Per round and method each worker
 decodes in turn, the order alternating. Reported per method, batch and checkout: tokens/s (the decoders' own
 timers, prefill included), τ, and whether every output matched plain greedy decoding; the medians over rounds and
-the ratio of the medians (this / base). A tiny target makes every step's host work count (a 2-layer forward is a
-fraction of a millisecond): the ratios bound what a change costs per step, not what a user's model would see.
+the ratio of the medians (this / base). A tiny target makes every step's host work count (a 4-layer forward at
+hidden 32 is a fraction of a millisecond): the ratios bound what a change costs per step, not what a user's model would see.
 Results are written after every round.
 """
 
@@ -37,9 +38,10 @@ spec = json.loads(sys.argv[1])
 torch.set_num_threads(spec["threads"])
 from heads.base import build_drafter
 from inference.decoder import Decoder
-from tests.drafters import NODES, build, perturbed, varied_teacher
+from distill.teacher import Teacher
+from tests.drafters import NODES, build, perturbed, tiny_llama
 
-teacher = varied_teacher()
+teacher = Teacher(tiny_llama(initializer_range=0.2, num_hidden_layers=4), tokenizer=None, name="tiny-llama-4")
 gen = torch.Generator().manual_seed(0)
 prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in spec["lengths"]]
 prompts = [torch.cat([p, p[:, :6]], 1) for p in prompts]  # something for lookup to find

@@ -8,6 +8,8 @@ equal weights, so exports of these drafters are byte-reproducible.
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import torch
@@ -174,35 +176,37 @@ def save(drafter, run_dir: Path, kind: str, teacher: Teacher, target_name: str |
     return save_drafter(drafter, run_dir / "drafter", cfg, target, teacher.identity(), TRAINED)
 
 
-def assert_rows_draft_what_each_row_drafts_alone(teacher: Teacher, drafter, rows, depths: list[int],
-                                                 propose=None) -> list[torch.Tensor]:
-    """A parallel drafter's batched ``rows`` over four ragged rows growing unevenly for four steps (row 1 leaves the
-    batch at the third): at every step each row's batched draft of its depth in ``depths`` (0: an empty tree)
-    equals the eager ``propose`` of that row alone. ``propose(seqs, depths)`` runs the batched proposal (default
-    ``rows.propose``, greedy). Returns the rows' final sequences."""
-    from inference.sampling import SamplingConfig
+@contextlib.contextmanager
+def eager_proposals(drafter):
+    """Inside, ``drafter`` has no static draft: a decoder drafts through per-row copies of its eager ``propose``
+    (``heads.base.ForkedRows``), the readable reference its static draft step is tested against."""
+    if not hasattr(drafter, "static_draft"):
+        yield drafter
+        return
+    drafter.static_draft = lambda *args, **kwargs: None
+    try:
+        yield drafter
+    finally:
+        del drafter.static_draft
 
-    propose = propose or (lambda seqs, d: rows.propose(seqs, d, [SamplingConfig()] * len(seqs)))
+
+def assert_batch_drafts_what_each_row_drafts_alone(teacher: Teacher, drafter, num_draft: int = 4) -> None:
+    """Four ragged prompts decoded together through the drafter's static draft step at the bucket's rows
+    (``inference.batch_draft``) commit, row for row, the tokens and accepted lengths each prompt gets alone (batch 1),
+    and every row equals plain greedy decoding."""
+    from inference.batch_decoder import BucketDecoder
+    from inference.decoder import Decoder
+
     g = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (4, 9, 15, 6)]
-    seen = [0] * len(seqs)
-    for step, grow in enumerate([0, 3, 1, 5]):
-        if step == 2:  # row 1 leaves the batch
-            rows.keep([0, 2, 3])
-            seqs, seen = [seqs[0], seqs[2], seqs[3]], [seen[0], seen[2], seen[3]]
-        seqs = [torch.cat([s, torch.randint(0, 128, (1, grow + b % 2), generator=g)], 1) for b, s in enumerate(seqs)]
-        for b, s in enumerate(seqs):
-            full = teacher(s[:, :-1], None, drafter.teacher_layers).hidden
-            rows.observe(b, {i: h[:, seen[b]:] for i, h in full.items()})
-            seen[b] = s.shape[1] - 1
-        step_depths = depths[: len(seqs)]
-        trees = propose(seqs, step_depths)
-        for b, (s, tree, depth) in enumerate(zip(seqs, trees, step_depths)):
-            drafter.reset()
-            drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
-            want = drafter.propose(s, depth).tokens.tolist() if depth else []
-            assert tree.tokens.tolist() == want, (step, b, depth)
-    return seqs
+    prompts = [torch.randint(0, 128, (n,), generator=g) for n in (4, 9, 15, 6)]
+    decoder = Decoder(teacher)
+    alone = [decoder.speculative(drafter, p[None], 16, num_draft) for p in prompts]
+    assert [a.new_tokens for a in alone] == [decoder.plain(p[None], 16).new_tokens for p in prompts]
+    batched = BucketDecoder(teacher)
+    together = batched.speculative(drafter, prompts, 16, num_draft).generations
+    assert batched._drafts  # drafted by the static draft step at the bucket's rows, not per-row copies
+    assert [t.new_tokens for t in together] == [a.new_tokens for a in alone]
+    assert [dict(t.stats.counts) for t in together] == [dict(a.stats.counts) for a in alone]
 
 
 def assert_reloaded_alike(drafter, reloaded, teacher: Teacher) -> None:
@@ -252,7 +256,7 @@ def assert_sampling_keeps_the_target_distribution(node: dict, batch: int, sample
             counts[tuple(gen.new_tokens)] += 1
             accepted += sum(a * c for row in gen.stats.counts.values() for a, c in row.items())
     else:
-        batched = BucketDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0, static_drafts=True)
+        batched = BucketDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
         for _ in range(samples // batch):
             result = batched.speculative(drafter, [prompt[0]] * batch, length, 2)
             for gen in result.generations:

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -22,7 +24,7 @@ from inference.decoder import Decoder
 from inference.sampling import GREEDY, SamplingConfig
 from inference.transfers import TransferCounter
 from distill.teacher import Teacher
-from tests.drafters import build, tiny_llama
+from tests.drafters import build, eager_proposals, tiny_llama
 
 NEW = 20
 KINDS = ["plain", "lookup", "medusa", "eagle1", "eagle3", "draft_model", "dflash", "peagle"]
@@ -71,20 +73,22 @@ def decode(decoder, drafter, prompts, new=NEW, num_draft=3):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_batches_of_1_3_and_8_are_token_identical_to_batch1(teacher, prompts, references, kind):
-    """Through the drafter's static draft step at the bucket's rows and through its eager rows alike."""
+    """Through the drafter's static draft step at the bucket's rows and through per-row copies of its eager
+    ``propose`` alike."""
     drafter = drafter_of(kind, teacher)
     accepted, buckets = set(), set()
     for static in (True, False) if kind not in ("plain", "lookup") else (True,):
-        decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=static)
+        decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off")
         for batch in (1, 3, 8):
             outputs = []
             for i in range(0, len(prompts), batch):
-                gen = decode(decoder, drafter, prompts[i: i + batch])
+                with contextlib.nullcontext() if static or drafter is None else eager_proposals(drafter):
+                    gen = decode(decoder, drafter, prompts[i: i + batch])
                 outputs += [g.new_tokens for g in gen.generations]
                 accepted.update(a for row in gen.stats.counts.values() for a in row)
                 buckets.add(tuple(sorted(gen.bucket_steps)))
             for i, (ours, ref) in enumerate(zip(outputs, references)):
-                assert ours == ref, (f"{kind}, batch {batch}, {'static' if static else 'eager rows'}: prompt {i} "
+                assert ours == ref, (f"{kind}, batch {batch}, {'static' if static else 'per-row copies'}: prompt {i} "
                                      f"(length {len(prompts[i])}) differs from batch 1")
         assert any(key[1] == "draft" for key in decoder._fns) == (static and kind not in ("plain", "lookup"))
     if kind not in ("plain", "peagle"):  # ragged acceptance: rows finish at different steps and leave their bucket

@@ -64,10 +64,11 @@ def eos(teacher, prompts):
     return max(sorted(firsts), key=lambda t: len(firsts[t]))
 
 
-def eager_rows_refused(drafter):
-    """``drafter`` whose eager rows fail when asked: a decode that uses them is not on the static path."""
+def copies_refused(drafter):
+    """``drafter`` whose per-row copies (``heads.base.ForkedRows``) fail when asked: a decode that uses them is not
+    on the static path."""
     def refuse(seeds):
-        raise AssertionError("the eager rows drafted: the static draft step was not used")
+        raise AssertionError("per-row copies drafted: the static draft step was not used")
     drafter.rows = refuse
     return drafter
 
@@ -157,12 +158,12 @@ def test_batches_of_1_3_and_8_accept_what_batch1_static_drafts_get_accepted(teac
     """Every row token-identical to its batch-1 greedy decode (stopping at EOS, so rows finish at different steps),
     and with the same per-step accepted counts as the batch-1 step decoder drafting through the same static draft:
     the batched drafts are the batch-1 ones, row by row, near the end of a row's budget included."""
-    drafter = eager_rows_refused(drafter_of(kind, teacher))
+    drafter = copies_refused(drafter_of(kind, teacher))
     single = Decoder(teacher, eos_token_id=eos)
     refs = [single.speculative(drafter, p[None], NEW, 3) for p in prompts]
     assert [r.new_tokens for r in refs] == [single.plain(p[None], NEW).new_tokens for p in prompts]
     assert len({len(r.new_tokens) for r in refs}) > 1, "the test needs rows that stop at different lengths"
-    decoder = BucketDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off", static_drafts=True)
+    decoder = BucketDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off")
     buckets = set()
     for batch in (1, 3, 8):
         for i in range(0, len(prompts), batch):
@@ -181,8 +182,8 @@ def test_rows_move_into_a_bucket_allocated_for_longer_decodes(teacher, prompts, 
     """A long decode leaves buckets 4, 2 and 1 with a larger capacity than a later short decode's bucket 8: the short
     decode's rows then move into buffers of another size (another batch-1 draft of the same kind) and still draft
     what the batch-1 static draft drafts."""
-    drafter = eager_rows_refused(drafter_of(kind, teacher))
-    decoder = BucketDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off", static_drafts=True)
+    drafter = copies_refused(drafter_of(kind, teacher))
+    decoder = BucketDecoder(teacher, eos_token_id=eos, cuda_graphs="off", compile="off")
     decoder.speculative(drafter, prompts[:3], 200, 3)
     gen = decoder.speculative(drafter, prompts, NEW, 3)
     capacities = {rows: state.cache.capacity for (rows, *_), state in decoder._states.items()}
@@ -207,30 +208,34 @@ class Alternating:
 @pytest.mark.parametrize("kind", ["dflash", "dspark", "draft_model"])
 def test_plain_steps_keep_the_static_draft_in_step(teacher, prompts, kind):
     """Plain steps between drafted ones (a load-aware policy's γ = 0): the static draft catches up on them, so each
-    row is accepted exactly what the eager rows (which observe every step) get accepted. (Chains: a tree clipped near
-    the end of a row's budget is counted by its full depth on the static path, as at batch 1, by the clipped one on
-    the eager rows.)"""
+    row is accepted exactly what per-row copies of the eager ``propose`` (which observe every step) get accepted.
+    (Chains: a tree clipped near the end of a row's budget is counted by its full depth on the static path, as at
+    batch 1, by the clipped one on the copies.)"""
     drafter = drafter_of(kind, teacher)
-    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True)
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off")
     static = decoder.speculative(drafter, prompts, NEW, 3, policy=Alternating())
     assert any(key[1] == "draft" for key in decoder._fns)
     refs = [Decoder(teacher).plain(p[None], NEW).new_tokens for p in prompts]
     assert [g.new_tokens for g in static.generations] == refs
     assert static.gamma_steps[0] > 0 and static.gamma_steps[3] > 0
-    eager = BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=False)
-    rows = eager.speculative(drafter, prompts, NEW, 3, policy=Alternating())
+    eager = BucketDecoder(teacher, cuda_graphs="off", compile="off")
+    drafter.static_draft = lambda *args, **kwargs: None  # per-row copies of the eager propose
+    try:
+        rows = eager.speculative(drafter, prompts, NEW, 3, policy=Alternating())
+    finally:
+        del drafter.static_draft
     assert not any(key[1] == "draft" for key in eager._fns)
     assert [g.stats.counts for g in static.generations] == [g.stats.counts for g in rows.generations]
     assert sum(a * c for g in static.generations for row in g.stats.counts.values() for a, c in row.items()) > 0
 
 
-def test_a_drafter_without_a_static_draft_drafts_through_its_eager_rows(teacher, prompts):
+def test_a_drafter_without_a_static_draft_drafts_through_per_row_copies(teacher, prompts):
     drafter = build("dflash", teacher)
     drafter.static_draft = lambda *args, **kwargs: None
     asked = []
     rows = drafter.rows
     drafter.rows = lambda seeds: asked.append(len(seeds)) or rows(seeds)
-    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True)
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="off")
     gen = decoder.speculative(drafter, prompts[:3], NEW, 3)
     assert asked == [3]
     assert [g.new_tokens for g in gen.generations] == [Decoder(teacher).plain(p[None], NEW).new_tokens
@@ -247,9 +252,8 @@ def test_one_draft_graph_per_bucket_and_no_recompile_over_long_decodes(teacher, 
     (verify steps and one draft step per batch bucket), >= 64 steps, every row its batch-1 greedy decode."""
     torch._dynamo.reset()
     counters.clear()
-    drafter = eager_rows_refused(drafter_of(kind, teacher))
-    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager",
-                               static_drafts=True)
+    drafter = copies_refused(drafter_of(kind, teacher))
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager")
     batch = prompts[:3]
     first = decoder.speculative(drafter, batch, 100, 3)
     graphs = counters["stats"]["unique_graphs"]
@@ -269,8 +273,8 @@ def test_one_draft_graph_per_bucket_and_no_recompile_over_long_decodes(teacher, 
 def test_inductor_compiled_draft_steps_draft_what_batch1_drafts(teacher, prompts):
     """The draft step at every bucket compiled by inductor (the default backend), no fallback: each row its batch-1
     greedy decode, with the batch-1 static draft's accepted counts."""
-    drafter = eager_rows_refused(drafter_of("dflash", teacher))
-    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="on", static_drafts=True)
+    drafter = copies_refused(drafter_of("dflash", teacher))
+    decoder = BucketDecoder(teacher, cuda_graphs="off", compile="on")
     gen = decoder.speculative(drafter, prompts, NEW, 3)
     assert decoder.runner.fallback_reason is None
     assert any(key[1] == "draft" for key in decoder._fns)
@@ -278,13 +282,3 @@ def test_inductor_compiled_draft_steps_draft_what_batch1_drafts(teacher, prompts
     for p, g in zip(prompts, gen.generations):
         ref = single.speculative(drafter, p[None], NEW, 3)
         assert g.new_tokens == ref.new_tokens and g.stats.counts == ref.stats.counts
-
-
-def test_static_drafts_auto_follows_compiled_or_recorded_steps(teacher):
-    """auto: the static draft step where steps are compiled or recorded (what it is for), the eager rows where
-    steps run uncompiled (cheaper there); True / False force either; anything else is refused with the values."""
-    assert BucketDecoder(teacher, cuda_graphs="off", compile="off").static_drafts is False
-    assert BucketDecoder(teacher, cuda_graphs="off", compile="on", compile_backend="eager").static_drafts is True
-    assert BucketDecoder(teacher, cuda_graphs="off", compile="off", static_drafts=True).static_drafts is True
-    with pytest.raises(ValueError, match="static_drafts='yes'; valid: True, False, 'auto'"):
-        BucketDecoder(teacher, static_drafts="yes")

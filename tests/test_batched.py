@@ -237,7 +237,7 @@ def test_sampling_distribution_at_batch_4(batches, kind):
     distribution."""
     teacher, drafter = _decoder_setup(kind)
     short, long = torch.tensor([[1, 2, 3]]), torch.tensor([[3, 0, 2, 1, 1, 0, 2]])
-    decoder = BucketDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0, static_drafts=True)
+    decoder = BucketDecoder(teacher, sampling=SamplingConfig(temperature=1.0), seed=0)
     counts = {0: torch.zeros((4,) * LENGTH), 1: torch.zeros((4,) * LENGTH)}
     accepted = 0
     for _ in range(batches):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from heads.base import Drafter, build_drafter
-from inference.acceptance import greedy_accept
+from tests.host_acceptance import greedy_accept
 from inference.decoder import Decoder
 from inference.tree import DraftTree
 from tests.drafters import noisy_medusa

@@ -12,12 +12,11 @@ import torch
 from distill.losses import forward_kl
 from heads.base import build_drafter
 from heads.dflash.model import DFlashDrafter, block_mask, default_feature_layers
-from heads.dflash.rows import DFlashRows
 from heads.saved import load_drafter
 from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
 from serve.export import check_export, export_drafter, load_export
-from tests.drafters import (DFLASH_NODE, DIMS, assert_reloaded_alike, assert_rows_draft_what_each_row_drafts_alone,
+from tests.drafters import (DFLASH_NODE, DIMS, assert_reloaded_alike, assert_batch_drafts_what_each_row_drafts_alone,
                             assert_sampling_keeps_the_target_distribution, deep_teacher, dflash, save, varied_teacher)
 
 
@@ -122,13 +121,9 @@ def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
 
 
 @pytest.mark.parametrize("window,vocab", [(None, None), (7, 24)])
-def test_batched_rows_draft_what_each_row_drafts_alone(teacher, window, vocab):
-    """``rows``: every row's block in one forward, over ragged contexts and draft depths, proposes exactly what the
-    eager ``propose`` of that row alone does, step after step, rows leaving the batch included."""
+def test_a_batch_drafts_what_each_row_drafts_alone(teacher, window, vocab):
     drafter = dflash(teacher, sliding_window=window, draft_vocab_size=vocab).eval()
-    rows = drafter.rows([0, 1, 2, 3])
-    assert isinstance(rows, DFlashRows)  # not the row-by-row default
-    assert_rows_draft_what_each_row_drafts_alone(teacher, drafter, rows, [5, 2, 0, 5])
+    assert_batch_drafts_what_each_row_drafts_alone(teacher, drafter, 5)
 
 
 def test_save_load_round_trip(teacher, trained, tmp_path):

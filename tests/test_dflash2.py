@@ -12,12 +12,11 @@ import torch.nn.functional as F
 from distill.losses import forward_kl
 from heads.base import build_drafter
 from heads.dflash2.conv import BlockConv
-from heads.dflash2.draft import DFlash2Rows
 from heads.dflash2.model import DFlash2Drafter
 from heads.saved import load_drafter
 from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
-from tests.drafters import (DFLASH2_NODE, DFLASH_NODE, assert_rows_draft_what_each_row_drafts_alone,
+from tests.drafters import (DFLASH2_NODE, DFLASH_NODE, assert_batch_drafts_what_each_row_drafts_alone,
                             assert_sampling_keeps_the_target_distribution, dflash2, save, varied_teacher)
 
 
@@ -134,11 +133,8 @@ def test_greedy_is_identical_to_plain_static_eager_and_batched(teacher, node):
     assert [gen.new_tokens for gen in result.generations] == refs
 
 
-def test_batched_rows_draft_what_each_row_drafts_alone(teacher):
-    drafter = dflash2(teacher).eval()
-    rows = drafter.rows([0, 1, 2, 3])
-    assert isinstance(rows, DFlash2Rows)
-    assert_rows_draft_what_each_row_drafts_alone(teacher, drafter, rows, [5, 2, 0, 5])
+def test_a_batch_drafts_what_each_row_drafts_alone(teacher):
+    assert_batch_drafts_what_each_row_drafts_alone(teacher, dflash2(teacher).eval(), 5)
 
 
 def test_static_draft_drafts_what_propose_drafts(teacher):

@@ -124,6 +124,36 @@ def test_sliding_window_draft_model_rolls_back_correctly():
     assert kept.propose(tokens[:, :10], 2).tokens.tolist() == draft(model).propose(tokens[:, :10], 2).tokens.tolist()
 
 
+
+def test_sliding_window_draft_models_decode_a_batch_through_per_row_copies(teacher):
+    """A draft model with sliding-window layers has no static draft (its ``DynamicCache`` rolls windows back): a
+    batch drafts through per-row copies of its eager ``propose``, every row equal to plain greedy decoding past the
+    window; without a window it drafts through its static step."""
+    from heads.base import ForkedRows
+    from inference.batch_decoder import BucketDecoder
+
+    def mistral(window):
+        torch.manual_seed(0)
+        config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, sliding_window=window)
+        return DraftModel(DIMS, model=MistralForCausalLM(config).eval())
+
+    drafter = mistral(8)
+    assert drafter.static_draft(None, 32, GREEDY, None) is None
+    assert isinstance(drafter.rows([0, 1]), ForkedRows)
+    asked = []
+    rows = drafter.rows
+    drafter.rows = lambda seeds: asked.append(len(seeds)) or rows(seeds)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (5, 21, 13)]
+    refs = [Decoder(teacher).plain(p[None], 16).new_tokens for p in prompts]  # past the window
+    out = BucketDecoder(teacher).speculative(drafter, prompts, 16, num_draft=3)
+    assert asked == [3]
+    assert [g.new_tokens for g in out.generations] == refs
+    unwindowed = BucketDecoder(teacher)
+    out = unwindowed.speculative(mistral(None), prompts, 16, num_draft=3)
+    assert unwindowed._drafts and [g.new_tokens for g in out.generations] == refs
+
 def test_toy_source_merges_overrides_into_the_toy_defaults(tiny_teacher, monkeypatch):
     seen = {}
 

@@ -11,12 +11,11 @@ import torch.nn.functional as F
 from distill.losses import forward_kl
 from heads.base import build_drafter
 from heads.dspark.model import DSparkDrafter
-from heads.dspark.draft import DSparkRows
 from heads.saved import load_drafter
 from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
 from inference.batch_steps import cut_width
-from tests.drafters import (DFLASH_NODE, DSPARK_NODE, assert_rows_draft_what_each_row_drafts_alone,
+from tests.drafters import (DFLASH_NODE, DSPARK_NODE, assert_batch_drafts_what_each_row_drafts_alone,
                             assert_sampling_keeps_the_target_distribution, dspark, save, varied_teacher)
 
 
@@ -167,11 +166,9 @@ def test_a_cut_chain_is_verified_at_its_own_width(teacher, threshold):
 
 
 @pytest.mark.parametrize("threshold,vocab", [(None, None), (0.4, 24)])
-def test_batched_rows_draft_what_each_row_drafts_alone(teacher, threshold, vocab):
+def test_a_batch_drafts_what_each_row_drafts_alone(teacher, threshold, vocab):
     drafter = dspark(teacher, confidence_threshold=threshold, draft_vocab_size=vocab).eval()
-    rows = drafter.rows([0, 1, 2, 3])
-    assert isinstance(rows, DSparkRows)
-    assert_rows_draft_what_each_row_drafts_alone(teacher, drafter, rows, [5, 2, 0, 5])
+    assert_batch_drafts_what_each_row_drafts_alone(teacher, drafter, 5)
 
 
 @pytest.mark.parametrize("threshold,vocab", [(None, None), (0.4, None), (0.4, 24)])

@@ -16,10 +16,11 @@ from heads.eagle.model import EagleDrafter
 from heads.eagle.variants import default_feature_layers
 from heads.layers import vocab_maps
 from heads.train_attention import ttt_step_mask
-from heads.eagle.rows import BatchNodes, score_level
+from heads.eagle.trees import BatchNodes, score_level
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
 from inference.stats import simulated_tau
+from tests.drafters import assert_batch_drafts_what_each_row_drafts_alone
 
 DIMS = TargetDims(hidden_size=32, vocab_size=128, num_layers=2)
 VARIANTS = [("eagle1", {}), ("eagle3", {"draft_vocab_size": 96})]
@@ -310,35 +311,5 @@ def test_auto_tune_refuses_dynamic_trees_but_tunes_chains(tiny_teacher):
 
 @pytest.mark.parametrize("variant,kw", VARIANTS)
 @pytest.mark.parametrize("tree", ["dynamic", "chain"])
-def test_batched_rows_draft_what_each_row_drafts_alone(tiny_teacher, variant, kw, tree):
-    """``EagleRows`` drafts three rows of different lengths in one forward per level (ragged context cache, several
-    steps of ragged catch-up): every row's tree equals the one the drafter proposes for that sequence alone."""
-    drafter = make(tiny_teacher, variant, tree=tree, **kw)
-    g = torch.Generator().manual_seed(4)
-    seqs = [torch.randint(0, 128, (1, n), generator=g) for n in (5, 11, 8)]
-    rows = drafter.rows([0, 1, 2])
-    observed = [0, 0, 0]
-    for step, grow in enumerate([(0, 0, 0), (1, 3, 2), (4, 1, 1)]):
-        for b, extra in enumerate(grow):  # the rows' contexts grow by different amounts between proposals
-            if extra:
-                seqs[b] = torch.cat([seqs[b], torch.randint(0, 128, (1, extra), generator=g)], 1)
-        for b, seq in enumerate(seqs):  # features of every fed token (all but the last), once each
-            hidden = tiny_teacher(seq[:, :-1], None, drafter.teacher_layers).hidden
-            rows.observe(b, {i: h[:, observed[b]:] for i, h in hidden.items()})
-            observed[b] = seq.shape[1] - 1
-        together = rows.propose(seqs, [3, 3, 3], [None] * 3)
-        for b, seq in enumerate(seqs):
-            drafter.reset()
-            drafter.observe(tiny_teacher(seq[:, :-1], None, drafter.teacher_layers).hidden)
-            alone = drafter.propose(seq, 3)
-            assert together[b].tokens.tolist() == alone.tokens.tolist(), f"step {step}, row {b}: tokens differ"
-            assert together[b].parents.tolist() == alone.parents.tolist(), f"step {step}, row {b}: shape differs"
-    rows.keep([2, 0])  # a row leaves the batch: the others keep their state
-    seqs = [torch.cat([seqs[2], seqs[2][:, :1]], 1), torch.cat([seqs[0], seqs[0][:, :1]], 1)]
-    for b, seq in enumerate(seqs):
-        rows.observe(b, {i: h[:, -1:] for i, h in tiny_teacher(seq[:, :-1], None, drafter.teacher_layers).hidden.items()})
-    together = rows.propose(seqs, [2, 2], [None] * 2)
-    for b, seq in enumerate(seqs):
-        drafter.reset()
-        drafter.observe(tiny_teacher(seq[:, :-1], None, drafter.teacher_layers).hidden)
-        assert together[b].tokens.tolist() == drafter.propose(seq, 2).tokens.tolist()
+def test_a_batch_drafts_what_each_row_drafts_alone(tiny_teacher, variant, kw, tree):
+    assert_batch_drafts_what_each_row_drafts_alone(tiny_teacher, make(tiny_teacher, variant, tree=tree, **kw), 3)

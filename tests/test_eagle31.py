@@ -14,7 +14,7 @@ from heads.peagle.model import PEagleDrafter
 from inference.decoder import Decoder
 from inference.sampling import GREEDY
 from tests import test_eagle as plain
-from tests.drafters import PEAGLE_NODE, perturbed, varied_teacher
+from tests.drafters import PEAGLE_NODE, eager_proposals, perturbed, varied_teacher
 from tests.test_eagle import DIMS, batch_of, make
 
 # Each flag alone, and a window with the norms (the window short enough to cut the toy prompts' context).
@@ -109,8 +109,8 @@ def test_flagged_greedy_identity(tiny_teacher, variant, kw, tree):
 
 
 @pytest.mark.parametrize("variant,kw", FLAGGED[3:], ids=IDS[3:])
-def test_flagged_batched_rows_draft_what_each_row_drafts_alone(tiny_teacher, variant, kw):
-    plain.test_batched_rows_draft_what_each_row_drafts_alone(tiny_teacher, variant, kw, "dynamic")
+def test_flagged_batches_draft_what_each_row_drafts_alone(tiny_teacher, variant, kw):
+    plain.test_a_batch_drafts_what_each_row_drafts_alone(tiny_teacher, variant, kw, "dynamic")
 
 
 def test_window_cuts_the_context(tiny_teacher):
@@ -163,8 +163,9 @@ def test_flagged_peagle_training_equals_decoding_and_decodes_losslessly(teacher,
     dec = Decoder(teacher)
     want = [dec.plain(p, 24).new_tokens for p in prompts]
     assert [dec.speculative(drafter, p, 24, 4).new_tokens for p in prompts] == want
-    eager_rows = BucketDecoder(teacher, static_drafts=False)  # one row through the eager batch state
-    assert [eager_rows.speculative(drafter, [p[0]], 24, 4).generations[0].new_tokens for p in prompts] == want
+    with eager_proposals(drafter):  # one row through the eager proposal
+        assert [BucketDecoder(teacher).speculative(drafter, [p[0]], 24, 4).generations[0].new_tokens
+                for p in prompts] == want
     batched = BucketDecoder(teacher).speculative(drafter, prompts, 24, 4)
     assert [g.new_tokens for g in batched.generations] == want
 

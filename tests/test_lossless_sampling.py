@@ -15,10 +15,10 @@ import itertools
 import pytest
 import torch
 
-from inference.acceptance import (chain_rejection_accept, rejection_verdict, settle, tree_rejection_accept,
-                                  typical_accept)
+from inference.acceptance import rejection_verdict, settle
 from inference.sampling import SamplingConfig, sample, warp
 from inference.tree import DraftTree
+from tests.host_acceptance import chain_rejection_accept, tree_rejection_accept, typical_accept
 
 V, LENGTH, N, TOL = 5, 3, 20_000, 0.035  # V: the Markov tables; LENGTH: tokens compared
 

@@ -10,14 +10,13 @@ import torch
 from distill.losses import forward_kl
 from heads.base import build_drafter
 from heads.peagle.model import PEagleDrafter, parallel_mask
-from heads.peagle.rows import PEagleRows
 from heads.saved import load_drafter
 from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
 from inference.sampling import SamplingConfig
 from heads.layers import vocab_maps
 from serve.export import check_export, export_drafter, load_export
-from tests.drafters import (DIMS, PEAGLE_NODE, assert_reloaded_alike, assert_rows_draft_what_each_row_drafts_alone,
+from tests.drafters import (DIMS, PEAGLE_NODE, assert_reloaded_alike, assert_batch_drafts_what_each_row_drafts_alone,
                             assert_sampling_keeps_the_target_distribution, deep_teacher, eagle, perturbed, save,
                             varied_teacher)
 
@@ -200,48 +199,11 @@ def test_greedy_is_identical_to_plain_batch1_and_batched(teacher, trained):
 
 
 @pytest.mark.parametrize("vocab,num_layers", [(None, 1), (96, 3)])
-def test_batched_rows_draft_what_each_row_drafts_alone_in_one_forward(teacher, vocab, num_layers):
-    """``rows`` drafts every row's chain in one pass through the layers (not row by row), each row's logits and
-    greedy chain equal to its own ``propose``, over ragged rows growing unevenly (one by nothing), a row leaving
-    the batch and per-row depths (0: an empty tree); sampled drafts come from each row's own generator."""
+def test_a_batch_drafts_what_each_row_drafts_alone(teacher, vocab, num_layers):
     torch.manual_seed(0)
     drafter = build_drafter({**NODE, "draft_vocab_size": vocab, "num_layers": num_layers}, teacher)
     drafter.bind_target(teacher, initialize=True)
-    drafter = perturbed(drafter, 3, 0.3).eval()
-    calls = []
-    original = drafter.layer.qkv
-    drafter.layer.qkv = lambda *a: (calls.append(1), original(*a))[1]
-    rows = drafter.rows([0, 1, 2, 3])
-    assert isinstance(rows, PEagleRows)  # not the row-by-row default
-
-    def in_one_forward(seqs, depths):
-        calls.clear()
-        trees = rows.propose(seqs, depths, [SamplingConfig()] * len(seqs))
-        assert len(calls) == 1  # one forward of EAGLE-3's layer for the whole batch
-        return trees
-
-    seqs = assert_rows_draft_what_each_row_drafts_alone(teacher, drafter, rows, [4, 2, 0, 4], in_one_forward)
-    # the batched logits are each row's own (to rounding), and sampling draws from each row's generator
-    s = seqs[0]
-    drafter.reset()
-    drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
-    with torch.no_grad():
-        single = drafter.chain_logits(s[0], 4)
-    rows = drafter.rows([7])
-    rows.observe(0, teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
-    with torch.no_grad():
-        batched = drafter.target_logits(drafter._logits(rows._forward([s], 3)))[0]
-    torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
-    sampling = SamplingConfig(temperature=1.0)
-    rows = drafter.rows([7, 8])
-    for r in range(2):
-        rows.observe(r, teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
-    drawn = rows.propose([s, s], [4, 4], [sampling, sampling])
-    drafter.reset(seed=7)
-    drafter.observe(teacher(s[:, :-1], None, drafter.teacher_layers).hidden)
-    alone = drafter.propose(s, 4, sampling)
-    assert drawn[0].tokens.tolist() == alone.tokens.tolist()
-    torch.testing.assert_close(drawn[0].probs_NV, alone.probs_NV, atol=1e-5, rtol=1e-5)
+    assert_batch_drafts_what_each_row_drafts_alone(teacher, perturbed(drafter, 3, 0.3).eval())
 
 
 def test_reduced_vocabulary_decodes_identically(teacher):

@@ -325,7 +325,7 @@ def test_draft_model_shape_follows_the_context_and_its_own_draft(target):
     assert static.use_shape(253, True) == (512, 2)
     assert static.use_shape(300, False) == (512, rows + 1)
     assert static.use_shape(600, True) == (610, 2)
-    with pytest.raises(ValueError, match="more than the StaticKV capacity"):
+    with pytest.raises(ValueError, match="more than the BatchKV capacity"):
         static.use_shape(607, True)
 
 

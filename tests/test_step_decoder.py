@@ -24,10 +24,11 @@ from inference.batch_steps import BatchSteps, Bucket
 from inference.decoder import Decoder, DecoderConfig
 from inference.runner import resolve_compile, resolve_graphs
 from inference.sampling import GREEDY, SamplingConfig
-from inference.static_cache import StaticKV, capacity_buckets, kv_shapes
+from inference.batch_cache import BatchKV, capacity_buckets, kv_shapes
 from inference.static_draft import DraftBuffers
 from inference.transfers import TransferCounter
 from inference.tree import DraftTree
+from tests.drafters import eager_proposals
 from tests.test_decoder_transfers import make
 
 GAMMA = 3
@@ -137,7 +138,7 @@ def prompts(lengths=(11, 37, 23), seed=2):
 def one_row(teacher, sampling=GREEDY, seed=0, **kw):
     """A decoder whose single prompts run in the one-row bucket, with its own generator (steps as they are unless
     ``kw`` says otherwise; a drafter with a static draft drafts through it)."""
-    kw = {"cuda_graphs": "off", "compile": "off", "static_drafts": True, **kw}
+    kw = {"cuda_graphs": "off", "compile": "off", **kw}
     return BucketDecoder(teacher, sampling=sampling, generator=torch.Generator().manual_seed(seed), **kw)
 
 
@@ -208,15 +209,16 @@ def test_one_graph_per_bucket_and_no_recompile(tiny_teacher, kind):
                                   pytest.param("eagle3_chain", marks=pytest.mark.slow),
                                   pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_eager_drafters_verify_steps_compile_one_graph_per_bucket(tiny_teacher, kind):
-    """Drafters proposing eagerly (their eager rows; their static steps are theirs to test): every verify bucket
+    """Drafters proposing eagerly (``eager_proposals``; their static steps are theirs to test): every verify bucket
     their proposals use (chains padded to γ; trees rounded up to multiples of 8, smaller near the end) is one graph,
     token-identical."""
     torch._dynamo.reset()
     counters.clear()
-    dec, ref = compiled(tiny_teacher, static_drafts=False), Decoder(tiny_teacher)
+    dec, ref = compiled(tiny_teacher), Decoder(tiny_teacher)
     drafter = make(kind, tiny_teacher)
     for prompt in prompts()[:2]:
-        assert decode(dec, kind, drafter, prompt, 24).new_tokens == ref.plain_eager(prompt, 24).new_tokens
+        with eager_proposals(drafter):
+            assert decode(dec, kind, drafter, prompt, 24).new_tokens == ref.plain_eager(prompt, 24).new_tokens
     assert not counters["graph_break"] and not static_steps(dec)
     assert counters["stats"]["unique_graphs"] == len(dec._fns) <= 4, [k[1] for k in dec._fns]  # prefill + <= 3
 
@@ -274,15 +276,16 @@ def test_buffers_keep_their_addresses_and_attention_shapes_are_the_buckets(tiny_
                                   "eagle3_dynamic", "draft_model", "lookup", "table"])
 def test_greedy_step_path_is_token_identical(tiny_teacher, kind):
     """``Decoder``'s one-row bucket (a drafter's static draft step where it has one) gives plain greedy decoding's
-    tokens, and the accepted lengths of the same bucket drafting through the drafter's eager rows."""
+    tokens, and the accepted lengths of the same bucket drafting through the drafter's eager ``propose``."""
     decoder = Decoder(tiny_teacher, DecoderConfig(seed=1))
-    rows = BucketDecoder(tiny_teacher, seed=1, static_drafts=False)
+    rows = BucketDecoder(tiny_teacher, seed=1)
     drafter = drafter_for(kind, tiny_teacher)
     for prompt in prompts()[:2]:
         ref = decoder.plain_eager(prompt, 30).new_tokens
         assert decoder.plain(prompt, 30).new_tokens == ref
         out = decoder.speculative(drafter, prompt, 30, num_draft=GAMMA)
-        eager = decode(rows, kind, drafter, prompt, 30)
+        with eager_proposals(drafter):
+            eager = decode(rows, kind, drafter, prompt, 30)
         assert out.new_tokens == eager.new_tokens == ref
         if kind not in STATIC_TREES:  # a static tree keeps its width to the end (the eager one shrinks)
             assert out.stats.counts == eager.stats.counts
@@ -358,7 +361,7 @@ def test_static_cache_decodes_like_the_models_own_cache(tiny_teacher):
     """The model's own forward over the one-row static cache (the prompt's own columns, and a whole capacity bucket
     under the mask) gives the logits it gives over a DynamicCache."""
     model = tiny_teacher.model
-    cache = StaticKV(kv_shapes(model), 300, "cpu", widths=(1,))
+    cache = BatchKV(kv_shapes(model), 1, 300, "cpu")
     assert capacity_buckets(300) == [256, 300] and cache.use_bucket(257) == 300
     steps = BatchSteps(model, Decoder(tiny_teacher).layout, 1, 256, 128, {}, 0, 1, kv_shapes(model))
     prompt = prompts()[0][0]
@@ -463,7 +466,7 @@ def test_compilation_is_left_out_of_decode_times_and_reported(tiny_teacher):
 
 
 def test_sampled_siblings_repeating_a_token_are_refused():
-    from inference.acceptance import refuse_repeated_sampled_siblings
+    from tests.host_acceptance import refuse_repeated_sampled_siblings
 
     q = torch.full((3, 5), 0.2)
     refuse_repeated_sampled_siblings(DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]), q))

@@ -47,7 +47,6 @@ from distill.chunked import Frozen, LabelRows, TeacherRows, cross_entropy_sum
 from distill.teacher_output import TeacherOutput
 from heads import flops
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
-from heads.dflash.rows import DFlashRows
 from heads.dflash.draft import DFlashStaticDraft
 from heads.dflash.layers import DFlashLayer
 from heads.layers import RMSNorm, vocab_maps
@@ -448,10 +447,6 @@ class DFlashDrafter(Drafter):
         for layer, (ck, cv) in zip(self.layers, keys):
             h = layer(h, pos, ck, cv, mask)
         return self.norm(h[0])
-
-    def rows(self, seeds: list[int]):
-        """A batch of sequences drafted in one forward per step (``heads.dflash.rows``)."""
-        return DFlashRows(self, seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole block as one capture-safe step (``heads.dflash.draft``), drafting ``depth``

@@ -1,5 +1,5 @@
 """DFlash2's drafting after the backbone forward: the selector's walk over each slot's top-K candidates, for one
-sequence (``DFlash2Drafter.propose``), a batch of rows (``DFlash2Rows``) and the capture-safe static step
+sequence (``DFlash2Drafter.propose``) and the capture-safe static step
 (``DFlash2StaticDraft``).
 
 Which token each output predicts: as in ``heads.dflash`` (block slot k >= 1 at position a + k predicts token a + k);
@@ -17,13 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from heads.base import drafted_chains
 from heads.dflash.draft import DFlashStaticDraft
-from heads.dflash.rows import DFlashRows
 from inference.acceptance import sample_uniform
 from inference.sampling import SamplingConfig, sample, warp
 from inference.static_draft import hashed_uniforms
-from inference.tree import DraftTree
 
 
 def candidates(drafter, out_BTD: Tensor, head_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -57,18 +54,6 @@ def select_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sa
         prev = cand[:, k].gather(1, pick[:, None])[:, 0]
         drafts[:, k] = prev
     return drafts, probs
-
-
-class DFlash2Rows(DFlashRows):
-    """``ProposerRows`` for one ``heads.dflash2.DFlash2Drafter``: DFlash's batched backbone, then every row's walk."""
-
-    @torch.no_grad()
-    def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
-        out, anchors = self.block_out(tokens)
-        top = out.shape[1]
-        generators = [None if s.greedy else self._sampler(b, out.device) for b, s in enumerate(samplings)]
-        drafts, probs = select_chain(self.drafter, out, anchors, samplings, generators)
-        return drafted_chains(drafts, probs, tokens, [min(top, want) for want in depths], samplings)
 
 
 class DFlash2StaticDraft(DFlashStaticDraft):

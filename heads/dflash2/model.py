@@ -44,7 +44,7 @@ from heads import flops
 from heads.base import DraftOutput, TargetDims
 from heads.dflash.model import DFlashDrafter
 from heads.dflash2.conv import DFlash2Layer
-from heads.dflash2.draft import DFlash2Rows, DFlash2StaticDraft, select_chain
+from heads.dflash2.draft import DFlash2StaticDraft, select_chain
 from inference.sampling import GREEDY, SamplingConfig
 from inference.tree import DraftTree
 
@@ -182,9 +182,6 @@ class DFlash2Drafter(DFlashDrafter):
         if probs is None:
             return DraftTree.chain(drafts[0].to(tokens.device))
         return DraftTree.chain(drafts[0].to(tokens.device), probs[0].to(tokens.device))
-
-    def rows(self, seeds: list[int]):
-        return DFlash2Rows(self, seeds) if self.candidate_selector is not None else super().rows(seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         if self.candidate_selector is None:

@@ -4,12 +4,12 @@ committed tokens and γ draft tokens, over a KV cache whose buffers never move.
 Which token each output predicts: as in ``heads.draft_model`` (the logits after token t predict token t + 1; draft k
 is the guess for the k-th token after the pending one).
 
-The cache is the step decoder's ``inference.static_cache.StaticKV`` (a transformers ``Cache``, so the draft model's
-own forward fills it), of ``columns`` = capacity + (M + 1) + γ positions, column = position. Columns below ``length``
+The cache is the decoder's ``inference.batch_cache.BatchKV`` at one row (a transformers ``Cache``, so the draft
+model's own forward fills it), of ``columns`` = capacity + (M + 1) + γ positions, column = position. Columns below ``length``
 (this step's own device scalar) hold the committed tokens before the last verification's first row; a forward writes
-its n entries at device positions (``StaticKV.place``) by ``index_copy_`` and attends over a capacity bucket under a
+its n entries at device positions (``BatchKV.place``) by ``index_copy_`` and attends over a capacity bucket under a
 4D mask (each query: the columns up to its own position), so every forward of a bucket has one shape. The decoder
-picks the bucket on the host before each draft (``use_shape``: the smallest of ``inference.static_cache``'s buckets
+picks the bucket on the host before each draft (``use_shape``: the smallest of ``inference.batch_cache``'s buckets
 holding the drafts, so attention grows with the sequence as the target's does) and records one step per shape.
 
 Sampled chains (temperature > 0): each draft is drawn from the draft logits warped exactly as the target's
@@ -41,7 +41,7 @@ from torch import Tensor
 from inference.acceptance import sample_uniform
 from inference.generation import cache_kwarg
 from inference.sampling import SamplingConfig, warp
-from inference.static_cache import StaticKV, kv_shapes
+from inference.batch_cache import BatchKV, kv_shapes
 from inference.static_draft import (CommittedBuffers, DraftBuffers, check_prompt_fits, hashed_uniforms, mark_static,
                                     reseed_draws)
 
@@ -60,12 +60,14 @@ class DraftModelStaticDraft:
         self.drafter, self.committed, self.capacity, self.gamma = drafter, committed, capacity, M - 1
         self.model = model = drafter.model  # the one its cache was shaped for
         # the draft model's own context limit: a draft past it is refused on the host (``use_shape``), as the
-        # eager rows refuse it, never decoded into positions the model has no embedding for
+        # eager proposal refuses it, never decoded into positions the model has no embedding for
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         dev = drafter.device
         R = M + 1
         self.columns = capacity + R + self.gamma
-        self.cache = StaticKV(kv_shapes(model), self.columns, dev, widths=(R, 2, 1))
+        self.cache = BatchKV(kv_shapes(model), 1, self.columns, dev)  # one row: this sequence's
+        for n in (R, 2, 1):
+            self.cache.declare(n)
         self.rows = R  # the catch-up's width: R (any committed rows), or 2 after its own draft (``use_shape``)
         self.cache_kwarg = cache_kwarg(model)
         self.length = torch.zeros((), dtype=torch.long, device=dev)
@@ -111,7 +113,7 @@ class DraftModelStaticDraft:
 
     def use_shape(self, context: int, own_draft: bool) -> tuple[int, int]:
         """Host, before a ``draft`` after ``context`` committed tokens (the pending token's position): attention over
-        the smallest capacity bucket of ``inference.static_cache`` holding the drafts' columns (up to ``context`` +
+        the smallest capacity bucket of ``inference.batch_cache`` holding the drafts' columns (up to ``context`` +
         γ), and a catch-up of 2 rows when the committed rows past the first are this step's own last draft (their
         keys and values are already in the cache, the last draft's aside: feed it and the pending token), else of
         M + 1 (the default: any committed rows). Returns (bucket, catch-up rows): the recorded step's key. A draft
@@ -146,7 +148,7 @@ class DraftModelStaticDraft:
         token = self._pick(logits, uniforms, 0)  # [1]
         drafts = [token]
         for k in range(1, self.gamma):
-            pos = self.cache.place(1, start=self.length + k)
+            pos = self.cache.place(1, start=self.length + k)[0]
             token = self._pick(self._forward(token[None], pos), uniforms, k)
             drafts.append(token)
         self.buffers.tokens_T.copy_(torch.cat(drafts))

@@ -6,10 +6,9 @@ Drafting feeds its own guesses back in, so draft token k is its guess for the k-
 Shape legend:  B batch, T sequence, V vocabulary (the target's), n committed tokens, k = max_depth.
     tokens [1, n] -> draft model (its own KV cache, kept between proposals) -> chain tokens [k], probs_NV [k, V] | None
 
-Decoding a batch (the decode loop, batch 1 included): ``rows`` drafts every row in one forward per draft step over a
-preallocated ragged cache (``heads.draft_model.rows``). ``propose`` below drafts one sequence: per-row copies
-(``heads.base.ForkedRows``) use it for sliding-window draft models, whose ``DynamicCache`` rolls windows back, and the
-batched rows are tested against it. Its cache holds the ids of the previous proposal's context and all its drafts but
+Decoding (batch 1 and batch B): the decoder drafts through ``static_draft`` (below). ``propose`` drafts one
+sequence eagerly: per-row copies (``heads.base.ForkedRows``) use it for sliding-window draft models, whose
+``DynamicCache`` rolls windows back, and the static draft is tested against it. Its cache holds the ids of the previous proposal's context and all its drafts but
 the last (the last draft is never fed). A new proposal crops the cache back to the longest prefix it shares with
 ``tokens``, feeds the rest in one forward, then drafts one token per forward: argmax when greedy (probabilities
 None), else a draw from the draft logits warped by ``inference.sampling.warp`` exactly as the target's (those rows
@@ -38,10 +37,9 @@ from distill.teacher import DTYPES
 from distill.teacher_output import TeacherOutput
 from distill.toy import ToyTargetConfig, load_or_build_toy_target
 from heads import flops
-from heads.base import DraftOutput, DraftTerm, Drafter, ForkedRows, TargetDims
+from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
 from heads.draft_model.config import (draft_config, drop_tied_aliases, init_from_target, model_from_config,
                                       restore_tied_aliases)
-from heads.draft_model.rows import DraftModelRows
 from heads.draft_model.draft import DraftModelStaticDraft
 from heads.lora import check_lora_spec, check_targets_exist, lora_config
 from inference.generation import cache_kwarg
@@ -317,14 +315,6 @@ class DraftModel(Drafter):
         self._generator: torch.Generator | None = None
         self._proposed: tuple[int, int] | None = None  # (context length, drafts) of the last proposal
         self._valid: int | None = None  # cached entries still right after ``accepted`` (None: compare ids)
-
-    def rows(self, seeds: list[int]):
-        """The decoding state of a batch: every row drafted in one draft-model forward per draft step
-        (``heads.draft_model.rows``). A draft model with sliding-window (or other than plain full-attention) layers
-        keeps per-row copies (``ForkedRows``): the batch's ragged cache keeps every column and has no window."""
-        if not self._batchable():
-            return ForkedRows(self, seeds)
-        return DraftModelRows(self, seeds)
 
     def _batchable(self) -> bool:
         try:

@@ -1,5 +1,5 @@
 """DSpark's decoding after the backbone forward: the slot-by-slot Markov chain and the confidence cut, for one
-sequence (``DSparkDrafter.propose``), a batch of rows (``DSparkRows``) and the capture-safe static step
+sequence (``DSparkDrafter.propose``) and the capture-safe static step
 (``DSparkStaticDraft``).
 
 Which token each output predicts: as in ``heads.dflash`` (block slot k >= 1 at position a + k predicts token a + k);
@@ -13,14 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from heads.base import drafted_chains
-from heads.dflash.rows import DFlashRows
 from heads.dflash.draft import DFlashStaticDraft
 from inference.acceptance import sample_uniform
 from inference.sampling import SamplingConfig, sample, warp
 from inference.static_draft import hashed_uniforms, mark_static
 from inference.batch_steps import cut_width
-from inference.tree import DraftTree
 
 
 def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[SamplingConfig],
@@ -59,22 +56,6 @@ def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[Sam
     if threshold is None:
         return drafts, probs, [T] * B
     return drafts, probs, kept.tolist()
-
-
-class DSparkRows(DFlashRows):
-    """``ProposerRows`` for one ``heads.dspark.DSparkDrafter``: DFlash's batched backbone, then every row's chain
-    with its Markov bias and its own confidence cut."""
-
-    @torch.no_grad()
-    def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
-        out, anchors = self.block_out(tokens)
-        top = out.shape[1]
-        generators = [None if s.greedy else self._sampler(b, out.device) for b, s in enumerate(samplings)]
-        drafts, probs, kept = draft_chain(self.drafter, out, anchors, samplings, generators)
-        cutting = self.drafter.confidence_threshold is not None
-        wants = [min(top, want, cut_width(kept[b], top) if cutting else top) for b, want in enumerate(depths)]
-        self.drafter.offered += sum(max(min(n, k), 0) for n, k in zip(wants, kept))
-        return drafted_chains(drafts, probs, tokens, wants, samplings)
 
 
 class DSparkStaticDraft(DFlashStaticDraft):

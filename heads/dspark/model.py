@@ -41,7 +41,7 @@ from distill.chunked import Frozen, TeacherRows, chunked_acceptance
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, TargetDims
 from heads.dflash.model import DFlashDrafter
-from heads.dspark.draft import DSparkRows, DSparkStaticDraft, draft_chain
+from heads.dspark.draft import DSparkStaticDraft, draft_chain
 from inference.sampling import GREEDY, SamplingConfig
 from inference.batch_steps import cut_width
 from inference.tree import DraftTree
@@ -251,9 +251,6 @@ class DSparkDrafter(DFlashDrafter):
         for s in self.__dict__.get("_static_drafts", {}).values():
             if isinstance(s, DSparkStaticDraft):
                 s.offered.zero_()
-
-    def rows(self, seeds: list[int]):
-        return DSparkRows(self, seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         rows = committed.ids_M.shape[0]

@@ -5,7 +5,7 @@ Which token each output predicts: as in ``heads.eagle`` (context pair t = the ta
 whose output predicts token t + 2; a depth-d node predicts the token d + 1 past the pending one).
 
 One buffer of C = capacity + M + S columns holds every key the drafter's attention reads; attention reads its first
-B columns, a capacity bucket (``inference.static_cache.capacity_buckets`` of C; a Python constant per recorded step):
+B columns, a capacity bucket (``inference.batch_cache.capacity_buckets`` of C; a Python constant per recorded step):
 
     columns [0, B - S)        context pairs, column = position; ``length`` (a device scalar) of them are valid. A
                               catch-up writes all M rows at length + i, and the rows past the committed count land
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inference.dynamic_tree import expand_dynamic_trees
-from inference.static_cache import capacity_buckets
+from inference.batch_cache import capacity_buckets
 from inference.static_draft import (CommittedBuffers, DraftBuffers, check_layers_held,
                                      check_prompt_fits, mark_static)
 

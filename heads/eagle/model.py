@@ -35,11 +35,10 @@ Decoding: context pairs (target feature at t, token t+1) only ever come from com
 context KV cache only grows (cropped to the common prefix if asked to re-propose an earlier context); draft nodes
 keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.dynamic_tree``) or a top-1 chain
 (``tree: chain``); candidates are top-k picks, so they carry no draft probabilities and sampling stays lossless.
-The decode loop drafts through ``rows`` (``heads.eagle.rows.EagleRows``: every row of a batch, batch 1 included,
-in one forward per tree level over a ragged context cache); ``propose`` below is the one-sequence entry on an
-arbitrary context, and both grow their trees with ``heads.eagle.rows.draft_trees``. The step decoder drafts through
-``static_draft`` instead (``heads.eagle.draft``): the catch-up and every level as one capture-safe step over buffers
-allocated once, drafting what ``propose`` drafts on the same context.
+The decoder drafts through ``static_draft`` (``heads.eagle.draft``): the catch-up and every level as one
+capture-safe step over buffers allocated once, at every row of a batch. ``propose`` below is the eager one-sequence
+entry on an arbitrary context (its trees grown by ``heads.eagle.trees.draft_trees``): the reference the static draft
+is tested against, and what per-row copies run where the verify cannot take a static draft.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from distill.chunked import Finished, Frozen, TeacherRows, slice_positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads import flops
-from heads.eagle.rows import EagleRows, draft_trees
+from heads.eagle.trees import draft_trees
 from heads.eagle.draft import EagleStaticDraft
 from heads.eagle.attention import EXPLICIT_ATTENTION_ELEMENTS, EXPLICIT_MAX_SEQ, explicit_ttt_attention
 from heads.eagle.variants import TREE_MODES, VARIANTS, check_eagle31, default_feature_layers
@@ -417,10 +416,6 @@ class EagleDrafter(Drafter):
 
     def accepted(self, path: list[int], committed: list[int] | None = None) -> None:
         self._extends = True  # the next context extends the processed one: no comparison needed (_advance)
-
-    def rows(self, seeds: list[int]):
-        """The decoding state of a batch: every row drafted in one forward per tree level (``heads.eagle.rows``)."""
-        return EagleRows(self, len(seeds))
 
     @torch.no_grad()
     def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:

@@ -73,7 +73,6 @@ class MedusaHead(nn.Sequential):
         return chunked_divergence(self.features(x), self.projection(finish), teacher, loss_fn, weight_N=weight_N)
 
 
-
 class MedusaHeads(Drafter):
     name = "medusa"
     teacher_layers = (-1,)
@@ -162,10 +161,6 @@ class MedusaHeads(Drafter):
             raise RuntimeError("MedusaHeads.propose called before observe(); the decoder must prefill first")
         return self.draft(self._last_hidden_1D, max_depth)[0]
 
-    def rows(self, seeds: list[int]) -> "MedusaRows":
-        """A batch's state: every row's newest hidden state; all rows' heads run in one call."""
-        return MedusaRows(self, len(seeds))
-
     @torch.no_grad()
     def draft(self, hidden_BD: Tensor, max_depth: int) -> list[DraftTree]:
         """One proposal per row from the target's newest hidden state of each row: the heads run once on [B, D]."""
@@ -201,33 +196,6 @@ class MedusaHeads(Drafter):
             parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
             self._tree_index[key] = (ranks, flat, parents, tree.depth)
         return self._tree_index[key]
-
-
-
-class MedusaRows:
-    """``inference.proposer.ProposerRows`` for Medusa: each row's newest target hidden state, drafted together."""
-
-    def __init__(self, drafter: MedusaHeads, batch_size: int):
-        self.drafter = drafter
-        self.last: list[Tensor | None] = [None] * batch_size  # per row: [1, D]
-
-    def observe(self, row: int, hidden: dict[int, Tensor]) -> None:
-        self.last[row] = hidden[-1][:, -1]
-
-    def accepted(self, row: int, path: list[int], committed: list[int] | None = None) -> None:
-        """Nothing to keep: the heads read the newest position only."""
-
-    def keep(self, rows: list[int]) -> None:
-        self.last = [self.last[r] for r in rows]
-
-    def propose(self, tokens: list[Tensor], depths: list[int], samplings: list[SamplingConfig]) -> list[DraftTree]:
-        """Every row drafted to depth min(depths) (candidates are argmax / top-k picks: sampling does not change
-        them)."""
-        if min(depths) < 1:
-            return [DraftTree.empty(t.device) for t in tokens]
-        if any(h is None for h in self.last):
-            raise RuntimeError("MedusaRows.propose called before observe(); the decoder must prefill first")
-        return self.drafter.draft(torch.cat(self.last), min(depths))
 
 
 class MedusaStaticDraft:

@@ -51,7 +51,6 @@ from heads import flops
 from heads.base import DraftOutput, TargetDims
 from heads.eagle.model import EagleDrafter
 from heads.layers import DraftLayer, RMSNorm
-from heads.peagle.rows import PEagleRows
 from heads.peagle.draft import PEagleStaticDraft
 from heads.train_attention import StructuredMask, attend, parallel_chain_mask
 from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
@@ -202,10 +201,6 @@ class PEagleDrafter(EagleDrafter):
         self._upper_kv: list[tuple[Tensor, Tensor]] = []  # per upper layer: the context pairs' keys / values
         self._seed = seed
         self._generator: torch.Generator | None = None
-
-    def rows(self, seeds: list[int]):
-        """A batch drafts every row's chain in one forward per step (``heads.peagle.rows``)."""
-        return PEagleRows(self, seeds)
 
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole chain as one capture-safe step (``heads.peagle.draft``), drafting ``depth``
