@@ -322,9 +322,6 @@ class ForkedRows:
     def __init__(self, drafter: Drafter, seeds: list[int]):
         self.forks = [fork_drafter(drafter, s) for s in seeds]
 
-    def __len__(self) -> int:
-        return len(self.forks)
-
     def observe(self, row: int, hidden: dict[int, Tensor]) -> None:
         self.forks[row].observe(hidden)
 

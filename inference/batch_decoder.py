@@ -11,7 +11,7 @@ columns); then per step the host
    rows' stacked states), compiled or recorded like the verify steps, writing the step's draft buffers on the device;
    rows near the end of their budget get token -1 past the tokens they still need, and a drafter that cuts its own
    chains (DSpark's confidence cut) is verified in the bucket of the longest row's cut (one read-back of every row's
-   kept count). Lookup, and a draft the verify cannot take (wider than its buffers, sampled siblings), propose
+   kept count). Lookup, and a draft the verify cannot take (siblings sampled with draft probabilities), propose
    through per-row copies of the drafter (``drafter.rows(seeds)``), each row's chain or tree copied into the step's
    buffers, padded with token -1. A plain step (γ = 0 from the policy)
    verifies nothing drafted; a static draft step still runs before it, keeping the rows' draft state in step;

@@ -7,7 +7,8 @@ target runs ONE forward over [pending token, candidates...] on top of its KV cac
 and explicit position ids); the acceptance rule picks the accepted path and one target token on the device, read back
 once; the drafter is handed the accepted path's hidden states; rejected entries leave the cache. A single prompt is
 the one-row bucket of the same steps. On CUDA each step is a CUDA graph replay (``decoder.cuda_graphs``).
-``plain_eager`` (the model's own forward over a ``DynamicCache``) is the reference the steps are tested against.
+The reference the steps are tested against (the model's own forward over a ``DynamicCache``) is the tests'
+(tests/eager_reference.py).
 
 Shapes: a single sequence (batch 1): ``tokens`` [1, n]. The pending token is the last committed token, predicted by
 the target but not yet fed to it.
@@ -16,30 +17,19 @@ the target but not yet fed to it.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
-from transformers import Cache, DynamicCache
 
 from inference.acceptance import TYPICAL_ALPHA, TYPICAL_THRESHOLD
 from inference.batch_decoder import BucketDecoder
 from inference.session import Session
-from inference.generation import (  # noqa: F401  (re-exported: callers import them from here)
-    ACCEPTANCE_RULES,
-    Generation,
-    cache_kwarg,
-    check_prompt,
-    check_vocab,
-    finish,
-    prefill_kwargs,
-    sync,
-)
+from inference.generation import ACCEPTANCE_RULES, Generation, check_prompt, check_vocab, finish
 from inference.masks import AttentionLayout
 from inference.proposer import Proposer
-from inference.sampling import SamplingConfig, sample, warp
+from inference.sampling import SamplingConfig
 from inference.runner import StepRunner
 
 log = logging.getLogger(__name__)
@@ -93,16 +83,13 @@ class Decoder:
         self.acceptance = config.acceptance
         self.device = teacher.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.mask_dtype = next(self.model.parameters()).dtype
         # Sliding-window layers see their window through the masks, over a cache that keeps every layer whole
         # (inference.masks), so a context longer than the window decodes like any other.
         self.layout = AttentionLayout.of(self.model)
         self.max_positions = teacher.max_positions
-        self.prefill_kw = prefill_kwargs(self.model)
         if config.acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"decoder.acceptance={config.acceptance!r}; valid: {list(ACCEPTANCE_RULES)} (typical is "
                              f"lossy)")
-        self._cache_kw = cache_kwarg(self.model)
         # How the steps run (CUDA graphs, compile), drawing from this generator.
         self.runner = StepRunner(self.device, self.generator, cuda_graphs=config.cuda_graphs, compile=config.compile)
         # One prompt or a batch: the same steps, in batch buckets (a single prompt is the one-row bucket).
@@ -121,16 +108,6 @@ class Decoder:
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
-
-    def _forward(self, inputs: dict, cache: Cache, layers: tuple[int, ...]):
-        out = self.model(**inputs, **{self._cache_kw: cache}, use_cache=True, output_hidden_states=bool(layers))
-        hidden = {i: out.hidden_states[self.teacher.resolve_layer(i)] for i in layers}
-        return out.logits[0], hidden  # [m, V], {layer: [1, m, D]}
-
-    def _next_token(self, logits_V: Tensor) -> Tensor:
-        if self.sampling.greedy:
-            return logits_V.argmax(-1, keepdim=True)
-        return sample(warp(logits_V[None], self.sampling), self.generator)
 
     def finish(self, committed: list[int], max_new_tokens: int) -> list[int]:
         """``finish`` with this decoder's EOS."""
@@ -156,28 +133,6 @@ class Decoder:
         committed tokens; a drafter (None: plain steps only) drafting at most ``num_draft`` deep. The caller pins the
         attention backend (``self.runner.pinned()``) around it."""
         return Session(self.batch, drafter, prompt_ids, max_new_tokens, num_draft)
-
-    @torch.no_grad()
-    def plain_eager(self, prompt_ids: Tensor, max_new_tokens: int) -> Generation:
-        """``plain`` through the model's own forward and a ``DynamicCache`` (the reference the step path matches)."""
-        check_prompt(prompt_ids, max_new_tokens, 0, self.max_positions)
-        sync(self.device)
-        start = time.perf_counter()
-        cache = DynamicCache()
-        logits, _ = self._forward({"input_ids": prompt_ids.to(self.device), **self.prefill_kw}, cache, ())
-        nxt = self._next_token(logits[-1])
-        out = [int(nxt)]
-        while len(out) < max_new_tokens and out[-1] != self.eos_token_id:
-            nxt = self.plain_step(nxt, cache)
-            out.append(int(nxt))
-        sync(self.device)
-        return Generation(new_tokens=self.finish(out, max_new_tokens), seconds=time.perf_counter() - start)
-
-    def plain_step(self, token: Tensor, cache: Cache) -> Tensor:
-        """One plain decoding step: feed ``token`` (the last committed one, [1]), return the next ([1], on the
-        device). ``plain`` runs it per token; ``inference.cost`` times it as t_plain."""
-        logits, _ = self._forward({"input_ids": token.view(1, 1)}, cache, ())
-        return self._next_token(logits[-1])
 
     @torch.no_grad()
     def speculative(self, drafter: Proposer, prompt_ids: Tensor, max_new_tokens: int, num_draft: int) -> Generation:

@@ -28,7 +28,6 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from inference.tree import DraftTree
 
 LevelScore = Callable[[int, Optional[Tensor], Optional[Tensor]], Tensor]
 
@@ -50,18 +49,6 @@ def _top(logits_FV: Tensor, k: int) -> tuple[Tensor, Tensor]:
     top = logits_FV.topk(min(k, logits_FV.shape[-1]), dim=-1)
     norm = torch.logsumexp(logits_FV.float(), -1, keepdim=True)
     return (top.values.float() - norm).double(), top.indices
-
-
-def expand_dynamic_tree(score: LevelScore, top_k: int, depth: int, total_tokens: int) -> DraftTree:
-    """One sequence's tree: ``expand_dynamic_trees`` with a batch of one (``score`` as in the module docstring)."""
-
-    def batched(level: int, parent_slot_BF: Optional[Tensor], tokens_BF: Optional[Tensor]) -> Tensor:
-        if level == 0:
-            return score(0, None, None)
-        return score(level, parent_slot_BF[0], tokens_BF[0])[None]
-
-    tokens, parents = expand_dynamic_trees(batched, top_k, depth, total_tokens)
-    return DraftTree(tokens[0], parents[0], chain_hint=top_k == 1, depth_bound=depth)
 
 
 def expand_dynamic_trees(score: LevelScore, top_k: int, depth: int, total_tokens: int) -> tuple[Tensor, Tensor]:

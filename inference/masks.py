@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -51,10 +50,6 @@ class AttentionLayout:
     @property
     def sliding(self) -> bool:
         return self.window is not None
-
-    def new_cache(self) -> DynamicCache:
-        """A cache that keeps every layer whole, whatever its type (see the module docstring)."""
-        return DynamicCache()
 
     def additive(self, allowed_BNK: Tensor, q_pos_BN: Tensor, k_pos_BK: Tensor,
                  dtype: torch.dtype) -> Tensor | dict[str, Tensor]:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from inference.acceptance import sample_uniform
 from inference.hash32 import MASK32, mix32, mul32
-from inference.sampling import SamplingConfig, warp
+from inference.sampling import warp
 
 
 @dataclass
@@ -141,17 +141,6 @@ def new_committed(rows: int, layers: tuple[int, ...], hidden_size: int, device: 
         position=torch.zeros((), **long),
         pending=torch.zeros((), **long),
     )
-
-
-class StaticDrafting(Protocol):
-    """The optional capability a ``inference.proposer.Proposer`` offers (``heads.base.Drafter`` returns None by
-    default: that drafter decodes on the eager path only)."""
-
-    def static_draft(self, committed: CommittedBuffers, capacity: int, sampling: SamplingConfig,
-                     generator: torch.Generator | None) -> StaticDraft | None:
-        """Allocate this drafter's state for sequences of at most ``capacity`` positions reading ``committed``
-        (outside any capture), or None when this drafter (or this sampling setting) has no static step."""
-        ...
 
 
 def hashed_uniforms(seed: Tensor, counter: Tensor, index_n: Tensor) -> Tensor:

@@ -350,13 +350,20 @@ def main(argv=None) -> None:
 
 def dspark_views(drafters: dict, thresholds: str, eager: bool) -> dict:
     """The trained DSpark drafter again (same weights) with each confidence threshold, and, with ``eager``, each of
-    those rows through its eager proposal (a copy whose ``static_draft`` offers none)."""
+    those rows through its eager proposal (a copy whose ``static_draft`` offers none). The eager proposal is the
+    tests' readable reference (tests/eager_reference.py), put on the drafter classes here."""
     views = {}
     for name in ("dspark", "dspark_nomarkov"):  # with and without the Markov head: the confidence cut on both
         if name in drafters:
             for t in [float(x) for x in thresholds.split(",") if x.strip()]:
                 views[f"{name}[conf={t:g}]"] = drafters[name].with_threshold(t)
     if eager:  # the full method only (its Markov head and its cut)
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.eager_reference import install
+
+        install()
         for name, d in [(k, v) for k, v in {**drafters, **views}.items() if k.split("[")[0] == "dspark"]:
             view = d.with_threshold(d.confidence_threshold)
             view.static_draft = lambda *args, **kwargs: None

@@ -40,6 +40,10 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from distill.teacher import Teacher  # noqa: E402
 
+from tests.eager_reference import install as install_eager_reference  # noqa: E402
+
+install_eager_reference()  # the eager proposals the static drafts are tested against (tests/eager_reference.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)  # OMP_NUM_THREADS above
 

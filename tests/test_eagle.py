@@ -16,7 +16,7 @@ from heads.eagle.model import EagleDrafter
 from heads.eagle.variants import default_feature_layers
 from heads.layers import vocab_maps
 from heads.train_attention import ttt_step_mask
-from heads.eagle.trees import BatchNodes, score_level
+from tests.eager_reference import BatchNodes, score_level
 from inference.decoder import Decoder
 from tests.conftest import make_tiny_llama
 from inference.stats import simulated_tau

@@ -9,7 +9,8 @@ import torch
 
 from distill.losses import forward_kl
 from heads.base import build_drafter
-from heads.peagle.model import PEagleDrafter, parallel_mask
+from heads.peagle.model import PEagleDrafter
+from heads.train_attention import parallel_chain_mask
 from heads.saved import load_drafter
 from inference.batch_decoder import BucketDecoder
 from inference.decoder import Decoder
@@ -65,6 +66,14 @@ def test_training_chains_equal_the_decoding_chain(teacher, vocab, num_layers):
         cropped = drafter.chain_logits(ids[0, :9], drafter.num_depths)[:, drafter.d2t]
     for d in range(drafter.num_depths):
         torch.testing.assert_close(cropped[d], out.terms[d].student_NV[7], atol=1e-5, rtol=1e-5)
+
+
+def parallel_mask(attn_BT: torch.Tensor, anchors_BN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[B, 1, Q, Q] bool, ``heads.train_attention.parallel_chain_mask`` as a dense tensor, over the queries [depth 0
+    at 0..T-1 | depth 1's n_1 chains | depth 2's n_2 | ...] (chain i of every depth is anchored at
+    ``anchors_BN[:, i]``): depth 0 is causal over real tokens (a query always sees itself); a depth-d query of chain
+    i sees the depth-0 keys <= its anchor that are real tokens and the depth 1..d keys of chain i."""
+    return parallel_chain_mask(attn_BT, anchors_BN, counts, right_padded=False).dense(attn_BT.device)
 
 
 def test_parallel_mask_sees_the_context_up_to_the_anchor_and_its_own_chain():

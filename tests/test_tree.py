@@ -9,9 +9,9 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from distill.teacher import Teacher
 from heads.base import Drafter, build_drafter
 from inference.decoder import Decoder
-from inference.dynamic_tree import expand_dynamic_tree
 from inference.tree import DraftTree, parse_tree, tree_geometry
 from tests.drafters import noisy_medusa
+from tests.eager_reference import expand_dynamic_tree
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),

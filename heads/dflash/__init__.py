@@ -1,6 +1,6 @@
 """DFlash, the block-parallel drafter: ``layers`` (its attention over target context and block), ``model`` (training
-and the drafter's interface), ``rows`` (the eager drafting of a batch's rows), ``draft`` (the capture-safe static
-draft step)."""
+and the drafter's interface), ``draft`` (the capture-safe static draft step, run at every row of
+a batch)."""
 
 from heads.dflash.model import DFlashDrafter
 

@@ -51,8 +51,7 @@ from heads.dflash.draft import DFlashStaticDraft
 from heads.dflash.layers import DFlashLayer
 from heads.layers import RMSNorm, vocab_maps
 from heads.train_attention import dflash_block_mask
-from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
-from inference.tree import DraftTree
+from inference.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -376,82 +375,10 @@ class DFlashDrafter(Drafter):
         return math.exp(-(k - 1) / self.loss_gamma)
 
     # --- decoding ------------------------------------------------------------------------------------------
-    def reset(self, seed: int = 0) -> None:
-        self._seed = seed
-        self._generator: torch.Generator | None = None
-        self._feats: list[Tensor] = []  # [m, F*D] per observe call: target features of committed positions
-        self._num_feats = 0
-        self._ctx_kv: list[tuple[Tensor, Tensor]] | None = None  # per layer: [1, g, c, hd] context keys / values
-        self._ctx_len = 0
-
-    def observe(self, hidden: dict[int, Tensor]) -> None:
-        if not hidden:
-            return
-        new = torch.cat([hidden[i][0] for i in self.teacher_layers], -1)
-        self._feats.append(new)
-        self._num_feats += new.shape[0]
-
-    def _context_keys(self, need: int) -> list[tuple[Tensor, Tensor]]:
-        """Every layer's context keys / values for positions 0 .. need - 1 (computed once per position)."""
-        if self._num_feats < need:
-            raise RuntimeError(f"{self.name}.propose needs target features for {need} tokens, observed "
-                               f"{self._num_feats}; the decoder must observe() the prefill and every step")
-        if self._ctx_len < need:
-            if len(self._feats) > 1:
-                self._feats = [torch.cat(self._feats)]
-            dev, dtype = self.fc.weight.device, self.fc.weight.dtype
-            new = self._context(self._feats[0][self._ctx_len: need].to(dev, dtype)[None])
-            pos = torch.arange(self._ctx_len, need, device=dev)
-            fresh = [layer.self_attn.keys(new, pos) for layer in self.layers]
-            if self._ctx_kv is not None:
-                fresh = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
-                         for (k0, v0), (k, v) in zip(self._ctx_kv, fresh)]
-            self._ctx_kv, self._ctx_len = fresh, need
-        return [(k[:, :, :need], v[:, :, :need]) for k, v in self._ctx_kv]
-
-    def _sampler(self, device: torch.device) -> torch.Generator:
-        self._generator = seeded_generator(self._generator, self._seed, device)
-        return self._generator
-
-    @torch.no_grad()
-    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
-        depth = min(self.depth or self.block_size - 1, max_depth, self.block_size - 1)
-        if depth < 1:
-            return DraftTree.empty(tokens.device)
-        logits = self._block_logits(tokens[0, -1], tokens.shape[1] - 1)[1: depth + 1]  # [depth, V]
-        if sampling.greedy:
-            return DraftTree.chain(logits.argmax(-1).to(tokens.device))
-        probs = warp(logits, sampling)
-        drafts = sample(probs, self._sampler(probs.device))
-        return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
-
-    def _block_logits(self, anchor: Tensor, position: int) -> Tensor:
-        return self.draft_logits(self.block_states(anchor, position))
-
-    def block_states(self, anchor: Tensor, position: int) -> Tensor:
-        """[S, D]: the normed states of the whole block [anchor, MASK ...] at ``position`` .. ``position`` + S - 1 over
-        the context keys of positions < ``position`` (all of them, or those inside the sliding window of each slot's
-        position), as trained (the masked slots attend to one another); row k >= 1 predicts the token at position + k.
-        """
-        keys = self._context_keys(position)
-        dev = self.fc.weight.device
-        S = self.block_size
-        block = torch.full((1, S), self.mask_token_id, dtype=torch.long, device=dev)
-        block[0, 0] = anchor
-        h = self._embed(block, self.fc.weight)
-        pos = torch.arange(position, position + S, device=dev)
-        mask = None
-        if self.sliding_window is not None:  # slot k sees context positions within the window of its own position
-            sees = (pos[:, None] - torch.arange(position, device=dev)[None, :]) < self.sliding_window
-            mask = torch.cat([sees, torch.ones(S, S, dtype=torch.bool, device=dev)], 1)[None, None]
-        for layer, (ck, cv) in zip(self.layers, keys):
-            h = layer(h, pos, ck, cv, mask)
-        return self.norm(h[0])
-
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole block as one capture-safe step (``heads.dflash.draft``), drafting ``depth``
         tokens, at most as many as the committed buffers allow (their rows - 1, the decoder's draft length) and the
-        block holds, as ``propose`` clips to its ``max_depth``."""
+        block holds."""
         rows = committed.ids_M.shape[0]
         depth = min(self.depth or self.block_size - 1, rows - 1, self.block_size - 1)
         # keyed by the weights' dtype too: its buffers are allocated in it (eval times each candidate dtype)

@@ -1,6 +1,5 @@
-"""DFlash2's drafting after the backbone forward: the selector's walk over each slot's top-K candidates, for one
-sequence (``DFlash2Drafter.propose``) and the capture-safe static step
-(``DFlash2StaticDraft``).
+"""DFlash2's drafting after the backbone forward: the selector's walk over each slot's top-K candidates, in the
+capture-safe static step (``DFlash2StaticDraft``).
 
 Which token each output predicts: as in ``heads.dflash`` (block slot k >= 1 at position a + k predicts token a + k);
 slot k's scores read the token the walk took at slot k - 1 (slot 1: the anchor).
@@ -19,7 +18,7 @@ from torch import Tensor
 
 from heads.dflash.draft import DFlashStaticDraft
 from inference.acceptance import sample_uniform
-from inference.sampling import SamplingConfig, sample, warp
+from inference.sampling import warp
 from inference.static_draft import hashed_uniforms
 
 
@@ -32,28 +31,6 @@ def candidates(drafter, out_BTD: Tensor, head_rows: Tensor | None = None) -> tup
     projected = sel.hidden_projection(out_BTD.to(sel.hidden_projection.weight.dtype))
     K = unary.shape[-1]
     return unary.view(B, T, K), cand.view(B, T, K), projected
-
-
-def select_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[SamplingConfig],
-                 generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor | None]:
-    """Every row's walk over its slots' candidates: (drafts [B, T], the sampled rows' draft distributions [B, T, V],
-    None when every row is greedy)."""
-    B, T, _ = out_BTD.shape
-    unary, cand, projected = candidates(drafter, out_BTD)
-    sampled = [not s.greedy for s in samplings]
-    probs = out_BTD.new_zeros(B, T, drafter.dims.vocab_size, dtype=torch.float32) if any(sampled) else None
-    drafts = torch.empty(B, T, dtype=torch.long, device=out_BTD.device)
-    prev = anchors_B.to(out_BTD.device)
-    for k in range(T):
-        scores = drafter.candidate_selector.scores(prev, projected[:, k], cand[:, k], unary[:, k])  # [B, K]
-        pick = scores.argmax(-1)
-        for b in (b for b in range(B) if sampled[b]):
-            q = warp(scores[b: b + 1], samplings[b])  # [1, K]
-            probs[b, k].scatter_(0, cand[b, k], q[0])
-            pick[b] = sample(q, generators[b])[0]
-        prev = cand[:, k].gather(1, pick[:, None])[:, 0]
-        drafts[:, k] = prev
-    return drafts, probs
 
 
 class DFlash2StaticDraft(DFlashStaticDraft):

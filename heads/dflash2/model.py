@@ -44,9 +44,8 @@ from heads import flops
 from heads.base import DraftOutput, TargetDims
 from heads.dflash.model import DFlashDrafter
 from heads.dflash2.conv import DFlash2Layer
-from heads.dflash2.draft import DFlash2StaticDraft, select_chain
-from inference.sampling import GREEDY, SamplingConfig
-from inference.tree import DraftTree
+from heads.dflash2.draft import DFlash2StaticDraft
+from inference.sampling import SamplingConfig
 
 _CANDIDATE_ROWS = 4096  # rows of a slot's unary logits made at once while training (the full vocabulary each)
 
@@ -169,20 +168,6 @@ class DFlash2Drafter(DFlashDrafter):
         return node
 
     # --- decoding ------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
-        if self.candidate_selector is None:
-            return super().propose(tokens, max_depth, sampling)
-        depth = min(self.depth or self.block_size - 1, max_depth, self.block_size - 1)
-        if depth < 1:
-            return DraftTree.empty(tokens.device)
-        out = self.block_states(tokens[0, -1], tokens.shape[1] - 1)[1: depth + 1]  # [depth, D]
-        generator = None if sampling.greedy else self._sampler(out.device)
-        drafts, probs = select_chain(self, out[None], tokens[0, -1:].to(out.device), [sampling], [generator])
-        if probs is None:
-            return DraftTree.chain(drafts[0].to(tokens.device))
-        return DraftTree.chain(drafts[0].to(tokens.device), probs[0].to(tokens.device))
-
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         if self.candidate_selector is None:
             return super().static_draft(committed, capacity, sampling, generator)

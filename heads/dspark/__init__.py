@@ -1,5 +1,5 @@
 """DSpark: DFlash's block drafter plus a Markov head and a confidence head. ``model`` trains and holds it, ``draft``
-drafts (one sequence eagerly, and the capture-safe static step)."""
+drafts (the capture-safe static step)."""
 
 from heads.dspark.model import DSparkDrafter
 

@@ -1,6 +1,5 @@
-"""DSpark's decoding after the backbone forward: the slot-by-slot Markov chain and the confidence cut, for one
-sequence (``DSparkDrafter.propose``) and the capture-safe static step
-(``DSparkStaticDraft``).
+"""DSpark's decoding after the backbone forward: the slot-by-slot Markov chain and the confidence cut, in the
+capture-safe static step (``DSparkStaticDraft``).
 
 Which token each output predicts: as in ``heads.dflash`` (block slot k >= 1 at position a + k predicts token a + k);
 slot k's Markov bias reads the token drafted at slot k - 1 (slot 1: the anchor).
@@ -11,51 +10,11 @@ Shapes: B rows, T drafted slots, D hidden size, V vocabulary, r Markov rank.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from heads.dflash.draft import DFlashStaticDraft
 from inference.acceptance import sample_uniform
-from inference.sampling import SamplingConfig, sample, warp
+from inference.sampling import SamplingConfig, warp
 from inference.static_draft import hashed_uniforms, mark_static
-from inference.batch_steps import cut_width
-
-
-def draft_chain(drafter, out_BTD: Tensor, anchors_B: Tensor, samplings: list[SamplingConfig],
-                generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor | None, list[int]]:
-    """Every row's drafts from its slots' states ``out_BTD``, slot by slot (the Markov bias of the token before):
-    (drafts [B, T], the sampled rows' draft distributions [B, T, V] (None when every row is greedy), the slots each
-    row's confidence cut keeps: T without ``confidence_threshold``). A cut chain offers its verify bucket
-    (``inference.batch_steps.cut_width``) filled with drafted tokens, since the bucket's width is paid either way; so with
-    the cut the loop stops once every row is cut and the widest row's bucket is drafted; later slots stay -1."""
-    B, T, _ = out_BTD.shape
-    prev = anchors_B.to(out_BTD.device)
-    sampled = [not s.greedy for s in samplings]
-    probs = out_BTD.new_zeros(B, T, drafter.dims.vocab_size) if any(sampled) else None
-    threshold = drafter.confidence_threshold
-    drafts = torch.full((B, T), -1, dtype=torch.long, device=out_BTD.device)
-    running = out_BTD.new_ones(B, dtype=torch.float32)  # the product of the confidences so far
-    kept = out_BTD.new_zeros(B, dtype=torch.long)
-    cut = False  # every row cut
-    for k in range(T):
-        if cut and k >= cut_width(int(kept.max()), T):
-            break
-        latent = drafter.latent(prev, out_BTD)
-        logits = drafter.slot_logits(out_BTD[:, k], latent)  # [B, V]
-        token = logits.argmax(-1)
-        for b in (b for b in range(B) if sampled[b]):
-            p = warp(logits[b: b + 1], samplings[b])
-            probs[b, k] = p[0]
-            token[b] = sample(p, generators[b])[0]
-        drafts[:, k] = token
-        prev = token
-        if threshold is not None and not cut:
-            running = running * torch.sigmoid(drafter.confidence(out_BTD[:, k], latent).float())
-            alive = running >= threshold  # a prefix per row: the product only falls
-            kept += alive
-            cut = not bool(alive.any())
-    if threshold is None:
-        return drafts, probs, [T] * B
-    return drafts, probs, kept.tolist()
 
 
 class DSparkStaticDraft(DFlashStaticDraft):

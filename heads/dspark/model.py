@@ -41,10 +41,8 @@ from distill.chunked import Frozen, TeacherRows, chunked_acceptance
 from distill.teacher_output import TeacherOutput
 from heads.base import DraftOutput, DraftTerm, TargetDims
 from heads.dflash.model import DFlashDrafter
-from heads.dspark.draft import DSparkStaticDraft, draft_chain
-from inference.sampling import GREEDY, SamplingConfig
-from inference.batch_steps import cut_width
-from inference.tree import DraftTree
+from heads.dspark.draft import DSparkStaticDraft
+from inference.sampling import SamplingConfig
 
 
 class MarkovHead(nn.Module):
@@ -218,23 +216,6 @@ class DSparkDrafter(DFlashDrafter):
         """With the confidence cut, chains end where the drafter stops trusting them: the decoders verify each in
         the bucket of its own length."""
         return self.confidence_threshold is not None
-
-    @torch.no_grad()
-    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
-        depth = min(self.depth or self.block_size - 1, max_depth, self.block_size - 1)
-        if depth < 1:
-            return DraftTree.empty(tokens.device)
-        out = self.block_states(tokens[0, -1], tokens.shape[1] - 1)[1: depth + 1]  # [depth, D]
-        anchor = tokens[0, -1:].to(out.device)
-        generator = None if sampling.greedy else self._sampler(out.device)
-        drafts, probs, kept = draft_chain(self, out[None], anchor, [sampling], [generator])
-        n = depth if self.confidence_threshold is None else cut_width(kept[0], depth)
-        self.offered += min(n, kept[0])
-        if n == 0:
-            return DraftTree.empty(tokens.device)
-        if probs is None:
-            return DraftTree.chain(drafts[0, :n].to(tokens.device))
-        return DraftTree.chain(drafts[0, :n].to(tokens.device), probs[0, :n].to(tokens.device))
 
     def reset(self, seed: int = 0) -> None:
         super().reset(seed)

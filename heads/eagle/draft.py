@@ -140,7 +140,6 @@ class EagleStaticDraft:
         ids_M[i] and the token after it, ids_M[i + 1] or the pending token); advance ``length`` by ``count`` and
         take row count - 1's output as the root. After ``prefill`` the same work runs and is discarded."""
         d, c = self.drafter, self.committed
-        M = self.rows_M.shape[0]
         feats = torch.cat([c.hidden_M[i] for i in d.teacher_layers], -1).to(self.k.dtype)
         nxt = torch.where(self.rows_M + 1 < c.count, c.ids_M.roll(-1), c.pending)
         pos = (self.length + self.rows_M).clamp(max=self.ctx_cols - 1)  # in range whenever length <= capacity

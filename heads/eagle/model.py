@@ -36,9 +36,8 @@ context KV cache only grows (cropped to the common prefix if asked to re-propose
 keep their own temporary keys. Proposals are EAGLE-2 dynamic trees (``inference.dynamic_tree``) or a top-1 chain
 (``tree: chain``); candidates are top-k picks, so they carry no draft probabilities and sampling stays lossless.
 The decoder drafts through ``static_draft`` (``heads.eagle.draft``): the catch-up and every level as one
-capture-safe step over buffers allocated once, at every row of a batch. ``propose`` below is the eager one-sequence
-entry on an arbitrary context (its trees grown by ``heads.eagle.trees.draft_trees``): the reference the static draft
-is tested against, and what per-row copies run where the verify cannot take a static draft.
+capture-safe step over buffers allocated once, at every row of a batch. The eager one-sequence proposal it is tested
+against is the tests' reference (tests/eager_reference.py).
 """
 
 from __future__ import annotations
@@ -56,15 +55,13 @@ from distill.chunked import Finished, Frozen, TeacherRows, slice_positions
 from distill.teacher_output import TeacherOutput
 from heads.base import Drafter, DraftOutput, DraftTerm, TargetDims
 from heads import flops
-from heads.eagle.trees import draft_trees
 from heads.eagle.draft import EagleStaticDraft
 from heads.eagle.attention import EXPLICIT_ATTENTION_ELEMENTS, EXPLICIT_MAX_SEQ, explicit_ttt_attention
 from heads.eagle.variants import TREE_MODES, VARIANTS, check_eagle31, default_feature_layers
 from heads.layers import DraftLayer, RMSNorm, vocab_maps
 from heads.train_attention import StructuredMask, attend, chosen, ttt_step_mask
 from inference.dynamic_tree import check_dynamic_tree_args
-from inference.sampling import GREEDY, SamplingConfig
-from inference.tree import DraftTree
+from inference.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -393,98 +390,12 @@ class EagleDrafter(Drafter):
         return DraftTerm(student_ND, head, teacher, weight=self.kl_weight * self.loss_decay ** j, weight_N=weight_N)
 
     # --- decoding ------------------------------------------------------------------------------------------
-    def reset(self, seed: int = 0) -> None:
-        self._feats: Tensor | None = None  # [capacity, F*D]: target features of the fed tokens, in order
-        self._num_feats = 0
-        self._ctx_ids: Tensor | None = None  # [c]: token t+1 of each processed context pair t
-        self._ctx_kv: tuple[Tensor, Tensor] | None = None  # [1, h, c, hd] keys / values of the context pairs
-        self._ctx_out: Tensor | None = None  # [c, D]: each context pair's output
-        self._extends = False  # set by ``accepted``: the next proposal's context extends the processed one
-
-    def observe(self, hidden: dict[int, Tensor]) -> None:
-        if not hidden:
-            return
-        new = torch.cat([hidden[i][0] for i in self.teacher_layers], -1)
-        end = self._num_feats + new.shape[0]
-        if self._feats is None or end > self._feats.shape[0]:  # grow geometrically: amortised O(1) per token
-            grown = new.new_empty((max(2 * end, 64), new.shape[1]))
-            if self._feats is not None:
-                grown[: self._num_feats] = self._feats[: self._num_feats]
-            self._feats = grown
-        self._feats[self._num_feats: end] = new
-        self._num_feats = end
-
-    def accepted(self, path: list[int], committed: list[int] | None = None) -> None:
-        self._extends = True  # the next context extends the processed one: no comparison needed (_advance)
-
-    @torch.no_grad()
-    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
-        if max_depth < 1:
-            return DraftTree.empty(tokens.device)
-        root_out = self._advance(tokens[0])
-        depth = min(self.depth or max_depth, max_depth)
-        ctx_k, ctx_v = self._ctx_kv
-        dev = ctx_k.device
-        context = torch.full((1,), tokens.shape[1] - 1, dtype=torch.long, device=dev)
-        everything = torch.ones(1, ctx_k.shape[2], dtype=torch.bool, device=dev)
-        tree = draft_trees(self, root_out[None], ctx_k, ctx_v, everything, context, depth)[0]
-        return DraftTree(tree.tokens.to(tokens.device), tree.parents.to(tokens.device), chain_hint=tree.chain_hint,
-                         depth_bound=tree.depth_bound)
-
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole tree (or chain) as one capture-safe step (``heads.eagle.draft``), drafting
         ``depth`` levels, at most as deep as the committed buffers allow (their rows - 1, the decoder's draft
-        length), as ``propose`` clips to its ``max_depth``. Candidates are top-k picks for any ``sampling``, as in
-        ``propose``; ``generator`` is unused."""
+        length). Candidates are top-k picks for any ``sampling``; ``generator`` is unused."""
         rows = committed.ids_M.shape[0]
         depth = min(self.depth or rows - 1, rows - 1)
         settings = (self.tree_mode, self.top_k, depth, self.total_tokens)
         return self.reuse_static_draft(settings, committed, capacity, sampling, generator,
                                        lambda: EagleStaticDraft(self, committed, capacity, depth))
-
-    def _advance(self, seq: Tensor) -> Tensor:
-        """Run the context pairs not yet processed; return the last pair's output [D] (the root of the tree)."""
-        need = seq.shape[0] - 1  # pairs (feature of token t, token t+1) for t = 0 .. n-2: every fed token
-        if self._num_feats < need:
-            raise RuntimeError(f"{self.name}.propose needs target features for {need} tokens, observed "
-                               f"{self._num_feats}; the decoder must observe() the prefill and every step")
-        feats = self._feats
-        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
-        seq = seq.to(dev)
-        processed = 0 if self._ctx_ids is None else self._ctx_ids.shape[0]
-        if self._extends and processed <= need:  # after ``accepted``: the processed pairs are still the context's
-            keep = processed
-        else:
-            keep = self._common_prefix(seq[1: need + 1])
-        self._extends = False
-        if keep < need:
-            x_feats = feats[keep:need].to(dev, dtype)[None]
-            hid = self._first_hidden(x_feats)
-            emb = self._embed(seq[keep + 1: need + 1][None], hid)
-            x, residual = self._layer_input(emb, hid)
-            q, k, v = self.layer.qkv(x, torch.arange(keep, need, device=dev))
-            if self._ctx_kv is not None:
-                k = torch.cat([self._ctx_kv[0][:, :, :keep], k], 2)
-                v = torch.cat([self._ctx_kv[1][:, :, :keep], v], 2)
-            new = need - keep
-            mask = torch.ones(new, need, dtype=torch.bool, device=dev).tril(keep)  # row r sees keys <= keep + r
-            window = self.window_mask(torch.arange(keep, need, device=dev)[:, None], torch.arange(need, device=dev))
-            mask = mask if window is None else mask & window
-            out = self._finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)[0]
-            self._ctx_kv = (k, v)
-            self._ctx_ids = seq[1: need + 1].clone()
-            prev = self._ctx_out[:keep] if self._ctx_out is not None else out[:0]
-            self._ctx_out = torch.cat([prev, out])
-        return self._ctx_out[need - 1]
-
-    def _common_prefix(self, ids: Tensor) -> int:
-        """Context pairs still valid for ``ids`` (token t+1 of each pair); a shorter context crops the cache."""
-        if self._ctx_ids is None:
-            return 0
-        n = min(self._ctx_ids.shape[0], ids.shape[0])
-        differs = (self._ctx_ids[:n] != ids[:n]).nonzero()
-        keep = int(differs[0]) if differs.numel() else n
-        if keep < self._ctx_ids.shape[0]:
-            self._ctx_kv = (self._ctx_kv[0][:, :, :keep], self._ctx_kv[1][:, :, :keep])
-            self._ctx_ids, self._ctx_out = self._ctx_ids[:keep], self._ctx_out[:keep]
-        return keep

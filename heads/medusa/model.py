@@ -29,9 +29,9 @@ from distill.chunked import Finished, TeacherRows, chunked_divergence, slice_pos
 from distill.teacher_output import TeacherOutput
 from heads import flops
 from heads.base import DraftOutput, DraftTerm, Drafter, TargetDims
-from inference.sampling import GREEDY, SamplingConfig
+from inference.sampling import SamplingConfig
 from inference.static_draft import DraftBuffers, mark_static
-from inference.tree import DraftTree, parse_tree
+from inference.tree import parse_tree
 
 
 def _raw(logits: Tensor) -> Tensor:
@@ -93,7 +93,6 @@ class MedusaHeads(Drafter):
             MedusaHead(*(ResBlock(D) for _ in range(num_layers)), nn.Linear(D, V, bias=False))
             for _ in range(num_heads)
         )
-        self._last_hidden_1D: Tensor | None = None
         self._finish = _raw  # until bound: heads' raw logits (candidates are top-k picks: the same either way)
         self.set_tree(tree)
 
@@ -147,33 +146,6 @@ class MedusaHeads(Drafter):
         return (batch["loss_mask"].bool() & batch["attention_mask"].bool())[:, k + 2:]
 
     # --- decoding ------------------------------------------------------------------------------------------
-    def reset(self, seed: int = 0) -> None:
-        self._last_hidden_1D = None
-
-    def observe(self, hidden: dict[int, Tensor]) -> None:
-        # Only the newest position matters: its lm_head output is the pending (bonus) token, and its heads
-        # predict the tokens after that.
-        self._last_hidden_1D = hidden[-1][:, -1]
-
-    @torch.no_grad()
-    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
-        if self._last_hidden_1D is None:
-            raise RuntimeError("MedusaHeads.propose called before observe(); the decoder must prefill first")
-        return self.draft(self._last_hidden_1D, max_depth)[0]
-
-    @torch.no_grad()
-    def draft(self, hidden_BD: Tensor, max_depth: int) -> list[DraftTree]:
-        """One proposal per row from the target's newest hidden state of each row: the heads run once on [B, D]."""
-        depth = min(max_depth, self.num_heads)
-        h = hidden_BD.to(self.heads[0][-1].weight.dtype)
-        if self.tree is None:
-            chains = torch.stack([self.heads[i](h).argmax(-1) for i in range(depth)], 1)  # [B, depth]
-            return [DraftTree.chain(chain) for chain in chains]
-        ranks, flat, parents, tree_depth = self._static_tree(depth, h.device)
-        # Head i's candidates, best first, side by side; the tree's paths pick from them through one index.
-        top = torch.cat([self.heads[i](h).topk(r, dim=-1).indices for i, r in enumerate(ranks) if r], 1)
-        return [DraftTree(row[flat], parents, chain_hint=False, depth_bound=tree_depth) for row in top]
-
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The heads on the last committed hidden state as one capture-safe step (``MedusaStaticDraft``), drafting
         min(num_heads, committed rows - 1) deep. Candidates are top-k picks for any ``sampling``; ``generator`` and

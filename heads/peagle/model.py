@@ -42,7 +42,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distill.row_seeds import batch_row_seeds, uniform_bits
@@ -53,8 +52,7 @@ from heads.eagle.model import EagleDrafter
 from heads.layers import DraftLayer, RMSNorm
 from heads.peagle.draft import PEagleStaticDraft
 from heads.train_attention import StructuredMask, attend, parallel_chain_mask
-from inference.sampling import GREEDY, SamplingConfig, sample, seeded_generator, warp
-from inference.tree import DraftTree
+from inference.sampling import SamplingConfig
 
 
 class PEagleDrafter(EagleDrafter):
@@ -196,106 +194,15 @@ class PEagleDrafter(EagleDrafter):
         return DraftOutput(terms=terms, num_valid=self.count_valid(batch)).evaluate(loss_fn)
 
     # --- decoding ------------------------------------------------------------------------------------------
-    def reset(self, seed: int = 0) -> None:
-        super().reset(seed)
-        self._upper_kv: list[tuple[Tensor, Tensor]] = []  # per upper layer: the context pairs' keys / values
-        self._seed = seed
-        self._generator: torch.Generator | None = None
-
     def static_draft(self, committed, capacity: int, sampling: SamplingConfig, generator):
         """The catch-up and the whole chain as one capture-safe step (``heads.peagle.draft``), drafting ``depth``
-        tokens, at most as many as the committed buffers allow (their rows - 1) and ``num_depths``, as ``propose``
-        clips to its ``max_depth``."""
+        tokens, at most as many as the committed buffers allow (their rows - 1) and ``num_depths``."""
         rows = committed.ids_M.shape[0]
         depth = min(self.depth or self.num_depths, rows - 1, self.num_depths)
         # keyed by the weights' dtype too: its buffers are allocated in it (eval times each candidate dtype)
         return self.reuse_static_draft((depth, self.fc.weight.dtype), committed, capacity, sampling, generator,
                                        lambda: PEagleStaticDraft(self, committed, capacity, depth, sampling,
                                                                  generator))
-
-    def _sampler(self, device: torch.device) -> torch.Generator:
-        self._generator = seeded_generator(self._generator, self._seed, device)
-        return self._generator
-
-    @torch.no_grad()
-    def propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
-        depth = min(self.depth or self.num_depths, max_depth, self.num_depths)
-        if depth < 1:
-            return DraftTree.empty(tokens.device)
-        logits = self.chain_logits(tokens[0], depth)  # [depth, V]
-        if sampling.greedy:
-            return DraftTree.chain(logits.argmax(-1).to(tokens.device))
-        probs = warp(logits, sampling)
-        drafts = sample(probs, self._sampler(probs.device))
-        return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
-
-    def chain_logits(self, seq: Tensor, depth: int) -> Tensor:
-        """[depth, V]: the target-vocabulary logits (-inf outside the draft vocabulary) of the ``depth`` tokens after
-        ``seq`` ([n]): the context pairs not processed yet and the depth-1..depth-1 slots in one layer forward."""
-        return self.target_logits(self._logits(self._draft(seq.to(self.fc.weight.device), depth)))
-
-    def target_logits(self, draft: Tensor) -> Tensor:
-        """[..., V]: draft-vocabulary logits [..., Vd] placed at their target ids, -inf elsewhere."""
-        if self.draft_vocab_size == self.dims.vocab_size:
-            return draft
-        full = draft.new_full((*draft.shape[:-1], self.dims.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.d2t, draft)
-
-    def _draft(self, seq: Tensor, depth: int) -> Tensor:
-        """[depth, D]: the root's output (the last context pair: depth 0) and the ``depth`` - 1 slots' outputs.
-        The context pairs' keys are cached (as EAGLE-3's ``_advance``); the slots' are not (they change per step)."""
-        need = seq.shape[0] - 1
-        if self._num_feats < need:
-            raise RuntimeError(f"{self.name}.propose needs target features for {need} tokens, observed "
-                               f"{self._num_feats}; the decoder must observe() the prefill and every step")
-        processed = 0 if self._ctx_ids is None else self._ctx_ids.shape[0]
-        keep = processed if self._extends and processed <= need else self._common_prefix(seq[1: need + 1])
-        self._extends = False
-        new, S = need - keep, depth - 1
-        if new == 0 and S == 0:
-            return self._ctx_out[need - 1][None]
-        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
-        hid = [self._first_hidden(self._feats[keep:need].to(dev, dtype)[None])] if new else []
-        emb = [self._embed(seq[keep + 1: need + 1][None], hid[0])] if new else []
-        hid.append(self._first_hidden(self.mask_hidden.to(dtype)).expand(1, S, -1))
-        emb.append(self._embed(torch.full((1, S), self.mask_token_id, dtype=torch.long, device=dev), hid[-1]))
-        x, residual = self._layer_input(torch.cat(emb, 1), torch.cat(hid, 1))
-        q, k, v = self.layer.qkv(x, torch.arange(keep, need + S, device=dev))  # slot d sits at position need - 1 + d
-        if self._ctx_kv is not None and keep:
-            k = torch.cat([self._ctx_kv[0][:, :, :keep], k], 2)
-            v = torch.cat([self._ctx_kv[1][:, :, :keep], v], 2)
-        rows = torch.arange(keep, need + S, device=dev)[:, None]
-        cols = torch.arange(need + S, device=dev)[None, :]
-        # a pair sees the pairs <= itself; a slot every pair and the slots <= itself (the same causal rule); with a
-        # window, pairs within it of the query's position (the slots' positions are need - 1 + d: their rows)
-        mask = cols <= rows
-        window = self.window_mask(rows, cols)
-        if window is not None:
-            mask = mask & (window | (cols >= need))
-        mask = mask[None, None]
-        out = self.layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), residual)
-        upper_kv = []
-        pos = torch.arange(keep, need + S, device=dev)
-        for i, upper in enumerate(self.upper):
-            uq, uk, uv = upper.qkv(out, pos)
-            if keep:
-                uk = torch.cat([self._upper_kv[i][0][:, :, :keep], uk], 2)
-                uv = torch.cat([self._upper_kv[i][1][:, :, :keep], uv], 2)
-            upper_kv.append((uk[:, :, :need], uv[:, :, :need]))
-            out = upper.finish(F.scaled_dot_product_attention(uq, uk, uv, attn_mask=mask), out)
-        out = self._output(out)[0]
-        if new:
-            self._ctx_kv = (k[:, :, :need], v[:, :, :need])
-            self._upper_kv = upper_kv
-            self._ctx_ids = seq[1: need + 1].clone()
-            prev = self._ctx_out[:keep] if self._ctx_out is not None else out[:0]
-            self._ctx_out = torch.cat([prev, out[:new]])  # the last layer's outputs (the root's is drafted from)
-        return torch.cat([self._ctx_out[need - 1][None], out[new:]])
-
-    def _common_prefix(self, ids: Tensor) -> int:
-        keep = super()._common_prefix(ids)
-        self._upper_kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._upper_kv]
-        return keep
 
 
 class UpperLayer(nn.Module):
@@ -321,11 +228,3 @@ class UpperLayer(nn.Module):
 
     def finish(self, attn_BhTd: Tensor, residual_BTD: Tensor) -> Tensor:
         return self.layer.finish(attn_BhTd, residual_BTD)
-
-
-def parallel_mask(attn_BT: Tensor, anchors_BN: Tensor, counts: list[int]) -> Tensor:
-    """[B, 1, Q, Q] bool, ``heads.train_attention.parallel_chain_mask`` as a dense tensor, over the queries [depth 0
-    at 0..T-1 | depth 1's n_1 chains | depth 2's n_2 | ...] (chain i of every depth is anchored at
-    ``anchors_BN[:, i]``): depth 0 is causal over real tokens (a query always sees itself); a depth-d query of chain
-    i sees the depth-0 keys <= its anchor that are real tokens and the depth 1..d keys of chain i."""
-    return parallel_chain_mask(attn_BT, anchors_BN, counts, right_padded=False).dense(attn_BT.device)
