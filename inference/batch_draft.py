@@ -146,7 +146,7 @@ class RowDrafts:
         cuts = getattr(proto, "kept", None) is not None and "kept" in self.paths and b.chain
         self.kept_R = self.stacked[self.paths["kept"]] if cuts else None
         # one row: the step's views of row 0 (of buffers that never move), made here, outside any traced step
-        self._row0 = None if self.R > 1 else (list(unique.values()), state.committed_ids[0],
+        self._row0 = None if self.R > 1 else (state.committed_ids[0],
                                               {i: h[0] for i, h in state.committed_hidden.items()}, state.pending[0])
 
     # --- pointing the batch-1 object at rows -------------------------------------------------------------------
@@ -172,6 +172,7 @@ class RowDrafts:
     def prefill(self, prompts: list[Tensor], hidden: dict[int, Tensor], firsts: Tensor) -> None:
         """Each prompt's row (``proto.prefill`` on that row's slices): ``hidden`` {layer: [R, P, D]} as the batched
         prefill returns it, ``firsts`` [n] the first generated tokens; the bucket's other rows start empty."""
+        self._check_held()
         own = self._own()
         for r, prompt in enumerate(prompts):
             self._point([t[r] for t in self.stacked])
@@ -199,6 +200,7 @@ class RowDrafts:
                 for a, b in pairs):
             raise ValueError(f"rows of a {type(other.proto).__name__} cannot move to a {type(self.proto).__name__}'s "
                              f"buffers: move them between the buckets of one drafter and settings")
+        self._check_held()
         index = torch.tensor(rows, dtype=torch.long, device=self.stacked[0].device)
         for mine, theirs in pairs:
             part = tuple(slice(0, n) for n in theirs.shape[1:])
@@ -207,17 +209,22 @@ class RowDrafts:
 
     def use_shape(self, context: int) -> tuple | None:
         """Host, before a draft: the shape of a drafter whose step has several (``ShapedDraft``), for attention over
-        ``context`` committed tokens (the bucket's longest row), or None. Refuses a batch-1 object whose host code
-        replaced one of its state tensors since (its rows would be drafted from the old one)."""
+        ``context`` committed tokens (the bucket's longest row), or None. At more than one row, refuses a batch-1
+        object whose host code replaced one of its state tensors since (its rows would be drafted from the old one;
+        one row drafts from the object's own tensors, checked when rows move in)."""
         use_shape = getattr(self.proto, "use_shape", None)
         shape = use_shape(context, True) if use_shape is not None else None
+        if self.R > 1:
+            self._check_held()
+        return shape
+
+    def _check_held(self) -> None:
         for container, key, t, _ in self.slots:
             held = container[key] if isinstance(container, (dict, list)) else getattr(container, key)
             if held is not t:
                 raise RuntimeError(f"{type(self.proto).__name__}: its state tensor {key!r} was replaced between "
                                    f"steps; a static draft run at batch R keeps every state tensor it allocated "
                                    f"(write into it in place)")
-        return shape
 
     # --- capture-safe, every step ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -236,9 +243,14 @@ class RowDrafts:
             finally:
                 self._restore(own)
 
-        if self.R == 1:  # the batch-1 step on row 0's views: vmap's fixed cost buys nothing here
-            values, ids, hidden, pending = self._row0
-            row(values, ids, hidden, count[0], position[0], pending)
+        if self.R == 1:  # the batch-1 step on its own state and row 0's hand-off: vmap's fixed cost buys nothing here
+            ids, hidden, pending = self._row0
+            c = self.committed
+            c.ids_M, c.hidden_M, c.count, c.position, c.pending = ids, hidden, count[0], position[0], pending
+            try:
+                self.proto.draft()
+            finally:
+                c.ids_M, c.hidden_M, c.count, c.position, c.pending = own
             # one row: it drafts until the decode ends (no finished row stays), straight into the verify's buffers
             T = self.T
             s.tokens_RT[:, :T].copy_(self.tokens_RT)

@@ -86,6 +86,15 @@ for line in sys.stdin:
 """
 
 
+def commit_of(code: Path) -> str:
+    """The checkout's commit, with ``+changes`` when its tracked files differ from it; ``unknown`` outside git."""
+    run = lambda *cmd: subprocess.run(["git", "-C", str(code), *cmd], capture_output=True, text=True)
+    head = run("rev-parse", "--short", "HEAD")
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if run("diff", "--quiet", "HEAD").returncode else "")
+
+
 def start(code: Path, spec: dict, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": str(spec["threads"])}
     proc = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(spec)], cwd=code, env=env, text=True,
@@ -122,7 +131,8 @@ def main(argv=None) -> None:
     for proc in workers.values():
         ask(proc, None)  # ready (warmed up)
     runs: dict = {}
-    result = {"settings": {**spec, "base": str(codes["base"]), "rounds": args.rounds},
+    result = {"settings": {**spec, "rounds": args.rounds,  # each checkout by its commit (a dirty tree says so)
+                           "commits": {side: commit_of(code) for side, code in codes.items()}},
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version()}}
     for r in range(args.rounds):
