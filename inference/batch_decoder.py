@@ -53,7 +53,7 @@ from inference.tree import DraftTree, raise_bad_parents, raise_bad_tokens
 log = logging.getLogger(__name__)
 
 MAX_NODES = 64  # the widest draft the fixed buffers hold (a larger tree is refused with the fix)
-STATIC_KEPT = 16  # static drafts (and the steps made for them) a decoder keeps, oldest dropped first
+STATIC_KEPT = 16  # static drafts (and their steps) a decoder keeps at one row, and 16 at more; oldest dropped first
 
 Policy = Callable[[int], int]  # live batch size -> draft tokens (γ) for this step; 0 = a plain step
 
@@ -193,8 +193,9 @@ class BucketDecoder:
         key = (id(state), id(proto), weights_signature(drafter))
         rows = self._drafts.get(key)
         if rows is None:
-            if len(self._drafts) >= STATIC_KEPT:  # the oldest goes, with the steps made for it
-                old = self._drafts.pop(next(iter(self._drafts)))
+            alike = [k for k, d in self._drafts.items() if (d.R == 1) == (state.R == 1)]
+            if len(alike) >= STATIC_KEPT:  # the oldest of its kind goes, with the steps made for it
+                old = self._drafts.pop(alike[0])
                 self._fns = {k: f for k, f in self._fns.items() if k[1:3] != ("draft", id(old))}
             like = next((d for d in self._drafts.values() if d.proto is proto), None)  # another bucket's rows
             try:
