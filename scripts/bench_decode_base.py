@@ -133,7 +133,7 @@ def main(argv=None) -> None:
     runs: dict = {}
     result = {"settings": {**spec, "rounds": args.rounds,  # each checkout by its commit (a dirty tree says so)
                            "commits": {side: commit_of(code) for side, code in codes.items()}},
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+              "machine": {"cpu_count": os.cpu_count(), "threads": args.threads, "platform": platform.platform(),
                           "python": platform.python_version()}}
     for r in range(args.rounds):
         for i, kind in enumerate(args.kinds):

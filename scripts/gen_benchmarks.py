@@ -383,6 +383,28 @@ def render_side_by_side(d: dict) -> str:
             f"over rounds. Overrides: {' '.join(f'`{o}`' for o in n) or 'none'}.\n\n" + _table(header, rows))
 
 
+def render_decode_base(d: dict) -> str:
+    """Every drafter kind at batch 1 and 8 in two checkouts (scripts/bench_decode_base.py): medians over rounds, the
+    ratio and its range over rounds."""
+    s, methods = d["settings"], d["methods"]
+    header = ["method"] + [f"batch {b}: {col}" for b in s["batches"]
+                           for col in ("before tokens/s", "now tokens/s", "now ÷ before", "per-round ratios")]
+    rows = []
+    for kind in s["kinds"]:
+        row = [kind]
+        for b in s["batches"]:
+            m = methods[f"{kind}@{b}"]
+            r = m["round_ratios"]
+            row += [_f(m["tokens_per_s"]["base"], 1), _f(m["tokens_per_s"]["this"], 1), _x(m["ratio"]),
+                    f"{min(r):.2f}–{max(r):.2f}"]
+        rows.append(row)
+    same = all(all(m["identical"].values()) for m in methods.values())
+    return (f"Before: {s['commits']['base']}, now: {s['commits']['this']}; {d['rounds_done']} rounds, each "
+            f"(method, batch) timed in both checkouts back to back (order alternating), {s['new']} new tokens per "
+            f"prompt, γ = {s['gamma']}; every output identical to plain greedy decoding: {same}.\n\n"
+            + _table(header, rows))
+
+
 def render_headline(results: Path = RESULTS) -> str:
     """The README's results table: τ, speedup over plain decoding and exactness per drafter, GPU rows first."""
     rows = []
@@ -607,6 +629,13 @@ SOURCES: dict[str, Source] = {
         "Random packed rows through the real training loop; medians of the logged windows after the first. MFU: "
         "model FLOPs (attention counted over the positions the mask allows) per second over the device's dense bf16 "
         "peak (docs/training-speed.md)."),
+    "bench_decode_base_tiny_cpu.json": Source(
+        "One decoder (batch 1 its one-row bucket, every batch through the static draft steps) beside the two decoders "
+        "and the eager batch drafters it replaced (CPU, tiny target)",
+        "python scripts/bench_decode_base.py --base <checkout before> --rounds 5", render_decode_base,
+        "A 4-layer tiny Llama (hidden 32): every step's host work counts, so the ratios bound what the change costs "
+        "per step. Batch 8 drafts through each kind's static step vmapped over the rows (uncompiled on a CPU), where "
+        "before it drafted through hand-batched eager rows."),
     "bench_train_kinds_toy_cpu.json": Source(
         "Training speed per drafter kind on the CPU: a random-weight target at the toy's shape",
         "python scripts/bench_train_kinds.py --preset toy --threads 1", render_train_kinds,
