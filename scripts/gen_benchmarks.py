@@ -405,6 +405,16 @@ def render_decode_base(d: dict) -> str:
             + _table(header, rows))
 
 
+def render_decode_compiled(d: dict) -> str:
+    """Batch-8 decoding per kind, uncompiled and compiled (scripts/bench_decode_compiled_cpu.py)."""
+    rows = [[r["kind"], r["backend"], _f(r["warm_up_s"], 1), _f(r["tokens_per_s"], 1), str(r["identical"])]
+            for r in d["runs"].values()]
+    s = d["settings"]
+    return (f"Batch {s['batch']}, {s['new']} new tokens per prompt, γ = {s['gamma']}; median of {s['repeats']} "
+            f"decodes after a warm-up decode.\n\n"
+            + _table(["method", "steps compiled by", "warm-up decode (s)", "tokens/s", "identical to greedy"], rows))
+
+
 def render_headline(results: Path = RESULTS) -> str:
     """The README's results table: τ, speedup over plain decoding and exactness per drafter, GPU rows first."""
     rows = []
@@ -636,6 +646,11 @@ SOURCES: dict[str, Source] = {
         "A 4-layer tiny Llama (hidden 32): every step's host work counts, so the ratios bound what the change costs "
         "per step. Batch 8 drafts through each kind's static step vmapped over the rows (uncompiled on a CPU), where "
         "before it drafted through hand-batched eager rows."),
+    "bench_decode_compiled_tiny_cpu.json": Source(
+        "Batch-8 decoding on a CPU, the vmapped static draft steps uncompiled and compiled (tiny target)",
+        "python scripts/bench_decode_compiled_cpu.py --kinds eagle1 draft_model dflash", render_decode_compiled,
+        "`off`: every step eager (the CPU default); `inductor`: every step the decoder runs (verify and the vmapped "
+        "draft) compiled, the warm-up decode paying the compilation."),
     "bench_train_kinds_toy_cpu.json": Source(
         "Training speed per drafter kind on the CPU: a random-weight target at the toy's shape",
         "python scripts/bench_train_kinds.py --preset toy --threads 1", render_train_kinds,

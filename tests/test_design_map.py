@@ -55,9 +55,12 @@ def test_every_drafter_kind_is_a_folder_and_no_module_of_heads_or_inference_is_o
 
 
 def test_one_decoder_decodes_every_batch_size():
-    """Batch 1 is the decoder's one-row bucket: no second decoder, step module or cache of its own."""
+    """Batch 1 is the decoder's one-row bucket: no second decoder, step module or cache of its own; a batch drafts
+    through each kind's one static draft step, so no kind keeps eager batch rows (``rows.py``) or their ragged cache."""
     inference = {p.stem for p in (ROOT / "inference").glob("*.py")}
-    assert not inference & {"step_decoder", "steps"}
+    assert not inference & {"step_decoder", "steps", "static_cache", "kv_cache"}
+    assert not sorted(str(p.relative_to(ROOT)) for p in (ROOT / "heads").rglob("*rows.py"))
     code = "\n".join(p.read_text(encoding="utf-8") for package in ("inference", "heads", "eval")
                      for p in (ROOT / package).rglob("*.py"))
-    assert "StepDecoder" not in code
+    for name in ("StepDecoder", "RaggedCache", "StaticKV", "EagleRows", "DFlashRows", "DraftModelRows"):
+        assert name not in code, name
