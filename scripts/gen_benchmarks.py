@@ -399,7 +399,7 @@ def render_decode_base(d: dict) -> str:
                     f"{min(r):.2f}–{max(r):.2f}"]
         rows.append(row)
     same = all(all(m["identical"].values()) for m in methods.values())
-    return (f"Before: {s['commits']['base']}, now: {s['commits']['this']}; {d['rounds_done']} rounds, each "
+    return (f"Each checkout's commit is in the JSON; {d['rounds_done']} rounds, each "
             f"(method, batch) timed in both checkouts back to back (order alternating), {s['new']} new tokens per "
             f"prompt, γ = {s['gamma']}; every output identical to plain greedy decoding: {same}.\n\n"
             + _table(header, rows))
