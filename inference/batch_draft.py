@@ -251,39 +251,27 @@ class RowDrafts:
                 self.proto.draft()
             finally:
                 c.ids_M, c.hidden_M, c.count, c.position, c.pending = own
-            # one row: it drafts until the decode ends (no finished row stays), straight into the verify's buffers
-            T = self.T
-            s.tokens_RT[:, :T].copy_(self.tokens_RT)
-            if not self.chain:
-                s.parents_RT[:, :T].copy_(self.parents_RT)
-            if s.probs_RTV is not None and self.chain:
-                if self.probs_RTV is not None:
-                    s.probs_RTV[:, :T].copy_(self.probs_RTV)
-                else:  # point masses: q(x) = 1 on each drafted token
-                    P = s.probs_RTV[:, :T]
-                    P.zero_()
-                    P.scatter_(2, self.tokens_RT.clamp(0, P.shape[-1] - 1)[:, :, None],
-                               (self.tokens_RT >= 0).to(P.dtype)[:, :, None])
-            return
-        kept = [self.stacked[k].clone() for k in self.scalars]
-        args = (self.stacked, s.committed_ids, s.committed_hidden, count, position, s.pending)
-        torch.vmap(row, out_dims=None)(*args)
-        live = s.active.bool()
-        for k, before in zip(self.scalars, kept):
-            self.stacked[k].copy_(torch.where(live, self.stacked[k], before))
+            tokens, probs = self.tokens_RT, self.probs_RTV  # one row drafts until the decode ends: no finished row
+        else:
+            kept = [self.stacked[k].clone() for k in self.scalars]
+            args = (self.stacked, s.committed_ids, s.committed_hidden, count, position, s.pending)
+            torch.vmap(row, out_dims=None)(*args)
+            live = s.active.bool()
+            for k, before in zip(self.scalars, kept):
+                self.stacked[k].copy_(torch.where(live, self.stacked[k], before))
+            tokens = torch.where(live[:, None], self.tokens_RT, -1)
+            probs = None if self.probs_RTV is None else self.probs_RTV * live[:, None, None]
         T = self.T
-        tokens = torch.where(live[:, None], self.tokens_RT, -1)
         s.tokens_RT[:, :T].copy_(tokens)
         if not self.chain:
             s.parents_RT[:, :T].copy_(self.parents_RT)
         if s.probs_RTV is not None and self.chain:
-            if self.probs_RTV is not None:
-                s.probs_RTV[:, :T].copy_(self.probs_RTV * live[:, None, None])
+            if probs is not None:
+                s.probs_RTV[:, :T].copy_(probs)
             else:  # point masses: q(x) = 1 on each drafted token
                 P = s.probs_RTV[:, :T]
                 P.zero_()
                 P.scatter_(2, tokens.clamp(0, P.shape[-1] - 1)[:, :, None], (tokens >= 0).to(P.dtype)[:, :, None])
-
 
 def static_of(drafter, state, sampling, generator, committed: dict) -> tuple | None:
     """(the drafter's batch-1 static draft for ``state``'s verify, the ``CommittedBuffers`` it reads), or None (the
