@@ -184,8 +184,8 @@ class BucketDecoder:
         return state
 
     def _row_drafts(self, drafter, state: BatchSteps, sampling: SamplingConfig) -> RowDrafts | None:
-        """The drafter's capture-safe draft step at ``state``'s rows (``inference.batch_draft``), or None: the eager
-        rows draft. One per (buffers, batch-1 static draft, weights)."""
+        """The drafter's capture-safe draft step at ``state``'s rows (``inference.batch_draft``), or None: per-row
+        copies draft. One per (buffers, batch-1 static draft, weights)."""
         made = static_of(drafter, state, sampling, self.generator, self._committed)
         if made is None:
             return None
@@ -252,7 +252,6 @@ class BucketDecoder:
             prefilled = runner.compile_seconds
             self._retire(batch, result, max_new, start, compiled)
             clock, shapes = StepClock(self.device), []
-            compiling = [0.0, 0.0]  # compilation inside draft steps, inside verify steps
             while batch.live:
                 self._rebucket(batch)
                 live = len(batch.live)
@@ -264,8 +263,6 @@ class BucketDecoder:
                 self._step(batch.state, bucket, sampling)
                 self._commit(batch, bucket, drafted)
                 clock.step(t0, t1, clock.mark())
-                compiling[0] += drafting - before
-                compiling[1] += runner.compile_seconds - drafting
                 shapes.append((live, gamma, batch.state.R, drafting - before, runner.compile_seconds - drafting))
                 self._retire(batch, result, max_new, start, compiled)
             sync(self.device)
@@ -337,9 +334,7 @@ class BucketDecoder:
         """Every live row's proposal in the step's buffers: the draft step at the bucket's rows, or one call to the
         drafter's per-row copies; (the step's bucket (0 nodes: a plain step), per live row (its draft's size, its
         eager tree or None))."""
-        state = batch.state
-        cache = state.cache
-        width_of = lambda nodes: cache.use_bucket(max(cache.host_lengths[r.slot] for r in batch.live) + 1 + nodes)
+        width_of = self._width_of(batch)
         if batch.static is not None:
             return self._draft_static(batch, gamma, max_new, width_of)
         if gamma == 0 or batch.draft is None:
@@ -348,6 +343,13 @@ class BucketDecoder:
         trees = batch.draft.propose([batch.seq[r.index: r.index + 1, : r.m] for r in batch.live], depths,
                                     [batch.sampling] * len(batch.live))
         return self._load(batch, trees, gamma, width_of)
+
+    @staticmethod
+    def _width_of(batch: _Batch) -> Callable[[int], int]:
+        """nodes -> the capacity bucket a step verifying that many draft nodes reads (chosen here, on the host): the
+        live rows' longest context, the pending token and the nodes."""
+        cache = batch.state.cache
+        return lambda nodes: cache.use_bucket(max(cache.host_lengths[r.slot] for r in batch.live) + 1 + nodes)
 
     def _load(self, batch: _Batch, trees: list[DraftTree], gamma: int, width_of) -> tuple[Bucket, list[tuple]]:
         """Every live row's eager proposal copied into the step's fixed buffers, padded with token -1: (the step's

@@ -273,12 +273,14 @@ class RowDrafts:
                 P.zero_()
                 P.scatter_(2, tokens.clamp(0, P.shape[-1] - 1)[:, :, None], (tokens >= 0).to(P.dtype)[:, :, None])
 
+
 def static_of(drafter, state, sampling, generator, committed: dict) -> tuple | None:
     """(the drafter's batch-1 static draft for ``state``'s verify, the ``CommittedBuffers`` it reads), or None (the
     per-row copies then draft): no static draft for this drafter or setting, or one the batched verify cannot take
-    (sampled siblings); one wider than the verify's buffers is refused with the fix. ``committed``: the caller's batch-1 committed buffers by shape, kept so a
-    drafter asked again for the same settings hands back the same object (``Drafter.reuse_static_draft``), whatever
-    the batch bucket: every bucket's rows run the one batch-1 object, each pointing it at its own state."""
+    (sampled siblings); one wider than the verify's buffers is refused with the fix. ``committed``: the caller's
+    batch-1 committed buffers by shape, kept so a drafter asked again for the same settings hands back the same
+    object (``Drafter.reuse_static_draft``), whatever the batch bucket: every bucket's rows run the one batch-1
+    object, each pointing it at its own state."""
     if not hasattr(drafter, "static_draft"):
         return None
     hidden = next(iter(state.committed_hidden.values()), None)
@@ -292,9 +294,7 @@ def static_of(drafter, state, sampling, generator, committed: dict) -> tuple | N
     if proto is None:
         return None
     b = proto.buffers
-    if b.tokens_T.shape[0] > state.max_nodes:  # as the verify refuses an eager proposal this wide
-        raise ValueError(f"{drafter.name} drafts {b.tokens_T.shape[0]} nodes per row, wider than the decoder's "
-                         f"{state.max_nodes}; draft a smaller tree (drafter.total_tokens, decoder.tree)")
+    state.check_width(b.tokens_T.shape[0])  # as the verify refuses an eager proposal this wide
     if not b.chain and b.probs_TV is not None:
         return None
     return proto, own

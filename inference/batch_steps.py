@@ -286,13 +286,17 @@ class BatchSteps:
         cache.length.copy_((self.prompt_last + 1) * self.active)
 
     # --- eager, outside any recording ------------------------------------------------------------------------------
+    def check_width(self, N: int) -> None:
+        """Refuses a proposal of ``N`` nodes per row wider than the draft buffers, with the fix."""
+        if N > self.max_nodes:
+            raise ValueError(f"a proposal of {N} nodes per row is wider than the decoder's {self.max_nodes}; draft a "
+                             f"smaller tree (drafter.total_tokens, decoder.tree)")
+
     def load_trees(self, slots: list[int], trees: list[DraftTree], N: int, chain: bool, sampling: SamplingConfig):
         """Host: each row's eager proposal (``trees[i]`` for row ``slots[i]``) copied into the draft buffers of a
         step of ``N`` nodes, padded with token -1 (a chain's point masses, q = 1 on each drafted token, where no
         distribution came with it); a proposal the step cannot take is refused with the fix."""
-        if N > self.max_nodes:
-            raise ValueError(f"a proposal of {N} nodes per row is wider than the decoder's {self.max_nodes}; draft a "
-                             f"smaller tree (drafter.total_tokens, decoder.tree)")
+        self.check_width(N)
         if not chain and any(t.size and t.depth_bound is not None and t.depth_bound > self.max_depth for t in trees):
             raise ValueError(f"a tree deeper than eval.num_draft={self.max_depth} levels; raise eval.num_draft or "
                              f"draft a shallower tree")

@@ -28,9 +28,7 @@ class Session:
         self.row = self.batch.live[0]
         self.new = self.row.new
         self._next: tuple | None = None
-
-    def _width(self, nodes: int) -> int:
-        return self.batch.state.cache.use_bucket(self.batch.state.cache.host_lengths[0] + 1 + nodes)
+        self._width = dec._width_of(self.batch)
 
     def plain_step(self) -> int:
         """One plain step: the next token (read back)."""

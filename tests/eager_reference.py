@@ -210,9 +210,19 @@ def peagle_reset(self, seed: int = 0) -> None:
     self._generator: torch.Generator | None = None
 
 
-def peagle_sampler(self, device: torch.device) -> torch.Generator:
+def seeded_sampler(self, device: torch.device) -> torch.Generator:
+    """The sequence's draft sampler (``reset``'s seed), made once per device."""
     self._generator = seeded_generator(self._generator, self._seed, device)
     return self._generator
+
+
+def chain_from(self, logits: Tensor, sampling: SamplingConfig, device: torch.device) -> DraftTree:
+    """The chain of ``logits`` [depth, V]: the argmax when greedy, else a draw from each warped row (kept as q)."""
+    if sampling.greedy:
+        return DraftTree.chain(logits.argmax(-1).to(device))
+    probs = warp(logits, sampling)
+    drafts = sample(probs, self._sampler(probs.device))
+    return DraftTree.chain(drafts.to(device), probs.to(device))
 
 
 @torch.no_grad()
@@ -220,12 +230,7 @@ def peagle_propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfi
     depth = min(self.depth or self.num_depths, max_depth, self.num_depths)
     if depth < 1:
         return DraftTree.empty(tokens.device)
-    logits = self.chain_logits(tokens[0], depth)  # [depth, V]
-    if sampling.greedy:
-        return DraftTree.chain(logits.argmax(-1).to(tokens.device))
-    probs = warp(logits, sampling)
-    drafts = sample(probs, self._sampler(probs.device))
-    return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
+    return chain_from(self, self.chain_logits(tokens[0], depth), sampling, tokens.device)
 
 
 def peagle_chain_logits(self, seq: Tensor, depth: int) -> Tensor:
@@ -336,22 +341,13 @@ def dflash_context_keys(self, need: int) -> list[tuple[Tensor, Tensor]]:
     return [(k[:, :, :need], v[:, :, :need]) for k, v in self._ctx_kv]
 
 
-def dflash_sampler(self, device: torch.device) -> torch.Generator:
-    self._generator = seeded_generator(self._generator, self._seed, device)
-    return self._generator
-
-
 @torch.no_grad()
 def dflash_propose(self, tokens: Tensor, max_depth: int, sampling: SamplingConfig = GREEDY) -> DraftTree:
     depth = min(self.depth or self.block_size - 1, max_depth, self.block_size - 1)
     if depth < 1:
         return DraftTree.empty(tokens.device)
     logits = self._block_logits(tokens[0, -1], tokens.shape[1] - 1)[1: depth + 1]  # [depth, V]
-    if sampling.greedy:
-        return DraftTree.chain(logits.argmax(-1).to(tokens.device))
-    probs = warp(logits, sampling)
-    drafts = sample(probs, self._sampler(probs.device))
-    return DraftTree.chain(drafts.to(tokens.device), probs.to(tokens.device))
+    return chain_from(self, logits, sampling, tokens.device)
 
 
 def dflash_block_logits(self, anchor: Tensor, position: int) -> Tensor:
@@ -557,11 +553,11 @@ def decoder_plain_step(self, token: Tensor, cache: Cache) -> Tensor:
 EAGER = {
     EagleDrafter: {"reset": eagle_reset, "observe": eagle_observe, "accepted": eagle_accepted, "propose": eagle_propose,
                    "_advance": eagle_advance, "_common_prefix": eagle_common_prefix},
-    PEagleDrafter: {"reset": peagle_reset, "_sampler": peagle_sampler, "propose": peagle_propose,
+    PEagleDrafter: {"reset": peagle_reset, "_sampler": seeded_sampler, "propose": peagle_propose,
                     "chain_logits": peagle_chain_logits, "target_logits": peagle_target_logits,
                     "_draft": peagle_draft, "_common_prefix": peagle_common_prefix},
     DFlashDrafter: {"reset": dflash_reset, "observe": dflash_observe, "_context_keys": dflash_context_keys,
-                    "_sampler": dflash_sampler, "propose": dflash_propose, "_block_logits": dflash_block_logits,
+                    "_sampler": seeded_sampler, "propose": dflash_propose, "_block_logits": dflash_block_logits,
                     "block_states": dflash_block_states},
     DSparkDrafter: {"propose": dspark_propose},
     DFlash2Drafter: {"propose": dflash2_propose},

@@ -5,8 +5,8 @@ Which token each output predicts: as in ``heads.draft_model`` (the logits after 
 is the guess for the k-th token after the pending one).
 
 The cache is the decoder's ``inference.batch_cache.BatchKV`` at one row (a transformers ``Cache``, so the draft
-model's own forward fills it), of ``columns`` = capacity + (M + 1) + γ positions, column = position. Columns below ``length``
-(this step's own device scalar) hold the committed tokens before the last verification's first row; a forward writes
+model's own forward fills it), of ``columns`` = capacity + (M + 1) + γ positions, column = position. Columns below
+``length`` (this step's own device scalar) hold the committed tokens before the last verification's first row; a forward writes
 its n entries at device positions (``BatchKV.place``) by ``index_copy_`` and attends over a capacity bucket under a
 4D mask (each query: the columns up to its own position), so every forward of a bucket has one shape. The decoder
 picks the bucket on the host before each draft (``use_shape``: the smallest of ``inference.batch_cache``'s buckets

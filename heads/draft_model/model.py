@@ -8,8 +8,8 @@ Shape legend:  B batch, T sequence, V vocabulary (the target's), n committed tok
 
 Decoding (batch 1 and batch B): the decoder drafts through ``static_draft`` (below). ``propose`` drafts one
 sequence eagerly: per-row copies (``heads.base.ForkedRows``) use it for sliding-window draft models, whose
-``DynamicCache`` rolls windows back, and the static draft is tested against it. Its cache holds the ids of the previous proposal's context and all its drafts but
-the last (the last draft is never fed). A new proposal crops the cache back to the longest prefix it shares with
+``DynamicCache`` rolls windows back, and the static draft is tested against it. Its cache holds the ids of the
+previous proposal's context and all its drafts but the last (the last draft is never fed). A new proposal crops the cache back to the longest prefix it shares with
 ``tokens``, feeds the rest in one forward, then drafts one token per forward: argmax when greedy (probabilities
 None), else a draw from the draft logits warped by ``inference.sampling.warp`` exactly as the target's (those rows
 are the chain's ``probs_NV``). The step decoder drafts through ``static_draft`` (``heads.draft_model.draft``: the
